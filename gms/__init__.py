@@ -1,0 +1,1 @@
+"""gms: a GPU Memory Service."""

@@ -1,0 +1,56 @@
+"""Typed outcomes of the core: client rejections and invariant violations.
+
+A :class:`Rejection` is the client's fault: the request is refused, nothing is
+appended, the session goes on.  An :class:`InvariantViolation` is ours: the
+state cannot accept what the shell asked of it, so the server must stop.
+"""
+
+from __future__ import annotations
+
+
+class InvariantViolation(Exception):
+    """An impossible internal state, or an event the state cannot accept."""
+
+
+class Rejection(Exception):
+    """A decodable but invalid client request.  ``code`` travels on the wire."""
+
+    code = "REJECTED"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotConnected(Rejection):
+    """A layout request on a connection that holds no lock."""
+
+    code = "NOT_CONNECTED"
+
+
+class ModeViolation(Rejection):
+    """The connection's lock mode does not allow the request (e.g. RO writes)."""
+
+    code = "MODE_VIOLATION"
+
+
+class StateViolation(Rejection):
+    """The request does not fit the connection's state (e.g. a second handshake)."""
+
+    code = "STATE_VIOLATION"
+
+
+class UnknownAllocation(Rejection):
+    code = "UNKNOWN_ALLOCATION"
+
+
+class OffsetOutOfBounds(Rejection):
+    code = "OFFSET_OUT_OF_BOUNDS"
+
+
+class InvalidArgument(Rejection):
+    code = "INVALID_ARGUMENT"
+
+
+class LimitExceeded(Rejection):
+    code = "LIMIT_EXCEEDED"

@@ -1,0 +1,14 @@
+"""Server-side limits on what one layout may hold (all configurable)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Limits:
+    max_allocations: int = 1 << 20
+    max_metadata_keys: int = 1 << 20
+    max_metadata_value_bytes: int = 1 << 20
+    max_key_bytes: int = 1024
+    max_tag_bytes: int = 256

@@ -1,0 +1,38 @@
+"""Read-side decisions: what a connection may see of the one flat store.
+
+RW and RO never coexist, so a reader's view is the committed layout and the
+writer's view is its own build; both read the same tables.
+"""
+
+from __future__ import annotations
+
+from .decide import lookup_allocation, require_lock
+from .errors import InvariantViolation
+from .state import Allocation, MetadataEntry, State
+
+
+def _require_view(state: State, conn: int, action: str) -> None:
+    require_lock(state, conn, action)
+    if conn in state.readers and not state.committed:
+        raise InvariantViolation(f"reader {conn} sees an uncommitted layout")
+
+
+def get_allocation(state: State, conn: int, allocation_id: str) -> Allocation:
+    _require_view(state, conn, "get_allocation")
+    return lookup_allocation(state, allocation_id)
+
+
+def list_allocations(state: State, conn: int, tag: str | None = None) -> list[Allocation]:
+    _require_view(state, conn, "list_allocations")
+    found = (a for a in state.allocations.values() if tag is None or a.tag == tag)
+    return sorted(found, key=lambda a: a.layout_slot)
+
+
+def get_metadata(state: State, conn: int, key: str) -> MetadataEntry | None:
+    _require_view(state, conn, "metadata_get")
+    return state.metadata.get(key)
+
+
+def list_metadata(state: State, conn: int, prefix: str = "") -> list[str]:
+    _require_view(state, conn, "metadata_list")
+    return sorted(k for k in state.metadata.keys() if k.startswith(prefix))

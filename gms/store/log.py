@@ -1,0 +1,147 @@
+"""The event log: append-only, in memory, bounded by count.
+
+Appending folds first: an event the state refuses raises and is not stored,
+so the log never holds an event its state could not accept.  Entries live in
+fixed-size chunks, each remembering the (immutable) state before its first
+entry; retention drops whole chunks from the front, and the oldest kept
+chunk's start state becomes the snapshot.  No re-fold is needed at the cut,
+and ``replay()`` (snapshot + tail) always equals the live state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+
+from ..fsm.events import Event
+from ..fsm.folding import fold
+from ..fsm.state import EMPTY_STATE, State
+
+
+@attrs.frozen
+class LogEntry:
+    seq: int
+    mono_ns: int
+    wall_ns: int
+    event: Event
+
+
+@attrs.frozen
+class Snapshot:
+    """The state after every entry with ``seq <= last_seq`` (0: the empty log)."""
+
+    last_seq: int
+    state: State
+
+
+class _Chunk:
+    __slots__ = ("start_seq", "start_state", "entries")
+
+    def __init__(self, start_seq: int, start_state: State) -> None:
+        self.start_seq = start_seq
+        self.start_state = start_state
+        self.entries: list[LogEntry] = []
+
+
+class EventLog:
+    """Sequence numbers start at 1 and have no gaps.
+
+    ``retain`` bounds the entries kept (``None``: keep all): once more than
+    ``retain`` were appended, between ``retain`` and ``retain + chunk_size``
+    entries are kept.
+    """
+
+    def __init__(self, *, retain: int | None = 1_000_000, chunk_size: int = 4096) -> None:
+        if retain is not None and retain < 0:
+            raise ValueError("retain must be >= 0")
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self._retain = retain
+        self._chunk_size = chunk_size
+        self._state = EMPTY_STATE
+        self._next_seq = 1
+        self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_STATE)])
+        self._kept = 0
+
+    # -- writing -----------------------------------------------------------
+
+    def append(self, event: Event) -> LogEntry:
+        state = fold(self._state, event)  # raises before anything is stored
+        chunk = self._chunks[-1]
+        if len(chunk.entries) == self._chunk_size:
+            chunk = _Chunk(self._next_seq, self._state)
+            self._chunks.append(chunk)
+        entry = LogEntry(self._next_seq, time.monotonic_ns(), time.time_ns(), event)
+        chunk.entries.append(entry)
+        self._next_seq += 1
+        self._kept += 1
+        self._state = state
+        if self._retain is not None:
+            self._trim()
+        return entry
+
+    def extend(self, events: Iterable[Event]) -> list[LogEntry]:
+        return [self.append(event) for event in events]
+
+    def _trim(self) -> None:
+        chunks = self._chunks
+        while len(chunks) > 1 and self._kept - len(chunks[0].entries) >= self._retain:
+            self._kept -= len(chunks.popleft().entries)
+
+    # -- reading -----------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The live state: every appended event folded."""
+        return self._state
+
+    @property
+    def snapshot(self) -> Snapshot:
+        first = self._chunks[0]
+        return Snapshot(first.start_seq - 1, first.start_state)
+
+    @property
+    def first_seq(self) -> int:
+        """Sequence number of the oldest kept entry (``last_seq + 1`` when empty)."""
+        return self._chunks[0].start_seq
+
+    @property
+    def last_seq(self) -> int:
+        return self._next_seq - 1
+
+    def __len__(self) -> int:
+        return self._kept
+
+    def entries(self) -> Iterable[LogEntry]:
+        for chunk in self._chunks:
+            yield from chunk.entries
+
+    def since(self, since_seq: int = 0, limit: int | None = None) -> list[LogEntry]:
+        """Kept entries with ``seq > since_seq``, oldest first, at most ``limit``."""
+        start = max(since_seq + 1, self.first_seq)
+        stop = self._next_seq if limit is None else min(self._next_seq, start + max(limit, 0))
+        out: list[LogEntry] = []
+        first_chunk_seq = self._chunks[0].start_seq
+        index = (start - first_chunk_seq) // self._chunk_size
+        while start < stop and index < len(self._chunks):
+            chunk = self._chunks[index]
+            lo = start - chunk.start_seq
+            hi = min(stop - chunk.start_seq, len(chunk.entries))
+            out.extend(chunk.entries[lo:hi])
+            start = chunk.start_seq + hi
+            index += 1
+        return out
+
+    def replay(self) -> State:
+        """Fold the kept entries over the snapshot: always equals :attr:`state`."""
+        state = self._chunks[0].start_state
+        for entry in self.entries():
+            state = fold(state, entry.event)
+        return state
+
+
+def replay(log: EventLog) -> State:
+    return log.replay()

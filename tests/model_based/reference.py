@@ -1,0 +1,195 @@
+"""A reference model of the seed's tables, written without the fold.
+
+Plain mutable dicts and sets, one method per request, each returning the
+rejection code the seed's rules call for (or ``None``) and mutating in place.
+It shares no code with ``gms.fsm`` beyond the limits it is configured with,
+so agreement between the two is evidence, not tautology.  The layout hash is
+restated from the protocol document's definition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+def reference_hash(allocs: dict[str, tuple], meta: dict[str, tuple]) -> str:
+    def u64(n: int) -> bytes:
+        return n.to_bytes(8, "big")
+
+    def blob(b: bytes) -> bytes:
+        return u64(len(b)) + b
+
+    order = sorted(allocs, key=lambda i: allocs[i][3])
+    out = bytearray(b"gms-layout-v1\x00")
+    out += u64(len(order))
+    for i in order:
+        size, aligned, tag, _slot = allocs[i]
+        out += u64(size) + u64(aligned) + blob(tag.encode())
+    out += u64(len(meta))
+    for key in sorted(meta):
+        alloc, offset, value = meta[key]
+        out += blob(key.encode()) + u64(order.index(alloc)) + u64(offset) + blob(value)
+    return hashlib.sha256(bytes(out)).hexdigest()
+
+
+@dataclass
+class ReferenceModel:
+    max_allocations: int
+    max_keys: int
+    max_value: int
+    max_key_bytes: int
+    max_tag_bytes: int
+    writer: int | None = None
+    readers: set[int] = field(default_factory=set)
+    committed: bool = False
+    allocs: dict[str, tuple[int, int, str, int]] = field(default_factory=dict)
+    meta: dict[str, tuple[str, int, bytes]] = field(default_factory=dict)
+    layout_hash: str | None = None
+    next_slot: int = 0
+    queue: list[tuple[int, str]] = field(default_factory=list)
+
+    # -- lock table -------------------------------------------------------
+
+    def state_name(self) -> str:
+        if self.writer is not None:
+            return "RW"
+        if self.readers:
+            return "RO"
+        return "COMMITTED" if self.committed else "EMPTY"
+
+    def _clear_layout(self) -> None:
+        self.allocs.clear()
+        self.meta.clear()
+        self.layout_hash = None
+        self.committed = False
+        self.next_slot = 0
+
+    def _may_grant(self, position: int) -> str | None:
+        conn, wanted = self.queue[position]
+        writer_queued = any(w == "RW" for _, w in self.queue)
+        first_writer = next((c for c, w in self.queue if w == "RW"), None)
+        if self.writer is not None:
+            return None
+        if wanted == "RW":
+            return "RW" if not self.readers and conn == first_writer else None
+        if wanted == "RO":
+            return "RO" if self.committed and not writer_queued else None
+        if not self.committed:
+            return "RW"
+        return "RO" if not writer_queued else None
+
+    def pump(self) -> list[tuple[int, str]]:
+        """Grant waiting handshakes, first grantable first, until none is."""
+        granted = []
+        while True:
+            for position in range(len(self.queue)):
+                lock = self._may_grant(position)
+                if lock is not None:
+                    conn, _ = self.queue.pop(position)
+                    if lock == "RW":
+                        self._clear_layout()
+                        self.writer = conn
+                    else:
+                        self.readers.add(conn)
+                    granted.append((conn, lock))
+                    break
+            else:
+                return granted
+
+    def disconnect(self, conn: int) -> str | None:
+        """Returns the lock event the seed names for this disconnect."""
+        self.queue = [(c, w) for c, w in self.queue if c != conn]
+        if conn == self.writer:
+            self.writer = None
+            self._clear_layout()
+            return "RW_ABORT"
+        if conn in self.readers:
+            self.readers.discard(conn)
+            return "RO_DISCONNECT"
+        return None
+
+    # -- requests -----------------------------------------------------------
+
+    def _auth(self, conn: int, write: bool) -> str | None:
+        if conn == self.writer:
+            return None
+        if conn in self.readers:
+            return "MODE_VIOLATION" if write else None
+        return "NOT_CONNECTED"
+
+    def _text(self, text: str, limit: int) -> str | None:
+        if text == "":
+            return "INVALID_ARGUMENT"
+        return "LIMIT_EXCEEDED" if len(text.encode()) > limit else None
+
+    def allocate(self, conn: int, alloc_id: str, size: int, aligned: int, tag: str):
+        error = self._auth(conn, True)
+        if error is None and size <= 0:
+            error = "INVALID_ARGUMENT"
+        error = error or self._text(tag, self.max_tag_bytes)
+        if error is None and len(self.allocs) >= self.max_allocations:
+            error = "LIMIT_EXCEEDED"
+        if error is None:
+            self.allocs[alloc_id] = (size, aligned, tag, self.next_slot)
+            self.next_slot += 1
+        return error
+
+    def free(self, conn: int, alloc_id: str):
+        error = self._auth(conn, True)
+        if error is None and alloc_id not in self.allocs:
+            error = "UNKNOWN_ALLOCATION"
+        if error is None:
+            del self.allocs[alloc_id]
+            for key in [k for k, v in self.meta.items() if v[0] == alloc_id]:
+                del self.meta[key]
+        return error
+
+    def metadata_put(self, conn: int, key: str, alloc_id: str, offset: int, value: bytes):
+        error = self._auth(conn, True) or self._text(key, self.max_key_bytes)
+        if error is None and len(value) > self.max_value:
+            error = "LIMIT_EXCEEDED"
+        if error is None and alloc_id not in self.allocs:
+            error = "UNKNOWN_ALLOCATION"
+        if error is None and not 0 <= offset < self.allocs[alloc_id][0]:
+            error = "OFFSET_OUT_OF_BOUNDS"
+        if error is None and key not in self.meta and len(self.meta) >= self.max_keys:
+            error = "LIMIT_EXCEEDED"
+        if error is None:
+            self.meta[key] = (alloc_id, offset, value)
+        return error
+
+    def metadata_delete(self, conn: int, key: str):
+        error = self._auth(conn, True)
+        if error is None:
+            return None, self.meta.pop(key, None) is not None
+        return error, False
+
+    def commit(self, conn: int):
+        error = self._auth(conn, True)
+        if error is None:
+            self.writer = None
+            self.committed = True
+            self.layout_hash = reference_hash(self.allocs, self.meta)
+        return error
+
+    def get_allocation(self, conn: int, alloc_id: str):
+        error = self._auth(conn, False)
+        if error is None and alloc_id not in self.allocs:
+            error = "UNKNOWN_ALLOCATION"
+        return error, None if error else self.allocs[alloc_id]
+
+    def list_allocations(self, conn: int, tag: str | None):
+        error = self._auth(conn, False)
+        if error:
+            return error, None
+        ids = [i for i in self.allocs if tag is None or self.allocs[i][2] == tag]
+        return None, sorted(ids, key=lambda i: self.allocs[i][3])
+
+    def metadata_get(self, conn: int, key: str):
+        error = self._auth(conn, False)
+        return error, None if error else self.meta.get(key)
+
+    def metadata_list(self, conn: int, prefix: str):
+        error = self._auth(conn, False)
+        return error, None if error else sorted(k for k in self.meta if k.startswith(prefix))

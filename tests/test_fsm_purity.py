@@ -1,0 +1,28 @@
+"""gms/fsm is the functional core: it may import only pure libraries."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import gms.fsm
+import gms.fsm.folding as folding
+from gms.fsm import EVENT_TYPES
+
+ALLOWED = {"__future__", "attrs", "immutables", "enum", "hashlib", "struct", "collections.abc", "typing"}
+
+
+def test_fsm_imports_nothing_impure():
+    for path in Path(gms.fsm.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            assert set(names) <= ALLOWED, f"{path.name} imports {names}"
+
+
+def test_fold_is_total_over_event_types():
+    assert set(folding._STEPS) == set(EVENT_TYPES.values())
