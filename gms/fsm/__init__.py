@@ -11,6 +11,7 @@ from .decide import (
     decide_free,
     decide_metadata_delete,
     decide_metadata_put,
+    decide_metadata_put_many,
     validate_allocate,
 )
 from .effects import released_allocations
@@ -73,6 +74,7 @@ __all__ = [
     "decide_free",
     "decide_metadata_delete",
     "decide_metadata_put",
+    "decide_metadata_put_many",
     "fold",
     "fold_all",
     "grant_for",

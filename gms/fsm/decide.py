@@ -7,6 +7,8 @@ they return and the fold applies them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .errors import (
     InvalidArgument,
     InvariantViolation,
@@ -26,6 +28,7 @@ from .events import (
     RwAbort,
     RwCommit,
 )
+from .folding import fold
 from .layout_hash import compute_layout_hash
 from .limits import Limits
 from .state import Allocation, State
@@ -63,6 +66,10 @@ def validate_allocate(state: State, conn: int, size: int, tag: str, limits: Limi
     require_writer(state, conn, "allocate")
     if size <= 0:
         raise InvalidArgument(f"allocation size must be positive, got {size}")
+    if limits.max_allocation_bytes is not None and size > limits.max_allocation_bytes:
+        raise LimitExceeded(
+            f"allocation of {size} bytes exceeds the {limits.max_allocation_bytes}-byte limit"
+        )
     _check_text("tag", tag, limits.max_tag_bytes)
     if len(state.allocations) >= limits.max_allocations:
         raise LimitExceeded(f"layout already holds {limits.max_allocations} allocations")
@@ -121,6 +128,21 @@ def decide_metadata_put(
     if key not in state.metadata and len(state.metadata) >= limits.max_metadata_keys:
         raise LimitExceeded(f"layout already holds {limits.max_metadata_keys} metadata keys")
     return [MetadataPut(conn, key, allocation_id, offset_bytes, value)]
+
+
+def decide_metadata_put_many(
+    state: State,
+    conn: int,
+    entries: Iterable[tuple[str, str, int, bytes]],
+    limits: Limits,
+) -> list[Event]:
+    """All or nothing: each put is decided on the state the earlier ones leave."""
+    events: list[Event] = []
+    for key, allocation_id, offset_bytes, value in entries:
+        (put,) = decide_metadata_put(state, conn, key, allocation_id, offset_bytes, value, limits)
+        state = fold(state, put)
+        events.append(put)
+    return events
 
 
 def decide_metadata_delete(state: State, conn: int, key: str) -> list[Event]:

@@ -12,3 +12,6 @@ class Limits:
     max_metadata_value_bytes: int = 1 << 20
     max_key_bytes: int = 1024
     max_tag_bytes: int = 256
+    # None: no cap beyond what the backend can create (the server sets the
+    # device's size, so an impossible request is refused, not waited on).
+    max_allocation_bytes: int | None = None

@@ -1,0 +1,5 @@
+"""The client side: the memory manager, its transport, and the probes."""
+
+from .probes import EventHistory, HistoryEvent, get_event_history, get_runtime_state, iter_event_history
+
+__all__ = ["EventHistory", "HistoryEvent", "get_event_history", "get_runtime_state", "iter_event_history"]

@@ -1,0 +1,146 @@
+"""The blocking RPC transport (internal): one socket, one request at a time.
+
+Each call sends a frame and reads exactly one response frame, collecting any
+fds that ride with it.  A lock makes a request/response pair atomic, so the
+transport may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import threading
+import time
+from typing import TypeVar
+
+from ..errors import GMSConnectionError, GMSProtocolError, GMSServerError
+from ..wire import FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
+from ..wire import messages as m
+from ..wire.messages import MAX_FDS_PER_MESSAGE
+
+T = TypeVar("T")
+
+_RECV_BYTES = 256 * 1024
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+# The client trusts its server, but not without bound.
+CLIENT_MAX_FRAME_BYTES = 1 << 30
+# Waking a process blocked in recv costs tens of microseconds on many hosts,
+# more than the server needs to answer.  So the client first polls for the
+# answer for up to this long, and falls back to blocking.  Polling adapts: a
+# poll that times out (a busy server, a slow request) makes the next calls
+# skip it, doubling up to 64 calls, so a loaded machine is not burned.
+DEFAULT_SPIN_US = float(os.environ.get("GMS_CLIENT_SPIN_US", "50"))
+_MAX_SPIN_SKIP = 64
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class RpcTransport:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        connect_timeout: float | None = 10.0,
+        spin_us: float = DEFAULT_SPIN_US,
+    ) -> None:
+        self.socket_path = socket_path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(connect_timeout)
+        try:
+            sock.connect(socket_path)
+        except OSError as exc:
+            sock.close()
+            raise GMSConnectionError(f"no gms server at {socket_path}: {exc}") from exc
+        sock.settimeout(None)
+        self._sock: socket.socket | None = sock
+        self._decoder = FrameDecoder(CLIENT_MAX_FRAME_BYTES)
+        # recvmsg() would allocate (and for big sizes mmap) a buffer per call.
+        self._buffer = bytearray(_RECV_BYTES)
+        self._lock = threading.Lock()
+        self._spin_s = spin_us / 1e6
+        self._spin_skip = 0  # calls left before polling is tried again
+        self._spin_backoff = 1
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def call(self, request: object, expect: type[T]) -> tuple[T, list[int]]:
+        """Send ``request``; return the ``expect`` response and the fds that came with it.
+
+        The caller owns (and must close) the returned fds.
+        """
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise GMSConnectionError("the connection is closed")
+            try:
+                sock.sendall(encode(request))
+                body, fds = self._read_frame(sock)
+            except OSError as exc:
+                raise GMSConnectionError(f"connection to {self.socket_path} failed: {exc}") from exc
+        try:
+            response = decode(body)
+        except (ProtocolError, UnknownMessageType) as exc:
+            _close_all(fds)
+            raise GMSProtocolError(f"undecodable response: {exc}") from exc
+        if isinstance(response, m.ErrorResponse):
+            _close_all(fds)
+            raise GMSServerError(response.code, response.error)
+        if not isinstance(response, expect):
+            _close_all(fds)
+            raise GMSProtocolError(f"expected {expect.__name__}, got {type(response).__name__}")
+        return response, fds
+
+    def _receive(self, sock: socket.socket) -> tuple[int, list, int]:
+        if self._spin_s > 0:
+            if self._spin_skip:
+                self._spin_skip -= 1
+            else:
+                deadline = time.perf_counter() + self._spin_s
+                while True:
+                    try:
+                        n, ancillary, flags, _ = sock.recvmsg_into(
+                            [self._buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
+                        )
+                    except BlockingIOError:
+                        if time.perf_counter() < deadline:
+                            continue
+                        self._spin_skip = self._spin_backoff
+                        self._spin_backoff = min(self._spin_backoff * 2, _MAX_SPIN_SKIP)
+                        break
+                    self._spin_backoff = 1
+                    return n, ancillary, flags
+        n, ancillary, flags, _ = sock.recvmsg_into([self._buffer], _ANCILLARY_BYTES)
+        return n, ancillary, flags
+
+    def _read_frame(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+        fds: list[int] = []
+        try:
+            while True:
+                body = self._decoder.next_frame()
+                if body is not None:
+                    return body, fds
+                n, ancillary, flags = self._receive(sock)
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        usable = len(payload) - len(payload) % array.array("i").itemsize
+                        fds.extend(array.array("i", payload[:usable]))
+                if flags & socket.MSG_CTRUNC:
+                    raise GMSProtocolError("file descriptors were truncated in transit")
+                if not n:
+                    raise GMSConnectionError(f"the server at {self.socket_path} closed the connection")
+                self._decoder.feed(memoryview(self._buffer)[:n])
+        except BaseException:
+            _close_all(fds)
+            raise

@@ -1,0 +1,77 @@
+"""Adapters that apply memory side effects: CUDA VMM, or host memory stand-ins."""
+
+from __future__ import annotations
+
+import functools
+
+from .interface import (
+    BackendError,
+    DeviceInfo,
+    Mapper,
+    MemoryBackend,
+    OutOfMemory,
+    align_up,
+)
+
+BACKENDS = ("auto", "cuda", "host")
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """Devices the CUDA driver sees (0 without cuda-bindings, driver or GPU)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return 0
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return 0
+    err, count = driver.cuDeviceGetCount()
+    return count if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def resolve_backend(backend: str, device: int) -> str:
+    """``auto`` is CUDA when the device exists, host otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "cuda" if device < cuda_device_count() else "host"
+    return backend
+
+
+def open_backend(backend: str, device: int, host_capacity: int | None = None) -> MemoryBackend:
+    kind = resolve_backend(backend, device)
+    if kind == "cuda":
+        from .vmm import VmmBackend
+
+        return VmmBackend(device)
+    from .host import HostBackend
+
+    return HostBackend(device, capacity=host_capacity)
+
+
+def open_mapper(backend: str, device: int) -> Mapper:
+    if backend == "cuda":
+        from .vmm import VmmMapper
+
+        return VmmMapper(device)
+    if backend == "host":
+        from .host import HostMapper
+
+        return HostMapper(device)
+    raise ValueError(f"no mapper for backend {backend!r}")
+
+
+__all__ = [
+    "BACKENDS",
+    "BackendError",
+    "DeviceInfo",
+    "Mapper",
+    "MemoryBackend",
+    "OutOfMemory",
+    "align_up",
+    "cuda_device_count",
+    "open_backend",
+    "open_mapper",
+    "resolve_backend",
+]

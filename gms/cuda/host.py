@@ -1,0 +1,202 @@
+"""Host-memory stand-in for the CUDA VMM adapters, for machines without a GPU.
+
+Server side, each allocation is a sealed ``memfd`` sized to its aligned size;
+its fd travels exactly like a VMM fd.  Client side, address space is reserved
+with an anonymous ``PROT_NONE`` mapping and fds are mapped over it with
+``MAP_FIXED | MAP_SHARED``; unmapping puts ``PROT_NONE`` back, so the
+reservation (and every pointer into it) survives unmap/remap.
+
+Capacity behaves like VRAM: released memory still counts while any client
+maps it.  The server marks each memfd's open file description with a shared
+OFD lock; SCM_RIGHTS copies and mmaps share that description, so the lock lives
+exactly as long as the memory does.  A probe fd opened on the same file (a new
+description) tests the lock to learn when the last user let go.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import struct
+
+from .interface import BackendError, DeviceInfo, OutOfMemory
+
+DEFAULT_GRANULARITY = 2 << 20
+
+_F_OFD_GETLK = 36
+_F_OFD_SETLK = 37
+_FLOCK = struct.Struct("hhqqi4x")  # l_type, l_whence, l_start, l_len (0: whole file), l_pid
+
+
+def _flock(lock_type: int) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, 0, 0, 0)
+
+
+class HostBackend:
+    """``memfd`` allocations; ``capacity`` (bytes, None: unlimited) makes OOM testable."""
+
+    name = "host"
+
+    def __init__(
+        self, device: int = 0, capacity: int | None = None, granularity: int = DEFAULT_GRANULARITY
+    ) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.granularity = granularity
+        self._fds: dict[str, tuple[int, int]] = {}
+        # Released memory that clients may still map: (probe fd, size).
+        self._draining: list[tuple[int, int]] = []
+
+    # -- accounting ---------------------------------------------------------
+
+    def _live_bytes(self) -> int:
+        return sum(size for _, size in self._fds.values())
+
+    def _prune_draining(self) -> int:
+        """Forget released memory nobody maps any more; returns bytes still held."""
+        held = []
+        for probe, size in self._draining:
+            answer = fcntl.fcntl(probe, _F_OFD_GETLK, _flock(fcntl.F_WRLCK))
+            if _FLOCK.unpack(answer)[0] == fcntl.F_UNLCK:
+                os.close(probe)
+            else:
+                held.append((probe, size))
+        self._draining = held
+        return sum(size for _, size in held)
+
+    def bytes_in_use(self) -> int:
+        """Server-owned bytes plus released bytes still mapped by clients."""
+        return self._live_bytes() + self._prune_draining()
+
+    # -- MemoryBackend ------------------------------------------------------
+
+    def create(self, allocation_id: str, aligned_size: int) -> None:
+        if self.capacity is not None and self.bytes_in_use() + aligned_size > self.capacity:
+            raise OutOfMemory(f"host capacity of {self.capacity} bytes reached")
+        try:
+            fd = os.memfd_create(f"gms-{allocation_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise OutOfMemory(str(exc)) from exc
+            raise BackendError(f"memfd_create failed: {exc}") from exc
+        try:
+            os.ftruncate(fd, aligned_size)
+            # A client must not shrink memory under other readers (SIGBUS).
+            fcntl.fcntl(
+                fd,
+                fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
+            )
+            if self.capacity is not None:
+                fcntl.fcntl(fd, _F_OFD_SETLK, _flock(fcntl.F_RDLCK))
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno == errno.ENOMEM:
+                raise OutOfMemory(str(exc)) from exc
+            raise BackendError(f"preparing memfd failed: {exc}") from exc
+        self._fds[allocation_id] = (fd, aligned_size)
+
+    def export(self, allocation_id: str) -> int:
+        return os.dup(self._fds[allocation_id][0])
+
+    def release(self, allocation_id: str) -> None:
+        fd, size = self._fds.pop(allocation_id)
+        if self.capacity is not None:
+            # A second description of the same file, to watch the lock from.
+            probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            self._draining.append((probe, size))
+        os.close(fd)
+        self._prune_draining()
+
+    def live_handles(self) -> tuple[int, int]:
+        return len(self._fds), self._live_bytes()
+
+    def device_info(self) -> DeviceInfo:
+        if self.capacity is None:
+            # Uncapped: the machine's RAM is the device (no single allocation beyond it).
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        else:
+            total = self.capacity
+            free = max(self.capacity - self.bytes_in_use(), 0)
+        return DeviceInfo(
+            backend=self.name,
+            device=self.device,
+            name="host memory (memfd)",
+            uuid=f"host-{self.device}",
+            total_bytes=total,
+            free_bytes=free,
+        )
+
+    def close(self) -> None:
+        for allocation_id in list(self._fds):
+            self.release(allocation_id)
+        for probe, _ in self._draining:
+            os.close(probe)
+        self._draining = []
+
+
+# -- client side ---------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10
+
+
+def _check_mmap(result: int | None, what: str) -> int:
+    if result is None or result == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise BackendError(f"{what} failed: {os.strerror(err)}")
+    return result
+
+
+class HostMapper:
+    """Maps host-backend fds into this process; addresses are real memory."""
+
+    name = "host"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self.granularity = mmap.PAGESIZE
+
+    def reserve(self, size: int) -> int:
+        return _check_mmap(_mmap(None, size, mmap.PROT_NONE, _RESERVE_FLAGS, -1, 0), "reserve")
+
+    def map(self, fd: int, va: int, size: int, writable: bool) -> object:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        try:
+            got = _check_mmap(_mmap(va, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0), "map")
+        finally:
+            os.close(fd)
+        if got != va:
+            raise BackendError(f"map landed at {got:#x}, not {va:#x}")
+        return None
+
+    def unmap(self, va: int, size: int, handle: object) -> None:
+        # Replace the mapping with a fresh reservation in one call: no window
+        # in which another thread's mmap could take the range.
+        _check_mmap(_mmap(va, size, mmap.PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0), "unmap")
+
+    def free(self, va: int, size: int) -> None:
+        if _munmap(va, size) != 0:
+            raise BackendError(f"munmap failed: {os.strerror(ctypes.get_errno())}")
+
+    def synchronize(self) -> None:
+        pass

@@ -1,0 +1,82 @@
+"""The adapter interfaces through which every side effect on memory happens.
+
+Server side, a :class:`MemoryBackend` creates memory, exports it as a file
+descriptor and releases it; it never maps.  Client side, a :class:`Mapper`
+reserves address space and maps exported descriptors into it.  The host
+backend (``gms.cuda.host``) and the CUDA VMM backend (``gms.cuda.vmm``)
+implement both, so the server, the client and the tests do not change between
+a laptop and a GPU host.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+
+class OutOfMemory(Exception):
+    """Transient: the server retries (allocation backpressure)."""
+
+
+class BackendError(Exception):
+    """A memory call failed for a reason other than out-of-memory: fatal."""
+
+
+@attrs.frozen
+class DeviceInfo:
+    backend: str
+    device: int
+    name: str
+    uuid: str
+    total_bytes: int | None
+    free_bytes: int | None
+
+
+def align_up(size: int, granularity: int) -> int:
+    return -(-size // granularity) * granularity
+
+
+class MemoryBackend(Protocol):
+    name: str
+    device: int
+    granularity: int
+
+    def create(self, allocation_id: str, aligned_size: int) -> None:
+        """Create memory and keep one exported fd for it; raise OutOfMemory when full."""
+
+    def export(self, allocation_id: str) -> int:
+        """A new fd for the allocation (a dup of the cached one); the caller closes it."""
+
+    def release(self, allocation_id: str) -> None:
+        """Drop the server's handle and its cached fd (importers keep theirs)."""
+
+    def live_handles(self) -> tuple[int, int]:
+        """(count, bytes) of server-owned handles."""
+
+    def device_info(self) -> DeviceInfo: ...
+
+    def close(self) -> None:
+        """Release every handle."""
+
+
+class Mapper(Protocol):
+    """Client-side address space: reserve once, map and unmap many times."""
+
+    name: str
+    granularity: int
+
+    def reserve(self, size: int) -> int:
+        """Reserve ``size`` bytes of address space; returns the address."""
+
+    def map(self, fd: int, va: int, size: int, writable: bool) -> object:
+        """Import ``fd`` (closing it) and map it at ``va``; returns a handle for unmap."""
+
+    def unmap(self, va: int, size: int, handle: object) -> None:
+        """Unmap and release the imported memory; the reservation stays."""
+
+    def free(self, va: int, size: int) -> None:
+        """Give the reservation back."""
+
+    def synchronize(self) -> None:
+        """Wait for device work touching mapped memory (no-op on the host)."""

@@ -1,0 +1,146 @@
+"""Framing and (de)serialization: sans-IO, shared by the server and the client.
+
+A frame is a 4-byte big-endian length N followed by N bytes of msgpack.
+Decoding is strict: a field of the wrong type is a malformed message (the
+server drops the connection), never coerced; an unknown ``"type"`` is a
+decodable message the server answers with an error.  Extra keys are ignored,
+so a newer peer's optional fields do not break an older one.
+"""
+
+from __future__ import annotations
+
+import struct
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import cattrs
+import msgpack
+
+from .messages import REGISTRY
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be read or decoded: the connection is not trusted."""
+
+
+class FrameTooLarge(ProtocolError):
+    pass
+
+
+class MalformedMessage(ProtocolError):
+    pass
+
+
+class UnknownMessageType(Exception):
+    """Decodable, but no message has this name: answered with an error."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown message type {name!r}")
+        self.name = name
+
+
+def _exact(kind: type) -> Callable[[Any, Any], Any]:
+    def structure(value: Any, _: Any) -> Any:
+        if type(value) is not kind:
+            raise MalformedMessage(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(detailed_validation=False)
+    for kind in (int, str, bytes, bool, dict):
+        converter.register_structure_hook(kind, _exact(kind))
+    converter.register_structure_hook(
+        float, lambda v, _: float(v) if type(v) in (int, float) else _exact(float)(v, _)
+    )
+
+    def is_list(t: Any) -> bool:
+        return typing.get_origin(t) is list
+
+    def list_hook(t: Any) -> Callable[[Any, Any], list]:
+        (element,) = typing.get_args(t)
+        inner = converter.get_structure_hook(element)
+
+        def structure(value: Any, _: Any) -> list:
+            if type(value) is not list:
+                raise MalformedMessage(f"expected a list, got {type(value).__name__}")
+            return [inner(item, element) for item in value]
+
+        return structure
+
+    converter.register_structure_hook_factory(is_list, list_hook)
+    return converter
+
+
+converter = _make_converter()
+_structure = {name: converter.get_structure_hook(cls) for name, cls in REGISTRY.items()}
+_unstructure = {cls: converter.get_unstructure_hook(cls) for cls in REGISTRY.values()}
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def encode_body(message: Any) -> bytes:
+    body = _unstructure[type(message)](message)
+    body["type"] = type(message).__name__
+    return _packb(body)
+
+
+def encode(message: Any) -> bytes:
+    """The whole frame: header and body."""
+    body = encode_body(message)
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Any:
+    try:
+        raw = msgpack.unpackb(body, raw=False)
+    except Exception as exc:  # the trust boundary: any failure means "cannot decode"
+        raise MalformedMessage(f"not msgpack: {exc}") from exc
+    if type(raw) is not dict:
+        raise MalformedMessage(f"message is a {type(raw).__name__}, not a map")
+    name = raw.pop("type", None)
+    if type(name) is not str:
+        raise MalformedMessage("message has no string 'type'")
+    structure = _structure.get(name)
+    if structure is None:
+        raise UnknownMessageType(name)
+    try:
+        return structure(raw, REGISTRY[name])
+    except MalformedMessage:
+        raise
+    except Exception as exc:
+        raise MalformedMessage(f"bad {name}: {exc!r}") from exc
+
+
+class FrameDecoder:
+    """Feed bytes in, take whole frame bodies out."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def next_frame(self) -> bytes | None:
+        buffer = self._buffer
+        if len(buffer) < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(buffer)
+        if length > self.max_frame_bytes:
+            raise FrameTooLarge(f"frame of {length} bytes exceeds {self.max_frame_bytes}")
+        end = HEADER.size + length
+        if len(buffer) < end:
+            return None
+        body = bytes(buffer[HEADER.size : end])
+        del buffer[:end]
+        return body

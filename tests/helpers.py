@@ -1,0 +1,168 @@
+"""Real servers in real processes, and raw protocol connections to them."""
+
+from __future__ import annotations
+
+import array
+import itertools
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gms.client.probes import get_event_history, get_runtime_state, iter_event_history
+from gms.errors import GMSError
+from gms.wire import FrameDecoder, decode, encode
+from gms.wire import messages as m
+
+MiB = 1 << 20
+_counter = itertools.count()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ServerProcess:
+    """``python -m gms serve`` on a private socket; stderr goes to a log file."""
+
+    def __init__(self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0) -> None:
+        n = next(_counter)
+        self.socket = str(tmp_path / f"gms-{n}.sock")
+        self.log_path = tmp_path / f"server-{n}.log"
+        self.backend = backend
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gms", "serve", "--backend", backend, "--device", str(device),
+             "--socket", self.socket, "--log-level", "warning", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(self._ready, timeout=30, what=f"server on {self.socket}\n{self.log}")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log}")
+        try:
+            get_runtime_state(self.socket, timeout=1)
+        except GMSError:
+            return False
+        return True
+
+    @property
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def state(self) -> m.GetRuntimeStateResponse:
+        return get_runtime_state(self.socket)
+
+    def events(self, since: int = 0) -> list:
+        return list(iter_event_history(self.socket, since))
+
+    def kinds(self, since: int = 0) -> list[str]:
+        return [e.kind for e in self.events(since)]
+
+    def history(self, since=None, limit=None):
+        return get_event_history(self.socket, since, limit)
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self._log.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class RawConn:
+    """A protocol connection with no client library in the way."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.decoder = FrameDecoder(1 << 30)
+
+    def send(self, message) -> None:
+        self.sock.sendall(encode(message))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def readable(self, timeout: float) -> bool:
+        return bool(self.decoder.pending) or bool(select.select([self.sock], [], [], timeout)[0])
+
+    def recv(self, timeout: float = 10.0):
+        """The next message and the fds that came with it; None on EOF."""
+        fds: list[int] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            body = self.decoder.next_frame()
+            if body is not None:
+                return decode(body), fds
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError("no response")
+            data, anc, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(253 * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+            if not data:
+                return None, fds
+            self.decoder.feed(data)
+
+    def call(self, message, timeout: float = 10.0):
+        self.send(message)
+        response, fds = self.recv(timeout)
+        for fd in fds:
+            os.close(fd)
+        return response
+
+    def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        try:
+            response, _ = self.recv(timeout)
+        except (TimeoutError, ConnectionResetError):
+            return False
+        return response is None
+
+    def handshake(self, lock_type: str, timeout_ms=None) -> m.HandshakeResponse:
+        return self.call(m.HandshakeRequest(lock_type, timeout_ms))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def build_layout(conn: RawConn, sizes=(3 * MiB, 5 * MiB), tag: str = "weights") -> list[m.AllocateResponse]:
+    """Allocate and describe a small layout on a connection holding RW."""
+    out = []
+    for n, size in enumerate(sizes):
+        allocation = conn.call(m.AllocateRequest(size, tag))
+        assert isinstance(allocation, m.AllocateResponse), allocation
+        put = conn.call(m.MetadataPutRequest(f"t{n}", allocation.allocation_id, n, b"meta%d" % n))
+        assert put == m.MetadataPutResponse(True)
+        out.append(allocation)
+    return out

@@ -1,0 +1,199 @@
+"""Lock transitions of the seed's tables, over real sockets to a real server."""
+
+from __future__ import annotations
+
+import time
+
+from gms.wire import messages as m
+
+from .helpers import RawConn, build_layout, wait_until
+
+
+def commit_layout(server, sizes=(2 << 20,)) -> str:
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW").granted_lock_type == "RW"
+    build_layout(writer, sizes)
+    response = writer.call(m.CommitRequest())
+    assert response.success and len(response.memory_layout_hash) == 64
+    assert writer.closed_by_peer(), "the server closes a committed writer"
+    writer.close()
+    return response.memory_layout_hash
+
+
+def test_every_transition_of_the_state_table(server):
+    assert server.state().state == "EMPTY"
+    ro = RawConn(server.socket)
+    ro.send(m.HandshakeRequest("RO", 100))
+    assert ro.recv()[0].success is False, "EMPTY refuses RO (it waits, then times out)"
+
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW") == m.HandshakeResponse(
+        True, False, "RW", server.backend, 0, writer_uuid(server), ""
+    )
+    assert server.state().state == "RW"  # EMPTY -> RW
+    build_layout(writer)
+    writer.close()  # RW -> EMPTY (abort)
+    wait_until(lambda: server.state().state == "EMPTY", what="RW_ABORT")
+    assert server.state().allocation_count == 0
+
+    layout_hash = commit_layout(server)  # EMPTY -> RW -> COMMITTED
+    state = server.state()
+    assert (state.state, state.committed, state.memory_layout_hash) == ("COMMITTED", True, layout_hash)
+
+    readers = [RawConn(server.socket) for _ in range(3)]
+    for reader in readers:  # COMMITTED -> RO, RO -> RO
+        response = reader.handshake("RO")
+        assert (response.granted_lock_type, response.committed) == ("RO", True)
+        assert response.memory_layout_hash == layout_hash
+    assert server.state().ro_session_count == 3
+    readers.pop().close()  # RO -> RO (not last)
+    wait_until(lambda: server.state().ro_session_count == 2, what="RO_DISCONNECT")
+    assert server.state().state == "RO"
+    for reader in readers:
+        reader.close()  # RO -> COMMITTED (last)
+    wait_until(lambda: server.state().state == "COMMITTED", what="last RO_DISCONNECT")
+
+    writer = RawConn(server.socket)
+    writer.handshake("RW")  # COMMITTED -> RW: the layout is cleared at once
+    state = server.state()
+    assert (state.state, state.allocation_count, state.memory_layout_hash) == ("RW", 0, "")
+    assert state.allocations_cleared >= 2
+    writer.close()
+    kinds = server.kinds()
+    for kind in ("RW_CONNECT", "RW_ABORT", "RW_COMMIT", "RO_CONNECT", "RO_DISCONNECT"):
+        assert kind in kinds
+
+
+def writer_uuid(server) -> str:
+    return server.state().device_uuid
+
+
+def test_rw_or_ro_empty_gives_rw_and_committed_gives_ro(server):
+    first = RawConn(server.socket)
+    response = first.handshake("RW_OR_RO")
+    assert (response.granted_lock_type, response.committed) == ("RW", False)
+    build_layout(first)
+    first.call(m.CommitRequest())
+    second = RawConn(server.socket)
+    response = second.handshake("RW_OR_RO")
+    assert (response.granted_lock_type, response.committed) == ("RO", True)
+
+
+def test_rw_or_ro_waits_for_the_writer_then_reads_its_commit(server):
+    writer = RawConn(server.socket)
+    writer.handshake("RW")
+    waiter = RawConn(server.socket)
+    waiter.send(m.HandshakeRequest("RW_OR_RO"))
+    assert not waiter.readable(0.3), "RW_OR_RO must wait while a writer holds the lock"
+    build_layout(writer)
+    writer.call(m.CommitRequest())
+    response, _ = waiter.recv()
+    assert (response.granted_lock_type, response.committed) == ("RO", True)
+
+
+def test_rw_or_ro_takes_over_when_the_writer_aborts(server):
+    writer = RawConn(server.socket)
+    writer.handshake("RW")
+    build_layout(writer)
+    waiters = [RawConn(server.socket) for _ in range(2)]
+    for waiter in waiters:
+        waiter.send(m.HandshakeRequest("RW_OR_RO"))
+    writer.close()  # abort
+    first, _ = waiters[0].recv()
+    assert (first.granted_lock_type, first.committed) == ("RW", False)
+    assert not waiters[1].readable(0.3), "only one of them becomes the writer"
+    build_layout(waiters[0])
+    waiters[0].call(m.CommitRequest())
+    second, _ = waiters[1].recv()
+    assert second.granted_lock_type == "RO"
+
+
+def test_writer_priority_holds_new_readers_back(server):
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    writer = RawConn(server.socket)
+    writer.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    late_reader = RawConn(server.socket)
+    late_reader.send(m.HandshakeRequest("RO"))
+    assert not late_reader.readable(0.3), "no reader is admitted while a writer waits"
+    assert not writer.readable(0.1)
+    reader.close()
+    response, _ = writer.recv()
+    assert response.granted_lock_type == "RW"
+    assert not late_reader.readable(0.2)
+    build_layout(writer)
+    writer.call(m.CommitRequest())
+    response, _ = late_reader.recv()
+    assert response.granted_lock_type == "RO"
+
+
+def test_a_timed_out_writer_stops_blocking_readers(server):
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    writer = RawConn(server.socket)
+    writer.send(m.HandshakeRequest("RW", 300))
+    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    blocked = RawConn(server.socket)
+    blocked.send(m.HandshakeRequest("RO"))
+    response, _ = writer.recv()
+    assert response.success is False
+    response, _ = blocked.recv()  # the writer left the queue: the reader goes in
+    assert response.granted_lock_type == "RO"
+
+
+def test_lock_timeout_fails_the_handshake_and_closes(server):
+    holder = RawConn(server.socket)
+    holder.handshake("RW")
+    started = time.monotonic()
+    late = RawConn(server.socket)
+    response = late.handshake("RW", timeout_ms=250)
+    waited = time.monotonic() - started
+    assert response.success is False and response.granted_lock_type is None
+    assert 0.2 <= waited < 5
+    assert late.closed_by_peer()
+    timeouts = [e for e in server.events() if e.kind == "LOCK_TIMEOUT"]
+    assert timeouts and timeouts[0].fields == {"lock_type": "RW", "timeout_ms": 250}
+    assert server.state().state == "RW", "the holder is untouched"
+
+
+def test_a_waiter_that_hangs_up_never_gets_the_lock(server):
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    doomed = RawConn(server.socket)
+    doomed.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    doomed.close()
+    wait_until(lambda: server.state().waiting_writers == 0, what="dead waiter removed")
+    reader.close()
+    wait_until(lambda: server.state().state == "COMMITTED", what="reader gone")
+    # The dead writer was never granted, so the committed layout survived.
+    assert server.state().allocation_count == 1
+    assert "RW_CONNECT" not in server.kinds()[-3:]
+
+
+def test_commit_releases_the_lock_before_answering(server):
+    writer = RawConn(server.socket)
+    writer.handshake("RW")
+    build_layout(writer)
+    waiting = RawConn(server.socket)
+    waiting.send(m.HandshakeRequest("RO"))
+    writer.send(m.CommitRequest())
+    commit, _ = writer.recv()
+    assert commit.success
+    # By the time the writer reads its answer, the reader was already granted.
+    response, _ = waiting.recv(timeout=5)
+    assert response.granted_lock_type == "RO"
+    kinds = server.kinds()
+    assert kinds.index("RW_COMMIT") < kinds.index("RO_CONNECT")
+
+
+def test_second_handshake_on_a_connection_is_refused(server):
+    conn = RawConn(server.socket)
+    conn.handshake("RW")
+    response = conn.call(m.HandshakeRequest("RW"))
+    assert isinstance(response, m.ErrorResponse) and response.code == "STATE_VIOLATION"
+    assert server.state().state == "RW"
