@@ -158,6 +158,7 @@ _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
 _MAP_FIXED = 0x10
+_PROT_NONE = 0
 
 
 def _check_mmap(result: int | None, what: str) -> int:
@@ -177,7 +178,7 @@ class HostMapper:
         self.granularity = mmap.PAGESIZE
 
     def reserve(self, size: int) -> int:
-        return _check_mmap(_mmap(None, size, mmap.PROT_NONE, _RESERVE_FLAGS, -1, 0), "reserve")
+        return _check_mmap(_mmap(None, size, _PROT_NONE, _RESERVE_FLAGS, -1, 0), "reserve")
 
     def map(self, fd: int, va: int, size: int, writable: bool) -> object:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -187,12 +188,12 @@ class HostMapper:
             os.close(fd)
         if got != va:
             raise BackendError(f"map landed at {got:#x}, not {va:#x}")
-        return None
+        return va  # the host has no separate handle: the mapping is its address
 
     def unmap(self, va: int, size: int, handle: object) -> None:
         # Replace the mapping with a fresh reservation in one call: no window
         # in which another thread's mmap could take the range.
-        _check_mmap(_mmap(va, size, mmap.PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0), "unmap")
+        _check_mmap(_mmap(va, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0), "unmap")
 
     def free(self, va: int, size: int) -> None:
         if _munmap(va, size) != 0:
@@ -200,3 +201,9 @@ class HostMapper:
 
     def synchronize(self) -> None:
         pass
+
+    def write(self, va: int, data: bytes) -> None:
+        ctypes.memmove(va, data, len(data))
+
+    def read(self, va: int, size: int) -> bytes:
+        return ctypes.string_at(va, size)

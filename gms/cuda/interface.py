@@ -80,3 +80,9 @@ class Mapper(Protocol):
 
     def synchronize(self) -> None:
         """Wait for device work touching mapped memory (no-op on the host)."""
+
+    def write(self, va: int, data: bytes) -> None:
+        """Copy host bytes to mapped memory at ``va`` (synchronously)."""
+
+    def read(self, va: int, size: int) -> bytes:
+        """Copy ``size`` bytes of mapped memory at ``va`` to the host."""

@@ -1,0 +1,511 @@
+"""``GMSClientMemoryManager``: the client API of the seed, Tier 1 and Tier 2.
+
+One manager talks to one server (one device, one tag) and keeps a table of
+*mappings*: an address range it reserved, and the allocation (id, size, tag,
+layout slot) mapped there.  Reservations outlive mappings: ``unmap_all_vas``
+drops the memory and keeps the addresses, ``remap_all_vas`` puts memory of
+the same layout back at the same addresses, so pointers into it (tensors)
+stay valid.  Mapping goes through the adapter of whatever backend the server
+runs (``gms.cuda``), which the handshake names: user code is the same on a
+laptop and on a GPU host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from ..cuda import Mapper, align_up, open_mapper
+from ..errors import (
+    GMSError,
+    GMSUsageError,
+    LockTimeoutError,
+    StaleMemoryLayoutError,
+)
+from ..fsm import GrantedLockType, RequestedLockType
+from ..wire import messages as m
+from ..wire.messages import MAX_FDS_PER_MESSAGE
+from .transport import RpcTransport, _close_all
+
+log = logging.getLogger("gms.client")
+
+HandleInfo = m.GetAllocationResponse
+
+
+@attrs.define
+class Mapping:
+    """One reserved range and the allocation it holds (or held, while unmapped)."""
+
+    va: int
+    size: int  # the reservation: the allocation's aligned size
+    allocation_id: str
+    alloc_size: int
+    tag: str
+    layout_slot: int
+    handle: object = None
+    mapped: bool = False
+
+
+class _Resources:
+    """Everything that must be released, reachable without the manager (for GC)."""
+
+    def __init__(self) -> None:
+        self.transport: RpcTransport | None = None
+        self.mapper: Mapper | None = None
+        self.mappings: dict[int, Mapping] = {}
+        self.reservations: dict[int, int] = {}  # va -> size
+
+    def release(self) -> None:
+        mapper = self.mapper
+        if mapper is not None:
+            for mapping in self.mappings.values():
+                if mapping.mapped:
+                    mapper.unmap(mapping.va, mapping.size, mapping.handle)
+                    mapping.mapped = False
+            for va, size in self.reservations.items():
+                mapper.free(va, size)
+        self.mappings.clear()
+        self.reservations.clear()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+def _info(response) -> HandleInfo:
+    return HandleInfo(
+        response.allocation_id, response.size, response.aligned_size, response.tag, response.layout_slot
+    )
+
+
+class GMSClientMemoryManager:
+    """Client of one GMS server.
+
+    Thread-safe: every public method holds one lock for its whole run, so a
+    request/response pair and the mapping table change together.
+    """
+
+    def __init__(self, socket_path: str, *, device: int = 0) -> None:
+        self.socket_path = socket_path
+        self.device = device
+        self._lock = threading.RLock()
+        self._res = _Resources()
+        self._granted: GrantedLockType | None = None
+        self._backend: str | None = None
+        self._layout_hash: str | None = None  # of the layout the mappings came from
+        self._server_hash = ""  # the committed hash the last handshake saw
+        self._unmapped = False
+        self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+
+    # -- properties -------------------------------------------------------------
+
+    @property
+    def granted_lock_type(self) -> GrantedLockType | None:
+        return self._granted
+
+    @property
+    def is_connected(self) -> bool:
+        transport = self._res.transport
+        return transport is not None and not transport.closed
+
+    @property
+    def is_unmapped(self) -> bool:
+        """True between ``unmap_all_vas()`` and the next ``remap_all_vas()``."""
+        return self._unmapped
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every mapping this manager keeps, mapped or (while asleep) not."""
+        return sum(mapping.size for mapping in self._res.mappings.values())
+
+    @property
+    def backend(self) -> str | None:
+        return self._backend
+
+    @property
+    def mappings(self) -> list[Mapping]:
+        return sorted(self._res.mappings.values(), key=lambda mapping: mapping.va)
+
+    # -- Tier 1: connection -----------------------------------------------------------
+
+    def connect(self, lock_type: RequestedLockType | str, timeout_ms: int | None = None) -> None:
+        """Handshake for a lock.  On timeout raises LockTimeoutError and stays reusable."""
+        with self._lock:
+            if self.is_connected:
+                raise GMSUsageError("already connected; abort() or close() first")
+            lock = RequestedLockType(lock_type)
+            transport = RpcTransport(self.socket_path)
+            try:
+                response, _ = transport.call(
+                    m.HandshakeRequest(lock.value, timeout_ms), m.HandshakeResponse
+                )
+                if not response.success:
+                    raise LockTimeoutError(
+                        f"{lock.value} lock on {self.socket_path} not granted in {timeout_ms} ms"
+                    )
+                self._attach_mapper(response)
+            except BaseException:
+                transport.close()
+                raise
+            self._res.transport = transport
+            self._granted = GrantedLockType(response.granted_lock_type)
+            self._server_hash = response.memory_layout_hash
+
+    def _attach_mapper(self, response: m.HandshakeResponse) -> None:
+        if self._backend is None:
+            self._res.mapper = open_mapper(response.backend, self.device)
+            self._backend = response.backend
+        elif self._backend != response.backend:
+            raise GMSUsageError(
+                f"server now runs the {response.backend} backend; this manager maps {self._backend}"
+            )
+        mine = getattr(self._res.mapper, "device_uuid", None)
+        if response.device_uuid and mine and mine != response.device_uuid:
+            raise GMSUsageError(
+                f"the server manages {response.device_uuid}, but device {self.device} "
+                f"of this process is {mine}"
+            )
+
+    def abort(self) -> None:
+        """Close the connection (releasing the lock); mappings are kept.  Idempotent."""
+        with self._lock:
+            if self._res.transport is not None:
+                self._res.transport.close()
+                self._res.transport = None
+            self._granted = None
+
+    def _call(self, request: object, expect: type):
+        transport = self._res.transport
+        if transport is None or transport.closed:
+            raise GMSUsageError("not connected: call connect() first")
+        return transport.call(request, expect)
+
+    def _require(self, lock: GrantedLockType, action: str) -> None:
+        if not self.is_connected:
+            raise GMSUsageError(f"{action} needs a connection: call connect() first")
+        if lock is GrantedLockType.RW and self._granted is not GrantedLockType.RW:
+            raise GMSUsageError(f"{action} needs the RW lock; this manager holds {self._granted.value}")
+
+    @property
+    def _mapper(self) -> Mapper:
+        if self._res.mapper is None:
+            raise GMSUsageError("no backend yet: connect() once before mapping")
+        return self._res.mapper
+
+    # -- Tier 1: handles (server side) -----------------------------------------------------
+
+    def allocate_handle(self, size: int, tag: str = "default") -> tuple[str, int]:
+        """Create memory on the server (RW); returns (allocation_id, layout_slot)."""
+        with self._lock:
+            self._require(GrantedLockType.RW, "allocate_handle")
+            response, _ = self._call(m.AllocateRequest(size, tag), m.AllocateResponse)
+            return response.allocation_id, response.layout_slot
+
+    def export_handle(self, allocation_id: str) -> int:
+        """A new fd for the allocation; the caller owns (and closes) it."""
+        with self._lock:
+            response, fds = self._call(m.ExportAllocationRequest(allocation_id), m.ExportAllocationResponse)
+            return self._single_fd(fds)
+
+    @staticmethod
+    def _single_fd(fds: list[int]) -> int:
+        if len(fds) != 1:
+            _close_all(fds)
+            raise GMSError(f"expected one file descriptor, got {len(fds)}")
+        return fds[0]
+
+    def export_handles(self, allocation_ids: Sequence[str]) -> list[tuple[HandleInfo, int]]:
+        """Many exports in few round trips (at most 253 fds each); caller closes the fds."""
+        with self._lock:
+            out: list[tuple[HandleInfo, int]] = []
+            try:
+                for start in range(0, len(allocation_ids), MAX_FDS_PER_MESSAGE):
+                    batch = list(allocation_ids[start : start + MAX_FDS_PER_MESSAGE])
+                    response, fds = self._call(m.ExportAllocationsRequest(batch), m.ExportAllocationsResponse)
+                    if len(fds) != len(response.allocations):
+                        _close_all(fds)
+                        raise GMSError(f"expected {len(response.allocations)} fds, got {len(fds)}")
+                    out.extend(zip((_info(a) for a in response.allocations), fds))
+            except BaseException:
+                _close_all([fd for _, fd in out])
+                raise
+            return out
+
+    def get_handle_info(self, allocation_id: str) -> HandleInfo:
+        with self._lock:
+            return self._call(m.GetAllocationRequest(allocation_id), m.GetAllocationResponse)[0]
+
+    def free_handle(self, allocation_id: str) -> bool:
+        with self._lock:
+            self._require(GrantedLockType.RW, "free_handle")
+            return self._call(m.FreeAllocationRequest(allocation_id), m.FreeAllocationResponse)[0].success
+
+    def list_handles(self, tag: str | None = None) -> list[HandleInfo]:
+        with self._lock:
+            response, _ = self._call(m.ListAllocationsRequest(tag), m.ListAllocationsResponse)
+            return [_info(a) for a in response.allocations]
+
+    def get_memory_layout_hash(self) -> str:
+        """The server's committed layout hash ("" when none is visible)."""
+        with self._lock:
+            return self._call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
+
+    def commit(self) -> bool:
+        """Publish: synchronize, unmap every local mapping, then commit.
+
+        The mappings and their addresses are kept; after commit the manager is
+        disconnected and remembers the committed hash, so ``connect(RO)`` and
+        ``remap_all_vas()`` bring the writer back on its own addresses.  Past
+        the local unmap there is no in-process recovery: a failure raises.
+        """
+        with self._lock:
+            self._require(GrantedLockType.RW, "commit")
+            self._unmap_all()
+            response, _ = self._call(m.CommitRequest(), m.CommitResponse)
+            self._layout_hash = response.memory_layout_hash
+            self.abort()  # the server closes a committed writer's connection
+            return response.success
+
+    # -- Tier 1: address space (local) ----------------------------------------------------
+
+    def reserve_va(self, size: int) -> int:
+        with self._lock:
+            size = align_up(size, self._mapper.granularity)
+            va = self._mapper.reserve(size)
+            self._res.reservations[va] = size
+            return va
+
+    def map_va(self, fd: int, va: int, size: int, allocation_id: str, tag: str) -> object:
+        """Map ``fd`` (consumed) at a reserved ``va``; returns the mapper's handle."""
+        with self._lock:
+            reserved = self._res.reservations.get(va)
+            if reserved is None or reserved < size:
+                raise GMSUsageError(f"no reservation of {size} bytes at {va:#x}")
+            info = self.get_handle_info(allocation_id)
+            writable = self._granted is GrantedLockType.RW
+            handle = self._mapper.map(fd, va, reserved, writable)
+            self._res.mappings[va] = Mapping(
+                va, reserved, allocation_id, info.size, tag, info.layout_slot, handle, True
+            )
+            self._note_layout(writable)
+            return handle
+
+    def unmap_va(self, va: int) -> None:
+        """Unmap and release the memory at ``va``; the reservation stays."""
+        with self._lock:
+            mapping = self._mapping(va)
+            if mapping.mapped:
+                self._mapper.synchronize()
+                self._mapper.unmap(mapping.va, mapping.size, mapping.handle)
+                mapping.mapped, mapping.handle = False, None
+
+    def free_va(self, va: int) -> None:
+        """Give the reservation back (unmapping first if needed)."""
+        with self._lock:
+            if va in self._res.mappings:
+                self.unmap_va(va)
+                del self._res.mappings[va]
+            size = self._res.reservations.pop(va, None)
+            if size is None:
+                raise GMSUsageError(f"no reservation at {va:#x}")
+            self._mapper.free(va, size)
+
+    def _mapping(self, va: int) -> Mapping:
+        try:
+            return self._res.mappings[va]
+        except KeyError:
+            raise GMSUsageError(f"no mapping at {va:#x}") from None
+
+    # -- Tier 1: metadata ----------------------------------------------------------------
+
+    def metadata_put(self, key: str, allocation_id: str, offset_bytes: int, value: bytes) -> bool:
+        with self._lock:
+            request = m.MetadataPutRequest(key, allocation_id, offset_bytes, bytes(value))
+            return self._call(request, m.MetadataPutResponse)[0].success
+
+    def metadata_put_many(self, entries: Iterable[tuple[str, str, int, bytes]]) -> int:
+        """Put many entries in one round trip, all or none; returns how many."""
+        with self._lock:
+            infos = [m.MetadataEntryInfo(k, a, o, bytes(v)) for k, a, o, v in entries]
+            return self._call(m.MetadataPutManyRequest(infos), m.MetadataPutManyResponse)[0].count
+
+    def metadata_get(self, key: str) -> tuple[str, int, bytes] | None:
+        with self._lock:
+            response, _ = self._call(m.MetadataGetRequest(key), m.MetadataGetResponse)
+            if not response.found:
+                return None
+            return response.allocation_id, response.offset_bytes, response.value
+
+    def metadata_list(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return self._call(m.MetadataListRequest(prefix), m.MetadataListResponse)[0].keys
+
+    def metadata_scan(self, prefix: str = "") -> dict[str, tuple[str, int, bytes]]:
+        """Every entry under ``prefix`` in one round trip (sorted by key)."""
+        with self._lock:
+            response, _ = self._call(m.MetadataScanRequest(prefix), m.MetadataScanResponse)
+            return {e.key: (e.allocation_id, e.offset_bytes, e.value) for e in response.entries}
+
+    def metadata_delete(self, key: str) -> bool:
+        with self._lock:
+            return self._call(m.MetadataDeleteRequest(key), m.MetadataDeleteResponse)[0].deleted
+
+    # -- Tier 2 -------------------------------------------------------------------------
+
+    def create_mapping(self, allocation_id: str | None = None, size: int = 0, tag: str = "default") -> int:
+        """Allocate (RW, no id) or import (an id) one allocation and map it; returns its VA."""
+        with self._lock:
+            if allocation_id is None:
+                if size <= 0:
+                    raise GMSUsageError("create_mapping needs an allocation_id or a size > 0")
+                allocation_id, _ = self.allocate_handle(size, tag)
+            return self.create_mappings([allocation_id])[0]
+
+    def create_mappings(self, allocation_ids: Sequence[str]) -> list[int]:
+        """Import and map many allocations in few round trips; returns their VAs in order."""
+        with self._lock:
+            writable = self._granted is GrantedLockType.RW
+            exported = self.export_handles(allocation_ids)
+            vas: list[int] = []
+            try:
+                for n, (info, fd) in enumerate(exported):
+                    va = self._mapper.reserve(info.aligned_size)
+                    self._res.reservations[va] = info.aligned_size
+                    handle = self._mapper.map(fd, va, info.aligned_size, writable)
+                    exported[n] = (info, -1)  # consumed
+                    self._res.mappings[va] = Mapping(
+                        va, info.aligned_size, info.allocation_id, info.size, info.tag,
+                        info.layout_slot, handle, True,
+                    )
+                    vas.append(va)
+            finally:
+                _close_all([fd for _, fd in exported if fd >= 0])
+            self._note_layout(writable)
+            return vas
+
+    def _note_layout(self, writable: bool) -> None:
+        # A reader's mappings belong to the committed layout the server has now;
+        # a writer's belong to a layout with no hash until it commits.
+        self._layout_hash = None if writable else self._server_hash
+        self._unmapped = False
+
+    def destroy_mapping(self, va: int) -> None:
+        with self._lock:
+            self.free_va(va)
+
+    def unmap_all_vas(self) -> None:
+        """Synchronize, unmap and release every mapping; keep every reservation."""
+        with self._lock:
+            self._unmap_all()
+
+    def _unmap_all(self) -> None:
+        mapper = self._res.mapper
+        if mapper is None:
+            return
+        mapper.synchronize()
+        for mapping in self._res.mappings.values():
+            if mapping.mapped:
+                mapper.unmap(mapping.va, mapping.size, mapping.handle)
+                mapping.mapped, mapping.handle = False, None
+        self._unmapped = True
+
+    def remap_all_vas(self) -> None:
+        """Map the current layout back at the preserved addresses.
+
+        A reader checks the layout hash saved when it mapped against the
+        server's (mismatch: StaleMemoryLayoutError) and matches allocations by
+        layout slot, size and tag, not by id.  A writer remaps the allocations
+        ``reallocate_all_handles`` gave its mappings.
+        """
+        with self._lock:
+            pending = [mp for mp in self._res.mappings.values() if not mp.mapped]
+            if not pending:
+                self._unmapped = False
+                return
+            writable = self._granted is GrantedLockType.RW
+            self._require(GrantedLockType.RO if not writable else GrantedLockType.RW, "remap_all_vas")
+            if not writable:
+                current = self.get_memory_layout_hash()
+                if not current or current != self._layout_hash:
+                    raise StaleMemoryLayoutError(
+                        f"layout changed since mapping (saved {self._layout_hash or 'none'}, "
+                        f"server {current or 'none'}): re-import"
+                    )
+                by_shape = {(a.layout_slot, a.size, a.tag): a for a in self.list_handles()}
+                for mapping in pending:
+                    found = by_shape.get((mapping.layout_slot, mapping.alloc_size, mapping.tag))
+                    if found is None or found.aligned_size != mapping.size:
+                        raise StaleMemoryLayoutError(
+                            f"no allocation of slot {mapping.layout_slot}, {mapping.alloc_size} bytes, "
+                            f"tag {mapping.tag!r} in the committed layout"
+                        )
+                    mapping.allocation_id = found.allocation_id
+            exported = self.export_handles([mp.allocation_id for mp in pending])
+            try:
+                for n, (mapping, (info, fd)) in enumerate(zip(pending, exported)):
+                    mapping.handle = self._mapper.map(fd, mapping.va, mapping.size, writable)
+                    mapping.mapped = True
+                    exported[n] = (info, -1)
+            finally:
+                _close_all([fd for _, fd in exported if fd >= 0])
+            self._unmapped = False
+
+    def reallocate_all_handles(self, tag: str = "default") -> None:
+        """Fresh server allocations (RW) for the preserved mappings of ``tag``.
+
+        The KV-cache wake path: after ``connect(RW)`` the old layout is gone;
+        this creates same-sized allocations, in the old slot order, and binds
+        them to the old addresses for ``remap_all_vas`` to map.
+        """
+        with self._lock:
+            self._require(GrantedLockType.RW, "reallocate_all_handles")
+            chosen = sorted(
+                (mp for mp in self._res.mappings.values() if mp.tag == tag),
+                key=lambda mp: mp.layout_slot,
+            )
+            if any(mp.mapped for mp in chosen):
+                raise GMSUsageError("unmap_all_vas() before reallocating: mappings are live")
+            for mapping in chosen:
+                response, _ = self._call(m.AllocateRequest(mapping.alloc_size, tag), m.AllocateResponse)
+                if response.aligned_size != mapping.size:
+                    raise GMSError(
+                        f"server aligned {mapping.alloc_size} bytes to {response.aligned_size}, "
+                        f"the reservation holds {mapping.size}"
+                    )
+                mapping.allocation_id = response.allocation_id
+                mapping.layout_slot = response.layout_slot
+            self._layout_hash = None
+
+    # -- bytes (backend-neutral copies, for loaders and checks) ---------------------------
+
+    def write(self, va: int, data: bytes) -> None:
+        """Copy ``data`` from host memory to mapped memory at ``va``."""
+        with self._lock:
+            self._mapper.write(va, data)
+
+    def read(self, va: int, size: int) -> bytes:
+        """Copy ``size`` bytes at ``va`` (mapped memory) to the host."""
+        with self._lock:
+            return self._mapper.read(va, size)
+
+    def close(self) -> None:
+        """Unmap everything, give every reservation back, disconnect.  Idempotent."""
+        with self._lock:
+            if self._res.mapper is not None and self._res.mappings:
+                self._res.mapper.synchronize()
+            self._res.release()
+            self._granted = None
+            self._unmapped = False
+
+    def __enter__(self) -> GMSClientMemoryManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        lock = self._granted.value if self._granted else "disconnected"
+        return f"<GMSClientMemoryManager {self.socket_path} {lock}, {len(self._res.mappings)} mappings>"
