@@ -48,7 +48,8 @@ def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> N
 
 def write_json(path: str, results: dict) -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), **results}
-    target = Path(os.environ.get("GMS_BENCH_OUT", "")) / path if os.environ.get("GMS_BENCH_OUT") else Path(path)
+    out = os.environ.get("GMS_BENCH_OUT")
+    target = Path(out) / Path(path).name if out else Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {target}")

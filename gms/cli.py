@@ -139,10 +139,20 @@ def _leaves(exc: BaseException):
         yield exc
 
 
+def _raise_fd_limit() -> None:
+    """Every allocation keeps one exported fd open: allow as many as the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    _raise_fd_limit()
     if args.devices:
         from .supervisor import supervise
 

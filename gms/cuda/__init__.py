@@ -21,12 +21,13 @@ def cuda_device_count() -> int:
     """Devices the CUDA driver sees (0 without cuda-bindings, driver or GPU)."""
     try:
         from cuda.bindings import driver
-    except ImportError:
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        err, count = driver.cuDeviceGetCount()
+    except Exception:  # no bindings, or bindings without a driver library
         return 0
-    (err,) = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return 0
-    err, count = driver.cuDeviceGetCount()
     return count if err == driver.CUresult.CUDA_SUCCESS else 0
 
 

@@ -11,11 +11,14 @@ checks that
 * replaying the server's event history through the pure fold gives the local
   state (ids of connections aside) and satisfies every invariant;
 * the runtime-state probe agrees, and the server's live memory handles are
-  exactly the allocations of the folded state (count and bytes).
+  exactly the allocations of the folded state (count and bytes);
+* readers see the bytes the writer wrote into each allocation (a checksum
+  pattern written through a real mapping right after it was created).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from hypothesis import strategies as st
@@ -38,6 +41,7 @@ from gms.fsm import (
     schedule,
     validate_allocate,
 )
+from gms.cuda import open_mapper
 from gms.store import EventLog
 from gms.wire import messages as m
 
@@ -51,6 +55,11 @@ KEYS = ["a", "b", "c", "d", "e", "f", ""]
 
 
 NO_ANSWER = object()
+
+
+def pattern(allocation) -> bytes:
+    seed = f"{allocation.layout_slot}:{allocation.size}".encode()
+    return (hashlib.sha256(seed).digest() * 2)[: min(64, allocation.size)]
 
 
 def projection(state):
@@ -80,6 +89,7 @@ class ServerMachine(RuleBasedStateMachine):
         self.next_conn = 1
         self.replica = EMPTY_STATE  # the server's history, folded here
         self.replica_seq = 0
+        self.mapper = open_mapper(self.backend, 0)
 
     def teardown(self) -> None:
         for conn in self.conns.values():
@@ -133,6 +143,18 @@ class ServerMachine(RuleBasedStateMachine):
         self._record(events)
         return events
 
+    def _through_mapping(self, fd: int, allocation, writable: bool, action):
+        """Map an exported fd in this process, run ``action(va)``, unmap."""
+        va = self.mapper.reserve(allocation.aligned_size)
+        try:
+            handle = self.mapper.map(fd, va, allocation.aligned_size, writable)
+            try:
+                return action(va)
+            finally:
+                self.mapper.unmap(va, allocation.aligned_size, handle)
+        finally:
+            self.mapper.free(va, allocation.aligned_size)
+
     # -- connections --------------------------------------------------------------
 
     @initialize()
@@ -175,6 +197,10 @@ class ServerMachine(RuleBasedStateMachine):
                 state, conn, response.allocation_id, size, response.aligned_size, tag, LIMITS
             ),
         )
+        allocation = self.expected.state.allocations[response.allocation_id]
+        self.conns[conn].send(m.ExportAllocationRequest(allocation.allocation_id))
+        _, (fd,) = self.conns[conn].recv()
+        self._through_mapping(fd, allocation, True, lambda va: self.mapper.write(va, pattern(allocation)))
 
     @rule(data=st.data(), size=st.integers(-1, 6 * MiB), tag=st.sampled_from(["weights", "kv", ""]))
     def allocate(self, data, size, tag):
@@ -282,11 +308,17 @@ class ServerMachine(RuleBasedStateMachine):
             )
             if allocation is not NO_ANSWER:
                 (fd,) = fds
+                fds = []
                 assert (response.size, response.aligned_size, response.layout_slot) == (
                     allocation.size, allocation.aligned_size, allocation.layout_slot,
                 )
                 if self.backend == "host":
                     assert os.fstat(fd).st_size == allocation.aligned_size
+                seen = self._through_mapping(
+                    fd, allocation, conn == state.writer,
+                    lambda va: self.mapper.read(va, len(pattern(allocation))),
+                )
+                assert seen == pattern(allocation), "a reader must see the writer's bytes"
         finally:
             for fd in fds:
                 os.close(fd)

@@ -1,0 +1,206 @@
+"""CUDA VMM: driver call latencies, and a reader importing a committed layout.
+
+1. Per-call latency (median) of the server's create/export/release (no
+   context) and the client's import/reserve/map/set-access/unmap, per size.
+2. A committed layout of 1, 8 and 32 GiB in 2 MiB, 64 MiB and 1 GiB
+   allocations, imported by a new reader process through gms (connect(RO),
+   list, batched export, map every allocation).  Next to it, measured in the
+   same run, the floor: the same driver calls (import, reserve, map,
+   set-access) for the same allocations with no gms in between.
+
+    python bench/vmm.py [--quick] [--json bench/results/vmm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import cpu_name, print_table, write_json
+from cuda.bindings import driver as cu
+
+from gms.cuda import vmm
+
+MiB, GiB = 1 << 20, 1 << 30
+READER = r"""
+import json, sys, time
+from gms import GMSClientMemoryManager
+from gms.cuda import vmm
+vmm.VmmMapper(0)  # the CUDA context: an engine has one before it imports weights
+t0 = time.perf_counter()
+mgr = GMSClientMemoryManager(sys.argv[1], device=0)
+mgr.connect("RO")
+t1 = time.perf_counter()
+ids = [h.allocation_id for h in mgr.list_handles()]
+t2 = time.perf_counter()
+vas = mgr.create_mappings(ids)
+t3 = time.perf_counter()
+print(json.dumps({"connect_s": t1 - t0, "list_s": t2 - t1, "map_s": t3 - t2, "n": len(vas)}))
+"""
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def per_call(size: int, repeats: int) -> dict[str, float]:
+    backend = vmm.VmmBackend(0)
+    mapper = vmm.VmmMapper(0)
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "cuMemCreate", "cuMemExportToShareableHandle", "dup", "cuMemImportFromShareableHandle",
+        "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease(import)",
+        "cuMemAddressFree", "cuMemRelease(server)",
+    )}
+    access = mapper._access[True]
+    for n in range(repeats):
+        t, handle = timed(cu.cuMemCreate, size, backend._prop, 0)
+        samples["cuMemCreate"].append(t)
+        handle = handle[1]
+        t, out = timed(cu.cuMemExportToShareableHandle, handle, vmm._POSIX_FD, 0)
+        samples["cuMemExportToShareableHandle"].append(t)
+        fd = int(out[1])
+        t, dup = timed(os.dup, fd)
+        samples["dup"].append(t)
+        t, out = timed(cu.cuMemImportFromShareableHandle, dup, vmm._POSIX_FD)
+        samples["cuMemImportFromShareableHandle"].append(t)
+        imported = out[1]
+        os.close(dup)
+        t, out = timed(cu.cuMemAddressReserve, size, mapper.granularity, 0, 0)
+        samples["cuMemAddressReserve"].append(t)
+        va = out[1]
+        t, _ = timed(cu.cuMemMap, va, size, 0, imported, 0)
+        samples["cuMemMap"].append(t)
+        t, _ = timed(cu.cuMemSetAccess, va, size, access, 1)
+        samples["cuMemSetAccess"].append(t)
+        t, _ = timed(cu.cuMemUnmap, va, size)
+        samples["cuMemUnmap"].append(t)
+        t, _ = timed(cu.cuMemRelease, imported)
+        samples["cuMemRelease(import)"].append(t)
+        t, _ = timed(cu.cuMemAddressFree, va, size)
+        samples["cuMemAddressFree"].append(t)
+        os.close(fd)
+        t, _ = timed(cu.cuMemRelease, handle)
+        samples["cuMemRelease(server)"].append(t)
+    return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
+
+
+def floor_import(count: int, size: int) -> float:
+    """Driver calls only: import, reserve, map, set-access for ``count`` allocations."""
+    backend = vmm.VmmBackend(0)
+    mapper = vmm.VmmMapper(0)
+    ids = [f"a{i}" for i in range(count)]
+    for allocation_id in ids:
+        backend.create(allocation_id, size)
+    fds = [backend.export(i) for i in ids]
+    access = mapper._access[False]
+    start = time.perf_counter()
+    mapped = []
+    for fd in fds:
+        _, handle = cu.cuMemImportFromShareableHandle(fd, vmm._POSIX_FD)
+        _, va = cu.cuMemAddressReserve(size, mapper.granularity, 0, 0)
+        cu.cuMemMap(va, size, 0, handle, 0)
+        cu.cuMemSetAccess(va, size, access, 1)
+        mapped.append((va, handle))
+    cu.cuCtxSynchronize()
+    elapsed = time.perf_counter() - start
+    for fd in fds:
+        os.close(fd)
+    for va, handle in mapped:
+        cu.cuMemUnmap(va, size)
+        cu.cuMemRelease(handle)
+        cu.cuMemAddressFree(va, size)
+    backend.close()
+    return elapsed
+
+
+def gms_import(count: int, size: int, tmp: str) -> dict:
+    """A real server holds the committed layout; a new process imports it."""
+    from gms import GMSClientMemoryManager
+
+    sock = os.path.join(tmp, f"bench-{count}-{size}.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", "cuda", "--socket", sock, "--log-level", "warning"]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        time.sleep(0.2)
+        writer = GMSClientMemoryManager(sock)
+        writer.connect("RW")
+        for _ in range(count):
+            writer.allocate_handle(size, "weights")
+        writer.commit()
+        writer.close()
+        runs = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-c", READER, sock], capture_output=True, text=True, check=True)
+            runs.append(json.loads(out.stdout))
+        best = min(runs, key=lambda r: r["map_s"] + r["connect_s"] + r["list_s"])
+        best["runs"] = runs
+        return best
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default="bench/results/vmm.json")
+    args = parser.parse_args()
+    repeats = 20 if args.quick else 100
+
+    calls = {label: per_call(size, repeats) for label, size in (("2 MiB", 2 * MiB), ("64 MiB", 64 * MiB), ("1 GiB", GiB))}
+    names = list(next(iter(calls.values())))
+    print_table(
+        "driver calls, median µs",
+        [(name, *(f"{calls[s][name]:.1f}" for s in calls)) for name in names],
+        header=("call", *calls),
+    )
+
+    totals = (1, 8) if args.quick else (1, 8, 32)
+    layouts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for total in totals:
+            for size_label, size in (("2 MiB", 2 * MiB), ("64 MiB", 64 * MiB), ("1 GiB", GiB)):
+                count = total * GiB // size
+                floor_s = floor_import(count, size)
+                got = gms_import(count, size, tmp)
+                path_s = got["list_s"] + got["map_s"]
+                layouts.append({
+                    "total_gib": total, "allocation": size_label, "count": count,
+                    "floor_ms": floor_s * 1e3, "gms_connect_ms": got["connect_s"] * 1e3,
+                    "gms_list_ms": got["list_s"] * 1e3, "gms_map_ms": got["map_s"] * 1e3,
+                    "gms_import_ms": (got["connect_s"] + path_s) * 1e3,
+                    "ratio_mapping_path_to_floor": path_s / floor_s,
+                    "gib_per_s": total / (got["connect_s"] + path_s),
+                })
+    print_table(
+        "reader import of a committed layout (new process, connect(RO) to all mapped)",
+        [(f"{r['total_gib']} GiB", r["allocation"], r["count"], f"{r['floor_ms']:.1f}",
+          f"{r['gms_connect_ms']:.2f}", f"{r['gms_list_ms'] + r['gms_map_ms']:.1f}",
+          f"{r['gms_import_ms']:.1f}", f"{r['ratio_mapping_path_to_floor']:.2f}x",
+          f"{r['gib_per_s']:,.0f}") for r in layouts],
+        header=("layout", "alloc", "n", "floor ms", "connect ms", "list+map ms", "total ms",
+                "map path / floor", "GiB/s"),
+    )
+    gpu = vmm.VmmBackend(0)
+    write_json(args.json, {
+        "gpu": gpu.device_name, "gpu_uuid": gpu.uuid, "cpu": cpu_name(),
+        "driver_calls_us": calls, "layouts": layouts,
+    })
+
+
+if __name__ == "__main__":
+    main()

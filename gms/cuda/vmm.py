@@ -1,0 +1,257 @@
+"""CUDA VMM adapters (``cuda.bindings.driver``): the real GPU memory path.
+
+Server side (:class:`VmmBackend`): ``cuMemCreate`` pinned device memory that
+can be exported as a POSIX fd, export it once, ``dup()`` per export, release
+on layout clear.  It never maps and never creates a context.
+
+Client side (:class:`VmmMapper`): import the fd, reserve aligned address
+space, ``cuMemMap`` and ``cuMemSetAccess`` (read-write for RW, read-only for
+RO) in the device's primary context, the one PyTorch uses.
+
+Errors: out-of-memory raises :class:`OutOfMemory` (the server retries).  Any
+other CUDA error raises :class:`CudaError` on the server (the server stops)
+and ends the process on the client, as the seed requires: a failed VMM call
+leaves address space in a state no caller can reason about.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+
+from cuda.bindings import driver as cu
+
+from .interface import BackendError, DeviceInfo, OutOfMemory
+
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
+_OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+_POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+EXIT_CUDA_FAILURE = 70
+
+
+class CudaError(BackendError):
+    def __init__(self, call: str, result) -> None:
+        err, name = cu.cuGetErrorName(result)
+        label = name.decode() if err == _SUCCESS else str(result)
+        super().__init__(f"{call} failed: {label} ({int(result)})")
+        self.call = call
+        self.result = result
+
+
+def _check(call: str, out):
+    """Unpack a cuda-bindings result tuple, raising on failure."""
+    result, *values = out if isinstance(out, tuple) else (out,)
+    if result != _SUCCESS:
+        if result == _OOM:
+            raise OutOfMemory(f"{call}: CUDA_ERROR_OUT_OF_MEMORY")
+        raise CudaError(call, result)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _init() -> None:
+    _check("cuInit", cu.cuInit(0))
+
+
+def _device(ordinal: int):
+    _init()
+    return _check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+
+
+def _format_uuid(raw) -> str:
+    data = raw if isinstance(raw, bytes | bytearray) else bytes(ord(c) & 0xFF for c in raw)
+    h = bytes(data[:16]).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def device_uuid(ordinal: int) -> str:
+    """The GPU's UUID as nvidia-smi prints it (stable across CUDA_VISIBLE_DEVICES)."""
+    return _format_uuid(_check("cuDeviceGetUuid", cu.cuDeviceGetUuid(_device(ordinal))).bytes)
+
+
+def _allocation_prop(ordinal: int) -> cu.CUmemAllocationProp:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = _POSIX_FD
+    return prop
+
+
+def granularity(ordinal: int) -> int:
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(_allocation_prop(ordinal), flag)))
+
+
+# -- NVML (free memory without a context) ---------------------------------------
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml_free_bytes(uuid: str) -> int | None:
+    """Free device memory from NVML; None where NVML is missing."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) != 0:
+            return None
+        memory = _NvmlMemory()
+        if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+            return None
+        return int(memory.free)
+    except OSError:
+        return None
+
+
+# -- server ----------------------------------------------------------------------
+
+
+class VmmBackend:
+    """Creates and exports device memory; never maps it, never needs a context."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self._dev = _device(device)
+        self._prop = _allocation_prop(device)
+        self.granularity = granularity(device)
+        self.uuid = device_uuid(device)
+        raw_name = _check("cuDeviceGetName", cu.cuDeviceGetName(256, self._dev))
+        self.device_name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
+        self.total_bytes = int(_check("cuDeviceTotalMem", cu.cuDeviceTotalMem(self._dev)))
+        self._handles: dict[str, tuple[object, int, int]] = {}  # id -> (handle, fd, size)
+
+    def create(self, allocation_id: str, aligned_size: int) -> None:
+        handle = _check("cuMemCreate", cu.cuMemCreate(aligned_size, self._prop, 0))
+        try:
+            fd = _check(
+                "cuMemExportToShareableHandle", cu.cuMemExportToShareableHandle(handle, _POSIX_FD, 0)
+            )
+        except BaseException:
+            cu.cuMemRelease(handle)
+            raise
+        self._handles[allocation_id] = (handle, int(fd), aligned_size)
+
+    def export(self, allocation_id: str) -> int:
+        return os.dup(self._handles[allocation_id][1])
+
+    def release(self, allocation_id: str) -> None:
+        handle, fd, _ = self._handles.pop(allocation_id)
+        os.close(fd)
+        _check("cuMemRelease", cu.cuMemRelease(handle))
+
+    def live_handles(self) -> tuple[int, int]:
+        return len(self._handles), sum(size for _, _, size in self._handles.values())
+
+    def device_info(self) -> DeviceInfo:
+        return DeviceInfo(
+            backend=self.name,
+            device=self.device,
+            name=self.device_name,
+            uuid=self.uuid,
+            total_bytes=self.total_bytes,
+            free_bytes=_nvml_free_bytes(self.uuid),
+        )
+
+    def close(self) -> None:
+        for allocation_id in list(self._handles):
+            self.release(allocation_id)
+
+
+# -- client ------------------------------------------------------------------------
+
+
+def fatal(message: str) -> None:
+    """The seed's rule for the client: a non-OOM CUDA VMM failure ends the process."""
+    sys.stderr.write(f"gms: FATAL CUDA failure in the client: {message}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CUDA_FAILURE)
+
+
+class VmmMapper:
+    """Maps exported device memory into this process's CUDA address space."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        try:
+            self._dev = _device(device)
+            self._ctx = _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._dev))
+            self.granularity = granularity(device)
+            self.device_uuid = device_uuid(device)
+        except CudaError as exc:
+            fatal(str(exc))
+        self._current = threading.local()
+        location = cu.CUmemLocation()
+        location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        location.id = device
+        self._access = {}
+        for writable, flags in (
+            (True, cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE),
+            (False, cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ),
+        ):
+            desc = cu.CUmemAccessDesc()
+            desc.location = location
+            desc.flags = flags
+            self._access[writable] = [desc]
+
+    def _run(self, call: str, out):
+        try:
+            return _check(call, out)
+        except CudaError as exc:
+            fatal(str(exc))
+
+    def _make_current(self) -> None:
+        # The primary context, current in whichever thread calls us.
+        if getattr(self._current, "ok", False):
+            return
+        self._run("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
+        self._current.ok = True
+
+    def reserve(self, size: int) -> int:
+        self._make_current()
+        return int(self._run("cuMemAddressReserve", cu.cuMemAddressReserve(size, self.granularity, 0, 0)))
+
+    def map(self, fd: int, va: int, size: int, writable: bool) -> object:
+        self._make_current()
+        try:
+            handle = self._run(
+                "cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+            )
+        finally:
+            os.close(fd)  # the imported handle holds its own reference
+        self._run("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))
+        self._run("cuMemSetAccess", cu.cuMemSetAccess(va, size, self._access[writable], 1))
+        return handle
+
+    def unmap(self, va: int, size: int, handle: object) -> None:
+        self._make_current()
+        self._run("cuMemUnmap", cu.cuMemUnmap(va, size))
+        self._run("cuMemRelease", cu.cuMemRelease(handle))
+
+    def free(self, va: int, size: int) -> None:
+        self._make_current()
+        self._run("cuMemAddressFree", cu.cuMemAddressFree(va, size))
+
+    def synchronize(self) -> None:
+        self._make_current()
+        self._run("cuCtxSynchronize", cu.cuCtxSynchronize())
+
+    def write(self, va: int, data: bytes) -> None:
+        self._make_current()
+        self._run("cuMemcpyHtoD", cu.cuMemcpyHtoD(va, data, len(data)))
+
+    def read(self, va: int, size: int) -> bytes:
+        self._make_current()
+        buffer = bytearray(size)
+        self._run("cuMemcpyDtoH", cu.cuMemcpyDtoH(buffer, va, size))
+        return bytes(buffer)
