@@ -12,7 +12,7 @@ if ls .wheels/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.gms-wheels ]; then
     --target /tmp/site .wheels/*.whl && touch /tmp/site/.gms-wheels || exit 1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import gms" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+python3 -m pip show -q gms >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export PYTHONUNBUFFERED=1
 mode=${1:-tests}; shift || true
 case "$mode" in
@@ -27,5 +27,8 @@ case "$mode" in
     name=$1; shift
     GMS_BENCH_OUT="$OUT" python3 "bench/$name.py" "$@" 2>&1 | tee "$OUT/bench-$name.log"
     ;;
-  *) echo "usage: $0 tests|bench NAME" >&2; exit 2 ;;
+  run)
+    python3 "$@" 2>&1 | tee -a "$OUT/run.log"
+    ;;
+  *) echo "usage: $0 tests|bench NAME|run SCRIPT" >&2; exit 2 ;;
 esac

@@ -55,10 +55,18 @@ def spawn(cmd: str, server, key: str = "t0") -> subprocess.Popen:
     )
 
 
+def first_line(proc: subprocess.Popen) -> list[str]:
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise AssertionError(f"client process printed nothing; stderr:\n{proc.stderr.read()}")
+    return line.split()
+
+
 def test_readers_in_other_processes_see_the_writers_bytes(server):
     publish(server.socket, {"t0": PAYLOAD, "t1": PAYLOAD[::-1]})
     readers = [spawn("read", server, key) for key in ("t0", "t1", "t0")]
-    outputs = [r.stdout.readline().split() for r in readers]
+    outputs = [first_line(r) for r in readers]
     assert [bytes.fromhex(o[1]) for o in outputs] == [PAYLOAD, PAYLOAD[::-1], PAYLOAD]
     assert server.state().ro_session_count == 3
     for reader in readers:
@@ -70,8 +78,8 @@ def test_readers_in_other_processes_see_the_writers_bytes(server):
 def test_read_only_mapping_cannot_be_written(server):
     publish(server.socket, {"t0": PAYLOAD})
     proc = spawn("write-ro", server)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "survived" not in out
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "survived" not in out, err
     reader = GMSClientMemoryManager(server.socket)
     reader.connect(RequestedLockType.RO)
     allocation_id, offset, _ = reader.metadata_get("t0")
@@ -83,8 +91,8 @@ def test_read_only_mapping_cannot_be_written(server):
 def test_unmapped_memory_is_really_gone(server):
     publish(server.socket, {"t0": PAYLOAD})
     proc = spawn("touch-unmapped", server)
-    out, _ = proc.communicate(timeout=60)
-    assert "reading" in out and "survived" not in out and proc.returncode != 0
+    out, err = proc.communicate(timeout=60)
+    assert "reading" in out and "survived" not in out and proc.returncode != 0, err
 
 
 def test_sleep_and_wake_keep_addresses_and_bytes(server):

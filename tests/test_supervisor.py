@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
 
 from .helpers import wait_until
+
+
+@pytest.fixture
+def tmp_path():
+    # GPU UUIDs make long socket names; pytest's folders would pass AF_UNIX's 108 bytes.
+    path = tempfile.mkdtemp(prefix="gms-", dir="/tmp")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(path: str) -> bool:
