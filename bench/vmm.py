@@ -57,7 +57,7 @@ def per_call(size: int, repeats: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {k: [] for k in (
         "cuMemCreate", "cuMemExportToShareableHandle", "dup", "cuMemImportFromShareableHandle",
         "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease(import)",
-        "cuMemAddressFree", "cuMemRelease(server)",
+        "cuMemAddressFree", "cuMemRelease(server)", "close(imported fd)",
     )}
     access = mapper._access[True]
     for n in range(repeats):
@@ -72,7 +72,8 @@ def per_call(size: int, repeats: int) -> dict[str, float]:
         t, out = timed(cu.cuMemImportFromShareableHandle, dup, vmm._POSIX_FD)
         samples["cuMemImportFromShareableHandle"].append(t)
         imported = out[1]
-        os.close(dup)
+        t, _ = timed(os.close, dup)
+        samples["close(imported fd)"].append(t)
         t, out = timed(cu.cuMemAddressReserve, size, mapper.granularity, 0, 0)
         samples["cuMemAddressReserve"].append(t)
         va = out[1]

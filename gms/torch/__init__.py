@@ -1,0 +1,47 @@
+"""PyTorch integration (``pip install gms[torch]``).
+
+* ``use_memory(mgr, tag)``: tensors created inside live in gms memory (CUDA).
+* ``publish_module`` / ``publish_tensors``: describe a model's tensors (RW).
+* ``materialize_module`` / ``import_tensors``: zero-copy tensors in a reader.
+* ``load_safetensors``: a checkpoint straight from disk into gms (RW).
+* ``sleep`` / ``wake_weights`` / ``wake_kv_cache``: the shadow-engine pattern.
+
+On the host backend the same calls yield CPU tensors.
+"""
+
+from .allocator import build_shim, pluggable_allocator, use_memory
+from .encoding import TensorMeta, TensorMetaError, decode, encode
+from .loader import CheckpointError, load_safetensors, read_header
+from .modules import (
+    empty_parameters,
+    import_tensors,
+    materialize_module,
+    module_tensors,
+    publish_module,
+    publish_tensors,
+)
+from .packing import plan_packs
+from .sleep import sleep, wake_kv_cache, wake_weights
+
+__all__ = [
+    "CheckpointError",
+    "TensorMeta",
+    "TensorMetaError",
+    "build_shim",
+    "decode",
+    "empty_parameters",
+    "encode",
+    "import_tensors",
+    "load_safetensors",
+    "materialize_module",
+    "module_tensors",
+    "plan_packs",
+    "pluggable_allocator",
+    "publish_module",
+    "publish_tensors",
+    "read_header",
+    "sleep",
+    "use_memory",
+    "wake_kv_cache",
+    "wake_weights",
+]

@@ -1,0 +1,54 @@
+"""Zero-copy tensors over mapped memory.
+
+One uint8 *region* tensor covers a whole mapping; every tensor in it is a
+view of the region's storage, so making 500 tensors costs 500 cheap views,
+not 500 imports.  On the CUDA backend regions are built through
+``__cuda_array_interface__``; on the host backend through ``frombuffer``, so
+the same code yields CPU tensors on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .encoding import TensorMeta
+
+
+class _CudaRegion:
+    """Just enough of the CUDA array interface for torch.as_tensor."""
+
+    def __init__(self, va: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (va, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # mapping is synchronous: nothing to wait for
+        }
+
+
+def region(va: int, size: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``size`` mapped bytes at ``va``."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaRegion(va, size), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * size).from_address(va), dtype=torch.uint8)
+
+
+def view(base: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, starting ``offset`` bytes into ``base``."""
+    if offset % meta.itemsize:
+        raise ValueError(f"offset {offset} is not aligned to {meta.dtype} ({meta.itemsize} bytes)")
+    if offset + meta.extent_bytes() > base.numel():
+        raise ValueError(
+            f"a {meta.dtype} tensor of shape {meta.shape} at offset {offset} "
+            f"does not fit in {base.numel()} bytes"
+        )
+    out = torch.empty(0, dtype=meta.dtype, device=base.device)
+    return out.set_(base.untyped_storage(), offset // meta.itemsize, meta.shape, meta.stride)
+
+
+def device_for(backend: str, device: int) -> torch.device:
+    return torch.device("cuda", device) if backend == "cuda" else torch.device("cpu")
