@@ -95,6 +95,7 @@ def demo(args) -> None:
         "same_tokens": p["tokens"] == s["tokens"],
         "failover_ms": (s["woke_at"] - p["exiting_at"]) * 1e3,
         "primary_exit_ms": (exited - p["exiting_at"]) * 1e3,
+        "woke_at": s["woke_at"],
         "wake_ms": s["wake_ms"],
         "returncodes": [first.returncode, second.returncode],
     }))

@@ -78,12 +78,13 @@ def host_region():
 def test_views_over_mapped_memory_read_what_was_written(host_region, meta, slot):
     va, size = host_region
     offset = slot * 64  # 64-aligned, like every packed placement
-    base = gt.views.region(va, size, torch.device("cpu"))
+    region = gt.views.Region(va, size, torch.device("cpu"))
+    base = region.base
     if offset + meta.extent_bytes() > size:
         with pytest.raises(ValueError):
-            gt.views.view(base, offset, meta)
+            region.tensor(offset, meta)
         return
-    tensor = gt.views.view(base, offset, meta)
+    tensor = region.tensor(offset, meta)
     assert (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) == (meta.dtype, meta.shape, meta.stride)
     if not tensor.numel():
         return  # torch gives empty tensors no address

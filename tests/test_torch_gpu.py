@@ -181,5 +181,8 @@ def test_shadow_pair_example_fails_over(weights, kv_server, tmp_path):
     out = run_example(str(EXAMPLES / "shadow_pair.py"), "demo", "--weights-socket", weights.socket,
                       "--kv-socket", kv_server.socket)
     summary = json.loads(out.splitlines()[-1])
-    aborts = [e.time for e in kv_server.events() if e.kind == "RW_ABORT"]
-    assert summary["same_tokens"] and summary["failover_ms"] < 5000, (summary, aborts)
+    assert summary["same_tokens"], summary
+    # The primary's process teardown (the driver's, seconds on some hosts) ends
+    # with its sockets closing; from that RW_ABORT to the shadow's lock is gms.
+    (abort,) = [e for e in kv_server.events() if e.kind == "RW_ABORT"]
+    assert 0 <= summary["woke_at"] - abort.time < 1.0, (summary, abort)

@@ -38,16 +38,27 @@ HandleInfo = m.GetAllocationResponse
 
 @attrs.define
 class Mapping:
-    """One reserved range and the allocation it holds (or held, while unmapped)."""
+    """An address range and the allocation it holds (or held, while unmapped)."""
 
     va: int
-    size: int  # the reservation: the allocation's aligned size
+    size: int  # the allocation's aligned size
     allocation_id: str
     alloc_size: int
     tag: str
     layout_slot: int
+    reservation: int  # base address of the reservation it lies in
     handle: object = None
     mapped: bool = False
+
+
+@attrs.define
+class Reservation:
+    """Reserved address space; one for a batch of mappings made together, so
+    their access is granted in one call.  Freed when its last mapping goes."""
+
+    va: int
+    size: int
+    members: int = 0
 
 
 class _Resources:
@@ -57,17 +68,20 @@ class _Resources:
         self.transport: RpcTransport | None = None
         self.mapper: Mapper | None = None
         self.mappings: dict[int, Mapping] = {}
-        self.reservations: dict[int, int] = {}  # va -> size
+        self.reservations: dict[int, Reservation] = {}
+
+    def unmap(self, mappings) -> None:
+        live = [mp for mp in mappings if mp.mapped]
+        if live:
+            self.mapper.unmap_many([(mp.va, mp.size, mp.handle) for mp in live])
+        for mp in live:
+            mp.mapped, mp.handle = False, None
 
     def release(self) -> None:
-        mapper = self.mapper
-        if mapper is not None:
-            for mapping in self.mappings.values():
-                if mapping.mapped:
-                    mapper.unmap(mapping.va, mapping.size, mapping.handle)
-                    mapping.mapped = False
-            for va, size in self.reservations.items():
-                mapper.free(va, size)
+        if self.mapper is not None:
+            self.unmap(self.mappings.values())
+            for reservation in self.reservations.values():
+                self.mapper.free(reservation.va, reservation.size)
         self.mappings.clear()
         self.reservations.clear()
         if self.transport is not None:
@@ -275,20 +289,21 @@ class GMSClientMemoryManager:
         with self._lock:
             size = align_up(size, self._mapper.granularity)
             va = self._mapper.reserve(size)
-            self._res.reservations[va] = size
+            self._res.reservations[va] = Reservation(va, size)
             return va
 
     def map_va(self, fd: int, va: int, size: int, allocation_id: str, tag: str) -> object:
         """Map ``fd`` (consumed) at a reserved ``va``; returns the mapper's handle."""
         with self._lock:
-            reserved = self._res.reservations.get(va)
-            if reserved is None or reserved < size:
-                raise GMSUsageError(f"no reservation of {size} bytes at {va:#x}")
+            reservation = self._res.reservations.get(va)
+            if reservation is None or reservation.members or reservation.size < size:
+                raise GMSUsageError(f"no free reservation of {size} bytes at {va:#x}")
             info = self.get_handle_info(allocation_id)
             writable = self._granted is GrantedLockType.RW
-            handle = self._mapper.map(fd, va, reserved, writable)
+            handle = self._mapper.map(fd, va, reservation.size, writable)
+            reservation.members = 1
             self._res.mappings[va] = Mapping(
-                va, reserved, allocation_id, info.size, tag, info.layout_slot, handle, True
+                va, reservation.size, allocation_id, info.size, tag, info.layout_slot, va, handle, True
             )
             self._note_layout(writable)
             return handle
@@ -299,19 +314,25 @@ class GMSClientMemoryManager:
             mapping = self._mapping(va)
             if mapping.mapped:
                 self._mapper.synchronize()
-                self._mapper.unmap(mapping.va, mapping.size, mapping.handle)
-                mapping.mapped, mapping.handle = False, None
+                self._res.unmap([mapping])
 
     def free_va(self, va: int) -> None:
-        """Give the reservation back (unmapping first if needed)."""
+        """Forget the mapping at ``va`` (unmapping it) and give its reservation back
+        once nothing else lies in it; or free an unused reservation."""
         with self._lock:
-            if va in self._res.mappings:
+            mapping = self._res.mappings.get(va)
+            if mapping is not None:
                 self.unmap_va(va)
                 del self._res.mappings[va]
-            size = self._res.reservations.pop(va, None)
-            if size is None:
-                raise GMSUsageError(f"no reservation at {va:#x}")
-            self._mapper.free(va, size)
+                reservation = self._res.reservations[mapping.reservation]
+                reservation.members -= 1
+            else:
+                reservation = self._res.reservations.get(va)
+                if reservation is None or reservation.members:
+                    raise GMSUsageError(f"no mapping or unused reservation at {va:#x}")
+            if reservation.members == 0:
+                del self._res.reservations[reservation.va]
+                self._mapper.free(reservation.va, reservation.size)
 
     def _mapping(self, va: int) -> Mapping:
         try:
@@ -365,24 +386,32 @@ class GMSClientMemoryManager:
             return self.create_mappings([allocation_id])[0]
 
     def create_mappings(self, allocation_ids: Sequence[str]) -> list[int]:
-        """Import and map many allocations in few round trips; returns their VAs in order."""
+        """Import and map many allocations in few round trips; returns their VAs in order.
+
+        They share one reservation, back to back, so the driver grants access
+        once for all of them.
+        """
         with self._lock:
             writable = self._granted is GrantedLockType.RW
             exported = self.export_handles(allocation_ids)
-            vas: list[int] = []
+            if not exported:
+                return []
+            infos = [info for info, _ in exported]
             try:
-                for n, (info, fd) in enumerate(exported):
-                    va = self._mapper.reserve(info.aligned_size)
-                    self._res.reservations[va] = info.aligned_size
-                    handle = self._mapper.map(fd, va, info.aligned_size, writable)
-                    exported[n] = (info, -1)  # consumed
-                    self._res.mappings[va] = Mapping(
-                        va, info.aligned_size, info.allocation_id, info.size, info.tag,
-                        info.layout_slot, handle, True,
-                    )
-                    vas.append(va)
+                total = sum(info.aligned_size for info in infos)
+                base = self._mapper.reserve(total)
+                self._res.reservations[base] = Reservation(base, total, len(infos))
+                vas = [base + sum(i.aligned_size for i in infos[:n]) for n in range(len(infos))]
+                items = [(fd, va, info.aligned_size) for (info, fd), va in zip(exported, vas)]
+                exported = []  # map_many consumes every fd, whatever happens
+                handles = self._mapper.map_many(items, writable)
             finally:
-                _close_all([fd for _, fd in exported if fd >= 0])
+                _close_all([fd for _, fd in exported])
+            for info, va, handle in zip(infos, vas, handles):
+                self._res.mappings[va] = Mapping(
+                    va, info.aligned_size, info.allocation_id, info.size, info.tag,
+                    info.layout_slot, base, handle, True,
+                )
             self._note_layout(writable)
             return vas
 
@@ -402,14 +431,10 @@ class GMSClientMemoryManager:
             self._unmap_all()
 
     def _unmap_all(self) -> None:
-        mapper = self._res.mapper
-        if mapper is None:
+        if self._res.mapper is None:
             return
-        mapper.synchronize()
-        for mapping in self._res.mappings.values():
-            if mapping.mapped:
-                mapper.unmap(mapping.va, mapping.size, mapping.handle)
-                mapping.mapped, mapping.handle = False, None
+        self._res.mapper.synchronize()
+        self._res.unmap(self._res.mappings.values())
         self._unmapped = True
 
     def remap_all_vas(self) -> None:
@@ -444,13 +469,10 @@ class GMSClientMemoryManager:
                         )
                     mapping.allocation_id = found.allocation_id
             exported = self.export_handles([mp.allocation_id for mp in pending])
-            try:
-                for n, (mapping, (info, fd)) in enumerate(zip(pending, exported)):
-                    mapping.handle = self._mapper.map(fd, mapping.va, mapping.size, writable)
-                    mapping.mapped = True
-                    exported[n] = (info, -1)
-            finally:
-                _close_all([fd for _, fd in exported if fd >= 0])
+            items = [(fd, mp.va, mp.size) for mp, (_, fd) in zip(pending, exported)]
+            handles = self._mapper.map_many(items, writable)  # consumes the fds
+            for mapping, handle in zip(pending, handles):
+                mapping.handle, mapping.mapped = handle, True
             self._unmapped = False
 
     def reallocate_all_handles(self, tag: str = "default") -> None:

@@ -190,10 +190,17 @@ class HostMapper:
             raise BackendError(f"map landed at {got:#x}, not {va:#x}")
         return va  # the host has no separate handle: the mapping is its address
 
+    def map_many(self, items, writable: bool) -> list[object]:
+        return [self.map(fd, va, size, writable) for fd, va, size in items]
+
     def unmap(self, va: int, size: int, handle: object) -> None:
         # Replace the mapping with a fresh reservation in one call: no window
         # in which another thread's mmap could take the range.
         _check_mmap(_mmap(va, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0), "unmap")
+
+    def unmap_many(self, items) -> None:
+        for va, size, handle in items:
+            self.unmap(va, size, handle)
 
     def free(self, va: int, size: int) -> None:
         if _munmap(va, size) != 0:

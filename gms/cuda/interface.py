@@ -10,6 +10,7 @@ a laptop and a GPU host.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import attrs
@@ -35,6 +36,20 @@ class DeviceInfo:
 
 def align_up(size: int, granularity: int) -> int:
     return -(-size // granularity) * granularity
+
+
+def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Merge (start, size) ranges that touch into (start, size) runs, in address order."""
+    run_start = run_end = None
+    for start, size in sorted(ranges):
+        if run_end is not None and start == run_end:
+            run_end += size
+            continue
+        if run_start is not None:
+            yield run_start, run_end - run_start
+        run_start, run_end = start, start + size
+    if run_start is not None:
+        yield run_start, run_end - run_start
 
 
 class MemoryBackend(Protocol):
@@ -72,8 +87,14 @@ class Mapper(Protocol):
     def map(self, fd: int, va: int, size: int, writable: bool) -> object:
         """Import ``fd`` (closing it) and map it at ``va``; returns a handle for unmap."""
 
+    def map_many(self, items: Sequence[tuple[int, int, int]], writable: bool) -> list[object]:
+        """``map`` for many (fd, va, size); access is granted once per contiguous run."""
+
     def unmap(self, va: int, size: int, handle: object) -> None:
         """Unmap and release the imported memory; the reservation stays."""
+
+    def unmap_many(self, items: Sequence[tuple[int, int, object]]) -> None:
+        """``unmap`` for many (va, size, handle), one unmap per contiguous run."""
 
     def free(self, va: int, size: int) -> None:
         """Give the reservation back."""

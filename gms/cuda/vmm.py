@@ -23,7 +23,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .interface import BackendError, DeviceInfo, OutOfMemory
+from .interface import BackendError, DeviceInfo, OutOfMemory, contiguous_runs
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
@@ -222,21 +222,40 @@ class VmmMapper:
         return int(self._run("cuMemAddressReserve", cu.cuMemAddressReserve(size, self.granularity, 0, 0)))
 
     def map(self, fd: int, va: int, size: int, writable: bool) -> object:
+        return self.map_many([(fd, va, size)], writable)[0]
+
+    def map_many(self, items, writable: bool) -> list[object]:
+        """Import and map each; then one cuMemSetAccess per contiguous run of
+        mappings (set-access is the dearest call, and may span mappings)."""
         self._make_current()
+        handles = []
         try:
-            handle = self._run(
-                "cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(fd, _POSIX_FD)
-            )
+            for fd, va, size in items:
+                try:
+                    handle = self._run(
+                        "cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+                    )
+                finally:
+                    os.close(fd)  # the imported handle holds its own reference
+                self._run("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))
+                handles.append(handle)
         finally:
-            os.close(fd)  # the imported handle holds its own reference
-        self._run("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))
-        self._run("cuMemSetAccess", cu.cuMemSetAccess(va, size, self._access[writable], 1))
-        return handle
+            for fd, _, _ in items[len(handles) + 1 :]:
+                os.close(fd)
+        access = self._access[writable]
+        for start, length in contiguous_runs([(va, size) for _, va, size in items]):
+            self._run("cuMemSetAccess", cu.cuMemSetAccess(start, length, access, 1))
+        return handles
 
     def unmap(self, va: int, size: int, handle: object) -> None:
+        self.unmap_many([(va, size, handle)])
+
+    def unmap_many(self, items) -> None:
         self._make_current()
-        self._run("cuMemUnmap", cu.cuMemUnmap(va, size))
-        self._run("cuMemRelease", cu.cuMemRelease(handle))
+        for start, length in contiguous_runs([(va, size) for va, size, _ in items]):
+            self._run("cuMemUnmap", cu.cuMemUnmap(start, length))
+        for _, _, handle in items:
+            self._run("cuMemRelease", cu.cuMemRelease(handle))
 
     def free(self, va: int, size: int) -> None:
         self._make_current()

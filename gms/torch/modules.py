@@ -24,7 +24,7 @@ from ..client.manager import GMSClientMemoryManager
 from ..fsm import GrantedLockType
 from .encoding import TensorMeta, decode, encode
 from .packing import DEFAULT_PACK_BYTES, plan_packs
-from .views import device_for, region, view
+from .views import Region, device_for
 
 _PUT_BATCH = 4096  # entries per metadata_put_many, well under the frame cap
 
@@ -88,16 +88,16 @@ def publish_tensors(
         keys = list(to_copy)
         sizes = [sources[k].numel() * sources[k].element_size() for k in keys]
         plan = plan_packs(sizes, pack_bytes)
-        bases = []
+        packs = []
         for pack_size in plan.pack_sizes:
             va = mgr.create_mapping(size=pack_size, tag=tag)
             mapping = next(mp for mp in mgr.mappings if mp.va == va)
-            bases.append((mapping, region(va, mapping.size, device)))
+            packs.append((mapping, Region(va, mapping.size, device)))
         for key, placement in zip(keys, plan.placements):
             source = sources[key]
-            mapping, base = bases[placement.pack]
+            mapping, pack = packs[placement.pack]
             meta = TensorMeta(source.dtype, tuple(source.shape), tuple(source.contiguous().stride()))
-            view(base, placement.offset, meta).copy_(source)
+            pack.tensor(placement.offset, meta).copy_(source)
             for name in to_copy[key]:
                 entries[name] = (mapping.allocation_id, placement.offset, encode(meta))
         _synchronize(device)
@@ -134,14 +134,14 @@ def import_tensors(mgr: GMSClientMemoryManager, prefix: str = "") -> dict[str, t
     if missing:
         mgr.create_mappings(missing)
         mapped = {mp.allocation_id: mp for mp in mgr.mappings if mp.mapped}
-    bases = {alloc: region(mp.va, mp.size, device) for alloc, mp in mapped.items()}
+    regions = {alloc: Region(mp.va, mp.size, device) for alloc, mp in mapped.items()}
     made: dict[tuple[str, int, bytes], torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, entry in entries.items():
         tensor = made.get(entry)
         if tensor is None:
             alloc, offset, value = entry
-            tensor = made[entry] = view(bases[alloc], offset, decode(value))
+            tensor = made[entry] = regions[alloc].tensor(offset, decode(value))
         out[key[len(prefix) :]] = tensor
     return out
 

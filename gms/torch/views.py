@@ -2,7 +2,8 @@
 
 One uint8 *region* tensor covers a whole mapping; every tensor in it is a
 view of the region's storage, so making 500 tensors costs 500 cheap views,
-not 500 imports.  On the CUDA backend regions are built through
+not 500 imports.  Mappings are multiples of the allocation granularity, so
+the region can be viewed as any dtype.  On the CUDA backend regions are built through
 ``__cuda_array_interface__``; on the host backend through ``frombuffer``, so
 the same code yields CPU tensors on a machine without a GPU.
 """
@@ -37,17 +38,27 @@ def region(va: int, size: int, device: torch.device) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_uint8 * size).from_address(va), dtype=torch.uint8)
 
 
-def view(base: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
-    """The tensor ``meta`` describes, starting ``offset`` bytes into ``base``."""
-    if offset % meta.itemsize:
-        raise ValueError(f"offset {offset} is not aligned to {meta.dtype} ({meta.itemsize} bytes)")
-    if offset + meta.extent_bytes() > base.numel():
-        raise ValueError(
-            f"a {meta.dtype} tensor of shape {meta.shape} at offset {offset} "
-            f"does not fit in {base.numel()} bytes"
-        )
-    out = torch.empty(0, dtype=meta.dtype, device=base.device)
-    return out.set_(base.untyped_storage(), offset // meta.itemsize, meta.shape, meta.stride)
+class Region:
+    """A mapping seen as tensors: a uint8 base, and one typed view per dtype,
+    from which each tensor is one ``as_strided`` (about a microsecond)."""
+
+    def __init__(self, va: int, size: int, device: torch.device) -> None:
+        self.base = region(va, size, device)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def tensor(self, offset: int, meta: TensorMeta) -> torch.Tensor:
+        """The tensor ``meta`` describes, starting ``offset`` bytes into the region."""
+        if offset % meta.itemsize:
+            raise ValueError(f"offset {offset} is not aligned to {meta.dtype} ({meta.itemsize} bytes)")
+        if offset + meta.extent_bytes() > self.base.numel():
+            raise ValueError(
+                f"a {meta.dtype} tensor of shape {meta.shape} at offset {offset} "
+                f"does not fit in {self.base.numel()} bytes"
+            )
+        typed = self._typed.get(meta.dtype)
+        if typed is None:
+            typed = self._typed[meta.dtype] = self.base.view(meta.dtype)
+        return typed.as_strided(meta.shape, meta.stride, offset // meta.itemsize)
 
 
 def device_for(backend: str, device: int) -> torch.device:
