@@ -6,8 +6,70 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+# The driver calls alone (import, reserve, map, set-access per allocation) on
+# fds a real server exported: the floor a gms import is measured against.
+DRIVER_FLOOR = r"""
+import json, sys, time
+from cuda.bindings import driver as cu
+from gms import GMSClientMemoryManager
+from gms.cuda import vmm
+mapper = vmm.VmmMapper(0)
+mgr = GMSClientMemoryManager(sys.argv[1], device=0)
+mgr.connect("RO")
+exported = mgr.export_handles([h.allocation_id for h in mgr.list_handles()])
+access = mapper._access[False]
+t0 = time.perf_counter()
+for info, fd in exported:
+    _, handle = cu.cuMemImportFromShareableHandle(fd, vmm._POSIX_FD)
+    _, va = cu.cuMemAddressReserve(info.aligned_size, mapper.granularity, 0, 0)
+    cu.cuMemMap(va, info.aligned_size, 0, handle, 0)
+    cu.cuMemSetAccess(va, info.aligned_size, access, 1)
+print(json.dumps({"floor_s": time.perf_counter() - t0, "allocations": len(exported)}))
+"""
+
+
+def run_json(script: str, *args: str, timeout: float = 900) -> dict:
+    """Run a Python snippet in a new process; its last stdout line is JSON."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark process failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Server:
+    """``gms serve`` in a subprocess on a private socket, ready when constructed."""
+
+    def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", tag: str = "weights") -> None:
+        from gms import get_runtime_state
+        from gms.errors import GMSError
+
+        self.socket = os.path.join(directory, f"{name}.sock")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend,
+                                      "--socket", self.socket, "--tag", tag, "--log-level", "warning"])
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get_runtime_state(self.socket, timeout=1)
+                return
+            except GMSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("gms server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def cpu_name() -> str:

@@ -17,7 +17,7 @@ import pytest
 from gms.fsm import fold_all
 from gms.wire import messages as m
 
-from .helpers import MiB, RawConn, ServerProcess, build_layout, wait_until
+from .helpers import MiB, RawConn, build_layout, wait_until
 from .test_server_locks import commit_layout
 
 WRITER_SCRIPT = textwrap.dedent(

@@ -125,11 +125,9 @@ def test_a_cuda_graph_replays_after_sleep_and_wake(weights, kv_server):
 
 
 def _have_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 needs_transformers = pytest.mark.skipif(not _have_transformers(), reason="transformers not installed")

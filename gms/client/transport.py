@@ -27,11 +27,44 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").item
 CLIENT_MAX_FRAME_BYTES = 1 << 30
 # Waking a process blocked in recv costs tens of microseconds on many hosts,
 # more than the server needs to answer.  So the client first polls for the
-# answer for up to this long, and falls back to blocking.  Polling adapts: a
-# poll that times out (a busy server, a slow request) makes the next calls
-# skip it, doubling up to 64 calls, so a loaded machine is not burned.
-DEFAULT_SPIN_US = float(os.environ.get("GMS_CLIENT_SPIN_US", "50"))
-_MAX_SPIN_SKIP = 64
+# answer, for up to GMS_CLIENT_SPIN_US (0 turns polling off), and falls back
+# to blocking.  Polling only pays when answers are quick: the process keeps a
+# moving average of response times per request type and polls only while it
+# is under the window, so on a loaded machine (answers in milliseconds) nobody
+# spins.  Handshakes always poll: their time includes lock waits, which say
+# nothing about the server's speed.
+DEFAULT_SPIN_US = 200.0
+_response_times: dict[type, float] = {}
+
+
+def _connect(socket_path: str, timeout: float | None) -> socket.socket:
+    """Connect, waiting out a full listen backlog (a storm of clients starting at
+    once): a non-blocking AF_UNIX connect fails with EAGAIN instead of waiting."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+        except BlockingIOError as exc:
+            sock.close()
+            if deadline is not None and time.monotonic() + pause > deadline:
+                raise GMSConnectionError(f"gms server at {socket_path} is not accepting: {exc}") from exc
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            continue
+        except OSError as exc:
+            sock.close()
+            raise GMSConnectionError(f"no gms server at {socket_path}: {exc}") from exc
+        sock.settimeout(None)
+        return sock
+
+
+def _observe(kind: type, sent_at: float) -> None:
+    if kind is not m.HandshakeRequest:
+        average = _response_times.get(kind, 0.0)
+        _response_times[kind] = average + 0.2 * (time.perf_counter() - sent_at - average)
 
 
 def _close_all(fds: list[int]) -> None:
@@ -45,25 +78,18 @@ class RpcTransport:
         socket_path: str,
         *,
         connect_timeout: float | None = 10.0,
-        spin_us: float = DEFAULT_SPIN_US,
+        spin_us: float | None = None,
     ) -> None:
         self.socket_path = socket_path
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(connect_timeout)
-        try:
-            sock.connect(socket_path)
-        except OSError as exc:
-            sock.close()
-            raise GMSConnectionError(f"no gms server at {socket_path}: {exc}") from exc
-        sock.settimeout(None)
+        sock = _connect(socket_path, connect_timeout)
         self._sock: socket.socket | None = sock
         self._decoder = FrameDecoder(CLIENT_MAX_FRAME_BYTES)
         # recvmsg() would allocate (and for big sizes mmap) a buffer per call.
         self._buffer = bytearray(_RECV_BYTES)
         self._lock = threading.Lock()
+        if spin_us is None:
+            spin_us = float(os.environ.get("GMS_CLIENT_SPIN_US", DEFAULT_SPIN_US))
         self._spin_s = spin_us / 1e6
-        self._spin_skip = 0  # calls left before polling is tried again
-        self._spin_backoff = 1
 
     @property
     def closed(self) -> bool:
@@ -86,7 +112,7 @@ class RpcTransport:
                 raise GMSConnectionError("the connection is closed")
             try:
                 sock.sendall(encode(request))
-                body, fds = self._read_frame(sock)
+                body, fds = self._read_frame(sock, time.perf_counter(), type(request))
             except OSError as exc:
                 raise GMSConnectionError(f"connection to {self.socket_path} failed: {exc}") from exc
         try:
@@ -102,36 +128,33 @@ class RpcTransport:
             raise GMSProtocolError(f"expected {expect.__name__}, got {type(response).__name__}")
         return response, fds
 
-    def _receive(self, sock: socket.socket) -> tuple[int, list, int]:
-        if self._spin_s > 0:
-            if self._spin_skip:
-                self._spin_skip -= 1
-            else:
-                deadline = time.perf_counter() + self._spin_s
-                while True:
-                    try:
-                        n, ancillary, flags, _ = sock.recvmsg_into(
-                            [self._buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
-                        )
-                    except BlockingIOError:
-                        if time.perf_counter() < deadline:
-                            continue
-                        self._spin_skip = self._spin_backoff
-                        self._spin_backoff = min(self._spin_backoff * 2, _MAX_SPIN_SKIP)
-                        break
-                    self._spin_backoff = 1
-                    return n, ancillary, flags
+    def _receive(self, sock: socket.socket, sent_at: float | None, kind: type) -> tuple[int, list, int]:
+        """One recvmsg; the first of a response may poll before it blocks."""
+        if sent_at is not None and _response_times.get(kind, 0.0) < self._spin_s:
+            deadline = sent_at + self._spin_s
+            while time.perf_counter() < deadline:
+                try:
+                    n, ancillary, flags, _ = sock.recvmsg_into(
+                        [self._buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
+                    )
+                except BlockingIOError:
+                    continue
+                _observe(kind, sent_at)
+                return n, ancillary, flags
         n, ancillary, flags, _ = sock.recvmsg_into([self._buffer], _ANCILLARY_BYTES)
+        if sent_at is not None:
+            _observe(kind, sent_at)
         return n, ancillary, flags
 
-    def _read_frame(self, sock: socket.socket) -> tuple[bytes, list[int]]:
+    def _read_frame(self, sock: socket.socket, sent_at: float, kind: type) -> tuple[bytes, list[int]]:
         fds: list[int] = []
         try:
             while True:
                 body = self._decoder.next_frame()
                 if body is not None:
                     return body, fds
-                n, ancillary, flags = self._receive(sock)
+                n, ancillary, flags = self._receive(sock, sent_at, kind)
+                sent_at = None  # only the first read of a response polls
                 for level, kind, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         usable = len(payload) - len(payload) % array.array("i").itemsize

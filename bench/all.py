@@ -1,0 +1,40 @@
+"""Every benchmark in one command.
+
+    python bench/all.py [--quick]
+
+CPU ones always (event log, RPC on the host backend); GPU ones where a GPU
+is present (VMM calls, warm start, sleep/wake, RPC on the CUDA backend).
+Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="each benchmark in its quick mode")
+    args = parser.parse_args()
+    quick = ["--quick"] if args.quick else []
+    from gms.cuda import cuda_device_count
+
+    runs = [["event_log.py"], ["rpc.py", "--backend", "host"]]
+    if cuda_device_count():
+        runs += [["vmm.py"], ["warm_start.py"], ["sleep_wake.py"], ["rpc.py", "--backend", "cuda"]]
+    failed = []
+    for run in runs:
+        print(f"\n=== {' '.join(run)} ===", flush=True)
+        if subprocess.run([sys.executable, str(HERE / run[0]), *run[1:], *quick]).returncode:
+            failed.append(run[0])
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

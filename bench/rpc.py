@@ -1,0 +1,243 @@
+"""RPC latency and throughput under load, next to a raw socket echo floor.
+
+Closed loop: N clients (spread over worker processes, threads within) each
+send the next request as soon as the last answer arrives, for a fixed time.
+Open loop: 64 clients each send 100 requests/s on a schedule; latency counts
+from the scheduled time, so a server that falls behind shows it.
+
+Operations: metadata get, export (an fd per answer), RO handshake (connect,
+handshake, close), allocate+free (one writer: RW is exclusive).  The floor is
+the same clients doing a 40-byte round trip with a Trio echo server, so it
+runs the gms client's own code and a Trio server, without the protocol.
+
+    python bench/rpc.py [--quick] [--backend host|cuda] [--clients 1,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from _common import cpu_name, percentile, print_table, write_json
+
+ECHO_SERVER = r"""
+import os, socket, sys, trio
+async def serve(sock):
+    with sock:
+        while True:
+            data = await sock.recv(65536)
+            if not data:
+                return
+            await sock.send(data)
+async def main(path):
+    listener = trio.socket.socket(socket.AF_UNIX)
+    await listener.bind(path)
+    listener.listen(1024)
+    async with trio.open_nursery() as nursery:
+        while True:
+            sock, _ = await listener.accept()
+            nursery.start_soon(serve, sock)
+trio.run(main, sys.argv[1])
+"""
+
+
+def wait_for(path: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            probe = socket.socket(socket.AF_UNIX)
+            probe.connect(path)
+            probe.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"no server at {path}") from None
+            time.sleep(0.05)
+
+
+# -- one client's loop -------------------------------------------------------------
+
+
+def make_op(kind: str, path: str, ids: list[str]):
+    """Set up a client; return the callable one request is."""
+    from gms import GMSClientMemoryManager
+    from gms.client.transport import RpcTransport
+    from gms.wire import messages as m
+
+    if kind == "echo":
+        # The gms client itself, against a server that echoes frames back: a
+        # response frame echoed decodes as the response expected.  So the
+        # floor runs the same client code (encode, poll, recvmsg, decode) and
+        # differs from an RPC only by what the server does.
+        transport = RpcTransport(path)
+        message = m.GetStateHashResponse("x" * 24)
+        return lambda: transport.call(message, m.GetStateHashResponse)
+    if kind == "handshake":
+        def handshake():
+            transport = RpcTransport(path)
+            transport.call(m.HandshakeRequest("RO"), m.HandshakeResponse)
+            transport.close()
+
+        return handshake
+    mgr = GMSClientMemoryManager(path)
+    if kind == "allocate_free":
+        mgr.connect("RW")
+
+        def allocate_free():
+            allocation_id, _ = mgr.allocate_handle(2 << 20, "weights")
+            mgr.free_handle(allocation_id)
+
+        return allocate_free
+    mgr.connect("RO")
+    if kind == "metadata_get":
+        return lambda: mgr.metadata_get("key.42")
+    if kind == "export":
+        def export():
+            os.close(mgr.export_handle(ids[0]))
+
+        return export
+    raise ValueError(kind)
+
+
+def client_thread(kind, path, ids, start_at, duration, rate, out) -> None:
+    op = make_op(kind, path, ids)
+    for _ in range(50):
+        op()
+    samples: list[float] = []
+    now = time.perf_counter
+    while now() < start_at:
+        time.sleep(0.0005)
+    end = start_at + duration
+    if rate:  # open loop: sends on a schedule, latency counted from the schedule
+        period = 1.0 / rate
+        due = start_at + random.random() * period
+        while due < end:
+            wait = due - now()
+            if wait > 0:
+                time.sleep(wait)
+            op()
+            samples.append(now() - due)
+            due += period
+    else:
+        while True:
+            t = now()
+            if t >= end:
+                break
+            op()
+            samples.append(now() - t)
+    out.extend(samples)
+
+
+def worker(kind, path, ids, threads, start_at, duration, rate, queue) -> None:
+    results: list[float] = []
+    pool = [threading.Thread(target=client_thread, args=(kind, path, ids, start_at, duration, rate, results))
+            for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    queue.put(results)
+
+
+MAX_PROCESSES = 64
+
+
+def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float, rate: float = 0.0) -> dict:
+    # One process per client up to 64: threads sharing a GIL would measure the
+    # harness.  Beyond 64, threads share processes (the server is saturated).
+    processes = min(clients, MAX_PROCESSES)
+    per = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    start_at = time.perf_counter() + 1.0 + processes * 0.03
+    procs = [ctx.Process(target=worker, args=(kind, path, ids, n, start_at, duration, rate, queue)) for n in per]
+    for p in procs:
+        p.start()
+    samples: list[float] = []
+    for _ in procs:
+        samples += queue.get()
+    for p in procs:
+        p.join()
+    return {
+        "clients": clients,
+        "p50_us": percentile(samples, 0.5) * 1e6,
+        "p99_us": percentile(samples, 0.99) * 1e6,
+        "ops_per_s": len(samples) / duration,
+        "n": len(samples),
+    }
+
+
+def setup_layout(path: str) -> list[str]:
+    from gms import GMSClientMemoryManager
+
+    writer = GMSClientMemoryManager(path)
+    writer.connect("RW")
+    ids = [writer.allocate_handle(2 << 20, "weights")[0] for _ in range(4)]
+    writer.metadata_put_many([(f"key.{i}", ids[i % 4], i, b"v" * 64) for i in range(100)])
+    writer.commit()
+    writer.close()
+    return ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", default="host", choices=("host", "cuda"))
+    parser.add_argument("--clients", default="1,16,64,256")
+    parser.add_argument("--duration", type=float, default=3.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    counts = [1, 16] if args.quick else [int(c) for c in args.clients.split(",")]
+    duration = 1.0 if args.quick else args.duration
+    json_path = args.json or f"bench/results/rpc_{args.backend}.json"
+
+    results: dict = {"backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(),
+                     "duration_s": duration, "closed": {}, "open": {}}
+    with tempfile.TemporaryDirectory() as directory:
+        gms_path, echo_path = os.path.join(directory, "gms.sock"), os.path.join(directory, "echo.sock")
+        server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", args.backend,
+                                   "--socket", gms_path, "--log-level", "warning"])
+        echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, echo_path])
+        try:
+            wait_for(gms_path, server)
+            wait_for(echo_path, echo)
+            ids = setup_layout(gms_path)
+            for kind, path in (("echo", echo_path), ("metadata_get", gms_path), ("export", gms_path),
+                               ("handshake", gms_path)):
+                results["closed"][kind] = [run_load(kind, path, ids, n, duration) for n in counts]
+            for kind, path in (("echo", echo_path), ("metadata_get", gms_path)):
+                results["open"][kind] = run_load(kind, path, ids, 64, duration * 2, rate=100.0)
+            os.environ["GMS_CLIENT_SPIN_US"] = "0"  # one client, no polling: the plain blocking path
+            results["closed"]["metadata_get_no_spin"] = [run_load("metadata_get", gms_path, ids, 1, duration)]
+            results["closed"]["echo_no_spin"] = [run_load("echo", echo_path, ids, 1, duration)]
+            del os.environ["GMS_CLIENT_SPIN_US"]
+            # Last: a writer's RW_CONNECT clears the committed layout the readers used.
+            results["closed"]["allocate_free"] = [run_load("allocate_free", gms_path, ids, 1, duration)]
+        finally:
+            server.terminate()
+            echo.terminate()
+            server.wait(30)
+            echo.wait(30)
+
+    rows = []
+    for kind, runs in results["closed"].items():
+        for r in runs:
+            rows.append((kind, r["clients"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}", f"{r['ops_per_s']:,.0f}"))
+    for kind, r in results["open"].items():
+        rows.append((f"{kind} (open, 100/s each)", r["clients"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
+                     f"{r['ops_per_s']:,.0f}"))
+    print_table(f"RPC on the {args.backend} backend, {results['cores']} cores of {results['cpu']}", rows,
+                header=("operation", "clients", "p50 µs", "p99 µs", "ops/s"))
+    write_json(json_path, results)
+
+
+if __name__ == "__main__":
+    main()
