@@ -33,7 +33,7 @@ print(json.dumps({"floor_s": time.perf_counter() - t0, "allocations": len(export
 """
 
 
-def run_json(script: str, *args: str, timeout: float = 900) -> dict:
+def run_json(script: str, *args: str, timeout: float = 300) -> dict:
     """Run a Python snippet in a new process; its last stdout line is JSON."""
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:

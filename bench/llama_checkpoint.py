@@ -3,7 +3,8 @@
 Shapes come from Llama-3.2-3B's config (hidden 3072, intermediate 8192, 24
 heads of 128, 8 KV heads, vocabulary 128256): embeddings and head of 751 MiB,
 then as many 9-tensor, 192 MiB decoder layers as the size asks for, so 8 GiB
-is about 340 tensors.  Bytes are random (one random block repeated), written
+is about 310 tensors.  Below 4 GiB the vocabulary is Llama-2's 32000, so the
+embeddings do not outgrow the model.  Bytes are random (one random block repeated), written
 straight to the file without building tensors in memory.
 """
 
@@ -13,7 +14,7 @@ import json
 import os
 import struct
 
-HIDDEN, INTER, KV, VOCAB = 3072, 8192, 1024, 128256
+HIDDEN, INTER, KV = 3072, 8192, 1024
 GiB = 1 << 30
 
 
@@ -41,8 +42,9 @@ def nbytes(shape: tuple[int, ...]) -> int:
 
 def llama_shapes(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     """Embedding, layers up to ``total_bytes``, final norm and lm_head."""
-    ends = [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    vocab = 128256 if total_bytes >= 4 * GiB else 32000
+    ends = [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab, HIDDEN))]
+    shapes = [("model.embed_tokens.weight", (vocab, HIDDEN))]
     used = sum(nbytes(s) for _, s in shapes + ends)
     i = 0
     while True:

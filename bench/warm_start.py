@@ -20,8 +20,10 @@ starts (an engine has both), and is new (nothing cached from earlier runs).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -62,37 +64,6 @@ torch.cuda.synchronize()
 print(json.dumps({"total_s": time.perf_counter() - t0, "tensors": len(tensors)}))
 """
 
-IPC = r"""
-import json, sys, time, torch, torch.multiprocessing as mp
-
-def produce(path, queue, done):
-    from safetensors.torch import load_file
-    tensors = load_file(path, device="cuda:0")
-    torch.cuda.synchronize()
-    queue.put(tensors)
-    done.wait()
-
-if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    queue, done = ctx.Queue(), ctx.Event()
-    producer = ctx.Process(target=produce, args=(sys.argv[1], queue, done))
-    producer.start()
-    torch.cuda.init(); torch.empty(1, device="cuda")
-    # Wait until the producer has put (the queue's feeder has pickled) before timing.
-    while queue.empty():
-        time.sleep(0.01)
-    t0 = time.perf_counter()
-    tensors = queue.get()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    checksum = float(next(iter(tensors.values())).float().sum())
-    del tensors
-    done.set()
-    producer.join()
-    print(json.dumps({"total_s": elapsed, "checksum": checksum}))
-"""
-
-
 def publish(socket: str, path: str) -> float:
     """The cold-start writer: checkpoint (page cache) -> gms, 1 GiB packs."""
     script = r"""
@@ -108,6 +79,13 @@ mgr.commit()
 print(json.dumps({"total_s": time.perf_counter() - t0}))
 """
     return run_json(script, socket, path)["total_s"]
+
+
+def run_file(script: Path, *args: str) -> dict:
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"{script.name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def best(runs: list[dict], key: str = "total_s") -> dict:
@@ -131,7 +109,7 @@ def measure(size_gib: int, directory: str, repeats: int, cold: bool, ipc: bool) 
         warm(path)
         row["safetensors_cached_s"] = best([run_json(SAFETENSORS, path) for _ in range(repeats)])["total_s"]
         if ipc:
-            row["cuda_ipc_s"] = best([run_json(IPC, path) for _ in range(max(1, repeats - 1))])["total_s"]
+            row["cuda_ipc_s"] = best([run_file(HERE / "ipc_handoff.py", path) for _ in range(max(1, repeats - 1))])["total_s"]
         if cold:
             evict(path)
             row["safetensors_cold_s"] = run_json(SAFETENSORS, path)["total_s"]

@@ -12,6 +12,7 @@ laptop and on a GPU host.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import weakref
@@ -401,7 +402,7 @@ class GMSClientMemoryManager:
                 total = sum(info.aligned_size for info in infos)
                 base = self._mapper.reserve(total)
                 self._res.reservations[base] = Reservation(base, total, len(infos))
-                vas = [base + sum(i.aligned_size for i in infos[:n]) for n in range(len(infos))]
+                vas = list(itertools.accumulate((i.aligned_size for i in infos[:-1]), initial=base))
                 items = [(fd, va, info.aligned_size) for (info, fd), va in zip(exported, vas)]
                 exported = []  # map_many consumes every fd, whatever happens
                 handles = self._mapper.map_many(items, writable)
