@@ -36,6 +36,7 @@ GMS_READER = r"""
 import json, sys, time, torch
 torch.cuda.init(); torch.empty(1, device="cuda")
 import gms.torch
+import gms.cuda.vmm  # modules are loaded before the clock, as for safetensors
 from gms import GMSClientMemoryManager
 t0 = time.perf_counter()
 mgr = GMSClientMemoryManager(sys.argv[1], device=0)
@@ -47,7 +48,8 @@ t2 = time.perf_counter()
 entries = mgr.metadata_scan()
 t3 = time.perf_counter()
 regions = {mp.allocation_id: gms.torch.views.Region(mp.va, mp.size, torch.device("cuda", 0)) for mp in mgr.mappings}
-made = [regions[a].tensor(o, gms.torch.decode(v)) for a, o, v in entries.values()]
+metas = {v: gms.torch.decode(v) for _, _, v in entries.values()}
+made = [regions[a].tensor(o, metas[v]) for a, o, v in entries.values()]
 t4 = time.perf_counter()
 print(json.dumps({"connect_s": t1 - t0, "import_s": t2 - t1, "total_s": t2 - t0,
                   "tensors": len(tensors), "allocations": len(mgr.mappings),

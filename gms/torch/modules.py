@@ -136,12 +136,16 @@ def import_tensors(mgr: GMSClientMemoryManager, prefix: str = "") -> dict[str, t
         mapped = {mp.allocation_id: mp for mp in mgr.mappings if mp.mapped}
     regions = {alloc: Region(mp.va, mp.size, device) for alloc, mp in mapped.items()}
     made: dict[tuple[str, int, bytes], torch.Tensor] = {}
+    metas: dict[bytes, TensorMeta] = {}  # a model repeats a dozen shapes many times
     out: dict[str, torch.Tensor] = {}
     for key, entry in entries.items():
         tensor = made.get(entry)
         if tensor is None:
             alloc, offset, value = entry
-            tensor = made[entry] = regions[alloc].tensor(offset, decode(value))
+            meta = metas.get(value)
+            if meta is None:
+                meta = metas[value] = decode(value)
+            tensor = made[entry] = regions[alloc].tensor(offset, meta)
         out[key[len(prefix) :]] = tensor
     return out
 
