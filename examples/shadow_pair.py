@@ -53,6 +53,8 @@ def primary(args) -> None:
     kv.connect(RequestedLockType.RW)
     cache = take_kv_cache(kv)
     print(json.dumps({"role": "primary", "serving": True}), flush=True)
+    if args.hold:
+        sys.stdin.readline()  # the demo lets us go once the shadow waits
     for _ in range(args.steps):
         tokens = generate(model)
         cache.add_(1)
@@ -82,10 +84,15 @@ def shadow(args) -> None:
 def demo(args) -> None:
     base = [sys.executable, __file__]
     common = ["--weights-socket", args.weights_socket, "--kv-socket", args.kv_socket]
-    first = subprocess.Popen(base + ["primary", *common, "--steps", str(args.steps)], stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(base + ["primary", *common, "--steps", str(args.steps), "--hold"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert json.loads(first.stdout.readline())["serving"]
     second = subprocess.Popen(base + ["shadow", *common], stdout=subprocess.PIPE, text=True)
     print(second.stdout.readline().strip())
+    while gms.get_runtime_state(args.kv_socket).waiting_writers == 0:  # the shadow waits on the lock
+        time.sleep(0.01)
+    first.stdin.write("go\n")
+    first.stdin.flush()
     p = json.loads(first.stdout.readline())
     first.wait()
     exited = time.time()
@@ -108,6 +115,7 @@ def main() -> None:
     parser.add_argument("--weights-socket", default=None)
     parser.add_argument("--kv-socket", default=None)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--hold", action="store_true", help="primary: wait for a line on stdin before serving")
     args = parser.parse_args()
     args.weights_socket = args.weights_socket or gms.socket_path(0, "weights")
     args.kv_socket = args.kv_socket or gms.socket_path(0, "kv_cache")

@@ -180,7 +180,11 @@ def test_shadow_pair_example_fails_over(weights, kv_server, tmp_path):
                       "--kv-socket", kv_server.socket)
     summary = json.loads(out.splitlines()[-1])
     assert summary["same_tokens"], summary
-    # The primary's process teardown (the driver's, seconds on some hosts) ends
-    # with its sockets closing; from that RW_ABORT to the shadow's lock is gms.
-    abort = next(e for e in kv_server.events() if e.kind == "RW_ABORT")  # the primary's
-    assert 0 <= summary["woke_at"] - abort.time < 1.0, (summary, abort)
+    # gms's part of a failover: the primary's socket closes as its process
+    # starts to exit (RW_ABORT) and the waiting shadow is granted at once.  The
+    # shadow's own next driver calls may then wait for the driver to tear the
+    # primary's context down (seconds on some hosts); that is not gms.
+    kinds = [(e.kind, e.time) for e in kv_server.events()]
+    abort = next(i for i, (kind, _) in enumerate(kinds) if kind == "RW_ABORT")
+    granted_kind, granted_at = kinds[abort + 1]
+    assert granted_kind == "RW_CONNECT" and granted_at - kinds[abort][1] < 0.5, (summary, kinds)

@@ -1,0 +1,103 @@
+"""PNG plots for docs/performance.md from benchmark JSON.
+
+    python bench/plot.py [--results docs/results] [--out docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def warm_start(data: dict, out: Path) -> None:
+    rows = data["rows"]
+    labels = [f"{r['size_gib']} GiB\n({r['tensors']} tensors)" for r in rows]
+    series = [
+        ("gms import", [r["gms"]["total_s"] for r in rows]),
+        ("driver floor", [r["floor_s"] for r in rows]),
+        ("CUDA IPC hand-off", [r["cuda_ipc_s"] for r in rows]),
+        ("safetensors, page cache", [r["safetensors_cached_s"] for r in rows]),
+        ("safetensors, cold", [r["safetensors_cold_s"] for r in rows]),
+    ]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.16
+    for i, (name, values) in enumerate(series):
+        xs = [x + (i - 2) * width for x in range(len(rows))]
+        bars = ax.bar(xs, values, width, label=name)
+        for bar, v in zip(bars, values):
+            ax.annotate(f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s", (bar.get_x() + width / 2, v),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds to every tensor usable (log)")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_title(f"Warm start of a Llama-shaped bf16 model in a new process, {data['gpu']}")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "warm_start.png", dpi=120)
+
+
+def sleep_wake(data: dict, out: Path) -> None:
+    rows = data["rows"]
+    series = [
+        ("weights wake (gms)", [r["weights"]["wake_s"] for r in rows]),
+        ("driver floor", [r["weights"]["floor_wake_s"] for r in rows]),
+        ("KV cache wake (gms)", [r["kv_cache"]["wake_s"] for r in rows]),
+        ("CPU offload copy-back", [r["offload"]["wake_s"] for r in rows]),
+    ]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.2
+    for i, (name, values) in enumerate(series):
+        xs = [x + (i - 1.5) * width for x in range(len(rows))]
+        bars = ax.bar(xs, [v * 1e3 for v in values], width, label=name)
+        for bar, v in zip(bars, values):
+            ax.annotate(f"{v * 1e3:.1f}", (bar.get_x() + width / 2, v * 1e3), ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("wake, ms (log)")
+    ax.set_xticks(range(len(rows)), [f"{r['gib']} GiB" for r in rows])
+    ax.set_title(f"Wake after sleep, {data['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sleep_wake.png", dpi=120)
+
+
+def rpc(data: dict, out: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for kind in ("echo", "metadata_get", "export", "handshake"):
+        runs = data["closed"][kind]
+        clients = [r["clients"] for r in runs]
+        left.plot(clients, [r["p50_us"] for r in runs], marker="o", label=kind)
+        right.plot(clients, [r["ops_per_s"] for r in runs], marker="o", label=kind)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("closed-loop clients")
+        ax.legend(fontsize=8)
+    left.set_yscale("log")
+    left.set_ylabel("p50 latency, µs (log)")
+    right.set_ylabel("requests per second")
+    fig.suptitle(f"RPC on the {data['backend']} backend, {data['cores']} cores ({data['cpu']}); echo is the floor")
+    fig.tight_layout()
+    fig.savefig(out / f"rpc_{data['backend']}.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="docs/results")
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args()
+    results, out = Path(args.results), Path(args.out)
+    for name, draw in (("warm_start_h100.json", warm_start), ("sleep_wake_h100.json", sleep_wake),
+                       ("rpc_host_2core.json", rpc)):
+        path = results / name
+        if path.exists():
+            draw(json.loads(path.read_text()), out)
+            print(f"plotted {path}")
+
+
+if __name__ == "__main__":
+    main()

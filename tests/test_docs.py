@@ -1,0 +1,42 @@
+"""The README's quick start runs as written: a writer and a reader, in two processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .helpers import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def test_readme_writer_and_reader(tmp_path, backend):
+    env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", backend, "--tag", "weights", "--log-level", "warning"],
+        env=env,
+    )
+    try:
+        import gms
+
+        os.environ["GMS_SOCKET_DIR"] = str(tmp_path)
+        try:
+            path = gms.socket_path(0, "weights", backend)
+        finally:
+            del os.environ["GMS_SOCKET_DIR"]
+        wait_until(lambda: os.path.exists(path), timeout=30, what=path)
+        writer, reader = python_blocks(ROOT / "README.md")[:2]
+        for code in (writer, reader):
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "b'hello from the writer'"
+    finally:
+        server.terminate()
+        server.wait(30)
