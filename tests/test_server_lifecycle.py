@@ -289,7 +289,8 @@ def test_server_fds_return_to_baseline_after_many_exports(server):
     assert len(fds) == 200
     for fd in fds:
         os.close(fd)
-    assert server.open_fds() == baseline
+    # The server closes its copies right after sending: give it that moment.
+    wait_until(lambda: server.open_fds() == baseline, what="exported fds closed")
     for _ in range(300):
         conn = RawConn(server.socket)
         conn.handshake("RO")

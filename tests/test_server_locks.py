@@ -96,8 +96,9 @@ def test_rw_or_ro_takes_over_when_the_writer_aborts(server):
     writer.handshake("RW")
     build_layout(writer)
     waiters = [RawConn(server.socket) for _ in range(2)]
-    for waiter in waiters:
-        waiter.send(m.HandshakeRequest("RW_OR_RO"))
+    for n, waiter in enumerate(waiters, 1):
+        waiter.send(m.HandshakeRequest("RW_OR_RO"))  # queued in this order
+        wait_until(lambda n=n: server.state().waiting_readers == n, what=f"{n} waiting")
     writer.close()  # abort
     first, _ = waiters[0].recv()
     assert (first.granted_lock_type, first.committed) == ("RW", False)
@@ -181,6 +182,7 @@ def test_commit_releases_the_lock_before_answering(server):
     build_layout(writer)
     waiting = RawConn(server.socket)
     waiting.send(m.HandshakeRequest("RO"))
+    wait_until(lambda: server.state().waiting_readers == 1, what="reader waiting")
     writer.send(m.CommitRequest())
     commit, _ = writer.recv()
     assert commit.success

@@ -63,14 +63,8 @@ class ExportAllocationRequest:
 
 
 @attrs.frozen
-class ExportAllocationResponse:
+class ExportAllocationResponse(AllocationInfo):
     """One fd rides with the first byte of this frame (SCM_RIGHTS)."""
-
-    allocation_id: str
-    size: int
-    aligned_size: int
-    tag: str
-    layout_slot: int
 
 
 @attrs.frozen
@@ -93,12 +87,8 @@ class GetAllocationRequest:
 
 
 @attrs.frozen
-class GetAllocationResponse:
-    allocation_id: str
-    size: int
-    aligned_size: int
-    tag: str
-    layout_slot: int
+class GetAllocationResponse(AllocationInfo):
+    pass
 
 
 @attrs.frozen
