@@ -72,7 +72,3 @@ def lock_state(state: State) -> LockState:
     if state.committed:
         return LockState.COMMITTED
     return LockState.EMPTY
-
-
-def allocations_by_slot(state: State) -> list[Allocation]:
-    return sorted(state.allocations.values(), key=lambda a: a.layout_slot)
