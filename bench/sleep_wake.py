@@ -9,7 +9,8 @@ For 8 and 32 GiB in 1 GiB allocations, one process (as an engine would):
             free the GPU copy; wake = allocate and copy back (pinned buffer made
             once, outside the timing)
 * floor     the driver calls alone: unmap + release to sleep; import, reserve,
-            map, set-access to wake, for the same allocations
+            map, set-access to wake, for the same allocations; for the KV
+            cache also create + export (fresh memory) before those
 
     python bench/sleep_wake.py [--quick] [--sizes 8,32]
 """
@@ -55,18 +56,72 @@ def weights(path: str, gib: int, repeats: int) -> dict:
 
 
 def kv_cache(path: str, gib: int, repeats: int) -> dict:
-    from gms import GMSClientMemoryManager
+    """Sleep counts until the server has given the memory back to the driver
+    (what another process needs); wake starts right after, on memory the
+    driver has just taken back, as a wake after the primary exits does."""
+    from gms import GMSClientMemoryManager, get_runtime_state
 
     mgr = GMSClientMemoryManager(path)
     mgr.connect("RW")
     for _ in range(gib):
         mgr.create_mapping(size=GiB, tag="kv_cache")
-    sleeps, wakes = [], []
+    sleeps, freed, wakes = [], [], []
     for _ in range(repeats):
-        sleeps.append(timed(lambda: (mgr.unmap_all_vas(), mgr.abort())))
+        start = time.perf_counter()
+        mgr.unmap_all_vas()
+        mgr.abort()
+        sleeps.append(time.perf_counter() - start)
+        while get_runtime_state(path).server_handle_count:
+            pass
+        freed.append(time.perf_counter() - start)
         wakes.append(timed(lambda: (mgr.connect("RW"), mgr.reallocate_all_handles("kv_cache"), mgr.remap_all_vas())))
     mgr.close()
-    return {"sleep_s": statistics.median(sleeps), "wake_s": statistics.median(wakes)}
+    return {"sleep_s": statistics.median(sleeps), "freed_s": statistics.median(freed),
+            "wake_s": statistics.median(wakes), **fresh_floor(gib, repeats)}
+
+
+def fresh_floor(gib: int, repeats: int) -> dict:
+    """The driver calls of a KV wake alone, in this process: create and export
+    (the server's part), import, reserve, map, set-access, for ``gib`` 1 GiB
+    allocations, each time right after releasing as many."""
+    from cuda.bindings import driver as cu
+
+    from gms.cuda import vmm
+
+    mapper = vmm.VmmMapper(0)
+    prop = vmm._allocation_prop(0)
+    access = mapper._access[True]
+
+    def create_all() -> list:
+        handles = [cu.cuMemCreate(GiB, prop, 0)[1] for _ in range(gib)]
+        return [(h, cu.cuMemExportToShareableHandle(h, vmm._POSIX_FD, 0)[1]) for h in handles]
+
+    def release_all(created: list, mapped: list = ()) -> None:
+        for va, handle in mapped:
+            cu.cuMemUnmap(va, GiB)
+            cu.cuMemRelease(handle)
+            cu.cuMemAddressFree(va, GiB)
+        for handle, fd in created:
+            os.close(fd)
+            cu.cuMemRelease(handle)
+
+    wakes = []
+    created = create_all()
+    for _ in range(repeats):
+        release_all(created)
+        start = time.perf_counter()
+        created = create_all()
+        mapped = []
+        for _, fd in created:
+            handle = cu.cuMemImportFromShareableHandle(fd, vmm._POSIX_FD)[1]
+            va = cu.cuMemAddressReserve(GiB, mapper.granularity, 0, 0)[1]
+            cu.cuMemMap(va, GiB, 0, handle, 0)
+            cu.cuMemSetAccess(va, GiB, access, 1)
+            mapped.append((va, handle))
+        wakes.append(time.perf_counter() - start)
+        release_all([], mapped)
+    release_all(created)
+    return {"floor_wake_s": statistics.median(wakes)}
 
 
 def driver_floor(mgr) -> dict:
@@ -153,13 +208,15 @@ def main() -> None:
     print_table(
         "sleep / wake (median), 1 GiB allocations",
         [(f"{r['gib']} GiB", f"{r['weights']['sleep_s'] * 1e3:.2f}", f"{r['weights']['wake_s'] * 1e3:.2f}",
-          f"{r['kv_cache']['sleep_s'] * 1e3:.2f}", f"{r['kv_cache']['wake_s'] * 1e3:.2f}",
           f"{r['weights']['floor_sleep_s'] * 1e3:.2f}", f"{r['weights']['floor_wake_s'] * 1e3:.2f}",
+          f"{r['kv_cache']['sleep_s'] * 1e3:.2f}", f"{r['kv_cache']['freed_s'] * 1e3:.2f}",
+          f"{r['kv_cache']['wake_s'] * 1e3:.2f}", f"{r['kv_cache']['floor_wake_s'] * 1e3:.2f}",
           f"{r['offload']['sleep_s'] * 1e3:.0f}", f"{r['offload']['wake_s'] * 1e3:.0f}",
           f"{r['x_weights_wake_vs_offload']:,.0f}x", f"{r['x_kv_wake_vs_offload']:,.0f}x")
          for r in rows],
-        header=("size", "w sleep ms", "w wake ms", "kv sleep ms", "kv wake ms", "floor sleep ms",
-                "floor wake ms", "offload sleep ms", "offload wake ms", "w wake vs offload", "kv wake vs offload"),
+        header=("size", "w sleep ms", "w wake ms", "w floor sleep", "w floor wake", "kv sleep ms", "kv freed ms",
+                "kv wake ms", "kv floor wake", "offload sleep ms", "offload wake ms", "w wake vs offload",
+                "kv wake vs offload"),
     )
     write_json(args.json, {"gpu": torch.cuda.get_device_name(0), "cpu": cpu_name(), "rows": rows})
 

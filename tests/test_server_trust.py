@@ -141,8 +141,14 @@ def test_metadata_put_many_is_all_or_nothing(server):
     entries = [m.MetadataEntryInfo(f"k{i}", aid, i, b"v%d" % i) for i in range(300)]
     assert conn.call(m.MetadataPutManyRequest(entries)) == m.MetadataPutManyResponse(True, 300)
     scan = conn.call(m.MetadataScanRequest("k1"))
-    assert [e.key for e in scan.entries] == sorted(f"k{i}" for i in range(300) if f"k{i}".startswith("k1"))
-    assert scan.entries[0] == m.MetadataEntryInfo("k1", aid, 1, b"v1")
+    assert scan.keys == sorted(f"k{i}" for i in range(300) if f"k{i}".startswith("k1"))
+    assert next(scan.rows()) == ("k1", aid, 1, b"v1")
+    # Answers are cached per prefix while the metadata stays the same: any change shows.
+    conn.call(m.MetadataPutRequest("k1", aid, 7, b"new"))
+    conn.call(m.MetadataDeleteRequest("k10"))
+    again = conn.call(m.MetadataScanRequest("k1"))
+    assert next(again.rows()) == ("k1", aid, 7, b"new")
+    assert again.keys == [k for k in scan.keys if k != "k10"]
 
 
 def test_server_survives_a_storm_of_hostile_clients(server):

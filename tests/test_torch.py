@@ -80,7 +80,7 @@ def test_views_over_mapped_memory_read_what_was_written(host_region, meta, slot)
     offset = slot * 64  # 64-aligned, like every packed placement
     region = gt.views.Region(va, size, torch.device("cpu"))
     base = region.base
-    if offset + meta.extent_bytes() > size:
+    if offset + meta.extent_bytes > size:
         with pytest.raises(ValueError):
             region.tensor(offset, meta)
         return
@@ -89,7 +89,7 @@ def test_views_over_mapped_memory_read_what_was_written(host_region, meta, slot)
     if not tensor.numel():
         return  # torch gives empty tensors no address
     assert tensor.data_ptr() == va + offset
-    extent = meta.extent_bytes()
+    extent = meta.extent_bytes
     base[offset : offset + extent] = torch.randint(0, 256, (extent,), dtype=torch.uint8)
     expected = base[offset : offset + extent].view(meta.dtype).as_strided(meta.shape, meta.stride)
 

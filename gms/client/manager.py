@@ -23,6 +23,7 @@ import attrs
 from ..cuda import Mapper, align_up, open_mapper
 from ..errors import (
     GMSError,
+    GMSProtocolError,
     GMSUsageError,
     LockTimeoutError,
     StaleMemoryLayoutError,
@@ -369,7 +370,10 @@ class GMSClientMemoryManager:
         """Every entry under ``prefix`` in one round trip (sorted by key)."""
         with self._lock:
             response, _ = self._call(m.MetadataScanRequest(prefix), m.MetadataScanResponse)
-            return {e.key: (e.allocation_id, e.offset_bytes, e.value) for e in response.entries}
+            try:
+                return {key: (alloc, offset, value) for key, alloc, offset, value in response.rows()}
+            except ValueError as exc:
+                raise GMSProtocolError(str(exc)) from exc
 
     def metadata_delete(self, key: str) -> bool:
         with self._lock:

@@ -11,28 +11,33 @@ from .errors import InvariantViolation
 from .state import Allocation, MetadataEntry, State
 
 
-def _require_view(state: State, conn: int, action: str) -> None:
+def require_view(state: State, conn: int, action: str) -> None:
     require_lock(state, conn, action)
     if conn in state.readers and not state.committed:
         raise InvariantViolation(f"reader {conn} sees an uncommitted layout")
 
 
 def get_allocation(state: State, conn: int, allocation_id: str) -> Allocation:
-    _require_view(state, conn, "get_allocation")
+    require_view(state, conn, "get_allocation")
     return lookup_allocation(state, allocation_id)
 
 
 def list_allocations(state: State, conn: int, tag: str | None = None) -> list[Allocation]:
-    _require_view(state, conn, "list_allocations")
+    require_view(state, conn, "list_allocations")
     found = (a for a in state.allocations.values() if tag is None or a.tag == tag)
     return sorted(found, key=lambda a: a.layout_slot)
 
 
 def get_metadata(state: State, conn: int, key: str) -> MetadataEntry | None:
-    _require_view(state, conn, "metadata_get")
+    require_view(state, conn, "metadata_get")
     return state.metadata.get(key)
 
 
 def list_metadata(state: State, conn: int, prefix: str = "") -> list[str]:
-    _require_view(state, conn, "metadata_list")
+    require_view(state, conn, "metadata_list")
     return sorted(k for k in state.metadata.keys() if k.startswith(prefix))
+
+
+def scan_metadata(state: State, conn: int, prefix: str = "") -> list[MetadataEntry]:
+    """Every entry under ``prefix``, sorted by key."""
+    return [state.metadata[k] for k in list_metadata(state, conn, prefix)]

@@ -48,6 +48,7 @@ GrantCallback = Callable[[GrantedLockType], None]
 class UnknownRequest(Rejection):
     code = "UNKNOWN_MESSAGE"
 _RELEASES_LOCK = (RwCommit, RwAbort, RoDisconnect)
+_SCAN_CACHE_PREFIXES = 16  # distinct prefixes remembered; models have one or a few
 
 
 @attrs.frozen
@@ -89,6 +90,7 @@ class ServiceCore:
         self.allocations_cleared = 0
         self.started = time.monotonic()
         self._next_conn = 1
+        self._scans: dict[str, tuple[object, m.MetadataScanResponse]] = {}
         self._waiting: dict[int, tuple[RequestedLockType, GrantCallback]] = {}
         self._handlers: dict[type, Callable[[int, object], Reply]] = {
             m.ExportAllocationRequest: self._export,
@@ -254,13 +256,23 @@ class ServiceCore:
 
     def _metadata_scan(self, conn: int, req: m.MetadataScanRequest) -> Reply:
         state = self.state
-        keys = queries.list_metadata(state, conn, req.prefix)
-        entries = [state.metadata[k] for k in keys]
-        return Reply(
-            m.MetadataScanResponse(
-                [m.MetadataEntryInfo(e.key, e.allocation_id, e.offset_bytes, e.value) for e in entries]
-            )
+        queries.require_view(state, conn, "metadata_scan")
+        cached = self._scans.get(req.prefix)
+        # A committed layout's metadata never changes, so every reader of a
+        # model shares one answer; any change makes a new map, which misses.
+        if cached is not None and cached[0] is state.metadata:
+            return Reply(cached[1])
+        entries = queries.scan_metadata(state, conn, req.prefix)
+        response = m.MetadataScanResponse(
+            [e.key for e in entries],
+            [e.allocation_id for e in entries],
+            [e.offset_bytes for e in entries],
+            [e.value for e in entries],
         )
+        if len(self._scans) >= _SCAN_CACHE_PREFIXES:
+            self._scans.clear()
+        self._scans[req.prefix] = (state.metadata, response)
+        return Reply(response)
 
     def _state_hash(self, conn: int, req: m.GetStateHashRequest) -> Reply:
         return Reply(m.GetStateHashResponse(self.state.layout_hash or ""))

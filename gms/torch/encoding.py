@@ -8,6 +8,8 @@ the tensor's first element lives inside its allocation.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import msgpack
 import torch
@@ -33,6 +35,7 @@ class TensorMeta:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
+    @functools.cached_property
     def extent_bytes(self) -> int:
         """Bytes from the first element to one past the farthest one (0 if empty)."""
         if any(n == 0 for n in self.shape):

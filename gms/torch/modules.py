@@ -77,7 +77,7 @@ def publish_tensors(
         meta = TensorMeta.of(tensor)
         mp = None
         if tensor.device == device:
-            mp = located.find(tensor.data_ptr(), meta.extent_bytes())
+            mp = located.find(tensor.data_ptr(), meta.extent_bytes)
         if mp is not None:
             entries[name] = (mp.allocation_id, tensor.data_ptr() - mp.va, encode(meta))
         else:

