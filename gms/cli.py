@@ -60,7 +60,10 @@ def _sockets(args: argparse.Namespace) -> list[str]:
     if args.socket:
         return [args.socket]
     tags = args.tag or list(paths.DEFAULT_TAGS)
-    return [paths.socket_path(args.device, tag, args.backend) for tag in tags]
+    try:
+        return [paths.socket_path(args.device, tag, args.backend) for tag in tags]
+    except ValueError as exc:
+        raise SystemExit(f"gms: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +165,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server import SocketPathError, run_servers
 
-    configs = _server_configs(args)
+    try:
+        configs = _server_configs(args)
+    except ValueError as exc:  # a socket path that cannot exist, an unknown backend
+        print(f"gms serve: {exc}", file=sys.stderr)
+        return 1
     try:
         trio.run(run_servers, configs)
     except BaseException as exc:  # noqa: BLE001 - sorted into exit codes below

@@ -3,15 +3,19 @@
 ``<dir>/gms_<device-id>_<tag>.sock`` where ``<dir>`` is ``$GMS_SOCKET_DIR``
 or the system temp folder, and ``<device-id>`` is the GPU's UUID for the CUDA
 backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
-``host-<N>`` for the host backend.
+``host-<N>`` for the host backend.  Where that path would not fit in a Unix
+socket address (a deep ``$GMS_SOCKET_DIR``), a digest of the device id
+replaces it: servers and clients derive the same name either way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
 DEFAULT_TAGS = ("weights", "kv_cache")
+MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes, with the terminating NUL
 
 
 def socket_dir() -> str:
@@ -30,4 +34,19 @@ def device_id(device: int, backend: str = "auto") -> str:
 
 
 def socket_path(device: int = 0, tag: str = "weights", backend: str = "auto") -> str:
-    return os.path.join(socket_dir(), f"gms_{device_id(device, backend)}_{tag}.sock")
+    return socket_path_in(socket_dir(), device_id(device, backend), tag)
+
+
+def socket_path_in(directory: str, device_id: str, tag: str) -> str:
+    """The socket for (device, tag) in ``directory``; raises ``ValueError``
+    when even the short form is too long for a Unix socket."""
+    path = os.path.join(directory, f"gms_{device_id}_{tag}.sock")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        digest = hashlib.sha256(device_id.encode()).hexdigest()[:12]
+        path = os.path.join(directory, f"gms_{digest}_{tag}.sock")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"socket path {path!r} is longer than the {MAX_SOCKET_PATH_BYTES} bytes a Unix socket "
+            "address holds: set GMS_SOCKET_DIR to a shorter folder"
+        )
+    return path

@@ -18,7 +18,8 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def test_readme_writer_and_reader(tmp_path, backend):
-    env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path)}
+    # GMS_BACKEND: on a GPU host the README's clients must find the host-backend server too.
+    env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path), "GMS_BACKEND": backend}
     server = subprocess.Popen(
         [sys.executable, "-m", "gms", "serve", "--backend", backend, "--tag", "weights", "--log-level", "warning"],
         env=env,

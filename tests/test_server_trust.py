@@ -31,6 +31,7 @@ HOSTILE = {
     "bool-for-int": frame(msgpack.packb({"type": "AllocateRequest", "size": True, "tag": "w"})),
     "missing-field": frame(msgpack.packb({"type": "MetadataPutRequest", "key": "k"})),
     "list-of-wrong-things": frame(msgpack.packb({"type": "ExportAllocationsRequest", "allocation_ids": "x"})),
+    "list-of-mixed-things": frame(msgpack.packb({"type": "ExportAllocationsRequest", "allocation_ids": ["a", 5]})),
     "oversized-length": struct.pack(">I", 0xFFFFFFF0) + b"\x80",
     "truncated-then-close": struct.pack(">I", 100) + b"\x81\xa4type",
 }
@@ -149,6 +150,11 @@ def test_metadata_put_many_is_all_or_nothing(server):
     again = conn.call(m.MetadataScanRequest("k1"))
     assert next(again.rows()) == ("k1", aid, 7, b"new")
     assert again.keys == [k for k in scan.keys if k != "k10"]
+
+
+def test_scan_columns_of_unequal_length_are_refused():
+    with pytest.raises(ValueError, match="differ in length"):
+        m.MetadataScanResponse(["a", "b"], ["x", "y"], [0], [b"", b""]).rows()
 
 
 def test_server_survives_a_storm_of_hostile_clients(server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from .interface import (
     BackendError,
@@ -32,11 +33,15 @@ def cuda_device_count() -> int:
 
 
 def resolve_backend(backend: str, device: int) -> str:
-    """``auto`` is CUDA when the device exists, host otherwise."""
+    """``auto`` is ``$GMS_BACKEND`` if set, else CUDA when the device exists,
+    host otherwise.  The variable lets a host-backend service and its clients
+    agree on a machine that has a GPU."""
+    if backend == "auto":
+        backend = os.environ.get("GMS_BACKEND") or "auto"
+        if backend == "auto":
+            return "cuda" if device < cuda_device_count() else "host"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        return "cuda" if device < cuda_device_count() else "host"
     return backend
 
 
