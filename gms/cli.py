@@ -19,6 +19,8 @@ import attrs
 
 from . import paths
 from .errors import GMSError
+from .fds import reserve_fd_slots
+from .wire.messages import MAX_FDS_PER_MESSAGE
 
 EXIT_FATAL = 70  # EX_SOFTWARE: a broken invariant or a CUDA failure
 
@@ -156,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     _raise_fd_limit()
+    reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
     if args.devices:
         from .supervisor import supervise
 

@@ -28,6 +28,7 @@ from ..errors import (
     LockTimeoutError,
     StaleMemoryLayoutError,
 )
+from ..fds import reserve_fd_slots
 from ..fsm import GrantedLockType, RequestedLockType
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
@@ -115,6 +116,9 @@ class GMSClientMemoryManager:
         self._server_hash = ""  # the committed hash the last handshake saw
         self._unmapped = False
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+        # A batch of exports arrives as up to 253 fds at once: make room for them
+        # now, not in the middle of an import (see gms/fds.py).
+        reserve_fd_slots(MAX_FDS_PER_MESSAGE)
 
     # -- properties -------------------------------------------------------------
 
