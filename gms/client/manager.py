@@ -462,7 +462,8 @@ class GMSClientMemoryManager:
             writable = self._granted is GrantedLockType.RW
             self._require(GrantedLockType.RO if not writable else GrantedLockType.RW, "remap_all_vas")
             if not writable:
-                current = self.get_memory_layout_hash()
+                # What the handshake saw is current: nothing commits while we hold RO.
+                current = self._server_hash
                 if not current or current != self._layout_hash:
                     raise StaleMemoryLayoutError(
                         f"layout changed since mapping (saved {self._layout_hash or 'none'}, "
