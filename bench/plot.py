@@ -31,7 +31,8 @@ def warm_start(data: dict, out: Path) -> None:
         xs = [x + (i - 2) * width for x in range(len(rows))]
         bars = ax.bar(xs, values, width, label=name)
         for bar, v in zip(bars, values):
-            ax.annotate(f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s", (bar.get_x() + width / 2, v),
+            label = f"{v * 1e3:.1f} ms" if v < 0.01 else f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s"
+            ax.annotate(label, (bar.get_x() + width / 2, v),
                         ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("seconds to every tensor usable (log)")
@@ -46,14 +47,15 @@ def sleep_wake(data: dict, out: Path) -> None:
     rows = data["rows"]
     series = [
         ("weights wake (gms)", [r["weights"]["wake_s"] for r in rows]),
-        ("driver floor", [r["weights"]["floor_wake_s"] for r in rows]),
+        ("weights: driver floor", [r["weights"]["floor_wake_s"] for r in rows]),
         ("KV cache wake (gms)", [r["kv_cache"]["wake_s"] for r in rows]),
+        ("KV cache: driver floor (fresh memory)", [r["kv_cache"]["floor_wake_s"] for r in rows]),
         ("CPU offload copy-back", [r["offload"]["wake_s"] for r in rows]),
     ]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    width = 0.2
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.16
     for i, (name, values) in enumerate(series):
-        xs = [x + (i - 1.5) * width for x in range(len(rows))]
+        xs = [x + (i - 2) * width for x in range(len(rows))]
         bars = ax.bar(xs, [v * 1e3 for v in values], width, label=name)
         for bar, v in zip(bars, values):
             ax.annotate(f"{v * 1e3:.1f}", (bar.get_x() + width / 2, v * 1e3), ha="center", va="bottom", fontsize=7)
