@@ -16,6 +16,7 @@ runs the gms client's own code and a Trio server, without the protocol.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import random
@@ -175,7 +176,7 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
     }
 
 
-def setup_layout(path: str) -> list[str]:
+def _build_layout(path: str, queue) -> None:
     from gms import GMSClientMemoryManager
 
     writer = GMSClientMemoryManager(path)
@@ -184,6 +185,21 @@ def setup_layout(path: str) -> list[str]:
     writer.metadata_put_many([(f"key.{i}", ids[i % 4], i, b"v" * 64) for i in range(100)])
     writer.commit()
     writer.close()
+    queue.put(ids)
+
+
+def setup_layout(path: str) -> list[str]:
+    """Built in a child: a connected manager initialises CUDA (on the cuda
+    backend), and the clients forked from this process later could not.
+    The modules are imported here, so that forked clients start warm."""
+    importlib.import_module("gms.client")  # modules only; no CUDA yet
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    builder = ctx.Process(target=_build_layout, args=(path, queue))
+    builder.start()
+    ids = queue.get(timeout=120)
+    builder.join()
     return ids
 
 

@@ -32,8 +32,8 @@ import json, sys, time
 from gms import GMSClientMemoryManager
 from gms.cuda import vmm
 vmm.VmmMapper(0)  # the CUDA context: an engine has one before it imports weights
+mgr = GMSClientMemoryManager(sys.argv[1], device=0)  # process setup too (docs/client.md)
 t0 = time.perf_counter()
-mgr = GMSClientMemoryManager(sys.argv[1], device=0)
 mgr.connect("RO")
 t1 = time.perf_counter()
 ids = [h.allocation_id for h in mgr.list_handles()]
