@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from _common import cpu_name, percentile, print_table, write_json
 
@@ -139,13 +140,20 @@ def client_thread(kind, path, ids, start_at, duration, rate, out) -> None:
 
 def worker(kind, path, ids, threads, start_at, duration, rate, queue) -> None:
     results: list[float] = []
-    pool = [threading.Thread(target=client_thread, args=(kind, path, ids, start_at, duration, rate, results))
-            for _ in range(threads)]
+    errors: list[str] = []
+
+    def client() -> None:
+        try:
+            client_thread(kind, path, ids, start_at, duration, rate, results)
+        except BaseException:  # reported to the parent, which stops the run
+            errors.append(traceback.format_exc())
+
+    pool = [threading.Thread(target=client) for _ in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    queue.put(results)
+    queue.put((results, errors))
 
 
 MAX_PROCESSES = 64
@@ -163,10 +171,15 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
     for p in procs:
         p.start()
     samples: list[float] = []
+    errors: list[str] = []
     for _ in procs:
-        samples += queue.get()
+        got, failed = queue.get(timeout=duration * 2 + 120)  # a worker that died sends nothing
+        samples += got
+        errors += failed
     for p in procs:
         p.join()
+    if errors or not samples:
+        raise RuntimeError(f"{kind} with {clients} clients: no samples\n" + "".join(errors[:2]))
     return {
         "clients": clients,
         "p50_us": percentile(samples, 0.5) * 1e6,

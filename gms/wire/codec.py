@@ -65,21 +65,17 @@ def _make_converter() -> cattrs.Converter:
 
     def list_hook(t: Any) -> Callable[[Any, Any], list]:
         (element,) = typing.get_args(t)
-        if element in (int, str, bytes):
-            # Columns of thousands of primitives: check types, keep msgpack's list.
-            def primitives(value: Any, _: Any) -> list:
-                if type(value) is not list:
-                    raise MalformedMessage(f"expected a list, got {type(value).__name__}")
-                if not all(type(item) is element for item in value):
-                    raise MalformedMessage(f"expected a list of {element.__name__}")
-                return value
-
-            return primitives
-        inner = converter.get_structure_hook(element)
+        # Columns of thousands of primitives: check their types, keep msgpack's list.
+        primitive = element in (int, str, bytes)
+        inner = None if primitive else converter.get_structure_hook(element)
 
         def structure(value: Any, _: Any) -> list:
             if type(value) is not list:
                 raise MalformedMessage(f"expected a list, got {type(value).__name__}")
+            if primitive:
+                if not all(type(item) is element for item in value):
+                    raise MalformedMessage(f"expected a list of {element.__name__}")
+                return value
             return [inner(item, element) for item in value]
 
         return structure
