@@ -109,10 +109,12 @@ def make_op(kind: str, path: str, ids: list[str]):
     raise ValueError(kind)
 
 
-def client_thread(kind, path, ids, start_at, duration, rate, out) -> None:
+def client_thread(kind, path, ids, ready, start, duration, rate, out) -> None:
     op = make_op(kind, path, ids)
     for _ in range(50):
         op()
+    ready()  # the clock starts once every client has connected and warmed up
+    start_at = start()
     samples: list[float] = []
     now = time.perf_counter
     while now() < start_at:
@@ -138,15 +140,22 @@ def client_thread(kind, path, ids, start_at, duration, rate, out) -> None:
     out.extend(samples)
 
 
-def worker(kind, path, ids, threads, start_at, duration, rate, queue) -> None:
+def worker(kind, path, ids, threads, ready, go, start, duration, rate, queue) -> None:
     results: list[float] = []
     errors: list[str] = []
+    warmed = threading.Barrier(threads, action=ready.release)
+
+    def wait_for_start() -> float:
+        go.wait()
+        return start.value
 
     def client() -> None:
         try:
-            client_thread(kind, path, ids, start_at, duration, rate, results)
+            client_thread(kind, path, ids, warmed.wait, wait_for_start, duration, rate, results)
         except BaseException:  # reported to the parent, which stops the run
             errors.append(traceback.format_exc())
+            warmed.abort()
+            ready.release()  # the parent need not wait for this worker
 
     pool = [threading.Thread(target=client) for _ in range(threads)]
     for t in pool:
@@ -165,11 +174,16 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
     processes = min(clients, MAX_PROCESSES)
     per = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
     ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    start_at = time.perf_counter() + 1.0 + processes * 0.03
-    procs = [ctx.Process(target=worker, args=(kind, path, ids, n, start_at, duration, rate, queue)) for n in per]
+    queue, ready, go, start = ctx.Queue(), ctx.Semaphore(0), ctx.Event(), ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=worker, args=(kind, path, ids, n, ready, go, start, duration, rate, queue))
+             for n in per]
     for p in procs:
         p.start()
+    for _ in procs:  # every worker's clients are connected and warm (or one failed)
+        if not ready.acquire(timeout=300):
+            break
+    start.value = time.perf_counter() + 0.05
+    go.set()
     samples: list[float] = []
     errors: list[str] = []
     for _ in procs:
