@@ -182,7 +182,7 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
     for _ in procs:  # every worker's clients are connected and warm (or one failed)
         if not ready.acquire(timeout=300):
             break
-    start.value = time.perf_counter() + 0.05
+    start.value = time.perf_counter() + 0.5  # time for every worker to wake and wait for it
     go.set()
     samples: list[float] = []
     errors: list[str] = []

@@ -30,9 +30,11 @@ CLIENT_MAX_FRAME_BYTES = 1 << 30
 # answer, for up to GMS_CLIENT_SPIN_US (0 turns polling off), and falls back
 # to blocking.  Polling only pays when answers are quick: the process keeps a
 # moving average of response times per request type and polls only while it
-# is under the window, so on a loaded machine (answers in milliseconds) nobody
-# spins.  Handshakes always poll: their time includes lock waits, which say
-# nothing about the server's speed.
+# is under half the window, so on a loaded machine nobody spins: with 64
+# clients on 2 cores (answers in ~200 µs) polling clients took CPU the server
+# needed, and the open-loop p99 fell from ~1.6 to ~1.1 ms when they stopped
+# (docs/performance.md).  Handshakes always poll: their time includes lock
+# waits, which say nothing about the server's speed.
 DEFAULT_SPIN_US = 200.0
 _response_times: dict[type, float] = {}
 
@@ -130,7 +132,7 @@ class RpcTransport:
 
     def _receive(self, sock: socket.socket, sent_at: float | None, kind: type) -> tuple[int, list, int]:
         """One recvmsg; the first of a response may poll before it blocks."""
-        if sent_at is not None and _response_times.get(kind, 0.0) < self._spin_s:
+        if sent_at is not None and _response_times.get(kind, 0.0) < self._spin_s / 2:
             deadline = sent_at + self._spin_s
             while time.perf_counter() < deadline:
                 try:
