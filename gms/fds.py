@@ -34,9 +34,12 @@ def reserve_fd_slots(count: int) -> None:
     needed = min(used + count, soft - 1)
     if needed < size:
         return
-    probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        # The lowest free fd >= needed: the table grows to hold it; nothing is clobbered.
-        os.close(fcntl.fcntl(probe, fcntl.F_DUPFD_CLOEXEC, needed))
-    finally:
-        os.close(probe)
+    try:  # threads may take the last fds meanwhile: room is an optimisation
+        probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # The lowest free fd >= needed: the table grows to hold it; nothing is clobbered.
+            os.close(fcntl.fcntl(probe, fcntl.F_DUPFD_CLOEXEC, needed))
+        finally:
+            os.close(probe)
+    except OSError:
+        pass
