@@ -31,7 +31,8 @@ def reserve_fd_slots(count: int) -> None:
         return
     size, used = table
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = min(used + count, soft - 1)
+    limit = used + count + 1 if soft == resource.RLIM_INFINITY else soft
+    needed = min(used + count, limit - 1)
     if needed < size:
         return
     try:  # threads may take the last fds meanwhile: room is an optimisation
