@@ -3,7 +3,8 @@
     python bench/all.py [--quick]
 
 CPU ones always (event log, RPC on the host backend); GPU ones where a GPU
-is present (VMM calls, warm start, sleep/wake, RPC on the CUDA backend).
+is present (VMM calls, warm start, import phases, sleep/wake, RPC on the
+CUDA backend).
 Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
 """
 
@@ -26,7 +27,8 @@ def main() -> None:
 
     runs = [["event_log.py"], ["rpc.py", "--backend", "host"]]
     if cuda_device_count():
-        runs += [["vmm.py"], ["warm_start.py"], ["sleep_wake.py"], ["rpc.py", "--backend", "cuda"]]
+        runs += [["vmm.py"], ["warm_start.py"], ["import_phases.py"], ["sleep_wake.py"],
+                 ["rpc.py", "--backend", "cuda"]]
     failed = []
     for run in runs:
         print(f"\n=== {' '.join(run)} ===", flush=True)
