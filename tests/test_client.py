@@ -38,6 +38,7 @@ def publish(socket_path: str, tensors: dict[str, bytes], tag: str = "weights") -
         writer.write(va + 4096, data)
         writer.metadata_put(key, _id_at(writer, va), 4096, str(len(data)).encode())
         vas[key] = va
+    assert writer.get_memory_layout_hash() == "", "no hash while a writer builds"
     assert writer.commit() is True
     assert not writer.is_connected and writer.is_unmapped
     writer.close()
@@ -61,6 +62,16 @@ def first_line(proc: subprocess.Popen) -> list[str]:
         proc.kill()
         raise AssertionError(f"client process printed nothing; stderr:\n{proc.stderr.read()}")
     return line.split()
+
+
+def asleep_reader(socket_path: str) -> GMSClientMemoryManager:
+    """A reader that mapped "t0", then slept: unmapped and disconnected."""
+    mgr = GMSClientMemoryManager(socket_path)
+    mgr.connect(RequestedLockType.RO)
+    mgr.create_mapping(mgr.metadata_get("t0")[0])
+    mgr.unmap_all_vas()
+    mgr.abort()
+    return mgr
 
 
 def test_readers_in_other_processes_see_the_writers_bytes(server):
@@ -99,6 +110,7 @@ def test_sleep_and_wake_keep_addresses_and_bytes(server):
     layout_hash, _ = publish(server.socket, {"t0": PAYLOAD, "t1": PAYLOAD[::-1]})
     mgr = GMSClientMemoryManager(server.socket)
     mgr.connect(RequestedLockType.RO)
+    assert mgr.get_memory_layout_hash() == layout_hash
     vas = {}
     for key in ("t0", "t1"):
         allocation_id, offset, _ = mgr.metadata_get(key)
@@ -119,11 +131,7 @@ def test_sleep_and_wake_keep_addresses_and_bytes(server):
 
 def test_a_new_layout_in_between_makes_remap_stale(server):
     publish(server.socket, {"t0": PAYLOAD})
-    mgr = GMSClientMemoryManager(server.socket)
-    mgr.connect(RequestedLockType.RO)
-    mgr.create_mapping(mgr.metadata_get("t0")[0])
-    mgr.unmap_all_vas()
-    mgr.abort()
+    mgr = asleep_reader(server.socket)
     publish(server.socket, {"t0": PAYLOAD, "extra": b"x" * 10})
     mgr.connect(RequestedLockType.RO)
     with pytest.raises(StaleMemoryLayoutError):
@@ -361,11 +369,7 @@ def test_connect_twice_and_writes_without_rw_are_refused(server):
 def test_server_restart_makes_remap_stale(start_server):
     first = start_server()
     publish(first.socket, {"t0": PAYLOAD})
-    mgr = GMSClientMemoryManager(first.socket)
-    mgr.connect(RequestedLockType.RO)
-    mgr.create_mapping(mgr.metadata_get("t0")[0])
-    mgr.unmap_all_vas()
-    mgr.abort()
+    mgr = asleep_reader(first.socket)
     assert first.stop() == 0
     second = start_server()
     mgr.socket_path = second.socket

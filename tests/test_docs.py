@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gms import paths
+
 from .helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,13 +27,7 @@ def test_readme_writer_and_reader(tmp_path, backend):
         env=env,
     )
     try:
-        import gms
-
-        os.environ["GMS_SOCKET_DIR"] = str(tmp_path)
-        try:
-            path = gms.socket_path(0, "weights", backend)
-        finally:
-            del os.environ["GMS_SOCKET_DIR"]
+        path = paths.socket_path_in(str(tmp_path), paths.device_id(0, backend), "weights")
         wait_until(lambda: os.path.exists(path), timeout=30, what=path)
         writer, reader = python_blocks(ROOT / "README.md")[:2]
         for code in (writer, reader):

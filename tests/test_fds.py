@@ -22,7 +22,8 @@ def test_reserving_slots_grows_the_table_once_and_clobbers_nothing(tmp_path):
         reserve_fd_slots(size)  # more than fit now
         grown, used_after = _table()
         assert grown > used + size - 1 and used_after == used
-        assert all(os.fstat(fd) for fd in opened)  # every fd still open and its own
+        inode = os.stat(tmp_path).st_ino
+        assert all(os.fstat(fd).st_ino == inode for fd in opened)  # every fd still open, still ours
         reserve_fd_slots(10)
         assert _table() == (grown, used)
     finally:

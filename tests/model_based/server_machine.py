@@ -120,26 +120,23 @@ class ServerMachine(RuleBasedStateMachine):
         choices = holders + idle
         return data.draw(st.sampled_from(choices), label="conn") if choices else None
 
-    def _expect_read(self, response, query):
-        """Check a read against the local query; NO_ANSWER if both refused it."""
+    def _agree(self, response, local):
+        """Run the local decision or query and check the server agreed: both
+        refused it with one code (NO_ANSWER), or both answered (the local result)."""
         try:
-            result = query()
+            result = local()
         except Rejection as rejection:
             assert isinstance(response, m.ErrorResponse), (response, rejection)
             assert response.code == rejection.code, (response, rejection)
             return NO_ANSWER
-        assert not isinstance(response, m.ErrorResponse), response
+        assert not isinstance(response, m.ErrorResponse), (response, result)
         return result
 
-    def _expect(self, conn: int, response, decide) -> object:
-        """Check the server's answer against a local decision; record its events."""
-        try:
-            events = decide()
-        except Rejection as rejection:
-            assert isinstance(response, m.ErrorResponse), (response, rejection)
-            assert response.code == rejection.code, (response, rejection)
+    def _expect(self, response, decide) -> object:
+        """Check the server's answer against a local decision; record its events (None if refused)."""
+        events = self._agree(response, decide)
+        if events is NO_ANSWER:
             return None
-        assert not isinstance(response, m.ErrorResponse), (response, events)
         self._record(events)
         return events
 
@@ -187,15 +184,12 @@ class ServerMachine(RuleBasedStateMachine):
         response = self.conns[conn].call(m.AllocateRequest(size, tag))
         state = self.expected.state
         if isinstance(response, m.ErrorResponse):
-            self._expect(conn, response, lambda: validate_allocate(state, conn, size, tag, LIMITS))
+            self._expect(response, lambda: validate_allocate(state, conn, size, tag, LIMITS))
             return
         assert response.aligned_size >= size and response.aligned_size % (2 * MiB) == 0
         self._expect(
-            conn,
             response,
-            lambda: decide_allocate(
-                state, conn, response.allocation_id, size, response.aligned_size, tag, LIMITS
-            ),
+            lambda: decide_allocate(state, conn, response.allocation_id, size, response.aligned_size, tag, LIMITS),
         )
         allocation = self.expected.state.allocations[response.allocation_id]
         self.conns[conn].send(m.ExportAllocationRequest(allocation.allocation_id))
@@ -231,7 +225,7 @@ class ServerMachine(RuleBasedStateMachine):
         alloc_id = self._allocation_id(data)
         response = self.conns[conn].call(m.FreeAllocationRequest(alloc_id))
         state = self.expected.state
-        self._expect(conn, response, lambda: decide_free(state, conn, alloc_id))
+        self._expect(response, lambda: decide_free(state, conn, alloc_id))
 
     def _metadata_put(self, data, conn, key, alloc_id, value):
         allocation = self.expected.state.allocations.get(alloc_id)
@@ -239,9 +233,7 @@ class ServerMachine(RuleBasedStateMachine):
         offset = data.draw(st.sampled_from([0, size - 1, size]) | st.integers(0, size - 1))
         response = self.conns[conn].call(m.MetadataPutRequest(key, alloc_id, offset, value))
         state = self.expected.state
-        self._expect(
-            conn, response, lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS)
-        )
+        self._expect(response, lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS))
 
     @rule(data=st.data(), key=st.sampled_from(KEYS), value=st.binary(max_size=18))
     def metadata_put(self, data, key, value):
@@ -262,7 +254,7 @@ class ServerMachine(RuleBasedStateMachine):
             return
         response = self.conns[conn].call(m.MetadataDeleteRequest(key))
         state = self.expected.state
-        events = self._expect(conn, response, lambda: decide_metadata_delete(state, conn, key))
+        events = self._expect(response, lambda: decide_metadata_delete(state, conn, key))
         if events is not None:
             assert response.deleted == bool(events)
 
@@ -273,7 +265,7 @@ class ServerMachine(RuleBasedStateMachine):
             return
         response = self.conns[conn].call(m.CommitRequest())
         state = self.expected.state
-        if self._expect(conn, response, lambda: decide_commit(state, conn)) is not None:
+        if self._expect(response, lambda: decide_commit(state, conn)) is not None:
             assert response.memory_layout_hash == self.expected.state.layout_hash
             assert self.conns.pop(conn).closed_by_peer()
             self._grant()
@@ -286,7 +278,7 @@ class ServerMachine(RuleBasedStateMachine):
         c, state = self.conns[conn], self.expected.state
         alloc_id = self._allocation_id(data)
 
-        entry = self._expect_read(
+        entry = self._agree(
             c.call(m.MetadataGetRequest(key)), lambda: queries.get_metadata(state, conn, key)
         )
         if entry is not NO_ANSWER:
@@ -296,14 +288,14 @@ class ServerMachine(RuleBasedStateMachine):
             assert c.call(m.MetadataGetRequest(key)) == expected
 
         response = c.call(m.MetadataListRequest(prefix))
-        keys = self._expect_read(response, lambda: queries.list_metadata(state, conn, prefix))
+        keys = self._agree(response, lambda: queries.list_metadata(state, conn, prefix))
         if keys is not NO_ANSWER:
             assert response.keys == keys
 
         c.send(m.ExportAllocationRequest(alloc_id))
         response, fds = c.recv()
         try:
-            allocation = self._expect_read(
+            allocation = self._agree(
                 response, lambda: queries.get_allocation(state, conn, alloc_id)
             )
             if allocation is not NO_ANSWER:
