@@ -32,9 +32,8 @@ CLIENT_MAX_FRAME_BYTES = 1 << 30
 # moving average of response times per request type and polls only while it
 # is under half the window, so on a loaded machine nobody spins: with 64
 # clients on 2 cores (answers in ~200 µs) polling clients took CPU the server
-# needed, and the open-loop p99 fell from ~1.6 to ~1.1 ms when they stopped
-# (docs/performance.md).  Handshakes always poll: their time includes lock
-# waits, which say nothing about the server's speed.
+# needed (docs/performance.md, section 3).  Handshakes always poll: their
+# time includes lock waits, which say nothing about the server's speed.
 DEFAULT_SPIN_US = 200.0
 _response_times: dict[type, float] = {}
 
