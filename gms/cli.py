@@ -158,11 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     _raise_fd_limit()
-    reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
     if args.devices:
         from .supervisor import supervise
 
         return supervise(args)
+    reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
 
     import trio
 
