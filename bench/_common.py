@@ -44,13 +44,13 @@ def run_json(script: str, *args: str, timeout: float = 300) -> dict:
 class Server:
     """``gms serve`` in a subprocess on a private socket, ready when constructed."""
 
-    def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", tag: str = "weights") -> None:
+    def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", *args: str) -> None:
         from gms import get_runtime_state
         from gms.errors import GMSError
 
         self.socket = os.path.join(directory, f"{name}.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend,
-                                      "--socket", self.socket, "--tag", tag, "--log-level", "warning"])
+                                      "--socket", self.socket, "--log-level", "warning", *args])
         deadline = time.monotonic() + 60
         while True:
             try:

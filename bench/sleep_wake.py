@@ -61,7 +61,7 @@ def kv_cache(path: str, gib: int, repeats: int) -> dict:
     driver has just taken back, as a wake after the primary exits does."""
     from gms import GMSClientMemoryManager, get_runtime_state
 
-    mgr = GMSClientMemoryManager(path)
+    mgr = GMSClientMemoryManager(path, layout="kv_cache")
     mgr.connect("RW")
     for _ in range(gib):
         mgr.create_mapping(size=GiB, tag="kv_cache")
@@ -199,7 +199,7 @@ def main() -> None:
         for gib in sizes:
             with Server(directory, name=f"w{gib}") as server:
                 w = weights(server.socket, gib, repeats)
-            with Server(directory, name=f"kv{gib}", tag="kv_cache") as server:
+            with Server(directory, name=f"kv{gib}") as server:
                 k = kv_cache(server.socket, gib, repeats)
             o = offload(gib, max(2, repeats // 2))
             rows.append({"gib": gib, "weights": w, "kv_cache": k, "offload": o,

@@ -1,11 +1,11 @@
 """A primary and a shadow engine sharing one GPU's weights (the seed's shadow pattern).
 
-    gms serve &                       # serves the 'weights' and 'kv_cache' tags
-    python examples/llm_writer.py --socket "$(python -c 'import gms; print(gms.socket_path(0, "weights"))')" --workdir /tmp/tiny-llama
+    gms serve &                       # one server for the GPU: layouts 'weights' and 'kv_cache'
+    python examples/llm_writer.py --socket "$(python -c 'import gms; print(gms.socket_path(0))')" --workdir /tmp/tiny-llama
     python examples/shadow_pair.py demo
 
 The primary imports the weights read-only and takes the KV-cache lock (RW on
-the kv_cache server) for its KV cache.  The shadow imports the same weights,
+the kv_cache layout) for its KV cache.  The shadow imports the same weights,
 then sleeps: it unmaps them and drops its lock, holding no GPU memory, and
 waits for the KV-cache lock; that lock is the primary's liveness.  When the
 primary exits, the shadow is granted the lock, wakes its weights at the same
@@ -46,10 +46,10 @@ def take_kv_cache(kv: GMSClientMemoryManager) -> torch.Tensor:
 
 
 def primary(args) -> None:
-    weights = GMSClientMemoryManager(args.weights_socket)
+    weights = GMSClientMemoryManager(args.socket, layout="weights")
     weights.connect(RequestedLockType.RO)
     model = import_model(weights)
-    kv = GMSClientMemoryManager(args.kv_socket)
+    kv = GMSClientMemoryManager(args.socket, layout="kv_cache")
     kv.connect(RequestedLockType.RW)
     cache = take_kv_cache(kv)
     print(json.dumps({"role": "primary", "serving": True}), flush=True)
@@ -63,14 +63,14 @@ def primary(args) -> None:
 
 
 def shadow(args) -> None:
-    weights = GMSClientMemoryManager(args.weights_socket)
+    weights = GMSClientMemoryManager(args.socket, layout="weights")
     weights.connect(RequestedLockType.RO)
     model = import_model(weights)
     started = time.perf_counter()
     gms.torch.sleep(weights)  # no GPU memory held from here on
     print(json.dumps({"role": "shadow", "asleep": True, "sleep_ms": (time.perf_counter() - started) * 1e3}),
           flush=True)
-    kv = GMSClientMemoryManager(args.kv_socket)
+    kv = GMSClientMemoryManager(args.socket, layout="kv_cache")
     kv.connect(RequestedLockType.RW)  # blocks while the primary lives
     woke = time.time()
     started = time.perf_counter()
@@ -83,13 +83,13 @@ def shadow(args) -> None:
 
 def demo(args) -> None:
     base = [sys.executable, __file__]
-    common = ["--weights-socket", args.weights_socket, "--kv-socket", args.kv_socket]
+    common = ["--socket", args.socket]
     first = subprocess.Popen(base + ["primary", *common, "--steps", str(args.steps), "--hold"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert json.loads(first.stdout.readline())["serving"]
     second = subprocess.Popen(base + ["shadow", *common], stdout=subprocess.PIPE, text=True)
     print(second.stdout.readline().strip())
-    while gms.get_runtime_state(args.kv_socket).waiting_writers == 0:  # the shadow waits on the lock
+    while gms.get_runtime_state(args.socket).layout("kv_cache").waiting_writers == 0:  # the shadow waits on the lock
         time.sleep(0.01)
     first.stdin.write("go\n")
     first.stdin.flush()
@@ -112,13 +112,11 @@ def demo(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["primary", "shadow", "demo"])
-    parser.add_argument("--weights-socket", default=None)
-    parser.add_argument("--kv-socket", default=None)
+    parser.add_argument("--socket", default=None, help="the GPU's server (default: gms.socket_path(0))")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hold", action="store_true", help="primary: wait for a line on stdin before serving")
     args = parser.parse_args()
-    args.weights_socket = args.weights_socket or gms.socket_path(0, "weights")
-    args.kv_socket = args.kv_socket or gms.socket_path(0, "kv_cache")
+    args.socket = args.socket or gms.socket_path(0)
     {"primary": primary, "shadow": shadow, "demo": demo}[args.role](args)
 
 

@@ -22,9 +22,10 @@ from .errors import (
     GMSServerError,
     GMSUsageError,
     LockTimeoutError,
+    QuotaExceededError,
     StaleMemoryLayoutError,
 )
-from .fsm import GrantedLockType, RequestedLockType
+from .fsm import GrantedLockType, RequestedLockType, Residency
 from .paths import socket_path
 
 __version__ = "0.1.0"
@@ -41,7 +42,9 @@ __all__ = [
     "HandleInfo",
     "HistoryEvent",
     "LockTimeoutError",
+    "QuotaExceededError",
     "RequestedLockType",
+    "Residency",
     "StaleMemoryLayoutError",
     "get_event_history",
     "get_runtime_state",

@@ -23,6 +23,31 @@ class GMSServerError(GMSError):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Errors cross process boundaries (a Ray actor's reach its driver): rebuild from fields.
+        return (type(self), (self.code, self.message))
+
+
+class QuotaExceededError(GMSServerError):
+    """An allocation would take the tenant (``scope == "tenant"``) or this session
+    (``"session"``, the limit set at connect) past its byte limit.  Non-fatal:
+    the session goes on, nothing was allocated."""
+
+    def __init__(self, message: str, *, scope: str, used: int, asked: int, quota: int) -> None:
+        super().__init__("QUOTA_EXCEEDED", message)
+        self.scope = scope
+        self.used = used
+        self.asked = asked
+        self.quota = quota
+
+    def __reduce__(self):
+        fields = {"scope": self.scope, "used": self.used, "asked": self.asked, "quota": self.quota}
+        return (_rebuild_quota_error, (self.message, fields))
+
+
+def _rebuild_quota_error(message: str, fields: dict) -> QuotaExceededError:
+    return QuotaExceededError(message, **fields)
+
 
 class LockTimeoutError(GMSError, TimeoutError):
     """The lock was not granted in time: the one non-fatal connection failure."""

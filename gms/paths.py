@@ -1,6 +1,6 @@
-"""Where a server listens by default: one socket per (device, tag).
+"""Where a server listens by default: one socket per device.
 
-``<dir>/gms_<device-id>_<tag>.sock`` where ``<dir>`` is ``$GMS_SOCKET_DIR``
+``<dir>/gms_<device-id>.sock`` where ``<dir>`` is ``$GMS_SOCKET_DIR``
 or the system temp folder, and ``<device-id>`` is the GPU's UUID for the CUDA
 backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
 ``host-<N>`` for the host backend.  Where that path would not fit in a Unix
@@ -14,7 +14,6 @@ import hashlib
 import os
 import tempfile
 
-DEFAULT_TAGS = ("weights", "kv_cache")
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes, with the terminating NUL
 
 
@@ -33,17 +32,18 @@ def device_id(device: int, backend: str = "auto") -> str:
     return f"host-{device}"
 
 
-def socket_path(device: int = 0, tag: str = "weights", backend: str = "auto") -> str:
-    return socket_path_in(socket_dir(), device_id(device, backend), tag)
+def socket_path(device: int = 0, backend: str = "auto") -> str:
+    """The socket of the server for ``device``; every layout on it is reached here."""
+    return socket_path_in(socket_dir(), device_id(device, backend))
 
 
-def socket_path_in(directory: str, device_id: str, tag: str) -> str:
-    """The socket for (device, tag) in ``directory``; raises ``ValueError``
+def socket_path_in(directory: str, device_id: str) -> str:
+    """The socket for a device in ``directory``; raises ``ValueError``
     when even the short form is too long for a Unix socket."""
-    path = os.path.join(directory, f"gms_{device_id}_{tag}.sock")
+    path = os.path.join(directory, f"gms_{device_id}.sock")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         digest = hashlib.sha256(device_id.encode()).hexdigest()[:12]
-        path = os.path.join(directory, f"gms_{digest}_{tag}.sock")
+        path = os.path.join(directory, f"gms_{digest}.sock")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise ValueError(
             f"socket path {path!r} is longer than the {MAX_SOCKET_PATH_BYTES} bytes a Unix socket "

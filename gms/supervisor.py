@@ -1,9 +1,13 @@
 """``gms serve --devices all|0,1,...``: one isolated server process per GPU.
 
 Each child is a plain ``gms serve --device N`` with the same options, so a
-failure on one GPU (a CUDA error stops its server) cannot touch another.
-SIGTERM/SIGINT is passed to every child; if a child exits on its own, the
-others are stopped too and the supervisor exits with the child's code.
+failure on one GPU (a CUDA error stops its server) cannot touch another.  A
+child that exits on its own is restarted on its own, after a backoff that
+doubles from half a second to 30 s (reset once a child has run for a
+minute); the other GPUs' servers, layouts and clients are not touched.  A
+child that exits with the configuration error code (78) is not restarted:
+the same options would fail again.  SIGTERM/SIGINT stops every child and
+then the supervisor, which exits 0.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from .cuda import cuda_device_count
 
 log = logging.getLogger("gms.supervisor")
 STOP_GRACE_S = 30
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 60.0
+EXIT_CONFIG = 78
 
 
 def parse_devices(text: str) -> list[int]:
@@ -35,9 +43,10 @@ def parse_devices(text: str) -> list[int]:
 
 def child_argv(args: argparse.Namespace, device: int) -> list[str]:
     argv = [sys.executable, "-m", "gms", "serve", "--device", str(device), "--backend", args.backend]
-    for tag in args.tag or ():
-        argv += ["--tag", tag]
     options = {
+        "--policy": args.policy,
+        "--gpu-budget": args.gpu_budget,
+        "--host-budget": args.host_budget,
         "--host-capacity": args.host_capacity,
         "--alloc-retry-interval": args.alloc_retry_interval,
         "--alloc-retry-timeout": args.alloc_retry_timeout,
@@ -46,59 +55,108 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--max-metadata-value-bytes": args.max_metadata_value_bytes,
         "--max-allocations": args.max_allocations,
         "--max-metadata-keys": args.max_metadata_keys,
+        "--max-layouts": args.max_layouts,
         "--event-log-retain": args.event_log_retain,
         "--log-level": args.log_level,
     }
+    if args.metrics_port is not None:
+        # One port per GPU: the first GPU's server gets the given one, the next the one after.
+        options["--metrics-port"] = args.metrics_port + device
+        options["--metrics-host"] = args.metrics_host
     for flag, value in options.items():
         if value is not None:
             argv += [flag, str(value)]
+    if args.no_host_tier:
+        argv.append("--no-host-tier")
     return argv
 
 
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+class _Child:
+    """One device's server: started, watched, restarted until the supervisor stops."""
+
+    def __init__(self, device: int, argv: list[str]) -> None:
+        self.device = device
+        self.argv = argv
+        self.proc: trio.Process | None = None
+        self.restarts = 0
+
+    async def run(self, stopping: trio.Event) -> None:
+        backoff = FIRST_BACKOFF_S
+        while not stopping.is_set():
+            started = trio.current_time()
+            self.proc = await trio.lowlevel.open_process(self.argv)
+            code = await self.proc.wait()
+            if stopping.is_set():
+                return
+            if code == EXIT_CONFIG:
+                log.error("server for device %d exited with a configuration error; not restarting it", self.device)
+                return
+            if trio.current_time() - started >= HEALTHY_AFTER_S:
+                backoff = FIRST_BACKOFF_S
+            log.error(
+                "server for device %d (pid %d) exited with %s; restarting it in %.1f s "
+                "(the other devices' servers are untouched)",
+                self.device, self.proc.pid, _describe(code), backoff,
+            )
+            with trio.move_on_after(backoff):
+                await stopping.wait()
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            self.restarts += 1
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE_S):
+            await proc.wait()
+        if proc.returncode is None:
+            log.error("server for device %d ignored SIGTERM; killing it", self.device)
+            proc.kill()
+            await proc.wait()
+
+
 async def _supervise(commands: dict[int, list[str]]) -> int:
-    exit_code = 0
-    stopping = False
+    children = [_Child(device, argv) for device, argv in commands.items()]
+    stopping = trio.Event()
+    given_up = 0
     # Listen before starting anything: a signal must never orphan a child.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
         async with trio.open_nursery() as nursery:
-            procs = {device: await trio.lowlevel.open_process(cmd) for device, cmd in commands.items()}
 
-            async def stop_all() -> None:
-                nonlocal stopping
-                if stopping:
-                    return
-                stopping = True
-                for proc in procs.values():
-                    if proc.returncode is None:
-                        proc.send_signal(signal.SIGTERM)
-                with trio.move_on_after(STOP_GRACE_S):
-                    for proc in procs.values():
-                        await proc.wait()
-                for device, proc in procs.items():
-                    if proc.returncode is None:
-                        log.error("server for device %d ignored SIGTERM; killing it", device)
-                        proc.kill()
-                        await proc.wait()
-                nursery.cancel_scope.cancel()
+            async def watch(child: _Child) -> None:
+                nonlocal given_up
+                await child.run(stopping)
+                if not stopping.is_set():
+                    given_up += 1
+                    if given_up == len(children):
+                        log.error("no server can run; stopping")
+                        nursery.cancel_scope.cancel()
 
-            async def watch(device: int, proc) -> None:
-                nonlocal exit_code
-                code = await proc.wait()
-                if not stopping:
-                    log.error("server for device %d exited with code %d; stopping the others", device, code)
-                    exit_code = code or 1
-                    await stop_all()
+            for child in children:
+                nursery.start_soon(watch, child)
 
             async def on_signal() -> None:
                 async for signum in received:
-                    log.info("%s: stopping %d servers", signal.Signals(signum).name, len(procs))
-                    await stop_all()
+                    log.info("%s: stopping %d servers", signal.Signals(signum).name, len(children))
+                    stopping.set()
+                    async with trio.open_nursery() as stoppers:
+                        for child in children:
+                            stoppers.start_soon(child.stop)
+                    nursery.cancel_scope.cancel()
                     return
 
-            for device, proc in procs.items():
-                nursery.start_soon(watch, device, proc)
             nursery.start_soon(on_signal)
-    return exit_code
+    return EXIT_CONFIG if given_up == len(children) else 0
 
 
 def supervise(args: argparse.Namespace) -> int:

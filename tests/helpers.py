@@ -19,6 +19,7 @@ from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 
 MiB = 1 << 20
+NODE_KINDS = ("SERVER_STARTED", "SESSION_OPENED", "SESSION_CLOSED")
 _counter = itertools.count()
 
 
@@ -71,11 +72,16 @@ class ServerProcess:
     def state(self) -> m.GetRuntimeStateResponse:
         return get_runtime_state(self.socket)
 
+    def layout(self, name: str = "weights") -> m.LayoutStatus:
+        return self.state().layout(name)
+
     def events(self, since: int = 0) -> list:
         return list(iter_event_history(self.socket, since))
 
-    def kinds(self, since: int = 0) -> list[str]:
-        return [e.kind for e in self.events(since)]
+    def kinds(self, since: int = 0, *, sessions: bool = False) -> list[str]:
+        """Kinds of the events after ``since``; without the start and session
+        events (which bracket every connection) unless ``sessions``."""
+        return [e.kind for e in self.events(since) if sessions or e.kind not in NODE_KINDS]
 
     def history(self, since=None, limit=None):
         return get_event_history(self.socket, since, limit)
@@ -103,9 +109,20 @@ class RawConn:
     """A protocol connection with no client library in the way."""
 
     def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        self._adopt(sock)
+
+    def _adopt(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.decoder = FrameDecoder(1 << 30)
+
+    @classmethod
+    def from_socket(cls, sock: socket.socket) -> RawConn:
+        """A connection someone else opened (a child of another uid, say)."""
+        conn = cls.__new__(cls)
+        conn._adopt(sock)
+        return conn
 
     def send(self, message) -> None:
         self.sock.sendall(encode(message))

@@ -42,7 +42,7 @@ def publish(socket_path: str, tensors: dict[str, bytes], tag: str = "weights") -
     assert writer.commit() is True
     assert not writer.is_connected and writer.is_unmapped
     writer.close()
-    return gms.get_runtime_state(socket_path).memory_layout_hash, vas
+    return gms.get_runtime_state(socket_path).layout("weights").memory_layout_hash, vas
 
 
 def _id_at(mgr: GMSClientMemoryManager, va: int) -> str:
@@ -79,11 +79,11 @@ def test_readers_in_other_processes_see_the_writers_bytes(server):
     readers = [spawn("read", server, key) for key in ("t0", "t1", "t0")]
     outputs = [first_line(r) for r in readers]
     assert [bytes.fromhex(o[1]) for o in outputs] == [PAYLOAD, PAYLOAD[::-1], PAYLOAD]
-    assert server.state().ro_session_count == 3
+    assert server.layout().readers == 3
     for reader in readers:
         reader.communicate("\n", timeout=30)
         assert reader.returncode == 0
-    wait_until(lambda: server.state().ro_session_count == 0, what="readers gone")
+    wait_until(lambda: server.layout().readers == 0, what="readers gone")
 
 
 def test_read_only_mapping_cannot_be_written(server):
@@ -119,13 +119,13 @@ def test_sleep_and_wake_keep_addresses_and_bytes(server):
     mgr.unmap_all_vas()  # sleep
     mgr.abort()
     assert mgr.is_unmapped and not mgr.is_connected and mgr.total_bytes == total
-    wait_until(lambda: server.state().state == "COMMITTED", what="reader released")
+    wait_until(lambda: server.layout().state == "COMMITTED", what="reader released")
     mgr.connect(RequestedLockType.RO)  # wake
     mgr.remap_all_vas()
     assert not mgr.is_unmapped
     assert mgr.read(vas["t0"], len(PAYLOAD)) == PAYLOAD
     assert mgr.read(vas["t1"], len(PAYLOAD)) == PAYLOAD[::-1]
-    assert server.state().memory_layout_hash == layout_hash
+    assert server.layout().memory_layout_hash == layout_hash
     mgr.close()
 
 
@@ -188,12 +188,12 @@ def test_rw_or_ro_takes_over_after_a_writer_dies(server):
 
     thread = threading.Thread(target=auto)
     thread.start()
-    wait_until(lambda: server.state().waiting_readers == 1, what="auto client waiting")
+    wait_until(lambda: server.layout().waiting_readers == 1, what="auto client waiting")
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     thread.join(30)
     assert result["granted"] is GrantedLockType.RW
-    assert server.state().allocation_count == 0, "the dead writer's layout was dropped"
+    assert server.layout().allocation_count == 0, "the dead writer's layout was dropped"
     result["mgr"].close()
 
 
@@ -221,12 +221,12 @@ def test_kv_cache_reallocation_keeps_addresses(start_server):
         mgr.write(va, b"kv" * 100)
     mgr.unmap_all_vas()  # sleep: memory released, addresses kept
     mgr.abort()
-    wait_until(lambda: kv.state().state == "EMPTY", what="kv layout dropped")
+    wait_until(lambda: kv.layout().state == "EMPTY", what="kv layout dropped")
     mgr.connect(RequestedLockType.RW)  # wake
     mgr.reallocate_all_handles("kv_cache")
     mgr.remap_all_vas()
     assert [mp.va for mp in mgr.mappings] == sorted(vas)
-    assert kv.state().allocation_count == 3
+    assert kv.layout().allocation_count == 3
     for va in vas:
         mgr.write(va, b"fresh")
         assert mgr.read(va, 5) == b"fresh"
@@ -299,7 +299,7 @@ def test_concurrent_threads_share_one_manager(server):
         thread.join()
     assert errors == []
     assert len(mgr.metadata_list("w")) == 8 * 150
-    assert len(mgr.mappings) == 1 + 8 * 3 == server.state().allocation_count
+    assert len(mgr.mappings) == 1 + 8 * 3 == server.layout().allocation_count
     mgr.close()
 
 
@@ -330,10 +330,10 @@ def test_close_and_abort_are_idempotent_and_gc_releases(server, backend):
     va = dropped.create_mapping(dropped.metadata_get("t0")[0])
     if backend == "host":
         assert _mapped(va)
-    assert server.state().ro_session_count == 1
+    assert server.layout().readers == 1
     del dropped
     gc.collect()
-    wait_until(lambda: server.state().ro_session_count == 0, what="GC closed the connection")
+    wait_until(lambda: server.layout().readers == 0, what="GC closed the connection")
     if backend == "host":
         assert not _mapped(va), "GC released the reservation"
 
@@ -344,9 +344,11 @@ def test_context_manager_and_probe_helpers(server):
         mgr.create_mapping(size=MiB, tag="weights")
         state = gms.get_runtime_state(server.socket)
         assert isinstance(state, gms.client.probes.RuntimeState)
-        assert (state.state, state.allocation_count) == ("RW", 1)
+        assert (state.layout("weights").state, state.layout("weights").allocation_count) == ("RW", 1)
     history = gms.get_event_history(server.socket)
-    assert [e.kind for e in history.events] == ["RW_CONNECT", "ALLOCATION_CREATED", "RW_ABORT"]
+    assert [e.kind for e in history.events] == [
+        "SERVER_STARTED", "SESSION_OPENED", "RW_CONNECT", "ALLOCATION_CREATED", "RW_ABORT", "SESSION_CLOSED",
+    ]
     assert isinstance(history.events[0], gms.HistoryEvent)
 
 

@@ -23,11 +23,11 @@ def test_readme_writer_and_reader(tmp_path, backend):
     # GMS_BACKEND: on a GPU host the README's clients must find the host-backend server too.
     env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path), "GMS_BACKEND": backend}
     server = subprocess.Popen(
-        [sys.executable, "-m", "gms", "serve", "--backend", backend, "--tag", "weights", "--log-level", "warning"],
+        [sys.executable, "-m", "gms", "serve", "--backend", backend, "--log-level", "warning"],
         env=env,
     )
     try:
-        path = paths.socket_path_in(str(tmp_path), paths.device_id(0, backend), "weights")
+        path = paths.socket_path_in(str(tmp_path), paths.device_id(0, backend))
         wait_until(lambda: os.path.exists(path), timeout=30, what=path)
         writer, reader = python_blocks(ROOT / "README.md")[:2]
         for code in (writer, reader):

@@ -7,14 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gms.fsm import InvariantViolation, LockState
-from gms.fsm.events import RoConnect, RoDisconnect, RwAbort, RwConnect
+from gms.fsm.events import RoConnect
 from gms.store import EventLog, replay
 
-
-def churn(n):
-    """n events of writers coming and going: every prefix is a valid history."""
-    for i in range(n):
-        yield RwConnect(i) if i % 2 == 0 else RwAbort(i - 1)
+from .fsm_events import churn, closed_reader, committed, reader, started, writer
 
 
 def test_sequence_numbers_and_clocks():
@@ -28,11 +24,16 @@ def test_sequence_numbers_and_clocks():
 
 def test_refused_event_is_not_stored():
     log = EventLog()
-    log.append(RwConnect(1))
+    log.extend([started(), *writer(1)])
     with pytest.raises(InvariantViolation):
-        log.append(RoConnect(2))
-    assert log.last_seq == 1 and log.state.lock_state is LockState.RW
+        log.append(RoConnect(2, layout="w"))
+    assert log.last_seq == 3 and log.state.layout("w").lock_state is LockState.RW
     assert replay(log) == log.state
+
+
+def test_the_log_starts_with_the_server():
+    with pytest.raises(InvariantViolation, match="SERVER_STARTED"):
+        EventLog().extend(writer(1))
 
 
 @given(
@@ -65,14 +66,16 @@ def test_unbounded_log_keeps_everything():
 
 def test_snapshot_is_the_state_at_the_cut():
     log = EventLog(retain=2, chunk_size=2)
-    log.extend([RwConnect(1), RwAbort(1), RwConnect(2)])
-    log.extend(decide_commit_events(log, 2))
-    log.extend([RoConnect(3), RoDisconnect(3)])
+    log.extend([started(), *writer(1)])
+    log.extend(committed(log.state, 1))
+    log.extend([*reader(3), *closed_reader(3)])
     snap = log.snapshot
-    assert snap.last_seq == 4 and snap.state.lock_state is LockState.COMMITTED
+    assert snap.last_seq == 6 and snap.state.layout("w").lock_state is LockState.COMMITTED
+    assert replay(log) == log.state
 
 
-def decide_commit_events(log, conn):
-    from gms.fsm import decide_commit
-
-    return decide_commit(log.state, conn)
+def test_entry_finds_kept_events_by_sequence_number():
+    log = EventLog(retain=4, chunk_size=2)
+    log.extend(churn(11))
+    assert [log.entry(seq) for seq in (0, 1, 12)] == [None, None, None]
+    assert [log.entry(seq).seq for seq in range(log.first_seq, 12)] == list(range(log.first_seq, 12))

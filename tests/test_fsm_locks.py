@@ -1,36 +1,53 @@
-"""The seed's state table and transitions, one row at a time."""
+"""The seed's state table and transitions, one row at a time, on one layout."""
 
 from __future__ import annotations
 
 import pytest
 
 from gms.fsm import (
-    EMPTY_STATE,
     GrantedLockType,
     InvariantViolation,
+    LayoutState,
     LockState,
     RequestedLockType,
     can_grant_ro,
     can_grant_rw,
     decide_commit,
-    fold_all,
+    fold_layout,
     resolve_rw_or_ro,
     schedule,
 )
-from gms.fsm.events import RoConnect, RoDisconnect, RwAbort, RwConnect
+from gms.fsm.events import (
+    LayoutEvicted,
+    RestoreAborted,
+    RestoreClaimed,
+    RestoreFinished,
+    RestoreLoading,
+    RoConnect,
+    RoDisconnect,
+    RwAbort,
+    RwConnect,
+)
 
 RW, RO, AUTO = RequestedLockType.RW, RequestedLockType.RO, RequestedLockType.RW_OR_RO
+EMPTY = LayoutState("w")
 
 
-def committed(readers=()):
-    state = fold_all([RwConnect(1)])
-    state = fold_all(decide_commit(state, 1), state)
-    return fold_all([RoConnect(r) for r in readers], state)
+def fold(events, state=EMPTY):
+    for event in events:
+        state = fold_layout(state, event)
+    return state
+
+
+def committed(readers=(), residency="device"):
+    state = fold([RwConnect(1, layout="w")])
+    state = fold(decide_commit(state, 1, residency), state)
+    return fold([RoConnect(r, layout="w") for r in readers], state)
 
 
 STATES = {
-    LockState.EMPTY: EMPTY_STATE,
-    LockState.RW: fold_all([RwConnect(1)]),
+    LockState.EMPTY: EMPTY,
+    LockState.RW: fold([RwConnect(1, layout="w")]),
     LockState.COMMITTED: committed(),
     LockState.RO: committed(readers=[2]),
 }
@@ -53,39 +70,43 @@ def test_state_table(lock_state, rw_ok, ro_ok):
 
 
 def test_transitions():
-    s = fold_all([RwConnect(1)])
+    s = fold([RwConnect(1, layout="w")])
     assert s.lock_state is LockState.RW
-    assert fold_all([RwAbort(1)], s).lock_state is LockState.EMPTY
-    s = fold_all(decide_commit(s, 1), s)
+    assert fold([RwAbort(1, layout="w")], s).lock_state is LockState.EMPTY
+    s = fold(decide_commit(s, 1), s)
     assert s.lock_state is LockState.COMMITTED
-    s = fold_all([RoConnect(2), RoConnect(3)], s)
+    s = fold([RoConnect(2, layout="w"), RoConnect(3, layout="w")], s)
     assert s.lock_state is LockState.RO
-    s = fold_all([RoDisconnect(2)], s)
+    s = fold([RoDisconnect(2, layout="w")], s)
     assert s.lock_state is LockState.RO
-    s = fold_all([RoDisconnect(3)], s)
+    s = fold([RoDisconnect(3, layout="w")], s)
     assert s.lock_state is LockState.COMMITTED
-    s = fold_all([RwConnect(4)], s)
+    s = fold([RwConnect(4, layout="w")], s)
     assert s.lock_state is LockState.RW and s.layout_hash is None and not s.committed
 
 
 @pytest.mark.parametrize(
     "lock_state, event",
     [
-        (LockState.EMPTY, RoConnect(9)),
-        (LockState.RW, RwConnect(9)),
-        (LockState.RW, RoConnect(9)),
-        (LockState.RO, RwConnect(9)),
-        (LockState.COMMITTED, RwAbort(9)),
-        (LockState.RO, RoDisconnect(9)),
+        (LockState.EMPTY, RoConnect(9, layout="w")),
+        (LockState.RW, RwConnect(9, layout="w")),
+        (LockState.RW, RoConnect(9, layout="w")),
+        (LockState.RO, RwConnect(9, layout="w")),
+        (LockState.COMMITTED, RwAbort(9, layout="w")),
+        (LockState.RO, RoDisconnect(9, layout="w")),
+        (LockState.RO, LayoutEvicted(0, "admin", layout="w")),  # in use
+        (LockState.COMMITTED, LayoutEvicted(0, "admin", layout="w")),  # residency device
+        (LockState.COMMITTED, RestoreClaimed(9, layout="w")),  # not evicted
+        (LockState.COMMITTED, RoConnect(9, layout="other")),  # another layout's event
     ],
 )
 def test_fold_refuses_impossible_events(lock_state, event):
     with pytest.raises(InvariantViolation):
-        fold_all([event], STATES[lock_state])
+        fold([event], STATES[lock_state])
 
 
 def test_rw_or_ro_three_branches():
-    assert resolve_rw_or_ro(EMPTY_STATE) is GrantedLockType.RW
+    assert resolve_rw_or_ro(EMPTY) is GrantedLockType.RW
     assert resolve_rw_or_ro(STATES[LockState.COMMITTED]) is GrantedLockType.RO
     assert resolve_rw_or_ro(STATES[LockState.RO]) is GrantedLockType.RO
     assert resolve_rw_or_ro(STATES[LockState.RW]) is None  # wait for commit or abort
@@ -96,7 +117,7 @@ def test_writer_priority_blocks_new_readers():
     # A writer waits for the reader to leave; a reader arriving after it waits too.
     assert schedule(state, [(5, RW), (6, RO)]) == []
     assert not can_grant_ro(state, writers_waiting=1)
-    state = fold_all([RoDisconnect(2)], state)
+    state = fold([RoDisconnect(2, layout="w")], state)
     grants = schedule(state, [(6, RO), (5, RW), (7, AUTO)])
     assert [(g.conn, g.granted) for g in grants] == [(5, GrantedLockType.RW)]
 
@@ -109,5 +130,39 @@ def test_schedule_grants_readers_together_and_writers_in_order():
         (6, GrantedLockType.RO),
         (7, GrantedLockType.RO),
     ]
-    grants = schedule(EMPTY_STATE, [(8, RO), (9, RW), (10, RW)])
+    grants = schedule(EMPTY, [(8, RO), (9, RW), (10, RW)])
     assert [(g.conn, g.granted) for g in grants] == [(9, GrantedLockType.RW)]
+
+
+def evicted():
+    return fold([LayoutEvicted(0, "budget", layout="w")], committed(residency="system"))
+
+
+def test_an_evicted_layout_is_restored_by_one_reader_while_the_others_wait():
+    state = evicted()
+    assert state.tier.value == "host" and state.lock_state is LockState.COMMITTED
+    grants = schedule(state, [(5, RO), (6, AUTO), (7, RO)])
+    assert [(g.conn, g.restore) for g in grants] == [(5, True)], "one restorer; the rest wait"
+    state = fold([grants[0].event, RestoreLoading(5, layout="w")], state)
+    assert schedule(state, [(6, AUTO), (7, RO)]) == [] and not can_grant_rw(state)
+    state = fold([RestoreFinished(5, layout="w")], state)
+    assert state.resident and state.readers == {5} and state.restores == 1
+    grants = schedule(state, [(6, AUTO), (7, RO)])
+    assert [(g.conn, g.granted, g.restore) for g in grants] == [
+        (6, GrantedLockType.RO, False), (7, GrantedLockType.RO, False),
+    ]
+
+
+def test_a_restorer_that_leaves_hands_the_restore_to_the_next_reader():
+    state = fold([RestoreClaimed(5, layout="w"), RestoreLoading(5, layout="w")], evicted())
+    state = fold([RestoreAborted(5, layout="w")], state)
+    assert state.tier.value == "host" and state.restorer is None and not state.readers
+    (grant,) = schedule(state, [(6, RO)])
+    assert grant.restore and grant.conn == 6
+
+
+def test_a_writer_may_replace_an_evicted_layout():
+    (grant,) = schedule(evicted(), [(5, RW), (6, RO)])
+    assert grant.granted is GrantedLockType.RW
+    state = fold([grant.event], evicted())
+    assert state.tier.value == "gpu" and not state.host_copies and not state.committed

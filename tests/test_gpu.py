@@ -31,9 +31,9 @@ def cuda_server(tmp_path):
 def test_runtime_state_names_the_gpu(cuda_server):
     state = cuda_server.state()
     assert state.backend == "cuda" and state.device_uuid.startswith("GPU-")
-    assert state.device_name and state.device_total_bytes > 8 * GiB
-    assert state.device_free_bytes is None or 0 < state.device_free_bytes <= state.device_total_bytes
-    assert gms.socket_path(0, "weights").endswith(f"gms_{state.device_uuid}_weights.sock")
+    assert state.device_name and state.capacity_bytes > 8 * GiB
+    assert state.device_free_bytes is None or 0 < state.device_free_bytes <= state.capacity_bytes
+    assert gms.socket_path(0).endswith(f"gms_{state.device_uuid}.sock")
 
 
 def test_server_holds_memory_without_a_context(cuda_server):
@@ -89,7 +89,7 @@ def test_oom_timeout_on_the_card(tmp_path):
     server = ServerProcess(tmp_path, "--alloc-retry-interval", "0.05", "--alloc-retry-timeout", "0.5",
                            backend="cuda")
     try:
-        total = server.state().device_total_bytes
+        total = server.state().capacity_bytes
         conn = RawConn(server.socket)
         conn.handshake("RW")
         response = conn.call(m.AllocateRequest(int(total * 0.7), "weights"))

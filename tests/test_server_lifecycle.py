@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gms.fsm import fold_all
+from gms.fsm import check_invariants, fold_all
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, build_layout, wait_until
@@ -52,12 +52,12 @@ def spawn_client(server, lock: str) -> subprocess.Popen:
 def test_writer_killed_mid_build_aborts_and_frees_the_lock(server):
     writer = spawn_client(server, "RW")
     state = server.state()
-    assert (state.state, state.allocation_count) == ("RW", 3)
+    assert (state.layout("weights").state, state.layout("weights").allocation_count) == ("RW", 3)
     writer.send_signal(signal.SIGKILL)
     writer.wait()
-    wait_until(lambda: server.state().state == "EMPTY", what="RW_ABORT")
+    wait_until(lambda: server.layout().state == "EMPTY", what="RW_ABORT")
     state = server.state()
-    assert (state.allocation_count, state.server_handle_count, state.allocations_cleared) == (0, 0, 3)
+    assert (state.layout("weights").allocation_count, state.server_handle_count, state.allocations_cleared) == (0, 0, 3)
     assert server.kinds()[-1] == "RW_ABORT"
     next_writer = RawConn(server.socket)
     assert next_writer.handshake("RW", timeout_ms=1000).success
@@ -66,12 +66,12 @@ def test_writer_killed_mid_build_aborts_and_frees_the_lock(server):
 def test_readers_killed_release_their_locks(server):
     layout_hash = commit_layout(server)
     readers = [spawn_client(server, "RO") for _ in range(3)]
-    assert server.state().ro_session_count == 3
+    assert server.layout().readers == 3
     for reader in readers:
         reader.send_signal(signal.SIGKILL)
         reader.wait()
-    wait_until(lambda: server.state().state == "COMMITTED", what="last RO_DISCONNECT")
-    assert server.state().memory_layout_hash == layout_hash
+    wait_until(lambda: server.layout().state == "COMMITTED", what="last RO_DISCONNECT")
+    assert server.layout().memory_layout_hash == layout_hash
     assert server.kinds().count("RO_DISCONNECT") == 3
 
 
@@ -107,11 +107,11 @@ def test_oom_wait_stops_at_once_when_the_writer_leaves(start_server, backend):
     wait_until(lambda: "ALLOCATION_OOM_WAIT" in server.kinds(), what="OOM wait")
     started = time.monotonic()
     conn.close()
-    wait_until(lambda: server.state().state == "EMPTY", what="abort", timeout=5)
+    wait_until(lambda: server.layout().state == "EMPTY", what="abort", timeout=5)
     assert time.monotonic() - started < 2, "did not wait for the 30 s retry interval"
     events = server.events()
-    assert [e.kind for e in events][-2:] == ["ALLOCATION_OOM_GAVE_UP", "RW_ABORT"]
-    assert events[-2].fields["reason"] == "disconnect"
+    assert [e.kind for e in events][-3:] == ["ALLOCATION_OOM_GAVE_UP", "RW_ABORT", "SESSION_CLOSED"]
+    assert events[-3].fields["reason"] == "disconnect"
 
 
 def test_oom_wait_succeeds_when_a_reader_lets_go(start_server, backend):
@@ -149,7 +149,7 @@ def test_probes_answer_once_and_take_no_lock(server):
     writer.handshake("RW")
     probe = RawConn(server.socket)
     state = probe.call(m.GetRuntimeStateRequest())
-    assert (state.state, state.has_rw_session, state.backend) == ("RW", True, server.backend)
+    assert (state.layout("weights").state, state.layout("weights").writer, state.backend) == ("RW", True, server.backend)
     assert probe.closed_by_peer()
     probe = RawConn(server.socket)
     assert isinstance(probe.call(m.GetEventHistoryRequest()), m.GetEventHistoryResponse)
@@ -169,11 +169,14 @@ def test_history_pages_and_replays_to_the_live_state(start_server):
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert all(e.time > 1.6e9 for e in events)
     replayed = fold_all(e.to_event() for e in events)
-    state = server.state()
-    assert replayed.lock_state.value == state.state
-    assert replayed.layout_hash == state.memory_layout_hash
-    assert len(replayed.allocations) == state.allocation_count
-    assert replayed.total_bytes == state.total_bytes
+    check_invariants(replayed)
+    live = server.layout("weights")
+    layout = replayed.layout("weights")
+    assert layout.lock_state.value == live.state
+    assert layout.layout_hash == live.memory_layout_hash
+    assert len(layout.allocations) == live.allocation_count
+    assert layout.total_bytes == live.bytes
+    assert len(replayed.sessions) == server.state().sessions
 
 
 def test_state_hash_request(server):
@@ -232,6 +235,8 @@ def test_signal_stops_cleanly(server, sig):
     build_layout(writer)
     waiting = RawConn(server.socket)
     waiting.send(m.HandshakeRequest("RW"))
+    # Signalled before it accepted the waiter, the server would reset it (not close it).
+    wait_until(lambda: server.layout().waiting_writers == 1, what="the waiter queued")
     assert server.stop(sig) == 0
     assert not os.path.exists(server.socket)
     assert writer.closed_by_peer() and waiting.closed_by_peer()
@@ -248,7 +253,7 @@ def test_a_broken_invariant_stops_the_server_loudly(tmp_path, backend):
         from gms.fsm.events import RwAbort
         def broken(state, event):
             raise InvariantViolation("planted: RW_ABORT cannot be folded")
-        folding._STEPS[RwAbort] = broken
+        folding.LAYOUT_STEPS[RwAbort] = broken
         from gms.cli import main
         sys.exit(main(["serve", "--backend", "{backend}", "--socket", "{path}"]))
         """
@@ -302,5 +307,5 @@ def test_server_fds_return_to_baseline_after_many_exports(server):
         probe.call(m.GetRuntimeStateRequest())
         probe.close()
     reader.close()
-    wait_until(lambda: server.state().ro_session_count == 0, what="readers gone")
+    wait_until(lambda: server.layout().readers == 0, what="readers gone")
     wait_until(lambda: server.open_fds() == baseline - 1, what="fds back to baseline")

@@ -21,42 +21,42 @@ def commit_layout(server, sizes=(2 << 20,)) -> str:
 
 
 def test_every_transition_of_the_state_table(server):
-    assert server.state().state == "EMPTY"
+    assert server.layout().state == "EMPTY"
     ro = RawConn(server.socket)
     ro.send(m.HandshakeRequest("RO", 100))
     assert ro.recv()[0].success is False, "EMPTY refuses RO (it waits, then times out)"
 
     writer = RawConn(server.socket)
     assert writer.handshake("RW") == m.HandshakeResponse(
-        True, False, "RW", server.backend, 0, writer_uuid(server), ""
+        True, False, "RW", server.backend, 0, writer_uuid(server), "", "weights", "default"
     )
-    assert server.state().state == "RW"  # EMPTY -> RW
+    assert server.layout().state == "RW"  # EMPTY -> RW
     build_layout(writer)
     writer.close()  # RW -> EMPTY (abort)
-    wait_until(lambda: server.state().state == "EMPTY", what="RW_ABORT")
-    assert server.state().allocation_count == 0
+    wait_until(lambda: server.layout().state == "EMPTY", what="RW_ABORT")
+    assert server.layout().allocation_count == 0
 
     layout_hash = commit_layout(server)  # EMPTY -> RW -> COMMITTED
     state = server.state()
-    assert (state.state, state.committed, state.memory_layout_hash) == ("COMMITTED", True, layout_hash)
+    assert (state.layout("weights").state, state.layout("weights").committed, state.layout("weights").memory_layout_hash) == ("COMMITTED", True, layout_hash)
 
     readers = [RawConn(server.socket) for _ in range(3)]
     for reader in readers:  # COMMITTED -> RO, RO -> RO
         response = reader.handshake("RO")
         assert (response.granted_lock_type, response.committed) == ("RO", True)
         assert response.memory_layout_hash == layout_hash
-    assert server.state().ro_session_count == 3
+    assert server.layout().readers == 3
     readers.pop().close()  # RO -> RO (not last)
-    wait_until(lambda: server.state().ro_session_count == 2, what="RO_DISCONNECT")
-    assert server.state().state == "RO"
+    wait_until(lambda: server.layout().readers == 2, what="RO_DISCONNECT")
+    assert server.layout().state == "RO"
     for reader in readers:
         reader.close()  # RO -> COMMITTED (last)
-    wait_until(lambda: server.state().state == "COMMITTED", what="last RO_DISCONNECT")
+    wait_until(lambda: server.layout().state == "COMMITTED", what="last RO_DISCONNECT")
 
     writer = RawConn(server.socket)
     writer.handshake("RW")  # COMMITTED -> RW: the layout is cleared at once
     state = server.state()
-    assert (state.state, state.allocation_count, state.memory_layout_hash) == ("RW", 0, "")
+    assert (state.layout("weights").state, state.layout("weights").allocation_count, state.layout("weights").memory_layout_hash) == ("RW", 0, "")
     assert state.allocations_cleared >= 2
     writer.close()
     kinds = server.kinds()
@@ -98,7 +98,7 @@ def test_rw_or_ro_takes_over_when_the_writer_aborts(server):
     waiters = [RawConn(server.socket) for _ in range(2)]
     for n, waiter in enumerate(waiters, 1):
         waiter.send(m.HandshakeRequest("RW_OR_RO"))  # queued in this order
-        wait_until(lambda n=n: server.state().waiting_readers == n, what=f"{n} waiting")
+        wait_until(lambda n=n: server.layout().waiting_readers == n, what=f"{n} waiting")
     writer.close()  # abort
     first, _ = waiters[0].recv()
     assert (first.granted_lock_type, first.committed) == ("RW", False)
@@ -115,7 +115,7 @@ def test_writer_priority_holds_new_readers_back(server):
     reader.handshake("RO")
     writer = RawConn(server.socket)
     writer.send(m.HandshakeRequest("RW"))
-    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
     late_reader = RawConn(server.socket)
     late_reader.send(m.HandshakeRequest("RO"))
     assert not late_reader.readable(0.3), "no reader is admitted while a writer waits"
@@ -136,7 +136,7 @@ def test_a_timed_out_writer_stops_blocking_readers(server):
     reader.handshake("RO")
     writer = RawConn(server.socket)
     writer.send(m.HandshakeRequest("RW", 300))
-    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
     blocked = RawConn(server.socket)
     blocked.send(m.HandshakeRequest("RO"))
     response, _ = writer.recv()
@@ -156,8 +156,8 @@ def test_lock_timeout_fails_the_handshake_and_closes(server):
     assert 0.2 <= waited < 5
     assert late.closed_by_peer()
     timeouts = [e for e in server.events() if e.kind == "LOCK_TIMEOUT"]
-    assert timeouts and timeouts[0].fields == {"lock_type": "RW", "timeout_ms": 250}
-    assert server.state().state == "RW", "the holder is untouched"
+    assert timeouts and timeouts[0].fields == {"layout": "weights", "lock_type": "RW", "timeout_ms": 250}
+    assert server.layout().state == "RW", "the holder is untouched"
 
 
 def test_a_waiter_that_hangs_up_never_gets_the_lock(server):
@@ -166,13 +166,13 @@ def test_a_waiter_that_hangs_up_never_gets_the_lock(server):
     reader.handshake("RO")
     doomed = RawConn(server.socket)
     doomed.send(m.HandshakeRequest("RW"))
-    wait_until(lambda: server.state().waiting_writers == 1, what="writer waiting")
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
     doomed.close()
-    wait_until(lambda: server.state().waiting_writers == 0, what="dead waiter removed")
+    wait_until(lambda: server.layout().waiting_writers == 0, what="dead waiter removed")
     reader.close()
-    wait_until(lambda: server.state().state == "COMMITTED", what="reader gone")
+    wait_until(lambda: server.layout().state == "COMMITTED", what="reader gone")
     # The dead writer was never granted, so the committed layout survived.
-    assert server.state().allocation_count == 1
+    assert server.layout().allocation_count == 1
     assert "RW_CONNECT" not in server.kinds()[-3:]
 
 
@@ -182,7 +182,7 @@ def test_commit_releases_the_lock_before_answering(server):
     build_layout(writer)
     waiting = RawConn(server.socket)
     waiting.send(m.HandshakeRequest("RO"))
-    wait_until(lambda: server.state().waiting_readers == 1, what="reader waiting")
+    wait_until(lambda: server.layout().waiting_readers == 1, what="reader waiting")
     writer.send(m.CommitRequest())
     commit, _ = writer.recv()
     assert commit.success
@@ -198,4 +198,4 @@ def test_second_handshake_on_a_connection_is_refused(server):
     conn.handshake("RW")
     response = conn.call(m.HandshakeRequest("RW"))
     assert isinstance(response, m.ErrorResponse) and response.code == "STATE_VIOLATION"
-    assert server.state().state == "RW"
+    assert server.layout().state == "RW"

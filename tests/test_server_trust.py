@@ -46,12 +46,12 @@ def test_undecodable_frame_drops_the_writer_and_unwinds(server, case):
     if case == "truncated-then-close":
         writer.sock.shutdown(1)
     assert writer.closed_by_peer(), "the server stops trusting the connection"
-    wait_until(lambda: server.state().state == "EMPTY", what="RW_ABORT after the drop")
+    wait_until(lambda: server.layout().state == "EMPTY", what="RW_ABORT after the drop")
     events = server.events()
     dropped = [e for e in events if e.kind == "CONNECTION_DROPPED"]
     assert len(dropped) == 1 and dropped[0].fields["reason"]
-    assert [e.kind for e in events][-1] == "RW_ABORT"
-    assert server.state().allocation_count == 0
+    assert [e.kind for e in events][-3:] == ["CONNECTION_DROPPED", "RW_ABORT", "SESSION_CLOSED"]
+    assert server.layout().allocation_count == 0
 
 
 @pytest.mark.parametrize("case", ["garbage", "oversized-length", "wrong-field-type"])
@@ -63,9 +63,9 @@ def test_a_hostile_reader_cannot_touch_the_committed_layout(server, case):
     bad.handshake("RO")
     bad.send_raw(HOSTILE[case])
     assert bad.closed_by_peer()
-    wait_until(lambda: server.state().ro_session_count == 1, what="bad reader unwound")
+    wait_until(lambda: server.layout().readers == 1, what="bad reader unwound")
     state = server.state()
-    assert (state.state, state.memory_layout_hash, state.allocation_count) == ("RO", layout_hash, 2)
+    assert (state.layout("weights").state, state.layout("weights").memory_layout_hash, state.layout("weights").allocation_count) == ("RO", layout_hash, 2)
     assert good.call(m.MetadataGetRequest("t1")).found
 
 
@@ -76,7 +76,8 @@ def test_frame_cap_is_configurable(start_server):
     (allocation,) = build_layout(conn, sizes=(1 << 20,))
     conn.send(m.MetadataPutRequest("big", allocation.allocation_id, 0, b"x" * 8192))
     assert conn.closed_by_peer()
-    assert "exceeds 4096" in server.events()[-2].fields["reason"]
+    dropped = [e for e in server.events() if e.kind == "CONNECTION_DROPPED"]
+    assert "exceeds 4096" in dropped[-1].fields["reason"]
 
 
 def test_invalid_requests_get_errors_and_the_session_goes_on(server):
@@ -126,7 +127,7 @@ def test_invalid_requests_get_errors_and_the_session_goes_on(server):
         response = reader.call(request)
         assert (type(response), response.code) == (m.ErrorResponse, "MODE_VIOLATION"), request
     state = server.state()
-    assert (state.state, state.memory_layout_hash) == ("RO", commit.memory_layout_hash)
+    assert (state.layout("weights").state, state.layout("weights").memory_layout_hash) == ("RO", commit.memory_layout_hash)
 
 
 def test_metadata_put_many_is_all_or_nothing(server):
@@ -159,14 +160,14 @@ def test_scan_columns_of_unequal_length_are_refused():
 
 def test_server_survives_a_storm_of_hostile_clients(server):
     commit_layout(server)
-    before = server.state().memory_layout_hash
+    before = server.layout().memory_layout_hash
     for _ in range(20):
         for payload in HOSTILE.values():
             conn = RawConn(server.socket)
             conn.handshake("RO")
             conn.send_raw(payload)
             conn.close()
-    wait_until(lambda: server.state().ro_session_count == 0, what="all unwound")
+    wait_until(lambda: server.layout().readers == 0, what="all unwound")
     state = server.state()
-    assert (state.state, state.memory_layout_hash) == ("COMMITTED", before)
+    assert (state.layout("weights").state, state.layout("weights").memory_layout_hash) == ("COMMITTED", before)
     assert server.proc.poll() is None

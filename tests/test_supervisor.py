@@ -1,4 +1,4 @@
-"""``gms serve --devices``: one server process per device, stopped together."""
+"""``gms serve --devices``: one isolated server process per device, restarted on its own."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
 
-from .helpers import wait_until
+from gms.wire import messages as m
+
+from .helpers import RawConn, build_layout, wait_until
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ def tmp_path():
 
 def _alive(path: str) -> bool:
     try:
-        return get_runtime_state(path, timeout=1).state == "EMPTY"
+        return get_runtime_state(path, timeout=1).pid > 0
     except GMSError:
         return False
 
@@ -37,7 +39,7 @@ def start(tmp_path, backend: str, devices: str) -> subprocess.Popen:
     env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path)}
     return subprocess.Popen(
         [sys.executable, "-m", "gms", "serve", "--devices", devices, "--backend", backend,
-         "--tag", "weights", "--log-level", "warning"],
+         "--log-level", "warning"],
         env=env,
     )
 
@@ -46,8 +48,8 @@ def socket_of(tmp_path, backend: str, device: int) -> str:
     if backend == "cuda":
         from gms.cuda.vmm import device_uuid
 
-        return str(tmp_path / f"gms_{device_uuid(device)}_weights.sock")
-    return str(tmp_path / f"gms_host-{device}_weights.sock")
+        return str(tmp_path / f"gms_{device_uuid(device)}.sock")
+    return str(tmp_path / f"gms_host-{device}.sock")
 
 
 def test_supervisor_runs_one_server_per_device_and_stops_them(tmp_path, backend):
@@ -63,11 +65,46 @@ def test_supervisor_runs_one_server_per_device_and_stops_them(tmp_path, backend)
     assert not any(os.path.exists(p) for p in paths)
 
 
-def test_supervisor_stops_everything_when_one_server_dies(tmp_path):
+def _pid(path: str) -> int | None:
+    try:
+        return get_runtime_state(path, timeout=1).pid
+    except GMSError:
+        return None
+
+
+def test_a_dead_server_is_restarted_alone_and_the_others_keep_serving(tmp_path):
     proc = start(tmp_path, "host", "0,1")
-    paths = [socket_of(tmp_path, "host", d) for d in (0, 1)]
-    for path in paths:
-        wait_until(lambda path=path: _alive(path), timeout=60, what=path)
-    os.kill(get_runtime_state(paths[0]).pid, signal.SIGKILL)
-    assert proc.wait(60) != 0
-    assert not os.path.exists(paths[1]), "the healthy server was stopped cleanly"
+    try:
+        doomed, healthy = (socket_of(tmp_path, "host", d) for d in (0, 1))
+        for path in (doomed, healthy):
+            wait_until(lambda path=path: _alive(path), timeout=60, what=path)
+        writer = RawConn(healthy)
+        writer.handshake("RW")
+        build_layout(writer)
+        layout_hash = writer.call(m.CommitRequest()).memory_layout_hash
+        reader = RawConn(healthy)
+        assert reader.handshake("RO").success
+        healthy_pid, doomed_pid = _pid(healthy), _pid(doomed)
+
+        os.kill(doomed_pid, signal.SIGKILL)
+        wait_until(lambda: _pid(doomed) not in (None, doomed_pid), timeout=30, what="restart")
+        assert proc.poll() is None, "the supervisor keeps running"
+        state = get_runtime_state(healthy)
+        assert state.pid == healthy_pid, "the other GPU's server was not touched"
+        weights = state.layout("weights")
+        assert (weights.state, weights.readers, weights.memory_layout_hash) == ("RO", 1, layout_hash)
+        assert reader.call(m.MetadataGetRequest("t0")).found, "its client still reads"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_a_bad_policy_stops_the_supervisor_before_any_server(tmp_path):
+    bad = tmp_path / "policy.toml"
+    bad.write_text("[[tenant]]\nname = 'a'\nuids = [1]\nquota = 'lots'\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "gms", "serve", "--devices", "0,1", "--backend", "host", "--policy", str(bad)],
+        env={**os.environ, "GMS_SOCKET_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 78
+    assert f"{bad}:4: quota" in run.stderr

@@ -150,7 +150,7 @@ def test_publish_then_materialize_in_another_process(server, backend):
     mgr = writer(server)
     count = gt.publish_module(model, mgr, prefix="tiny/")
     assert count == len(list(gt.module_tensors(model)))
-    assert server.state().allocation_count == 1, "small tensors share one packed allocation"
+    assert server.layout().allocation_count == 1, "small tensors share one packed allocation"
     mgr.commit()
     got = read_in_another_process(server, "tiny/")
     assert got["tied"] and got["inside"] and got["missing"] == []
@@ -167,7 +167,7 @@ def test_safetensors_checkpoint_into_gms_then_a_model(server, backend, tmp_path)
     mgr = writer(server)
     loaded = gt.load_safetensors(mgr, tmp_path, prefix="ckpt/", pack_bytes=8 << 10, progress=False)
     assert set(loaded) == set(safetensors_torch.load_file(str(path)))
-    assert server.state().allocation_count > 1, "a small pack size spreads tensors over packs"
+    assert server.layout().allocation_count > 1, "a small pack size spreads tensors over packs"
     mgr.commit()
     got = read_in_another_process(server, "ckpt/")
     reference = Tiny()
@@ -181,7 +181,7 @@ def test_import_costs_a_bounded_number_of_round_trips(server, monkeypatch):
     tensors = {f"layer.{i}.weight": torch.full((16 + i % 7,), float(i)) for i in range(600)}
     mgr = writer(server)
     gt.publish_tensors(mgr, tensors, prefix="many/", pack_bytes=256)  # one allocation each
-    assert server.state().allocation_count > 300
+    assert server.layout().allocation_count > 300
     mgr.commit()
     reader = GMSClientMemoryManager(server.socket)
     reader.connect(RequestedLockType.RO)
@@ -191,7 +191,7 @@ def test_import_costs_a_bounded_number_of_round_trips(server, monkeypatch):
     imported = gt.import_tensors(reader, "many/")
     assert len(imported) == 600
     assert calls.count("MetadataScanRequest") == 1
-    assert calls.count("ExportAllocationsRequest") == math.ceil(server.state().allocation_count / 253)
+    assert calls.count("ExportAllocationsRequest") == math.ceil(server.layout().allocation_count / 253)
     assert len(calls) <= 5
     for name, tensor in tensors.items():
         assert torch.equal(imported[name].cpu(), tensor)

@@ -31,15 +31,8 @@ def weights(tmp_path):
     server.kill()
 
 
-@pytest.fixture
-def kv_server(tmp_path):
-    server = ServerProcess(tmp_path, "--tag", "kv_cache", backend="cuda")
-    yield server
-    server.kill()
-
-
-def connected(server, lock) -> GMSClientMemoryManager:
-    mgr = GMSClientMemoryManager(server.socket)
+def connected(server, lock, layout: str = "weights") -> GMSClientMemoryManager:
+    mgr = GMSClientMemoryManager(server.socket, layout=layout)
     mgr.connect(lock)
     return mgr
 
@@ -50,12 +43,12 @@ def test_tensors_made_under_use_memory_live_in_gms_and_publish_without_copies(we
         model = tiny(seed=3).cuda()
     spans = [(mp.va, mp.va + mp.size) for mp in mgr.mappings]
     assert all(any(lo <= p.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
-    before = weights.state().allocation_count
+    before = weights.layout().allocation_count
     assert before >= 1
     with torch.no_grad():
         expected = model(INPUT.cuda()).float().flatten().tolist()
     gt.publish_module(model, mgr, prefix="m/")
-    assert weights.state().allocation_count == before, "nothing was copied"
+    assert weights.layout().allocation_count == before, "nothing was copied"
     mgr.commit()
     got = read_in_another_process(weights, "m/")
     assert got["tied"] and got["inside"] and got["device"] == "cuda:0"
@@ -67,19 +60,19 @@ def test_frees_after_the_block_still_find_their_owner(weights):
     mgr = connected(weights, RequestedLockType.RW)
     with gt.use_memory(mgr, tag="weights") as pool:
         big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    assert weights.state().allocation_count >= 1
+    assert weights.layout().allocation_count >= 1
     del big
     mgr._torch_pools.clear()
     del pool
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    wait_until(lambda: weights.state().allocation_count == 0, what="server allocation freed", timeout=10)
+    wait_until(lambda: weights.layout().allocation_count == 0, what="server allocation freed", timeout=10)
     assert mgr.mappings == []
     mgr.close()
 
 
-def test_a_cuda_graph_replays_after_sleep_and_wake(weights, kv_server):
+def test_a_cuda_graph_replays_after_sleep_and_wake(weights):
     writer = connected(weights, RequestedLockType.RW)
     gt.publish_module(tiny(seed=4), writer, prefix="m/")
     writer.commit()
@@ -89,7 +82,7 @@ def test_a_cuda_graph_replays_after_sleep_and_wake(weights, kv_server):
     with gt.empty_parameters():
         model = Tiny()
     gt.materialize_module(model, w, prefix="m/")
-    kv = connected(kv_server, RequestedLockType.RW)
+    kv = connected(weights, RequestedLockType.RW, layout="kv_cache")
     with gt.use_memory(kv, tag="kv_cache"):
         cache = torch.empty(1 << 20, device="cuda")
     cache.fill_(0.25)
@@ -110,8 +103,8 @@ def test_a_cuda_graph_replays_after_sleep_and_wake(weights, kv_server):
 
     gt.sleep(w)
     gt.sleep(kv)
-    wait_until(lambda: weights.state().ro_session_count == 0, what="weights lock released")
-    wait_until(lambda: kv_server.state().allocation_count == 0, what="KV memory released")
+    wait_until(lambda: weights.layout().readers == 0, what="weights lock released")
+    wait_until(lambda: weights.layout("kv_cache").allocation_count == 0, what="KV memory released")
 
     gt.wake_weights(w)
     gt.wake_kv_cache(kv, tag="kv_cache")
@@ -174,17 +167,16 @@ def test_example_engine_readers_match_a_plain_load(weights, tmp_path):
 
 
 @needs_transformers
-def test_shadow_pair_example_fails_over(weights, kv_server, tmp_path):
+def test_shadow_pair_example_fails_over(weights, tmp_path):
     run_example(str(EXAMPLES / "llm_writer.py"), "--socket", weights.socket, "--workdir", str(tmp_path / "m"))
-    out = run_example(str(EXAMPLES / "shadow_pair.py"), "demo", "--weights-socket", weights.socket,
-                      "--kv-socket", kv_server.socket)
+    out = run_example(str(EXAMPLES / "shadow_pair.py"), "demo", "--socket", weights.socket)
     summary = json.loads(out.splitlines()[-1])
     assert summary["same_tokens"], summary
     # gms's part of a failover: the primary's socket closes as its process
     # starts to exit (RW_ABORT) and the waiting shadow is granted at once.  The
     # shadow's own next driver calls may then wait for the driver to tear the
     # primary's context down (seconds on some hosts); that is not gms.
-    kinds = [(e.kind, e.time) for e in kv_server.events()]
+    kinds = [(e.kind, e.time) for e in weights.events() if e.layout == "kv_cache" and e.kind.startswith("RW_")]
     abort = next(i for i, (kind, _) in enumerate(kinds) if kind == "RW_ABORT")
     granted_kind, granted_at = kinds[abort + 1]
     assert granted_kind == "RW_CONNECT" and granted_at - kinds[abort][1] < 0.5, (summary, kinds)

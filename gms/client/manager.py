@@ -1,6 +1,6 @@
 """``GMSClientMemoryManager``: the client API of the seed, Tier 1 and Tier 2.
 
-One manager talks to one server (one device, one tag) and keeps a table of
+One manager talks to one layout of one server (one device) and keeps a table of
 *mappings*: an address range it reserved, and the allocation (id, size, tag,
 layout slot) mapped there.  Reservations outlive mappings: ``unmap_all_vas``
 drops the memory and keeps the addresses, ``remap_all_vas`` puts memory of
@@ -32,6 +32,7 @@ from ..fds import reserve_fd_slots
 from ..fsm import GrantedLockType, RequestedLockType
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
+from . import tiering
 from .transport import RpcTransport, _close_all
 
 log = logging.getLogger("gms.client")
@@ -105,9 +106,10 @@ class GMSClientMemoryManager:
     request/response pair and the mapping table change together.
     """
 
-    def __init__(self, socket_path: str, *, device: int = 0) -> None:
+    def __init__(self, socket_path: str, *, device: int = 0, layout: str = "weights") -> None:
         self.socket_path = socket_path
         self.device = device
+        self.layout = layout
         self._lock = threading.RLock()
         self._res = _Resources()
         self._granted: GrantedLockType | None = None
@@ -151,22 +153,44 @@ class GMSClientMemoryManager:
 
     # -- Tier 1: connection -----------------------------------------------------------
 
-    def connect(self, lock_type: RequestedLockType | str, timeout_ms: int | None = None) -> None:
-        """Handshake for a lock.  On timeout raises LockTimeoutError and stays reusable."""
+    def connect(
+        self,
+        lock_type: RequestedLockType | str,
+        timeout_ms: int | None = None,
+        *,
+        layout: str | None = None,
+        limit_bytes: int | None = None,
+    ) -> None:
+        """Handshake for a lock on ``layout`` (default: the manager's).
+
+        ``limit_bytes`` narrows this session's byte limit below its tenant's
+        quota (allocating past it raises QuotaExceededError).  On timeout
+        raises LockTimeoutError and stays reusable.  A layout evicted to the
+        host tier is restored here first, if this reader is the one asked to.
+        """
         with self._lock:
             if self.is_connected:
                 raise GMSUsageError("already connected; abort() or close() first")
+            if layout is not None and layout != self.layout:
+                if self._res.mappings:
+                    raise GMSUsageError(
+                        f"this manager maps layout {self.layout!r}; use another manager for {layout!r}"
+                    )
+                self.layout = layout
             lock = RequestedLockType(lock_type)
             transport = RpcTransport(self.socket_path)
             try:
                 response, _ = transport.call(
-                    m.HandshakeRequest(lock.value, timeout_ms), m.HandshakeResponse
+                    m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes), m.HandshakeResponse
                 )
                 if not response.success:
                     raise LockTimeoutError(
-                        f"{lock.value} lock on {self.socket_path} not granted in {timeout_ms} ms"
+                        f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "
+                        f"not granted in {timeout_ms} ms"
                     )
                 self._attach_mapper(response)
+                if response.restore:
+                    tiering.restore(transport.call, self._res.mapper)
             except BaseException:
                 transport.close()
                 raise
@@ -273,8 +297,13 @@ class GMSClientMemoryManager:
         with self._lock:
             return self._call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
 
-    def commit(self) -> bool:
+    def commit(self, residency: str | None = None) -> bool:
         """Publish: synchronize, unmap every local mapping, then commit.
+
+        ``residency``: ``device`` (default: stays on the GPU), ``system`` (the
+        server keeps a host copy, filled here from the GPU before the commit,
+        and may evict the GPU copy while nobody reads it) or ``unpinned``
+        (evictable, no host copy: its next user reloads it).
 
         The mappings and their addresses are kept; after commit the manager is
         disconnected and remembers the committed hash, so ``connect(RO)`` and
@@ -283,8 +312,11 @@ class GMSClientMemoryManager:
         """
         with self._lock:
             self._require(GrantedLockType.RW, "commit")
+            if residency == "system":
+                live = {mp.allocation_id: mp.va for mp in self._res.mappings.values() if mp.mapped}
+                tiering.fill_host_copies(self._call, self._mapper, live)
             self._unmap_all()
-            response, _ = self._call(m.CommitRequest(), m.CommitResponse)
+            response, _ = self._call(m.CommitRequest(residency), m.CommitResponse)
             self._layout_hash = response.memory_layout_hash
             self.abort()  # the server closes a committed writer's connection
             return response.success
@@ -540,4 +572,7 @@ class GMSClientMemoryManager:
 
     def __repr__(self) -> str:
         lock = self._granted.value if self._granted else "disconnected"
-        return f"<GMSClientMemoryManager {self.socket_path} {lock}, {len(self._res.mappings)} mappings>"
+        return (
+            f"<GMSClientMemoryManager {self.socket_path} layout {self.layout!r} {lock}, "
+            f"{len(self._res.mappings)} mappings>"
+        )

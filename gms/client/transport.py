@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TypeVar
 
-from ..errors import GMSConnectionError, GMSProtocolError, GMSServerError
+from ..errors import GMSConnectionError, GMSProtocolError, GMSServerError, QuotaExceededError
 from ..wire import FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
@@ -73,6 +73,14 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
+def server_error(response: m.ErrorResponse) -> GMSServerError:
+    if response.code == "QUOTA_EXCEEDED" and None not in (response.used, response.asked, response.quota):
+        return QuotaExceededError(
+            response.error, scope=response.scope, used=response.used, asked=response.asked, quota=response.quota
+        )
+    return GMSServerError(response.code, response.error)
+
+
 class RpcTransport:
     def __init__(
         self,
@@ -123,7 +131,7 @@ class RpcTransport:
             raise GMSProtocolError(f"undecodable response: {exc}") from exc
         if isinstance(response, m.ErrorResponse):
             _close_all(fds)
-            raise GMSServerError(response.code, response.error)
+            raise server_error(response)
         if not isinstance(response, expect):
             _close_all(fds)
             raise GMSProtocolError(f"expected {expect.__name__}, got {type(response).__name__}")

@@ -56,6 +56,19 @@ def open_backend(backend: str, device: int, host_capacity: int | None = None) ->
     return HostBackend(device, capacity=host_capacity)
 
 
+def open_host_tier(backend: str, device: int) -> MemoryBackend:
+    """Where the server keeps host copies of evictable layouts: pinned host memory
+    made through the driver on CUDA, memfd on the host backend."""
+    kind = resolve_backend(backend, device)
+    if kind == "cuda":
+        from .vmm import VmmHostTier
+
+        return VmmHostTier(device)
+    from .host import HostBackend
+
+    return HostBackend(device)
+
+
 def open_mapper(backend: str, device: int) -> Mapper:
     if backend == "cuda":
         from .vmm import VmmMapper
@@ -78,6 +91,7 @@ __all__ = [
     "align_up",
     "cuda_device_count",
     "open_backend",
+    "open_host_tier",
     "open_mapper",
     "resolve_backend",
 ]

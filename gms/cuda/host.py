@@ -193,6 +193,10 @@ class HostMapper:
     def map_many(self, items, writable: bool) -> list[object]:
         return [self.map(fd, va, size, writable) for fd, va, size in items]
 
+    def map_host(self, fd: int, va: int, size: int) -> object:
+        # The host tier is memfd too: the same mapping, always writable.
+        return self.map(fd, va, size, True)
+
     def unmap(self, va: int, size: int, handle: object) -> None:
         # Replace the mapping with a fresh reservation in one call: no window
         # in which another thread's mmap could take the range.
@@ -208,6 +212,9 @@ class HostMapper:
 
     def synchronize(self) -> None:
         pass
+
+    def copy(self, dst: int, src: int, size: int) -> None:
+        ctypes.memmove(dst, src, size)
 
     def write(self, va: int, data: bytes) -> None:
         ctypes.memmove(va, data, len(data))

@@ -53,6 +53,10 @@ def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, in
 
 
 class MemoryBackend(Protocol):
+    """Server-owned memory of one tier: the device, or the host tier that keeps
+    copies of evicted layouts (memfd on the host backend, pinned host memory
+    made by ``cuMemCreate`` on CUDA)."""
+
     name: str
     device: int
     granularity: int
@@ -90,6 +94,10 @@ class Mapper(Protocol):
     def map_many(self, items: Sequence[tuple[int, int, int]], writable: bool) -> list[object]:
         """``map`` for many (fd, va, size); access is granted once per contiguous run."""
 
+    def map_host(self, fd: int, va: int, size: int) -> object:
+        """Import a host-tier ``fd`` (closing it) at ``va``, readable and writable by
+        the device and the CPU; returns a handle for unmap."""
+
     def unmap(self, va: int, size: int, handle: object) -> None:
         """Unmap and release the imported memory; the reservation stays."""
 
@@ -101,6 +109,10 @@ class Mapper(Protocol):
 
     def synchronize(self) -> None:
         """Wait for device work touching mapped memory (no-op on the host)."""
+
+    def copy(self, dst: int, src: int, size: int) -> None:
+        """Start copying ``size`` bytes between mapped ranges (device or host tier);
+        ``synchronize`` waits for it."""
 
     def write(self, va: int, data: bytes) -> None:
         """Copy host bytes to mapped memory at ``va`` (synchronously)."""

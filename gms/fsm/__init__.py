@@ -1,34 +1,48 @@
 """The functional core: events, state, fold, decisions, invariants.
 
-Pure by construction: nothing here does I/O, starts threads, touches trio or
-CUDA.  ``tests/test_fsm_purity.py`` checks the imports.
+Pure by construction: nothing here does I/O, starts threads, reads a clock,
+touches trio or CUDA.  ``tests/test_fsm_purity.py`` checks the imports.
+
+One node (a GPU) holds many named layouts; each layout has the seed's lock
+FSM, tables and hash (``state``, ``folding``, ``decide``, ``locks``,
+``queries``); the node adds sessions, tenants, budgets and residency
+(``node``, ``sessions``, ``accounting``, ``residency``).
 """
 
+from .accounting import admit_allocation, admit_host_copy, admit_restore
 from .decide import (
     decide_allocate,
     decide_commit,
-    decide_disconnect,
     decide_free,
+    decide_host_copy,
     decide_metadata_delete,
     decide_metadata_put,
     decide_metadata_put_many,
+    parse_residency,
     validate_allocate,
 )
-from .effects import released_allocations
+from .effects import MemoryTier, Release, released_memory
 from .errors import (
+    BudgetExceeded,
+    HostBudgetExceeded,
+    HostCopyMissing,
     InvalidArgument,
     InvariantViolation,
     LimitExceeded,
     ModeViolation,
     NotConnected,
+    NotEvictable,
     OffsetOutOfBounds,
+    PermissionDenied,
+    QuotaExceeded,
     Rejection,
     StateViolation,
     UnknownAllocation,
+    UnknownLayout,
 )
 from .events import EVENT_TYPES, Event
-from .folding import fold, fold_all
-from .invariants import check_invariants
+from .folding import fold_layout
+from .invariants import check_invariants, layout_problems
 from .layout_hash import compute_layout_hash
 from .limits import Limits
 from .locks import (
@@ -41,29 +55,58 @@ from .locks import (
     resolve_rw_or_ro,
     schedule,
 )
-from .state import EMPTY_STATE, Allocation, LockState, MetadataEntry, State, lock_state
+from .node import DEFAULT_TENANT, EMPTY_NODE, NodeState, SessionInfo, TenantState, fold, fold_all
+from .residency import (
+    decide_evict,
+    decide_pin,
+    decide_restore_finished,
+    decide_restore_loading,
+    eviction_candidates,
+    plan_evictions,
+    why_not_evictable,
+)
+from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
+from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
 __all__ = [
-    "EMPTY_STATE",
+    "DEFAULT_TENANT",
+    "EMPTY_NODE",
     "EVENT_TYPES",
     "Allocation",
+    "BudgetExceeded",
     "Event",
     "Grant",
     "GrantedLockType",
+    "HostBudgetExceeded",
+    "HostCopyMissing",
     "InvalidArgument",
     "InvariantViolation",
+    "LayoutState",
     "LimitExceeded",
     "Limits",
     "LockState",
+    "MemoryTier",
     "MetadataEntry",
     "ModeViolation",
+    "NodeState",
     "NotConnected",
+    "NotEvictable",
     "OffsetOutOfBounds",
+    "PermissionDenied",
+    "QuotaExceeded",
     "Rejection",
+    "Release",
     "RequestedLockType",
-    "State",
+    "Residency",
+    "SessionInfo",
     "StateViolation",
+    "TenantState",
+    "Tier",
     "UnknownAllocation",
+    "UnknownLayout",
+    "admit_allocation",
+    "admit_host_copy",
+    "admit_restore",
     "can_grant_ro",
     "can_grant_rw",
     "check_invariants",
@@ -71,16 +114,30 @@ __all__ = [
     "decide_allocate",
     "decide_commit",
     "decide_disconnect",
+    "decide_evict",
     "decide_free",
+    "decide_host_copy",
     "decide_metadata_delete",
     "decide_metadata_put",
     "decide_metadata_put_many",
+    "decide_pin",
+    "decide_restore_finished",
+    "decide_restore_loading",
+    "decide_session",
+    "eviction_candidates",
     "fold",
     "fold_all",
+    "fold_layout",
     "grant_for",
+    "holders",
+    "layout_problems",
     "lock_state",
-    "released_allocations",
+    "parse_residency",
+    "plan_evictions",
+    "released_memory",
     "resolve_rw_or_ro",
     "schedule",
     "validate_allocate",
+    "validate_layout_name",
+    "why_not_evictable",
 ]

@@ -1,19 +1,59 @@
 """Which server-owned memory an event releases, derived from the state before it.
 
-The shell folds an event, then hands what this returns to the memory adapter.
-Allocation *creation* is the one effect that precedes its event: the shell
-creates memory first and records ``ALLOCATION_CREATED`` once it exists.
+The shell folds an event, then hands what this returns to the memory
+adapters: ``gpu`` (the device) or ``host`` (the host tier).  Creation is the
+one effect that precedes its event: the shell creates memory first and
+records ``ALLOCATION_CREATED``, ``HOST_COPY_CREATED`` or ``RESTORE_LOADING``
+once it exists.
 """
 
 from __future__ import annotations
 
-from .events import AllocationFreed, Event, RwAbort, RwConnect
-from .state import Allocation, State
+import enum
+
+import attrs
+
+from .events import AllocationFreed, Event, LayoutEvicted, RestoreAborted, RwAbort, RwConnect
+from .node import NodeState
+from .state import Residency, Tier
 
 
-def released_allocations(before: State, event: Event) -> tuple[Allocation, ...]:
+class MemoryTier(str, enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+
+
+@attrs.frozen
+class Release:
+    tier: MemoryTier
+    allocation_id: str
+    aligned_size: int
+
+
+def released_memory(before: NodeState, event: Event) -> list[Release]:
+    if not event.layout or event.layout not in before.layouts:
+        return []
+    layout = before.layouts[event.layout]
+    gpu = layout.tier is not Tier.HOST
     if isinstance(event, RwConnect | RwAbort):
-        return tuple(before.allocations.values())
+        return _all(layout, gpu=gpu, host=True)
     if isinstance(event, AllocationFreed):
-        return (before.allocations[event.allocation_id],)
-    return ()
+        allocation = layout.allocations[event.allocation_id]
+        out = [Release(MemoryTier.GPU, allocation.allocation_id, allocation.aligned_size)]
+        if allocation.allocation_id in layout.host_copies:
+            out.append(Release(MemoryTier.HOST, allocation.allocation_id, allocation.aligned_size))
+        return out
+    if isinstance(event, LayoutEvicted):
+        return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
+    if isinstance(event, RestoreAborted):
+        return _all(layout, gpu=layout.tier is Tier.RESTORING, host=False)
+    return []
+
+
+def _all(layout, *, gpu: bool, host: bool) -> list[Release]:
+    out = []
+    if gpu:
+        out += [Release(MemoryTier.GPU, a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
+    if host:
+        out += [Release(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
+    return out

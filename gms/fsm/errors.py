@@ -54,3 +54,54 @@ class InvalidArgument(Rejection):
 
 class LimitExceeded(Rejection):
     code = "LIMIT_EXCEEDED"
+
+
+class PermissionDenied(Rejection):
+    """The peer's tenant (or lack of one, or of admin rights) does not allow the request."""
+
+    code = "PERMISSION_DENIED"
+
+
+class UnknownLayout(Rejection):
+    code = "UNKNOWN_LAYOUT"
+
+
+class QuotaExceeded(Rejection):
+    """The allocation would take a tenant (or a session) past its byte limit.
+
+    ``scope`` is ``tenant`` (the policy's quota) or ``session`` (the limit the
+    session set itself at handshake); ``used`` and ``quota`` are that scope's.
+    """
+
+    code = "QUOTA_EXCEEDED"
+
+    def __init__(self, scope: str, used: int, asked: int, quota: int) -> None:
+        super().__init__(
+            f"{scope} quota exceeded: {used} bytes used + {asked} asked > {quota} allowed"
+        )
+        self.scope = scope
+        self.used = used
+        self.asked = asked
+        self.quota = quota
+
+
+class BudgetExceeded(Rejection):
+    """The request can never fit the GPU (or host) budget, whatever is evicted or freed."""
+
+    code = "BUDGET_EXCEEDED"
+
+
+class NotEvictable(Rejection):
+    code = "NOT_EVICTABLE"
+
+
+class HostCopyMissing(Rejection):
+    """Residency ``system`` needs a host copy of every allocation first."""
+
+    code = "HOST_COPY_MISSING"
+
+
+class HostBudgetExceeded(LimitExceeded):
+    """The host tier is full: the writer gets this instead of a host copy; nothing is lost."""
+
+    code = "HOST_MEMORY_EXHAUSTED"

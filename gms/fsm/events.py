@@ -1,9 +1,12 @@
 """Events: the only inputs of the fold.
 
 Every event names the connection it came from (``conn``, an integer the
-server hands out per accepted socket).  Lock events carry the seed's names;
-layout events describe one change of the layout; observations change nothing
-in the state but are kept in the log for post-mortems.
+server hands out per accepted socket; 0 is the server itself) and the layout
+it concerns (``layout``; ``""`` for node-wide events).  Lock events carry the
+seed's names; layout events describe one change of a layout; residency events
+move a layout between the GPU and the host tier; session events say who is
+connected, as which tenant; observations change nothing in the state but are
+kept in the log for post-mortems.
 """
 
 from __future__ import annotations
@@ -17,6 +20,47 @@ import attrs
 class Event:
     KIND: ClassVar[str] = ""
     conn: int
+    layout: str = attrs.field(kw_only=True)
+
+
+# -- node ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class ServerStarted(Event):
+    """The first event: what the node holds and who may use it.
+
+    ``quotas`` maps every tenant to its byte quota (None: unlimited); the
+    budgets are None when unlimited.
+    """
+
+    KIND: ClassVar[str] = "SERVER_STARTED"
+    capacity_bytes: int | None
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    quotas: dict
+    # For the post-mortem reader only: which server this log is from.
+    backend: str = ""
+    device: int = 0
+    device_uuid: str = ""
+
+
+@attrs.frozen
+class SessionOpened(Event):
+    """A handshake was accepted for ``layout``: identity from the kernel, tenant from the policy."""
+
+    KIND: ClassVar[str] = "SESSION_OPENED"
+    tenant: str
+    uid: int
+    gid: int
+    pid: int
+    lock_type: str
+    limit_bytes: int | None = None
+
+
+@attrs.frozen
+class SessionClosed(Event):
+    KIND: ClassVar[str] = "SESSION_CLOSED"
 
 
 # -- lock events --------------------------------------------------------------
@@ -35,6 +79,7 @@ class RwCommit(Event):
 
     KIND: ClassVar[str] = "RW_COMMIT"
     layout_hash: str
+    residency: str = "device"
 
 
 @attrs.frozen
@@ -90,12 +135,68 @@ class MetadataDeleted(Event):
     key: str
 
 
+@attrs.frozen
+class HostCopyCreated(Event):
+    """The writer was given server-owned host memory to keep a copy of an allocation in."""
+
+    KIND: ClassVar[str] = "HOST_COPY_CREATED"
+    allocation_id: str
+
+
+# -- residency ------------------------------------------------------------------
+
+
+@attrs.frozen
+class ResidencySet(Event):
+    """An admin (``gms pin``) changed a committed layout's residency."""
+
+    KIND: ClassVar[str] = "RESIDENCY_SET"
+    residency: str
+
+
+@attrs.frozen
+class LayoutEvicted(Event):
+    """GPU memory released; metadata, hash and host copy kept (``system``), or
+    the whole layout dropped (``unpinned``).  ``reason``: budget, oom or admin."""
+
+    KIND: ClassVar[str] = "LAYOUT_EVICTED"
+    reason: str
+
+
+@attrs.frozen
+class RestoreClaimed(Event):
+    """A reader of an evicted layout will restore it; other readers wait."""
+
+    KIND: ClassVar[str] = "RESTORE_CLAIMED"
+
+
+@attrs.frozen
+class RestoreLoading(Event):
+    """GPU memory for every allocation exists again; the restorer fills it."""
+
+    KIND: ClassVar[str] = "RESTORE_LOADING"
+
+
+@attrs.frozen
+class RestoreFinished(Event):
+    """The GPU copy is whole: the layout is resident and the restorer a reader."""
+
+    KIND: ClassVar[str] = "RESTORE_FINISHED"
+
+
+@attrs.frozen
+class RestoreAborted(Event):
+    """The restorer left before finishing: nothing half-copied is ever served."""
+
+    KIND: ClassVar[str] = "RESTORE_ABORTED"
+
+
 # -- observations (no state change) -------------------------------------------
 
 
 @attrs.frozen
 class AllocationOomWait(Event):
-    """The writer's allocation hit out-of-memory and is now retrying."""
+    """An allocation (or a restore) found no memory and is now waiting for some."""
 
     KIND: ClassVar[str] = "ALLOCATION_OOM_WAIT"
     size: int
@@ -123,6 +224,26 @@ class LockTimeout(Event):
 
 
 @attrs.frozen
+class SessionRefused(Event):
+    """A handshake was refused before any lock: who asked, and why."""
+
+    KIND: ClassVar[str] = "SESSION_REFUSED"
+    uid: int
+    gid: int
+    pid: int
+    reason: str
+
+
+@attrs.frozen
+class LayoutRevoked(Event):
+    """An admin took the layout's locks away; the disconnects follow."""
+
+    KIND: ClassVar[str] = "LAYOUT_REVOKED"
+    uid: int
+    sessions: int
+
+
+@attrs.frozen
 class ConnectionDropped(Event):
     """The server stopped trusting a connection (undecodable frame, failed send)."""
 
@@ -130,19 +251,32 @@ class ConnectionDropped(Event):
     reason: str
 
 
+NODE_EVENTS: tuple[type[Event], ...] = (ServerStarted, SessionOpened, SessionClosed)
 LOCK_EVENTS: tuple[type[Event], ...] = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect)
 LAYOUT_EVENTS: tuple[type[Event], ...] = (
     AllocationCreated,
     AllocationFreed,
     MetadataPut,
     MetadataDeleted,
+    HostCopyCreated,
+)
+RESIDENCY_EVENTS: tuple[type[Event], ...] = (
+    ResidencySet,
+    LayoutEvicted,
+    RestoreClaimed,
+    RestoreLoading,
+    RestoreFinished,
+    RestoreAborted,
 )
 OBSERVATIONS: tuple[type[Event], ...] = (
     AllocationOomWait,
     AllocationOomGaveUp,
     LockTimeout,
+    SessionRefused,
+    LayoutRevoked,
     ConnectionDropped,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.KIND: cls for cls in LOCK_EVENTS + LAYOUT_EVENTS + OBSERVATIONS
+    cls.KIND: cls
+    for cls in NODE_EVENTS + LOCK_EVENTS + LAYOUT_EVENTS + RESIDENCY_EVENTS + OBSERVATIONS
 }

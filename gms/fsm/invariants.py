@@ -1,30 +1,57 @@
-"""``check_invariants(state)``: what must hold in every reachable state."""
+"""``check_invariants(node)``: what must hold in every reachable state.
+
+The running totals the fold keeps are recomputed here the slow way, so a
+drift between them and the tables is caught, not trusted.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .errors import InvariantViolation
 from .layout_hash import compute_layout_hash
-from .state import State
+from .node import NodeState
+from .state import LayoutState, Residency, Tier
 
 
-def check_invariants(state: State) -> None:
-    problems = list(_problems(state))
+def check_invariants(node: NodeState) -> None:
+    problems = list(_node_problems(node))
+    for layout in node.layouts.values():
+        problems += [f"layout {layout.name!r}: {p}" for p in layout_problems(layout)]
     if problems:
         raise InvariantViolation("; ".join(problems))
 
 
-def _problems(state: State):
-    if state.writer is not None and state.readers:
-        yield f"writer {state.writer} and readers {sorted(state.readers)} together"
-    if state.readers and not state.committed:
+def layout_problems(state: LayoutState):
+    if state.writer is not None and (state.readers or state.restorer is not None):
+        yield f"writer {state.writer} beside readers {sorted(state.readers)} or a restorer"
+    if (state.readers or state.restorer is not None) and not state.committed:
         yield "readers on an uncommitted layout"
     if state.writer is not None and state.committed:
         yield "a writer holds RW over a committed layout"
+    if state.readers and state.tier is not Tier.GPU:
+        yield f"readers of a layout whose bytes are on tier {state.tier.value}"
+    if state.restorer is not None and state.tier is Tier.GPU:
+        yield "a restorer of a resident layout"
+    if state.tier is not Tier.GPU and state.residency is not Residency.SYSTEM:
+        yield f"evicted with residency {state.residency.value}"
+    if state.tier is Tier.RESTORING and state.restorer is None:
+        yield "restoring with no restorer"
     if state.writer is None and not state.committed and (state.allocations or state.metadata):
         yield "layout left behind in EMPTY"
     hash_expected = state.committed and state.writer is None
     if (state.layout_hash is not None) != hash_expected:
         yield f"layout hash {'present' if state.layout_hash else 'missing'} in {state.lock_state.value}"
+    if state.held_bytes != sum(a.aligned_size for a in state.allocations.values()):
+        yield f"held_bytes {state.held_bytes} is not the sum of its allocations"
+    if state.host_bytes != sum(state.host_copies.values()):
+        yield f"host_bytes {state.host_bytes} is not the sum of its host copies"
+    for allocation_id, size in state.host_copies.items():
+        allocation = state.allocations.get(allocation_id)
+        if allocation is None or allocation.aligned_size != size:
+            yield f"host copy of {allocation_id!r} matches no allocation"
+    if state.residency is Residency.SYSTEM and len(state.host_copies) != len(state.allocations):
+        yield "residency system without a host copy of every allocation"
     slots = set()
     for allocation_id, a in state.allocations.items():
         if a.allocation_id != allocation_id:
@@ -50,3 +77,51 @@ def _problems(state: State):
         else:
             if actual != state.layout_hash:
                 yield f"layout hash {state.layout_hash} does not match the layout ({actual})"
+
+
+def _node_problems(node: NodeState):
+    used: Counter[str] = Counter()
+    gpu = host = 0
+    for name, layout in node.layouts.items():
+        if layout.name != name:
+            yield f"layout filed under {name!r} is {layout.name!r}"
+        if layout.vacant:
+            yield f"vacant layout {name!r} kept"
+        if layout.owner is None and layout.held_bytes:
+            yield f"layout {name!r} holds bytes but has no owner"
+        if layout.owner is not None:
+            used[layout.owner] += layout.held_bytes
+        gpu += layout.gpu_bytes
+        host += layout.host_bytes
+        for conn in [layout.writer, layout.restorer, *layout.readers]:
+            if conn is None:
+                continue
+            session = node.sessions.get(conn)
+            if session is None or session.layout != name:
+                yield f"conn {conn} holds a lock on {name!r} without a session on it"
+        if layout.writer is not None:
+            session = node.sessions.get(layout.writer)
+            if session is not None:
+                if session.tenant != layout.owner:
+                    yield f"layout {name!r} is owned by {layout.owner!r}, its writer is {session.tenant!r}"
+                if session.limit_bytes is not None and layout.held_bytes > session.limit_bytes:
+                    yield f"layout {name!r} holds {layout.held_bytes} > its writer's limit"
+    if gpu != node.gpu_bytes:
+        yield f"gpu_bytes {node.gpu_bytes} != {gpu} on the GPU"
+    if host != node.host_bytes:
+        yield f"host_bytes {node.host_bytes} != {host} in host copies"
+    if node.budget_bytes is not None and node.gpu_bytes > node.budget_bytes:
+        yield f"{node.gpu_bytes} bytes on the GPU exceed the budget of {node.budget_bytes}"
+    if node.host_budget_bytes is not None and node.host_bytes > node.host_budget_bytes:
+        yield f"{node.host_bytes} bytes in the host tier exceed its budget"
+    sessions: Counter[str] = Counter(s.tenant for s in node.sessions.values())
+    for name, tenant in node.tenants.items():
+        if tenant.used_bytes != used[name]:
+            yield f"tenant {name!r} is charged {tenant.used_bytes}, owns {used[name]}"
+        if tenant.quota_bytes is not None and tenant.used_bytes > tenant.quota_bytes:
+            yield f"tenant {name!r} uses {tenant.used_bytes} > quota {tenant.quota_bytes}"
+        if tenant.sessions != sessions[name]:
+            yield f"tenant {name!r} counts {tenant.sessions} sessions, has {sessions[name]}"
+    for owner in used:
+        if owner not in node.tenants:
+            yield f"layouts owned by unknown tenant {owner!r}"

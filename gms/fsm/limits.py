@@ -1,4 +1,4 @@
-"""Server-side limits on what one layout may hold (all configurable)."""
+"""Server-side limits on what one layout (and one node) may hold (all configurable)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import attrs
 
 @attrs.frozen
 class Limits:
+    max_layouts: int = 4096
     max_allocations: int = 1 << 20
     max_metadata_keys: int = 1 << 20
     max_metadata_value_bytes: int = 1 << 20

@@ -1,9 +1,12 @@
 """Lock predicates and the grant schedule the shell's waiting logic runs.
 
-The shell keeps handshakes that cannot be granted yet in arrival order and,
-whenever the state may have changed, asks :func:`schedule` which of them to
-grant now.  Writers have priority: no reader is admitted while an ``RW``
-request waits, so a stream of readers cannot starve a writer.
+The shell keeps handshakes that cannot be granted yet in arrival order, one
+queue per layout, and whenever a layout's state may have changed asks
+:func:`schedule` which of its waiters to grant now.  Writers have priority: no
+reader is admitted while an ``RW`` request waits, so a stream of readers
+cannot starve a writer.  A reader that arrives at an evicted layout is granted
+the restore instead (``RESTORE_CLAIMED``): it brings the layout back from the
+host tier while the readers behind it wait.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from .events import Event, RoConnect, RwConnect
-from .folding import fold
-from .state import State
+from .events import Event, RestoreClaimed, RoConnect, RwConnect
+from .folding import fold_layout
+from .state import LayoutState, Tier
 
 
 class RequestedLockType(str, enum.Enum):
@@ -29,29 +32,35 @@ class GrantedLockType(str, enum.Enum):
     RO = "RO"
 
 
-def can_grant_rw(state: State) -> bool:
-    return state.writer is None and not state.readers
+def can_grant_rw(state: LayoutState) -> bool:
+    return state.writer is None and not state.readers and state.restorer is None
 
 
-def can_grant_ro(state: State, writers_waiting: int = 0) -> bool:
-    return state.writer is None and state.committed and writers_waiting == 0
+def can_grant_ro(state: LayoutState, writers_waiting: int = 0) -> bool:
+    """A read lock now, or the restore that leads to one."""
+    return (
+        state.writer is None
+        and state.committed
+        and state.restorer is None
+        and writers_waiting == 0
+    )
 
 
-def resolve_rw_or_ro(state: State, writers_waiting: int = 0) -> GrantedLockType | None:
+def resolve_rw_or_ro(state: LayoutState, writers_waiting: int = 0) -> GrantedLockType | None:
     """The seed's auto mode: RW on an empty store, RO on a committed one.
 
     ``None`` means wait: a writer holds the lock (it will commit, giving RO, or
-    abort, giving RW), or a writer is queued ahead of any reader.
+    abort, giving RW), a restore is under way, or a writer is queued ahead.
     """
     if state.writer is not None:
         return None
     if not state.committed:
         return GrantedLockType.RW
-    return GrantedLockType.RO if writers_waiting == 0 else None
+    return GrantedLockType.RO if can_grant_ro(state, writers_waiting) else None
 
 
 def grant_for(
-    state: State, requested: RequestedLockType, writers_waiting: int = 0
+    state: LayoutState, requested: RequestedLockType, writers_waiting: int = 0
 ) -> GrantedLockType | None:
     if requested is RequestedLockType.RW:
         return GrantedLockType.RW if can_grant_rw(state) else None
@@ -60,8 +69,12 @@ def grant_for(
     return resolve_rw_or_ro(state, writers_waiting)
 
 
-def lock_event(conn: int, granted: GrantedLockType) -> Event:
-    return RwConnect(conn) if granted is GrantedLockType.RW else RoConnect(conn)
+def lock_event(state: LayoutState, conn: int, granted: GrantedLockType) -> Event:
+    if granted is GrantedLockType.RW:
+        return RwConnect(conn, layout=state.name)
+    if state.tier is Tier.HOST:
+        return RestoreClaimed(conn, layout=state.name)
+    return RoConnect(conn, layout=state.name)
 
 
 @attrs.frozen
@@ -70,9 +83,13 @@ class Grant:
     granted: GrantedLockType
     event: Event
 
+    @property
+    def restore(self) -> bool:
+        return isinstance(self.event, RestoreClaimed)
 
-def schedule(state: State, waiting: Sequence[tuple[int, RequestedLockType]]) -> list[Grant]:
-    """Which waiting handshakes (in arrival order) to grant now, in order.
+
+def schedule(state: LayoutState, waiting: Sequence[tuple[int, RequestedLockType]]) -> list[Grant]:
+    """Which of a layout's waiting handshakes (in arrival order) to grant now, in order.
 
     Each grant's event is folded before the next waiter is considered, so the
     result is exactly what appending the events one by one would allow.
@@ -87,8 +104,8 @@ def schedule(state: State, waiting: Sequence[tuple[int, RequestedLockType]]) -> 
             if requested is RequestedLockType.RW:
                 break  # nothing behind a blocked writer can be granted either
             continue
-        event = lock_event(conn, granted)
-        state = fold(state, event)
+        event = lock_event(state, conn, granted)
+        state = fold_layout(state, event)
         grants.append(Grant(conn, granted, event))
         if granted is GrantedLockType.RW:
             break

@@ -1,8 +1,9 @@
-"""The folded state: who holds the lock, and the one flat layout store.
+"""The folded state of one layout: who holds its lock, its tables, its residency.
 
-States are immutable values.  The two tables are persistent maps
+States are immutable values.  The tables are persistent maps
 (:class:`immutables.Map`), so a fold step shares everything it does not
-change and costs O(log n) instead of a copy of the layout.
+change and costs O(log n) instead of a copy of the layout.  Byte totals are
+kept as running sums by the fold, so accounting never scans a table.
 """
 
 from __future__ import annotations
@@ -20,6 +21,22 @@ class LockState(enum.Enum):
     RW = "RW"
     COMMITTED = "COMMITTED"
     RO = "RO"
+
+
+class Residency(str, enum.Enum):
+    """Where a committed layout's bytes must live (set by its writer or an admin)."""
+
+    DEVICE = "device"  # on the GPU for good: never evicted
+    SYSTEM = "system"  # a host copy is kept; the GPU copy is evictable and restored on use
+    UNPINNED = "unpinned"  # no host copy; evicting drops the layout (its next user reloads)
+
+
+class Tier(str, enum.Enum):
+    """Where a layout's bytes are now."""
+
+    GPU = "gpu"
+    HOST = "host"  # evicted: only the host copy holds the bytes
+    RESTORING = "restoring"  # GPU memory exists again and is being filled from the host copy
 
 
 @attrs.frozen
@@ -40,7 +57,8 @@ class MetadataEntry:
 
 
 @attrs.frozen
-class State:
+class LayoutState:
+    name: str
     writer: int | None = None
     readers: frozenset[int] = frozenset()
     committed: bool = False
@@ -48,6 +66,17 @@ class State:
     metadata: Map[str, MetadataEntry] = Map()
     layout_hash: str | None = None
     next_layout_slot: int = 0
+    held_bytes: int = 0  # aligned bytes of every allocation, whatever the tier
+    owner: str | None = None  # the tenant charged for held_bytes: whoever built the layout
+    residency: Residency = Residency.DEVICE
+    tier: Tier = Tier.GPU
+    restorer: int | None = None  # the reader filling the GPU copy from the host copy
+    host_copies: Map[str, int] = Map()  # allocation id -> aligned bytes of its host copy
+    host_bytes: int = 0
+    last_use: int = 0  # the node's tick when a lock on it was last taken or released
+    loads: int = 0  # commits
+    restores: int = 0
+    evictions: int = 0
 
     @property
     def lock_state(self) -> LockState:
@@ -55,19 +84,43 @@ class State:
 
     @property
     def total_bytes(self) -> int:
-        return sum(a.aligned_size for a in self.allocations.values())
+        return self.held_bytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes this layout holds on the GPU now."""
+        return self.held_bytes if self.tier is not Tier.HOST else 0
+
+    @property
+    def resident(self) -> bool:
+        return self.tier is Tier.GPU
+
+    @property
+    def vacant(self) -> bool:
+        """Nothing held, nothing committed: the node forgets the layout."""
+        return (
+            self.writer is None
+            and not self.readers
+            and self.restorer is None
+            and not self.committed
+            and not self.allocations
+        )
 
     def holds_lock(self, conn: int) -> bool:
-        return conn == self.writer or conn in self.readers
+        return conn == self.writer or conn in self.readers or conn == self.restorer
+
+    def fresh(self, **changes) -> LayoutState:
+        """The empty layout of this name; its counters survive (they count uses of the name)."""
+        counters = dict(
+            loads=self.loads, restores=self.restores, evictions=self.evictions, last_use=self.last_use
+        )
+        return LayoutState(self.name, **{**counters, **changes})
 
 
-EMPTY_STATE = State()
-
-
-def lock_state(state: State) -> LockState:
+def lock_state(state: LayoutState) -> LockState:
     if state.writer is not None:
         return LockState.RW
-    if state.readers:
+    if state.readers or state.restorer is not None:
         return LockState.RO
     if state.committed:
         return LockState.COMMITTED

@@ -2,6 +2,6 @@
 
 from .config import ServerConfig
 from .core import ServiceCore
-from .server import Server, SocketPathError, run_servers
+from .server import Server, SocketPathError, run_server
 
-__all__ = ["Server", "ServerConfig", "ServiceCore", "SocketPathError", "run_servers"]
+__all__ = ["Server", "ServerConfig", "ServiceCore", "SocketPathError", "run_server"]

@@ -1,10 +1,11 @@
-"""Everything one server (one device, one tag, one socket) is configured with."""
+"""Everything one server (one device, one socket, many layouts) is configured with."""
 
 from __future__ import annotations
 
 import attrs
 
 from ..fsm import Limits
+from ..policy import OPEN_POLICY, Policy
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 
 
@@ -12,10 +13,13 @@ from ..wire import DEFAULT_MAX_FRAME_BYTES
 class ServerConfig:
     socket_path: str
     device: int = 0
-    tag: str = "weights"
     backend: str = "auto"
-    host_capacity: int | None = None
-    alloc_retry_interval: float = 0.5
+    host_capacity: int | None = None  # host backend: the "device" size
+    gpu_budget: str | None = None  # bytes or a fraction of the device; None: no budget
+    host_budget: str | None = None  # bytes for host copies; None: no budget
+    host_tier: bool = True
+    policy: Policy = OPEN_POLICY
+    alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None
     socket_mode: int = 0o600
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -23,3 +27,5 @@ class ServerConfig:
     event_log_retain: int | None = 1_000_000
     history_max_events: int = 10_000
     history_max_bytes: int = 8 << 20
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"

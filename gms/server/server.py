@@ -1,10 +1,9 @@
-"""The listener: one Unix socket, one nursery, one task per connection.
+"""The listener: one Unix socket per GPU, one nursery, one task per connection.
 
 ``Server.serve`` binds, reports itself started, and accepts until cancelled;
 on the way out every connection task is cancelled (each unwinds its lock),
-the memory is released and the socket file removed.  ``run_servers`` is the
-process entry: several servers (one per tag) under one nursery, stopped by
-SIGTERM or SIGINT.
+the memory is released and the socket file removed.  ``run_server`` is the
+process entry, stopped by SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -19,10 +18,13 @@ import stat
 import attrs
 import trio
 
-from ..cuda import MemoryBackend, open_backend
+from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
+from ..units import parse_budget
 from .config import ServerConfig
 from .core import ServiceCore
+from .memory_signal import MemorySignal
+from .metrics import Metrics
 from .session import Session
 
 log = logging.getLogger("gms.server")
@@ -92,34 +94,58 @@ def effective_limits(config: ServerConfig, backend: MemoryBackend):
 
 
 class Server:
-    def __init__(self, config: ServerConfig, backend: MemoryBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        backend: MemoryBackend | None = None,
+        host_tier: MemoryBackend | None = None,
+    ) -> None:
         self.config = config
         self.backend = backend or open_backend(config.backend, config.device, config.host_capacity)
+        if host_tier is None and config.host_tier:
+            host_tier = open_host_tier(config.backend, config.device)
+        self.host_tier = host_tier
+        capacity = self.backend.device_info().total_bytes
         self.core = ServiceCore(
             self.backend,
-            tag=config.tag,
+            host_tier,
+            policy=config.policy,
             limits=effective_limits(config, self.backend),
             log=EventLog(retain=config.event_log_retain),
+            budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
+            host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,
             history_max_bytes=config.history_max_bytes,
         )
+        self.memory = MemorySignal()
+        self.core.on_memory_released = self.memory.released
+        self.metrics = Metrics(self.core)
+        self.metrics_port: int | None = None
         self.device_uuid = self.backend.device_info().uuid
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.backend.close()
+        if self.host_tier is not None:
+            self.host_tier.close()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.config.socket_path
         try:
             listener, inode = await bind_listener(path, self.config.socket_mode)
+            if self.config.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         except BaseException:
-            self.backend.close()
+            self.close()
             raise
         try:
             async with trio.open_nursery() as nursery:
                 log.info(
-                    "serving tag %r on %s (backend %s, device %d)",
-                    self.config.tag,
+                    "serving device %d on %s (backend %s, policy %s)",
+                    self.config.device,
                     path,
                     self.backend.name,
-                    self.config.device,
+                    self.config.policy.source,
                 )
                 task_status.started(self)
                 while True:
@@ -131,20 +157,24 @@ class Server:
                             await trio.sleep(0.1)
                             continue
                         raise
-                    session = Session(self.core, self.config, sock, self.device_uuid)
+                    try:
+                        session = Session(self.core, self.config, sock, self.device_uuid, self.memory, self.metrics)
+                    except OSError as exc:  # the peer left before we asked who it was
+                        log.info("dropping a connection: %s", exc)
+                        sock.close()
+                        continue
                     nursery.start_soon(session.run)
         finally:
             listener.close()
             _remove_if_ours(path, inode)
-            self.backend.close()
+            self.close()
 
 
-async def run_servers(configs: list[ServerConfig]) -> None:
-    """Serve every config until SIGTERM or SIGINT; then stop cleanly."""
+async def run_server(config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT; then stop cleanly."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            for config in configs:
-                await nursery.start(Server(config).serve)
+            await nursery.start(Server(config).serve)
 
             async def stop_on_signal() -> None:
                 async for signum in signals:

@@ -5,9 +5,12 @@ The trust boundary of the seed, in one place:
 * a frame that cannot be read or decoded drops the connection
   (``CONNECTION_DROPPED``, then its lock is unwound);
 * a decodable but invalid request gets an ``ErrorResponse``, the session goes on;
-* a failed send unwinds like a drop;
+* a failed send unwinds like a drop; so does an admin's revoke;
 * anything else (a broken invariant, a CUDA failure, a bug) is not caught
   here: it crashes the server's nursery and the server exits non-zero.
+
+Who the peer is comes from the kernel (``SO_PEERCRED``) when the connection
+is accepted; nothing the client sends can change it.
 """
 
 from __future__ import annotations
@@ -15,22 +18,29 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
 from ..cuda import OutOfMemory
-from ..fsm import RequestedLockType
-from ..fsm.errors import InvalidArgument, Rejection, StateViolation
+from ..fsm import Grant, QuotaExceeded
+from ..fsm.errors import HostBudgetExceeded, Rejection, StateViolation
 from ..fsm.events import AllocationOomGaveUp, AllocationOomWait, ConnectionDropped, LockTimeout
 from ..wire import FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
 from ..wire import messages as m
 from .config import ServerConfig
 from .core import Reply, ServiceCore
+from .memory_signal import MemorySignal
+from .metrics import Metrics
 from .netio import PeerGone, SendFailed, send_frame, wait_for_hangup, wait_or_hangup
+from .peer import peer_of
 
 log = logging.getLogger("gms.server")
 
 _RECV_BYTES = 16 * 1024
+_FIRST_RETRY_S = 0.001  # out of memory: retry soon, then back off to the configured interval
+T = TypeVar("T")
 
 
 def is_cancellation(exc: BaseException) -> bool:
@@ -40,6 +50,17 @@ def is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+def error_reply(rejection: Rejection) -> Reply:
+    if isinstance(rejection, QuotaExceeded):
+        return Reply(
+            m.ErrorResponse(
+                rejection.message, rejection.code, rejection.scope,
+                rejection.used, rejection.asked, rejection.quota,
+            )
+        )
+    return Reply(m.ErrorResponse(rejection.message, rejection.code))
+
+
 class Session:
     def __init__(
         self,
@@ -47,26 +68,41 @@ class Session:
         config: ServerConfig,
         sock: trio.socket.SocketType,
         device_uuid: str,
+        memory: MemorySignal,
+        metrics: Metrics,
     ) -> None:
         self.core = core
         self.config = config
         self.sock = sock
         self.device_uuid = device_uuid
+        self.memory = memory
+        self.metrics = metrics
+        self.peer = peer_of(sock)
         self.conn = core.new_conn()
         self.handshaken = False
         self._decoder = FrameDecoder(config.max_frame_bytes)
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
+        self._scope = trio.CancelScope()
+        self._revoked = False
+
+    def _revoke(self) -> None:
+        self._revoked = True
+        self._scope.cancel()
 
     async def run(self) -> None:
         unwind = True
+        self.core.on_revoke(self.conn, self._revoke)
         try:
-            await self._serve()
+            with self._scope:
+                await self._serve()
+            if self._revoked:
+                log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
         except ProtocolError as exc:
             log.warning("conn %d dropped: %s", self.conn, exc)
-            self.core.record([ConnectionDropped(self.conn, str(exc))])
+            self.core.record([ConnectionDropped(self.conn, str(exc), layout=self._layout())])
         except SendFailed as exc:
             log.info("conn %d: send failed: %s", self.conn, exc)
-            self.core.record([ConnectionDropped(self.conn, f"send failed: {exc}")])
+            self.core.record([ConnectionDropped(self.conn, f"send failed: {exc}", layout=self._layout())])
         except PeerGone:
             pass
         except BaseException as exc:
@@ -78,6 +114,10 @@ class Session:
             if unwind:
                 self.core.disconnect(self.conn)
             self.sock.close()
+
+    def _layout(self) -> str:
+        session = self.core.state.sessions.get(self.conn)
+        return session.layout if session is not None else ""
 
     # -- framing ------------------------------------------------------------
 
@@ -114,100 +154,164 @@ class Session:
                 first = False
                 await self._send(Reply(m.ErrorResponse(str(exc), "UNKNOWN_MESSAGE")))
                 continue
-            if first and isinstance(request, m.PROBES):
-                # A probe answers and closes; it never touches the lock FSM.
-                await self._send(self.core.handle(self.conn, request))
+            if first and isinstance(request, m.ONE_SHOT):
+                # Probes and admin verbs answer and close; they never take a lock.
+                await self._send(self._one_shot(request))
                 return
             first = False
             try:
-                if isinstance(request, m.HandshakeRequest):
-                    reply = await self._handshake(request)
-                elif isinstance(request, m.AllocateRequest):
-                    reply = await self._allocate(request)
-                else:
-                    reply = self.core.handle(self.conn, request)
+                reply = await self._dispatch(request)
             except Rejection as rejection:
-                reply = Reply(m.ErrorResponse(rejection.message, rejection.code))
+                reply = error_reply(rejection)
             await self._send(reply)
             if reply.close_after:
                 return
 
+    def _one_shot(self, request: object) -> Reply:
+        try:
+            if isinstance(request, m.PROBES):
+                return self.core.probe(self.conn, request, self.peer)
+            return self.core.admin(self.conn, request, self.peer)
+        except Rejection as rejection:
+            return error_reply(rejection)
+
+    async def _dispatch(self, request: object) -> Reply:
+        if isinstance(request, m.HandshakeRequest):
+            return await self._handshake(request)
+        if isinstance(request, m.AllocateRequest):
+            return await self._allocate(request)
+        if isinstance(request, m.ExportHostCopiesRequest):
+            return await self._host_copies(request)
+        if isinstance(request, m.RestoreDoneRequest):
+            return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
+        if isinstance(request, m.ONE_SHOT):
+            raise StateViolation(f"{type(request).__name__} must be the first and only request of a connection")
+        return self.core.handle(self.conn, request)
+
     async def _handshake(self, request: m.HandshakeRequest) -> Reply:
         if self.handshaken:
             raise StateViolation("this connection has already handshaken")
-        try:
-            requested = RequestedLockType(request.lock_type)
-        except ValueError:
-            raise InvalidArgument(f"unknown lock type {request.lock_type!r}") from None
-        if request.timeout_ms is not None and request.timeout_ms < 0:
-            raise InvalidArgument("timeout_ms must be >= 0")
+        requested = self.core.open_session(self.conn, request, self.peer)
         self.handshaken = True
 
-        granted = None
+        grant: Grant | None = None
         done = trio.Event()
 
-        def on_grant(lock) -> None:
-            nonlocal granted
-            granted = lock
+        def on_grant(g: Grant) -> None:
+            nonlocal grant
+            grant = g
             done.set()
 
+        asked_at = trio.current_time()
         self.core.request_lock(self.conn, requested, on_grant)
-        if granted is None:
+        if grant is None:
             hung_up = False
             timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
             with trio.move_on_after(timeout):
                 hung_up = await wait_or_hangup(done.wait, self.sock)
-            if granted is None:
+            if grant is None:
                 self.core.cancel_lock_request(self.conn)
                 if hung_up:
                     raise PeerGone("hung up while waiting for the lock")
-                self.core.record([LockTimeout(self.conn, requested.value, request.timeout_ms or 0)])
+                self.core.record(
+                    [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
+                )
                 return Reply(self._handshake_response(None), close_after=True)
-        return Reply(self._handshake_response(granted))
+        self.metrics.lock_wait_seconds.labels(requested.value).observe(trio.current_time() - asked_at)
+        if grant.restore:
+            layout = self.core.state.layout(request.layout)
+            try:
+                await self._with_memory(lambda: self.core.load_restore(self.conn), layout.held_bytes, "restore")
+            except OutOfMemoryTimeout as exc:
+                # Give the restore up (the next reader takes it over): close.
+                return Reply(error_reply(exc).message, close_after=True)
+        return Reply(self._handshake_response(grant))
 
-    def _handshake_response(self, granted) -> m.HandshakeResponse:
-        state = self.core.state
+    def _handshake_response(self, grant: Grant | None) -> m.HandshakeResponse:
+        session = self.core.state.sessions.get(self.conn)
+        layout = self.core.state.layout(session.layout) if session else None
         return m.HandshakeResponse(
-            success=granted is not None,
-            committed=state.committed,
-            granted_lock_type=None if granted is None else granted.value,
-            backend=self.core.backend.name,
-            device=self.core.backend.device,
+            success=grant is not None,
+            committed=bool(layout and layout.committed),
+            granted_lock_type=None if grant is None else grant.granted.value,
+            backend=self.core.gpu.name,
+            device=self.core.gpu.device,
             device_uuid=self.device_uuid,
-            memory_layout_hash=state.layout_hash or "",
+            memory_layout_hash=(layout.layout_hash if layout else None) or "",
+            layout=layout.name if layout else "",
+            tenant=session.tenant if session else "",
+            restore=grant is not None and grant.restore,
         )
 
-    async def _allocate(self, request: m.AllocateRequest) -> Reply:
-        """Out-of-memory is transient: retry until memory frees, time runs out,
-        or the writer hangs up (then stop at once)."""
+    # -- memory ------------------------------------------------------------------
+
+    async def _with_memory(self, attempt: Callable[[], T], size: int, tag: str) -> T:
+        """Run ``attempt`` until it finds memory.  Out-of-memory is transient:
+        retry when the server frees memory, and on a timer that starts at a
+        millisecond and backs off to ``--alloc-retry-interval`` (other processes
+        free memory the server cannot see).  OutOfMemoryTimeout once
+        ``--alloc-retry-timeout`` passes; PeerGone if the client hangs up meanwhile."""
         interval = self.config.alloc_retry_interval
         timeout = self.config.alloc_retry_timeout
         started = None
+        pause = _FIRST_RETRY_S
         while True:
+            released = self.memory.next_release()
             try:
-                return Reply(self.core.allocate(self.conn, request.size, request.tag))
+                return attempt()
             except OutOfMemory:
                 pass
             now = trio.current_time()
             if started is None:
                 started = now
-                self.core.record([AllocationOomWait(self.conn, request.size, request.tag)])
+                self.core.record([AllocationOomWait(self.conn, size, tag, layout=self._layout())])
             waited = now - started
             if timeout is not None and waited >= timeout:
                 self.core.record(
-                    [AllocationOomGaveUp(self.conn, request.size, request.tag, "timeout", int(waited * 1000))]
+                    [AllocationOomGaveUp(self.conn, size, tag, "timeout", int(waited * 1000), layout=self._layout())]
                 )
-                return Reply(
-                    m.ErrorResponse(
-                        f"out of memory: no {request.size} bytes after waiting {waited:.1f} s",
-                        "OUT_OF_MEMORY",
+                raise OutOfMemoryTimeout(f"out of memory: no {size} bytes after waiting {waited:.1f} s")
+            wait = pause if timeout is None else min(pause, timeout - waited)
+            pause = min(pause * 2, interval)
+            with trio.move_on_after(wait):
+                hung_up = await wait_or_hangup(released.wait, self.sock)
+                if hung_up:
+                    waited = trio.current_time() - started
+                    self.core.record(
+                        [AllocationOomGaveUp(self.conn, size, tag, "disconnect", int(waited * 1000), layout=self._layout())]
                     )
-                )
-            pause = interval if timeout is None else min(interval, timeout - waited)
-            with trio.move_on_after(pause):
-                await wait_for_hangup(self.sock)
-                waited = trio.current_time() - started
-                self.core.record(
-                    [AllocationOomGaveUp(self.conn, request.size, request.tag, "disconnect", int(waited * 1000))]
-                )
-                raise PeerGone("hung up while waiting for memory")
+                    raise PeerGone("hung up while waiting for memory")
+
+    async def _allocate(self, request: m.AllocateRequest) -> Reply:
+        with self.metrics.allocate_seconds.time():
+            response = await self._with_memory(
+                lambda: self.core.allocate(self.conn, request.size, request.tag), request.size, request.tag
+            )
+        return Reply(response)
+
+    async def _host_copies(self, request: m.ExportHostCopiesRequest) -> Reply:
+        """Make the missing host copies (pinning gigabytes of host memory takes
+        seconds on CUDA: off the event loop), then export them all."""
+        new = self.core.host_copies_to_create(self.conn, request.allocation_ids)
+        created = []
+        try:
+            for allocation in new:
+                if getattr(self.core.host, "create_in_thread", False):
+                    await trio.to_thread.run_sync(self.core.create_host_copy, allocation)
+                else:
+                    self.core.create_host_copy(allocation)
+                created.append(allocation)
+        except OutOfMemory as exc:
+            for allocation in created:
+                self.core.host.release(allocation.allocation_id)
+            raise HostBudgetExceeded(f"host memory exhausted: {exc}") from None
+        except BaseException:
+            for allocation in created:
+                self.core.host.release(allocation.allocation_id)
+            raise
+        self.core.record_host_copies(self.conn, created)
+        return self.core.export_host_copies(self.conn, request.allocation_ids)
+
+
+class OutOfMemoryTimeout(Rejection):
+    code = "OUT_OF_MEMORY"

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 import attrs
 
 from ..fsm.events import Event
-from ..fsm.folding import fold
-from ..fsm.state import EMPTY_STATE, State
+from ..fsm.node import EMPTY_NODE, NodeState, fold
 
 
 @attrs.frozen
@@ -34,13 +33,13 @@ class Snapshot:
     """The state after every entry with ``seq <= last_seq`` (0: the empty log)."""
 
     last_seq: int
-    state: State
+    state: NodeState
 
 
 class _Chunk:
     __slots__ = ("start_seq", "start_state", "entries")
 
-    def __init__(self, start_seq: int, start_state: State) -> None:
+    def __init__(self, start_seq: int, start_state: NodeState) -> None:
         self.start_seq = start_seq
         self.start_state = start_state
         self.entries: list[LogEntry] = []
@@ -61,9 +60,9 @@ class EventLog:
             raise ValueError("chunk_size must be >= 1")
         self._retain = retain
         self._chunk_size = chunk_size
-        self._state = EMPTY_STATE
+        self._state = EMPTY_NODE
         self._next_seq = 1
-        self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_STATE)])
+        self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_NODE)])
         self._kept = 0
 
     # -- writing -----------------------------------------------------------
@@ -94,7 +93,7 @@ class EventLog:
     # -- reading -----------------------------------------------------------
 
     @property
-    def state(self) -> State:
+    def state(self) -> NodeState:
         """The live state: every appended event folded."""
         return self._state
 
@@ -135,7 +134,15 @@ class EventLog:
             index += 1
         return out
 
-    def replay(self) -> State:
+    def entry(self, seq: int) -> LogEntry | None:
+        """The kept entry with sequence number ``seq``, if any (O(1))."""
+        if not self.first_seq <= seq <= self.last_seq:
+            return None
+        first_chunk_seq = self._chunks[0].start_seq
+        chunk = self._chunks[(seq - first_chunk_seq) // self._chunk_size]
+        return chunk.entries[seq - chunk.start_seq]
+
+    def replay(self) -> NodeState:
         """Fold the kept entries over the snapshot: always equals :attr:`state`."""
         state = self._chunks[0].start_state
         for entry in self.entries():
@@ -143,5 +150,5 @@ class EventLog:
         return state
 
 
-def replay(log: EventLog) -> State:
+def replay(log: EventLog) -> NodeState:
     return log.replay()

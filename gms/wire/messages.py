@@ -15,8 +15,13 @@ import attrs
 
 @attrs.frozen
 class HandshakeRequest:
+    """``layout`` names the layout to lock; ``limit_bytes`` narrows this session's
+    own byte limit below its tenant's quota (a scheduler's grant, say)."""
+
     lock_type: str
     timeout_ms: int | None = None
+    layout: str = "weights"
+    limit_bytes: int | None = None
 
 
 @attrs.frozen
@@ -31,6 +36,11 @@ class HandshakeResponse:
     device: int = 0
     device_uuid: str = ""
     memory_layout_hash: str = ""
+    layout: str = ""
+    tenant: str = ""
+    # The layout was evicted and this reader restores it: copy every allocation's
+    # host copy into its GPU memory, then send RestoreDoneRequest.
+    restore: bool = False
 
 
 # -- allocations --------------------------------------------------------------
@@ -115,12 +125,40 @@ class FreeAllocationResponse:
 
 @attrs.frozen
 class CommitRequest:
-    pass
+    """``residency``: device (default), system (needs a host copy of every
+    allocation) or unpinned."""
+
+    residency: str | None = None
 
 
 @attrs.frozen
 class CommitResponse:
     success: bool
+    memory_layout_hash: str
+
+
+@attrs.frozen
+class ExportHostCopiesRequest:
+    """The host-tier copies of allocations (fds, like exports).  For the writer
+    the server creates missing ones; a restorer gets the existing ones."""
+
+    allocation_ids: list[str]
+
+
+@attrs.frozen
+class ExportHostCopiesResponse:
+    """``len(allocations)`` fds ride with the first byte, in the same order."""
+
+    allocations: list[AllocationInfo]
+
+
+@attrs.frozen
+class RestoreDoneRequest:
+    """The restorer copied every host copy into the GPU memory: serve it."""
+
+
+@attrs.frozen
+class RestoreDoneResponse:
     memory_layout_hash: str
 
 
@@ -238,36 +276,85 @@ class GetRuntimeStateRequest:
 
 
 @attrs.frozen
-class GetRuntimeStateResponse:
+class LayoutStatus:
+    """One layout as the runtime-state probe shows it."""
+
+    name: str
     state: str
-    has_rw_session: bool
-    ro_session_count: int
-    waiting_writers: int
     committed: bool
+    residency: str
+    tier: str
+    bytes: int
+    gpu_bytes: int
+    host_bytes: int
     allocation_count: int
-    total_bytes: int
+    metadata_count: int
+    writer: bool
+    readers: int
+    restoring: bool
+    waiting_writers: int
+    waiting_readers: int
     memory_layout_hash: str
+    owner: str
+    last_use_s: float | None  # seconds since a lock on it was last taken or released
+    loads: int
+    restores: int
+    evictions: int
+
+
+@attrs.frozen
+class TenantStatus:
+    name: str
+    used_bytes: int
+    quota_bytes: int | None
+    sessions: int
+
+
+@attrs.frozen
+class GetRuntimeStateResponse:
     backend: str
     device: int
-    # Extensions.
-    tag: str = ""
-    waiting_readers: int = 0
-    allocations_cleared: int = 0
     device_name: str = ""
     device_uuid: str = ""
-    device_total_bytes: int | None = None
+    capacity_bytes: int | None = None  # the device's memory
+    budget_bytes: int | None = None  # what gms may hold on it (None: the capacity)
+    used_bytes: int = 0  # layout bytes on the GPU now
+    host_budget_bytes: int | None = None
+    host_used_bytes: int = 0
     device_free_bytes: int | None = None
     server_handle_count: int = 0
     server_handle_bytes: int = 0
+    host_handle_count: int = 0
+    host_handle_bytes: int = 0
+    allocations_cleared: int = 0
+    sessions: int = 0
+    waiting: int = 0
+    first_event_seq: int = 1
     last_event_seq: int = 0
     uptime_s: float = 0.0
     pid: int = 0
+    layouts: list[LayoutStatus] = attrs.Factory(list)
+    tenants: list[TenantStatus] = attrs.Factory(list)
+
+    def layout(self, name: str) -> LayoutStatus:
+        """The named layout's row; an empty one where the server holds none of that name."""
+        for row in self.layouts:
+            if row.name == name:
+                return row
+        return LayoutStatus(
+            name, "EMPTY", False, "device", "gpu", 0, 0, 0, 0, 0, False, 0, False, 0, 0, "", "",
+            None, 0, 0, 0,
+        )
+
+    def tenant(self, name: str) -> TenantStatus | None:
+        return next((row for row in self.tenants if row.name == name), None)
 
 
 @attrs.frozen
 class GetEventHistoryRequest:
     since_seq: int | None = None
     limit: int | None = None
+    layout: str | None = None  # only this layout's events
 
 
 @attrs.frozen
@@ -278,12 +365,55 @@ class GetEventHistoryResponse:
     events: list[dict]
     first_seq: int = 1
     last_seq: int = 0
+    scanned_seq: int = 0  # the last sequence number this page looked at: the next page's since
+
+
+# -- admin (server's uid, root, or a policy admin; one request, then close) -----------
+
+
+@attrs.frozen
+class RevokeRequest:
+    """Take every lock on the layout away: writers abort, readers are dropped."""
+
+    layout: str
+
+
+@attrs.frozen
+class RevokeResponse:
+    sessions: int
+
+
+@attrs.frozen
+class EvictRequest:
+    layout: str
+
+
+@attrs.frozen
+class EvictResponse:
+    tier: str  # host (a copy is kept) or none (unpinned: the layout is dropped)
+    freed_bytes: int
+
+
+@attrs.frozen
+class PinRequest:
+    layout: str
+    residency: str = "device"
+
+
+@attrs.frozen
+class PinResponse:
+    residency: str
 
 
 @attrs.frozen
 class ErrorResponse:
     error: str
     code: str
+    # QUOTA_EXCEEDED only: which limit (tenant or session), and its bytes.
+    scope: str = ""
+    used: int | None = None
+    asked: int | None = None
+    quota: int | None = None
 
 
 REQUESTS: tuple[type, ...] = (
@@ -295,6 +425,8 @@ REQUESTS: tuple[type, ...] = (
     ListAllocationsRequest,
     FreeAllocationRequest,
     CommitRequest,
+    ExportHostCopiesRequest,
+    RestoreDoneRequest,
     MetadataPutRequest,
     MetadataPutManyRequest,
     MetadataGetRequest,
@@ -304,6 +436,9 @@ REQUESTS: tuple[type, ...] = (
     GetStateHashRequest,
     GetRuntimeStateRequest,
     GetEventHistoryRequest,
+    RevokeRequest,
+    EvictRequest,
+    PinRequest,
 )
 RESPONSES: tuple[type, ...] = (
     HandshakeResponse,
@@ -314,6 +449,8 @@ RESPONSES: tuple[type, ...] = (
     ListAllocationsResponse,
     FreeAllocationResponse,
     CommitResponse,
+    ExportHostCopiesResponse,
+    RestoreDoneResponse,
     MetadataPutResponse,
     MetadataPutManyResponse,
     MetadataGetResponse,
@@ -323,8 +460,13 @@ RESPONSES: tuple[type, ...] = (
     GetStateHashResponse,
     GetRuntimeStateResponse,
     GetEventHistoryResponse,
+    RevokeResponse,
+    EvictResponse,
+    PinResponse,
     ErrorResponse,
 )
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES}
 PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
+ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)
+ONE_SHOT: tuple[type, ...] = PROBES + ADMIN  # answered, then the connection closes
 MAX_FDS_PER_MESSAGE = 253  # the kernel's SCM_MAX_FD

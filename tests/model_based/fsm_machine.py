@@ -1,11 +1,20 @@
-"""Hypothesis stateful machine over the pure core.
+"""Hypothesis stateful machine over the pure core: one node, several layouts, several tenants.
 
-Drives many connections through random handshakes (RW, RO, RW_OR_RO),
-crashes, allocations, frees, metadata puts and deletes, commits, reads and
-bad requests, the way the shell does: decide, append to the log, fold.
-After every step it checks the FSM invariants, that replaying the log (from
-its snapshot, and from the very first event) gives the live state, and that
-the independent reference model agrees on every table and every answer.
+Drives many connections, as three tenants with different quotas and rights,
+through random handshakes (RW, RO, RW_OR_RO, with and without a session
+limit) on two layouts (and a third the layout cap refuses), crashes,
+allocations (evicting under a GPU budget the way the shell does), frees,
+metadata puts and deletes, host copies, commits with each residency,
+evictions, pins, restores (finished or abandoned), and reads, the way the
+shell does: decide, append to the log, fold.  After every step it checks:
+
+* the node's invariants (the fold's running totals against the tables);
+* that replaying the log (from its snapshot, and from the first event)
+  gives the live state;
+* that an independent reference model agrees on every layout's lock table,
+  tables, residency and tier, on every answer and refusal code, on who is
+  granted what, on each tenant's charge and the GPU and host totals, and on
+  which layouts LRU eviction picks.
 """
 
 from __future__ import annotations
@@ -17,17 +26,28 @@ from gms.fsm import (
     Limits,
     Rejection,
     RequestedLockType,
+    admit_allocation,
+    admit_host_copy,
+    admit_restore,
     check_invariants,
     decide_allocate,
     decide_commit,
     decide_disconnect,
+    decide_evict,
     decide_free,
+    decide_host_copy,
     decide_metadata_delete,
     decide_metadata_put,
+    decide_pin,
+    decide_restore_finished,
+    decide_restore_loading,
+    decide_session,
     fold_all,
+    plan_evictions,
     schedule,
 )
 from gms.fsm import queries
+from gms.fsm.events import ServerStarted, SessionClosed
 from gms.store import EventLog
 
 from .reference import ReferenceModel
@@ -40,26 +60,25 @@ LIMITS = Limits(
     max_metadata_value_bytes=8,
     max_key_bytes=6,
     max_tag_bytes=8,
+    max_layouts=2,
 )
+BUDGET = 16 * MiB
+HOST_BUDGET = 12 * MiB
+# name: (quota, layouts it may write, layouts it may read)
+TENANTS = {
+    "t1": (12 * MiB, {"a", "b", "c"}, set()),
+    "t2": (None, {"b"}, {"a"}),
+    "t0": (0, set(), {"a"}),
+}
+LAYOUTS = ["a", "b"]
 KEYS = ["k0", "k1", "k2", "k3", "k4", "", "too-long-key"]
 TAGS = ["weights", "kv_cache", "", "much-too-long"]
-# Requests mostly come from the lock holder, so layouts grow; the rest probe
-# the refusals (no lock, wrong mode).
+RESIDENCIES = ["device", "system", "unpinned"]
 WRITERISH = st.sampled_from(["writer", "writer", "writer", "any"])
 READERISH = st.sampled_from(["reader", "reader", "writer", "any"])
 SIZES = st.sampled_from([-1, 0, 1, 4096, GRANULARITY - 1, GRANULARITY, 3 * GRANULARITY]) | (
     st.integers(1, 8 * MiB)
 )
-
-
-def has_connections(machine) -> bool:
-    # With nobody connected, every request is NOT_CONNECTED: one handshake
-    # next is worth more than another refusal.
-    return bool(machine.open_conns)
-
-
-def has_writer(machine) -> bool:
-    return machine.log.state.writer is not None
 
 
 def aligned(size: int) -> int:
@@ -73,46 +92,72 @@ def rejection_code(thunk):
         return rejection.code, None
 
 
+def has_connections(machine) -> bool:
+    return bool(machine.sessions)
+
+
+def has_writer(machine) -> bool:
+    return any(machine.log.state.layout(name).writer is not None for name in LAYOUTS)
+
+
 class FsmMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         # Tiny retention, so replay goes through snapshots and cut chunks.
-        self.log = EventLog(retain=12, chunk_size=4)
+        self.log = EventLog(retain=24, chunk_size=4)
         self.events = []
-        self.model = ReferenceModel(
-            LIMITS.max_allocations,
-            LIMITS.max_metadata_keys,
-            LIMITS.max_metadata_value_bytes,
-            LIMITS.max_key_bytes,
-            LIMITS.max_tag_bytes,
-        )
+        quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
+        self._append([ServerStarted(0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, layout="")])
+        self.refs = {
+            name: ReferenceModel(
+                LIMITS.max_allocations,
+                LIMITS.max_metadata_keys,
+                LIMITS.max_metadata_value_bytes,
+                LIMITS.max_key_bytes,
+                LIMITS.max_tag_bytes,
+            )
+            for name in [*LAYOUTS, "c"]
+        }
+        self.sessions: dict[int, tuple[str, str, int | None]] = {}  # conn -> layout, tenant, limit
+        self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {name: [] for name in self.refs}
         self.next_conn = 1
         self.next_alloc = 0
-        self.waiting: list[tuple[int, RequestedLockType]] = []
-        self.open_conns: set[int] = set()
+        self.clock = 0
 
     # -- helpers ----------------------------------------------------------
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def _append(self, events) -> None:
         for event in events:
             self.log.append(event)
             self.events.append(event)
 
-    def _pump(self) -> None:
-        grants = schedule(self.log.state, self.waiting)
+    def _layout_of(self, conn: int) -> str:
+        return self.sessions[conn][0] if conn in self.sessions else "a"
+
+    def _pump(self, layout: str) -> None:
+        grants = schedule(self.log.state.layout(layout), self.waiting[layout])
         self._append([g.event for g in grants])
         granted = {g.conn for g in grants}
-        self.waiting = [w for w in self.waiting if w[0] not in granted]
-        assert [(g.conn, g.granted.value) for g in grants] == self.model.pump()
+        self.waiting[layout] = [w for w in self.waiting[layout] if w[0] not in granted]
+        got = [(g.conn, "RESTORE" if g.restore else g.granted.value) for g in grants]
+        assert got == self.refs[layout].pump(self._tick, lambda c: self.sessions[c][1])
 
     def _pick_conn(self, data, role: str = "any") -> int:
         """``any`` also picks connections that hold no lock (0 never handshakes)."""
         state = self.log.state
-        if role == "writer" and state.writer is not None:
-            return state.writer
-        if role == "reader" and state.readers:
-            return data.draw(st.sampled_from(sorted(state.readers)), label="reader")
-        return data.draw(st.sampled_from([0, *sorted(self.open_conns)]), label="conn")
+        if role == "writer":
+            writers = [state.layout(n).writer for n in LAYOUTS if state.layout(n).writer is not None]
+            if writers:
+                return data.draw(st.sampled_from(writers), label="writer")
+        if role == "reader":
+            readers = sorted(r for n in LAYOUTS for r in state.layout(n).readers)
+            if readers:
+                return data.draw(st.sampled_from(readers), label="reader")
+        return data.draw(st.sampled_from([0, *sorted(self.sessions)]), label="conn")
 
     def _decide(self, thunk):
         code, events = rejection_code(thunk)
@@ -120,86 +165,164 @@ class FsmMachine(RuleBasedStateMachine):
             self._append(events)
         return code, events
 
-    def _known_allocation(self, data) -> str:
-        ids = sorted(self.log.state.allocations) + ["missing"]
+    def _known_allocation(self, data, layout: str) -> str:
+        ids = sorted(self.log.state.layout(layout).allocations) + ["missing"]
         return data.draw(st.sampled_from(ids), label="allocation_id")
+
+    def _busy(self) -> set[str]:
+        return {name for name, queue in self.waiting.items() if queue}
+
+    def _expected_evictions(self, needed: int) -> list[str] | None:
+        """LRU over idle evictable layouts, restated from the docs."""
+        candidates = sorted(
+            (ref.last_use, name) for name, ref in self.refs.items()
+            if name not in self._busy() and ref.evictable() is None
+        )
+        chosen = []
+        for _, name in candidates:
+            if needed <= 0:
+                break
+            chosen.append(name)
+            needed -= self.refs[name].gpu_bytes()
+        return chosen if needed <= 0 else None
+
+    def _make_room(self, needed: int) -> bool:
+        """The shell's response to a shortfall: evict LRU idle layouts, or wait."""
+        plan = plan_evictions(self.log.state, needed, self._busy())
+        assert plan == self._expected_evictions(needed)
+        if plan is None:
+            return False  # the shell waits for memory (backpressure)
+        for name in plan:
+            self._append(decide_evict(self.log.state, 0, name, "budget"))
+            assert self.refs[name].evict() is None
+        return True
 
     # -- connections --------------------------------------------------------
 
-    @rule(lock=st.sampled_from(list(RequestedLockType)))
-    def handshake(self, lock):
+    @rule(
+        layout=st.sampled_from(["a", "a", "b", "b", "c"]),
+        lock=st.sampled_from(list(RequestedLockType)),
+        tenant=st.sampled_from(sorted(TENANTS)),
+        limit=st.sampled_from([None, None, None, 0, 4 * MiB, 20 * MiB]),
+    )
+    def handshake(self, layout, lock, tenant, limit):
         conn = self.next_conn
         self.next_conn += 1
-        self.open_conns.add(conn)
-        self.waiting.append((conn, lock))
-        self.model.queue.append((conn, lock.value))
-        self._pump()
+        quota, writes, reads = TENANTS[tenant]
+        may_write, may_read = layout in writes, layout in reads | writes
+        code, events = self._decide(
+            lambda: decide_session(
+                self.log.state, conn, layout, lock, tenant=tenant, may_read=may_read,
+                may_write=may_write, uid=1000, gid=1000, pid=conn, limit_bytes=limit, limits=LIMITS,
+            )
+        )
+        effective = "RO" if lock is RequestedLockType.RW_OR_RO and not may_write else lock.value
+        expected = None
+        if (effective == "RW" and not may_write) or (effective == "RO" and not may_read):
+            expected = "PERMISSION_DENIED"
+        elif limit is not None and quota is not None and limit > quota:
+            expected = "INVALID_ARGUMENT"
+        elif effective != "RO" and self.refs[layout].vacant() and sum(
+            not ref.vacant() for ref in self.refs.values()
+        ) >= LIMITS.max_layouts:
+            expected = "LIMIT_EXCEEDED"
+        assert code == expected
+        if code is not None:
+            return
+        (opened,) = events
+        assert opened.lock_type == effective
+        self.sessions[conn] = (layout, tenant, limit)
+        self.waiting[layout].append((conn, RequestedLockType(effective)))
+        self.refs[layout].queue.append((conn, effective))
+        self._pump(layout)
 
-    @precondition(lambda self: self.open_conns)
+    @precondition(has_connections)
     @rule(data=st.data())
     def disconnect(self, data):
-        """A close, a crash, a dropped connection or a timed-out waiter."""
-        conn = data.draw(st.sampled_from(sorted(self.open_conns)), label="conn")
-        self.open_conns.discard(conn)
-        self.waiting = [w for w in self.waiting if w[0] != conn]
+        """A close, a crash, a dropped connection, a timed-out waiter or a revoke."""
+        conn = data.draw(st.sampled_from(sorted(self.sessions)), label="conn")
+        layout = self.sessions[conn][0]
+        self.waiting[layout] = [w for w in self.waiting[layout] if w[0] != conn]
         events = decide_disconnect(self.log.state, conn)
         self._append(events)
-        expected = self.model.disconnect(conn)
-        assert [e.KIND for e in events] == ([expected] if expected else [])
-        self._pump()
+        expected = self.refs[layout].disconnect(conn, self._tick)
+        assert [e.KIND for e in events] == ([expected] if expected else []) + ["SESSION_CLOSED"]
+        del self.sessions[conn]
+        self._pump(layout)
 
     # -- layout requests ------------------------------------------------------
-    # Each request has a checked core (decide, append, compare with the model),
-    # reached by a rule open to any connection and arguments, and by a rule
-    # that only runs while a writer holds RW and mostly draws valid arguments:
-    # without it most layouts would never grow past their first request.
 
     def _allocate(self, conn, size, tag):
         alloc_id = f"a{self.next_alloc}"
         self.next_alloc += 1
+        layout = self._layout_of(conn)
+        ref = self.refs[layout]
+        expected = ref.allocate(conn, alloc_id, size, aligned(size), tag)
+        if expected is None:
+            del ref.allocs[alloc_id]  # decided below, after the node's checks
+            ref.next_slot -= 1
+            _, tenant, limit = self.sessions[conn]
+            quota = TENANTS[tenant][0]
+            used = sum(r.bytes() for r in self.refs.values() if r.owner == tenant)
+            if limit is not None and ref.bytes() + aligned(size) > limit:
+                expected = "QUOTA_EXCEEDED"
+            elif quota is not None and used + aligned(size) > quota:
+                expected = "QUOTA_EXCEEDED"
+            elif ref.bytes() + aligned(size) > BUDGET:
+                expected = "BUDGET_EXCEEDED"
         state = self.log.state
-        code, _ = self._decide(
-            lambda: decide_allocate(state, conn, alloc_id, size, aligned(size), tag, LIMITS)
+
+        def decide():
+            from gms.fsm import validate_allocate
+
+            validate_allocate(state.layout(layout), conn, size, tag, LIMITS)
+            return admit_allocation(state, conn, aligned(size))
+
+        code, shortfall = rejection_code(decide)
+        assert code == expected
+        if code is not None or not self._make_room(shortfall):
+            return
+        self._append(
+            decide_allocate(self.log.state.layout(layout), conn, alloc_id, size, aligned(size), tag, LIMITS)
         )
-        assert code == self.model.allocate(conn, alloc_id, size, aligned(size), tag)
+        assert ref.allocate(conn, alloc_id, size, aligned(size), tag) is None
 
     def _free(self, conn, alloc_id):
-        state = self.log.state
-        code, _ = self._decide(lambda: decide_free(state, conn, alloc_id))
-        assert code == self.model.free(conn, alloc_id)
+        layout = self._layout_of(conn)
+        code, _ = self._decide(lambda: decide_free(self.log.state.layout(layout), conn, alloc_id))
+        assert code == self.refs[layout].free(conn, alloc_id)
 
     def _metadata_put(self, data, conn, key, alloc_id, value):
-        allocation = self.log.state.allocations.get(alloc_id)
+        layout = self._layout_of(conn)
+        allocation = self.log.state.layout(layout).allocations.get(alloc_id)
         size = allocation.size if allocation else 1
         offset = data.draw(
             st.sampled_from([-1, 0, size - 1, size, size + 1]) | st.integers(0, size - 1),
             label="offset",
         )
-        state = self.log.state
+        state = self.log.state.layout(layout)
         code, _ = self._decide(
             lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS)
         )
-        assert code == self.model.metadata_put(conn, key, alloc_id, offset, value)
+        assert code == self.refs[layout].metadata_put(conn, key, alloc_id, offset, value)
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH, size=SIZES, tag=st.sampled_from(TAGS))
     def allocate(self, data, role, size, tag):
-        self._allocate(self._pick_conn(data, role), size, tag)
+        conn = self._pick_conn(data, role)
+        if conn in self.sessions:
+            self._allocate(conn, size, tag)
 
     @precondition(has_writer)
-    @rule(size=st.integers(1, 8 * MiB), tag=st.sampled_from(TAGS[:2]))
-    def writer_allocates(self, size, tag):
-        self._allocate(self.log.state.writer, size, tag)
+    @rule(data=st.data(), size=st.integers(1, 6 * MiB), tag=st.sampled_from(TAGS[:2]))
+    def writer_allocates(self, data, size, tag):
+        self._allocate(self._pick_conn(data, "writer"), size, tag)
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH)
     def free(self, data, role):
-        self._free(self._pick_conn(data, role), self._known_allocation(data))
-
-    @precondition(has_writer)
-    @rule(data=st.data())
-    def writer_frees(self, data):
-        self._free(self.log.state.writer, self._known_allocation(data))
+        conn = self._pick_conn(data, role)
+        self._free(conn, self._known_allocation(data, self._layout_of(conn)))
 
     @precondition(has_connections)
     @rule(
@@ -210,46 +333,95 @@ class FsmMachine(RuleBasedStateMachine):
     )
     def metadata_put(self, data, role, key, value):
         conn = self._pick_conn(data, role)
-        self._metadata_put(data, conn, key, self._known_allocation(data), value)
+        self._metadata_put(data, conn, key, self._known_allocation(data, self._layout_of(conn)), value)
 
-    @precondition(lambda self: has_writer(self) and self.log.state.allocations)
-    @rule(
-        data=st.data(),
-        key=st.sampled_from(KEYS[:5]),
-        value=st.binary(max_size=LIMITS.max_metadata_value_bytes),
-    )
+    @precondition(has_writer)
+    @rule(data=st.data(), key=st.sampled_from(KEYS[:5]), value=st.binary(max_size=LIMITS.max_metadata_value_bytes))
     def writer_puts_metadata(self, data, key, value):
-        alloc_id = data.draw(st.sampled_from(sorted(self.log.state.allocations)))
-        self._metadata_put(data, self.log.state.writer, key, alloc_id, value)
-
-    def _metadata_delete(self, conn, key):
-        state = self.log.state
-        code, events = self._decide(lambda: decide_metadata_delete(state, conn, key))
-        assert (code, bool(events)) == self.model.metadata_delete(conn, key)
+        conn = self._pick_conn(data, "writer")
+        allocations = sorted(self.log.state.layout(self._layout_of(conn)).allocations)
+        if allocations:
+            alloc_id = data.draw(st.sampled_from(allocations), label="allocation")
+            self._metadata_put(data, conn, key, alloc_id, value)
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH, key=st.sampled_from(KEYS))
     def metadata_delete(self, data, role, key):
-        self._metadata_delete(self._pick_conn(data, role), key)
+        conn = self._pick_conn(data, role)
+        layout = self._layout_of(conn)
+        state = self.log.state.layout(layout)
+        code, events = self._decide(lambda: decide_metadata_delete(state, conn, key))
+        assert (code, bool(events)) == self.refs[layout].metadata_delete(conn, key)
 
-    @precondition(lambda self: has_writer(self) and self.log.state.metadata)
-    @rule(data=st.data())
-    def writer_deletes_metadata(self, data):
-        key = data.draw(st.sampled_from(sorted(self.log.state.metadata)), label="key")
-        self._metadata_delete(self.log.state.writer, key)
+    @precondition(has_writer)
+    @rule(data=st.data(), everything=st.booleans())
+    def host_copies(self, data, everything):
+        conn = self._pick_conn(data, "writer")
+        layout = self._layout_of(conn)
+        ids = sorted(self.log.state.layout(layout).allocations)
+        chosen = ids if everything else ids[:1] + ["missing"]
+        for alloc_id in chosen:
+            allocation = self.log.state.layout(layout).allocations.get(alloc_id)
+            fresh = allocation is not None and alloc_id not in self.log.state.layout(layout).host_copies
+            if fresh:
+                host_used = sum(r.host_bytes() for r in self.refs.values())
+                code, _ = rejection_code(lambda: admit_host_copy(self.log.state, allocation.aligned_size))
+                expected = "HOST_MEMORY_EXHAUSTED" if host_used + allocation.aligned_size > HOST_BUDGET else None
+                assert code == expected
+                if code:
+                    continue
+            code, _ = self._decide(lambda: decide_host_copy(self.log.state.layout(layout), conn, alloc_id))
+            assert code == self.refs[layout].host_copy(conn, alloc_id)
 
     @precondition(has_connections)
-    @rule(data=st.data(), role=st.sampled_from(["writer", "any"]))
-    def commit(self, data, role):
+    @rule(data=st.data(), role=st.sampled_from(["writer", "writer", "any"]), residency=st.sampled_from(RESIDENCIES))
+    def commit(self, data, role, residency):
         conn = self._pick_conn(data, role)
-        state = self.log.state
-        code, _ = self._decide(lambda: decide_commit(state, conn))
-        assert code == self.model.commit(conn)
+        layout = self._layout_of(conn)
+        state = self.log.state.layout(layout)
+        code, _ = self._decide(lambda: decide_commit(state, conn, residency))
+        assert code == self.refs[layout].commit(conn, residency, self._tick)
         if code is None:
             # The shell closes a committed writer's connection.
-            self.open_conns.discard(conn)
-            self._append(decide_disconnect(self.log.state, conn))
-            self._pump()
+            self._append([SessionClosed(conn, layout=layout)])
+            del self.sessions[conn]
+            self._pump(layout)
+
+    # -- residency ----------------------------------------------------------------
+
+    @rule(layout=st.sampled_from(LAYOUTS))
+    def evict(self, layout):
+        """An admin's ``gms evict``."""
+        code, _ = self._decide(lambda: decide_evict(self.log.state, 0, layout, "admin"))
+        expected = self.refs[layout].evict() if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
+        assert code == expected
+        self._pump(layout)
+
+    @rule(layout=st.sampled_from(LAYOUTS), residency=st.sampled_from(RESIDENCIES))
+    def pin(self, layout, residency):
+        code, _ = self._decide(lambda: decide_pin(self.log.state, 0, layout, residency))
+        expected = self.refs[layout].pin(residency) if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
+        assert code == expected
+
+    @precondition(lambda self: any(self.refs[n].restorer is not None for n in LAYOUTS))
+    @rule(data=st.data())
+    def restore(self, data):
+        """The restorer gets its GPU memory (evicting, or waiting) and fills it."""
+        layout = data.draw(st.sampled_from([n for n in LAYOUTS if self.refs[n].restorer is not None]))
+        ref = self.refs[layout]
+        conn = ref.restorer
+        if ref.tier == "host":
+            shortfall = admit_restore(self.log.state, self.log.state.layout(layout))
+            if not self._make_room(shortfall):
+                return
+            self._append(decide_restore_loading(self.log.state, conn, layout))
+            ref.tier = "restoring"
+            return
+        self._append(decide_restore_finished(self.log.state, conn, layout))
+        ref.tier, ref.restorer = "gpu", None
+        ref.readers.add(conn)
+        ref.last_use = self._tick()
+        self._pump(layout)
 
     # -- reads ----------------------------------------------------------------
 
@@ -263,23 +435,25 @@ class FsmMachine(RuleBasedStateMachine):
     )
     def read(self, data, role, tag, key, prefix):
         conn = self._pick_conn(data, role)
-        alloc_id = self._known_allocation(data)
-        state = self.log.state
+        layout = self._layout_of(conn)
+        ref = self.refs[layout]
+        alloc_id = self._known_allocation(data, layout)
+        state = self.log.state.layout(layout)
 
         code, found = rejection_code(lambda: queries.get_allocation(state, conn, alloc_id))
         as_row = (found.size, found.aligned_size, found.tag, found.layout_slot) if found else None
-        assert (code, as_row) == self.model.get_allocation(conn, alloc_id)
+        assert (code, as_row) == ref.get_allocation(conn, alloc_id)
 
         code, rows = rejection_code(lambda: queries.list_allocations(state, conn, tag))
         ids = [a.allocation_id for a in rows] if rows is not None else None
-        assert (code, ids) == self.model.list_allocations(conn, tag)
+        assert (code, ids) == ref.list_allocations(conn, tag)
 
         code, entry = rejection_code(lambda: queries.get_metadata(state, conn, key))
         as_meta = (entry.allocation_id, entry.offset_bytes, entry.value) if entry else None
-        assert (code, as_meta) == self.model.metadata_get(conn, key)
+        assert (code, as_meta) == ref.metadata_get(conn, key)
 
         code, keys = rejection_code(lambda: queries.list_metadata(state, conn, prefix))
-        assert (code, keys) == self.model.metadata_list(conn, prefix)
+        assert (code, keys) == ref.metadata_list(conn, prefix)
 
     # -- after every step -----------------------------------------------------
 
@@ -289,18 +463,27 @@ class FsmMachine(RuleBasedStateMachine):
         check_invariants(state)
         assert self.log.replay() == state
         assert fold_all(self.events) == state
-        model = self.model
-        assert state.lock_state.value == model.state_name()
-        assert (state.writer, set(state.readers), state.committed) == (
-            model.writer,
-            model.readers,
-            model.committed,
-        )
-        assert {
-            k: (a.size, a.aligned_size, a.tag, a.layout_slot) for k, a in state.allocations.items()
-        } == model.allocs
-        assert {
-            k: (m.allocation_id, m.offset_bytes, m.value) for k, m in state.metadata.items()
-        } == model.meta
-        assert state.layout_hash == model.layout_hash
-        assert state.next_layout_slot == model.next_slot
+        for name, ref in self.refs.items():
+            layout = state.layout(name)
+            assert (name in state.layouts) == (not ref.vacant() or bool(ref.allocs))
+            assert layout.lock_state.value == ref.state_name()
+            assert (layout.writer, set(layout.readers), layout.restorer, layout.committed) == (
+                ref.writer, ref.readers, ref.restorer, ref.committed,
+            )
+            assert {
+                k: (a.size, a.aligned_size, a.tag, a.layout_slot) for k, a in layout.allocations.items()
+            } == ref.allocs
+            assert {
+                k: (m.allocation_id, m.offset_bytes, m.value) for k, m in layout.metadata.items()
+            } == ref.meta
+            assert (layout.layout_hash, layout.next_layout_slot) == (ref.layout_hash, ref.next_slot)
+            assert (layout.residency.value, layout.tier.value, set(layout.host_copies), layout.owner) == (
+                ref.residency, ref.tier, ref.host, ref.owner,
+            )
+        for tenant in TENANTS:
+            charged = sum(ref.bytes() for ref in self.refs.values() if ref.owner == tenant)
+            sessions = sum(1 for _, t, _ in self.sessions.values() if t == tenant)
+            assert (state.tenants[tenant].used_bytes, state.tenants[tenant].sessions) == (charged, sessions)
+        assert state.gpu_bytes == sum(ref.gpu_bytes() for ref in self.refs.values()) <= BUDGET
+        assert state.host_bytes == sum(ref.host_bytes() for ref in self.refs.values()) <= HOST_BUDGET
+        assert set(state.sessions) == set(self.sessions)

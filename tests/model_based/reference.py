@@ -1,10 +1,11 @@
-"""A reference model of the seed's tables, written without the fold.
+"""A reference model of one layout's tables, written without the fold.
 
 Plain mutable dicts and sets, one method per request, each returning the
 rejection code the seed's rules call for (or ``None``) and mutating in place.
 It shares no code with ``gms.fsm`` beyond the limits it is configured with,
 so agreement between the two is evidence, not tautology.  The layout hash is
-restated from the protocol document's definition.
+restated from the protocol document's definition.  Residency (the host tier,
+eviction, restores) is restated from docs/operations.md.
 """
 
 from __future__ import annotations
@@ -48,15 +49,33 @@ class ReferenceModel:
     layout_hash: str | None = None
     next_slot: int = 0
     queue: list[tuple[int, str]] = field(default_factory=list)
+    owner: str | None = None
+    residency: str = "device"
+    tier: str = "gpu"
+    restorer: int | None = None
+    host: set[str] = field(default_factory=set)
+    last_use: int = 0
 
     # -- lock table -------------------------------------------------------
 
     def state_name(self) -> str:
         if self.writer is not None:
             return "RW"
-        if self.readers:
+        if self.readers or self.restorer is not None:
             return "RO"
         return "COMMITTED" if self.committed else "EMPTY"
+
+    def bytes(self) -> int:
+        return sum(a[1] for a in self.allocs.values())
+
+    def gpu_bytes(self) -> int:
+        return 0 if self.tier == "host" else self.bytes()
+
+    def host_bytes(self) -> int:
+        return sum(self.allocs[i][1] for i in self.host)
+
+    def vacant(self) -> bool:
+        return self.writer is None and not self.readers and self.restorer is None and not self.committed
 
     def _clear_layout(self) -> None:
         self.allocs.clear()
@@ -64,6 +83,10 @@ class ReferenceModel:
         self.layout_hash = None
         self.committed = False
         self.next_slot = 0
+        self.owner = None
+        self.residency = "device"
+        self.tier = "gpu"
+        self.host.clear()
 
     def _may_grant(self, position: int) -> str | None:
         conn, wanted = self.queue[position]
@@ -72,15 +95,17 @@ class ReferenceModel:
         if self.writer is not None:
             return None
         if wanted == "RW":
-            return "RW" if not self.readers and conn == first_writer else None
-        if wanted == "RO":
-            return "RO" if self.committed and not writer_queued else None
-        if not self.committed:
+            free = not self.readers and self.restorer is None
+            return "RW" if free and conn == first_writer else None
+        if wanted == "RW_OR_RO" and not self.committed:
             return "RW"
-        return "RO" if not writer_queued else None
+        if not self.committed or writer_queued or self.restorer is not None:
+            return None
+        return "RESTORE" if self.tier == "host" else "RO"
 
-    def pump(self) -> list[tuple[int, str]]:
-        """Grant waiting handshakes, first grantable first, until none is."""
+    def pump(self, clock, tenant_of) -> list[tuple[int, str]]:
+        """Grant waiting handshakes, first grantable first, until none is.
+        ``clock()`` ticks a use; ``tenant_of(conn)`` names a writer's tenant."""
         granted = []
         while True:
             for position in range(len(self.queue)):
@@ -90,31 +115,75 @@ class ReferenceModel:
                     if lock == "RW":
                         self._clear_layout()
                         self.writer = conn
+                        self.owner = tenant_of(conn)
+                    elif lock == "RESTORE":
+                        self.restorer = conn
                     else:
                         self.readers.add(conn)
+                    self.last_use = clock()
                     granted.append((conn, lock))
                     break
             else:
                 return granted
 
-    def disconnect(self, conn: int) -> str | None:
+    def disconnect(self, conn: int, clock) -> str | None:
         """Returns the lock event the seed names for this disconnect."""
         self.queue = [(c, w) for c, w in self.queue if c != conn]
         if conn == self.writer:
             self.writer = None
             self._clear_layout()
+            self.last_use = clock()
             return "RW_ABORT"
         if conn in self.readers:
             self.readers.discard(conn)
+            self.last_use = clock()
             return "RO_DISCONNECT"
+        if conn == self.restorer:
+            self.restorer = None
+            self.tier = "host"  # nothing half-copied is ever served
+            return "RESTORE_ABORTED"
         return None
+
+    # -- residency ------------------------------------------------------------
+
+    def evictable(self) -> str | None:
+        if not self.committed or self.writer is not None:
+            return "NOT_EVICTABLE"
+        if self.residency == "device" or self.tier != "gpu" or self.readers or self.restorer is not None:
+            return "NOT_EVICTABLE"
+        return None
+
+    def evict(self) -> str | None:
+        error = self.evictable()
+        if error is None:
+            if self.residency == "unpinned":
+                self._clear_layout()
+            else:
+                self.tier = "host"
+        return error
+
+    def pin(self, residency: str) -> str | None:
+        if not self.committed or self.writer is not None or self.tier != "gpu":
+            return "STATE_VIOLATION"
+        if residency == "system" and self.host != set(self.allocs):
+            return "HOST_COPY_MISSING"
+        self.residency = residency
+        return None
+
+    def host_copy(self, conn: int, alloc_id: str) -> str | None:
+        error = self._auth(conn, True)
+        if error is None and alloc_id not in self.allocs:
+            error = "UNKNOWN_ALLOCATION"
+        if error is None:
+            self.host.add(alloc_id)
+        return error
 
     # -- requests -----------------------------------------------------------
 
     def _auth(self, conn: int, write: bool) -> str | None:
         if conn == self.writer:
             return None
-        if conn in self.readers:
+        if conn in self.readers or conn == self.restorer:
             return "MODE_VIOLATION" if write else None
         return "NOT_CONNECTED"
 
@@ -141,6 +210,7 @@ class ReferenceModel:
             error = "UNKNOWN_ALLOCATION"
         if error is None:
             del self.allocs[alloc_id]
+            self.host.discard(alloc_id)
             for key in [k for k, v in self.meta.items() if v[0] == alloc_id]:
                 del self.meta[key]
         return error
@@ -165,12 +235,18 @@ class ReferenceModel:
             return None, self.meta.pop(key, None) is not None
         return error, False
 
-    def commit(self, conn: int):
+    def commit(self, conn: int, residency: str, clock):
         error = self._auth(conn, True)
+        if error is None and residency not in ("device", "system", "unpinned"):
+            error = "INVALID_ARGUMENT"
+        if error is None and residency == "system" and self.host != set(self.allocs):
+            error = "HOST_COPY_MISSING"
         if error is None:
             self.writer = None
             self.committed = True
+            self.residency = residency
             self.layout_hash = reference_hash(self.allocs, self.meta)
+            self.last_use = clock()
         return error
 
     def get_allocation(self, conn: int, alloc_id: str):

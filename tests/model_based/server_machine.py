@@ -1,59 +1,97 @@
 """Hypothesis stateful machine against a real server over real sockets.
 
 The machine runs the pure core beside the server: every request it sends is
-also decided locally (with the ids and sizes the server returned), and lock
-grants are predicted with :func:`gms.fsm.schedule`.  After every step it
-waits until the server has logged as many events as the local log, then
-checks that
+also decided locally (with the ids and sizes the server returned), lock
+grants are predicted with :func:`gms.fsm.schedule`, evictions under the GPU
+budget with :func:`gms.fsm.plan_evictions`.  The server holds two layouts
+for three tenants; as root, each tenant is a real uid (a forked child with
+that uid connects and hands the socket back), so the server knows them from
+the kernel's peer credentials, as in production.  After every step it waits
+until the server has logged as many events as the local log, then checks that
 
-* the server's answers matched the local decisions (including error codes
-  and which waiting handshake got which lock);
+* the server's answers matched the local decisions (error codes included,
+  quota refusals, which waiting handshake got which lock or the restore);
 * replaying the server's event history through the pure fold gives the local
-  state (ids of connections aside) and satisfies every invariant;
+  state (connection ids aside) and satisfies every invariant;
 * the runtime-state probe agrees, and the server's live memory handles are
-  exactly the allocations of the folded state (count and bytes);
-* readers see the bytes the writer wrote into each allocation (a checksum
-  pattern written through a real mapping right after it was created).
+  exactly the folded layouts' GPU allocations and host copies (count and bytes);
+* readers see the bytes the writer wrote into each allocation, also after
+  the layout was evicted to the host tier and restored (a checksum pattern
+  written through real mappings, of device memory and of the host copies).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from gms.cuda import open_mapper
 from gms.fsm import (
-    EMPTY_STATE,
+    EMPTY_NODE,
     Limits,
+    PermissionDenied,
     Rejection,
     RequestedLockType,
+    admit_allocation,
+    admit_host_copy,
+    admit_restore,
     check_invariants,
     decide_allocate,
     decide_commit,
     decide_disconnect,
+    decide_evict,
     decide_free,
+    decide_host_copy,
     decide_metadata_delete,
     decide_metadata_put,
+    decide_restore_finished,
+    decide_restore_loading,
+    decide_session,
     fold,
+    plan_evictions,
     queries,
     schedule,
     validate_allocate,
 )
-from gms.cuda import open_mapper
+from gms.fsm.events import (
+    AllocationOomGaveUp,
+    AllocationOomWait,
+    SessionClosed,
+    SessionRefused,
+)
+from gms.postmortem import row_event
 from gms.store import EventLog
 from gms.wire import messages as m
 
 from ..helpers import MiB, RawConn, ServerProcess, wait_until
 
-LIMITS = Limits(max_allocations=6, max_metadata_keys=5, max_metadata_value_bytes=16)
+LIMITS = Limits(max_allocations=6, max_metadata_keys=5, max_metadata_value_bytes=16, max_layouts=2)
+BUDGET = 16 * MiB
+HOST_BUDGET = 12 * MiB
+AS_ROOT = os.geteuid() == 0
+# name: (uid, quota, writes, reads)
+TENANTS = {
+    "t1": (23001, 12 * MiB, ["a", "b", "c"], []),
+    "t2": (23002, None, ["b"], ["a"]),
+    "t0": (23003, 0, [], ["a"]),
+}
+POLICY = "".join(
+    f'[[tenant]]\nname = "{name}"\nuids = [{uid}]\n'
+    + (f"quota = {quota}\n" if quota is not None else "")
+    + f"write = {writes!r}\nread = {reads!r}\n\n".replace("'", '"')
+    for name, (uid, quota, writes, reads) in TENANTS.items()
+)
 SERVER_ARGS = (
     "--max-allocations", "6", "--max-metadata-keys", "5", "--max-metadata-value-bytes", "16",
+    "--max-layouts", "2", "--gpu-budget", str(BUDGET), "--host-budget", str(HOST_BUDGET),
+    # Out of memory with nothing to evict: the server gives up soon instead of waiting.
+    "--alloc-retry-timeout", "0.05", "--socket-mode", "666",
 )
 KEYS = ["a", "b", "c", "d", "e", "f", ""]
-
-
 NO_ANSWER = object()
 
 
@@ -62,17 +100,45 @@ def pattern(allocation) -> bytes:
     return (hashlib.sha256(seed).digest() * 2)[: min(64, allocation.size)]
 
 
+def connect_as(path: str, uid: int | None) -> RawConn:
+    """A connection whose peer credentials are ``uid``'s: a forked child with
+    that uid connects and hands the socket back over a socketpair."""
+    if uid is None:
+        return RawConn(path)
+    here, there = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then _exit
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            socket.send_fds(there, [b"x"], [sock.fileno()])
+        finally:
+            os._exit(0)
+    there.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(here, 1, 1)
+    finally:
+        here.close()
+        os.waitpid(pid, 0)
+    (fd,) = fds
+    return RawConn.from_socket(socket.socket(fileno=fd))
+
+
 def projection(state):
     """The state without connection ids (the server numbers its own)."""
-    return (
-        state.lock_state,
-        len(state.readers),
-        state.committed,
-        dict(state.allocations),
-        dict(state.metadata),
-        state.layout_hash,
-        state.next_layout_slot,
-    )
+    layouts = {
+        name: (
+            layout.lock_state, len(layout.readers), layout.restorer is not None, layout.committed,
+            dict(layout.allocations), dict(layout.metadata), layout.layout_hash, layout.next_layout_slot,
+            layout.residency, layout.tier, dict(layout.host_copies), layout.owner,
+        )
+        for name, layout in state.layouts.items()
+    }
+    tenants = {name: (t.used_bytes, t.sessions) for name, t in state.tenants.items()}
+    return layouts, tenants, state.gpu_bytes, state.host_bytes, len(state.sessions)
 
 
 class ServerMachine(RuleBasedStateMachine):
@@ -82,12 +148,22 @@ class ServerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.server = ServerProcess(self.tmp_path, *SERVER_ARGS, backend=self.backend)
+        args = list(SERVER_ARGS)
+        if AS_ROOT:
+            policy = self.tmp_path / "policy.toml"
+            policy.write_text(POLICY)
+            args += ["--policy", str(policy)]
+        if self.backend == "host":
+            args += ["--host-capacity", "64MiB"]
+        self.server = ServerProcess(self.tmp_path, *args, backend=self.backend)
         self.expected = EventLog(retain=None)
+        (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
+        self.expected.append(started)
         self.conns: dict[int, RawConn] = {}
-        self.waiting: list[tuple[int, RequestedLockType]] = []
+        self.tenant_of: dict[int, str] = {}
+        self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {}
         self.next_conn = 1
-        self.replica = EMPTY_STATE  # the server's history, folded here
+        self.replica = EMPTY_NODE  # the server's history, folded here
         self.replica_seq = 0
         self.mapper = open_mapper(self.backend, 0)
 
@@ -98,27 +174,73 @@ class ServerMachine(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------
 
+    @property
+    def state(self):
+        return self.expected.state
+
     def _record(self, events) -> None:
         for event in events:
             self.expected.append(event)
 
-    def _grant(self) -> list:
-        grants = schedule(self.expected.state, self.waiting)
-        for grant in grants:
-            self._record([grant.event])
-            self.waiting = [w for w in self.waiting if w[0] != grant.conn]
-            response, _ = self.conns[grant.conn].recv(timeout=10)
-            assert response.success and response.granted_lock_type == grant.granted.value
-        return grants
+    def _layout_of(self, conn: int) -> str:
+        session = self.state.sessions.get(conn)
+        return session.layout if session else "a"
+
+    def _busy(self) -> set[str]:
+        return {name for name, queue in self.waiting.items() if queue}
+
+    def _grant(self, layout: str) -> None:
+        """Predict the server's grants on ``layout`` and read each granted handshake's answer."""
+        while True:
+            queue = self.waiting.get(layout, [])
+            grants = schedule(self.state.layout(layout), queue)
+            if not grants:
+                return
+            for grant in grants:
+                self._record([grant.event])
+                self.waiting[layout] = [w for w in self.waiting[layout] if w[0] != grant.conn]
+                if grant.restore and not self._load_restore(grant.conn, layout):
+                    break  # the restorer gave up and left: schedule again
+                response, _ = self.conns[grant.conn].recv(timeout=10)
+                assert response.success and response.granted_lock_type == grant.granted.value
+                assert response.restore == grant.restore
+
+    def _make_room(self, needed: int) -> bool:
+        plan = plan_evictions(self.state, needed, self._busy())
+        if plan is None:
+            return False
+        for name in plan:
+            self._record(decide_evict(self.state, 0, name, "budget"))
+        return True
+
+    def _gave_up(self, conn: int, size: int, tag: str) -> None:
+        layout = self._layout_of(conn)
+        self._record([
+            AllocationOomWait(conn, size, tag, layout=layout),
+            AllocationOomGaveUp(conn, size, tag, "timeout", 50, layout=layout),
+        ])
+
+    def _load_restore(self, conn: int, layout: str) -> bool:
+        """The server makes the restore's GPU memory, or gives up and closes."""
+        size = self.state.layout(layout).held_bytes
+        if self._make_room(admit_restore(self.state, self.state.layout(layout))):
+            self._record(decide_restore_loading(self.state, conn, layout))
+            return True
+        self._gave_up(conn, size, "restore")
+        response, _ = self.conns[conn].recv(timeout=10)
+        assert response.code == "OUT_OF_MEMORY"
+        assert self.conns.pop(conn).closed_by_peer()
+        self._record(decide_disconnect(self.state, conn))
+        return False
 
     def _holder(self, data, role: str) -> int | None:
-        state = self.expected.state
-        if role == "writer" and state.writer is not None:
-            return state.writer
-        holders = sorted(c for c in self.conns if state.holds_lock(c))
-        idle = sorted(c for c in self.conns if not state.holds_lock(c) and c not in dict(self.waiting))
-        choices = holders + idle
-        return data.draw(st.sampled_from(choices), label="conn") if choices else None
+        state = self.state
+        writers = [l.writer for l in state.layouts.values() if l.writer is not None]
+        if role == "writer" and writers:
+            return data.draw(st.sampled_from(sorted(writers)), label="writer")
+        queued = {c for queue in self.waiting.values() for c, _ in queue}
+        usable = sorted(c for c in self.conns if c not in queued)
+        return data.draw(st.sampled_from(usable), label="conn") if usable else None
 
     def _agree(self, response, local):
         """Run the local decision or query and check the server agreed: both
@@ -140,61 +262,107 @@ class ServerMachine(RuleBasedStateMachine):
         self._record(events)
         return events
 
-    def _through_mapping(self, fd: int, allocation, writable: bool, action):
+    def _through_mapping(self, fd: int, size: int, writable: bool, action, host: bool = False):
         """Map an exported fd in this process, run ``action(va)``, unmap."""
-        va = self.mapper.reserve(allocation.aligned_size)
+        va = self.mapper.reserve(size)
         try:
-            handle = self.mapper.map(fd, va, allocation.aligned_size, writable)
+            handle = self.mapper.map_host(fd, va, size) if host else self.mapper.map(fd, va, size, writable)
             try:
                 return action(va)
             finally:
-                self.mapper.unmap(va, allocation.aligned_size, handle)
+                self.mapper.unmap(va, size, handle)
         finally:
-            self.mapper.free(va, allocation.aligned_size)
+            self.mapper.free(va, size)
+
+    def _by_slot(self, layout: str) -> list[str]:
+        # Ids are random per run: draw by slot, so replays draw the same way.
+        ordered = sorted(self.state.layout(layout).allocations.values(), key=lambda a: a.layout_slot)
+        return [a.allocation_id for a in ordered]
+
+    def _allocation_id(self, data, layout: str) -> str:
+        return data.draw(st.sampled_from(self._by_slot(layout) + ["missing"]), label="allocation")
 
     # -- connections --------------------------------------------------------------
 
     @initialize()
     def first_writer(self):
-        self.handshake(RequestedLockType.RW)
+        self.handshake(RequestedLockType.RW, "a", "t1", None)
 
-    @rule(lock=st.sampled_from(list(RequestedLockType)))
-    def handshake(self, lock):
+    @rule(
+        lock=st.sampled_from(list(RequestedLockType)),
+        layout=st.sampled_from(["a", "a", "b", "c"]),
+        tenant=st.sampled_from(sorted(TENANTS)),
+        limit=st.sampled_from([None, None, 4 * MiB, 20 * MiB]),
+    )
+    def handshake(self, lock, layout, tenant, limit):
+        if not AS_ROOT:
+            tenant = "default"
+        uid, _, writes, reads = TENANTS.get(tenant, (None, None, ["a", "b", "c"], []))
         conn = self.next_conn
         self.next_conn += 1
-        self.conns[conn] = RawConn(self.server.socket)
-        self.conns[conn].send(m.HandshakeRequest(lock.value))
-        self.waiting.append((conn, lock))
-        if not self._grant():
-            # Queue order matters: let the server queue this one before the next.
-            self._sync()
+        self.conns[conn] = connect_as(self.server.socket, uid)
+        self.conns[conn].send(m.HandshakeRequest(lock.value, None, layout, limit))
+        try:
+            events = decide_session(
+                self.state, conn, layout, lock, tenant=tenant,
+                may_read=layout in writes + reads, may_write=layout in writes,
+                uid=uid or 0, gid=uid or 0, pid=0, limit_bytes=limit, limits=LIMITS,
+            )
+        except Rejection as rejection:
+            response, _ = self.conns[conn].recv()
+            assert response.code == rejection.code, (response, rejection)
+            if isinstance(rejection, PermissionDenied):
+                self._record([SessionRefused(conn, uid, uid, 0, rejection.message, layout="")])
+            self.conns.pop(conn).close()
+            return
+        self._record(events)
+        self.tenant_of[conn] = tenant
+        self.waiting.setdefault(layout, []).append((conn, RequestedLockType(events[0].lock_type)))
+        self._grant(layout)
+        if any(conn in {c for c, _ in q} for q in self.waiting.values()):
+            self._sync()  # queue order matters: let the server queue this one before the next
 
     @precondition(lambda self: self.conns)
     @rule(data=st.data())
     def close(self, data):
         conn = data.draw(st.sampled_from(sorted(self.conns)), label="conn")
+        layout = self._layout_of(conn)
         self.conns.pop(conn).close()
-        self.waiting = [w for w in self.waiting if w[0] != conn]
-        self._record(decide_disconnect(self.expected.state, conn))
-        self._grant()
+        if layout in self.waiting:
+            self.waiting[layout] = [w for w in self.waiting[layout] if w[0] != conn]
+        self._record(decide_disconnect(self.state, conn))
+        self._grant(layout)
 
     # -- requests -------------------------------------------------------------------
 
     def _allocate(self, conn, size, tag):
+        layout = self._layout_of(conn)
+        state = self.state
+
+        def admit():
+            validate_allocate(state.layout(layout), conn, size, tag, LIMITS)
+            return admit_allocation(state, conn, -(-size // (2 * MiB)) * 2 * MiB)
+
         response = self.conns[conn].call(m.AllocateRequest(size, tag))
-        state = self.expected.state
-        if isinstance(response, m.ErrorResponse):
-            self._expect(response, lambda: validate_allocate(state, conn, size, tag, LIMITS))
+        try:
+            shortfall = admit()
+        except Rejection as rejection:
+            assert isinstance(response, m.ErrorResponse) and response.code == rejection.code, (response, rejection)
+            return
+        if not self._make_room(shortfall):
+            assert response.code == "OUT_OF_MEMORY", response
+            self._gave_up(conn, size, tag)
             return
         assert response.aligned_size >= size and response.aligned_size % (2 * MiB) == 0
-        self._expect(
-            response,
-            lambda: decide_allocate(state, conn, response.allocation_id, size, response.aligned_size, tag, LIMITS),
+        self._record(
+            decide_allocate(
+                self.state.layout(layout), conn, response.allocation_id, size, response.aligned_size, tag, LIMITS
+            )
         )
-        allocation = self.expected.state.allocations[response.allocation_id]
+        allocation = self.state.layout(layout).allocations[response.allocation_id]
         self.conns[conn].send(m.ExportAllocationRequest(allocation.allocation_id))
         _, (fd,) = self.conns[conn].recv()
-        self._through_mapping(fd, allocation, True, lambda va: self.mapper.write(va, pattern(allocation)))
+        self._through_mapping(fd, allocation.aligned_size, True, lambda va: self.mapper.write(va, pattern(allocation)))
 
     @rule(data=st.data(), size=st.integers(-1, 6 * MiB), tag=st.sampled_from(["weights", "kv", ""]))
     def allocate(self, data, size, tag):
@@ -204,48 +372,34 @@ class ServerMachine(RuleBasedStateMachine):
 
     # Writer-only rules with mostly valid arguments: without them most layouts
     # would be committed or dropped before they grew.
-    @precondition(lambda self: self.expected.state.writer is not None)
-    @rule(size=st.integers(1, 6 * MiB), tag=st.sampled_from(["weights", "kv"]))
-    def writer_allocates(self, size, tag):
-        self._allocate(self.expected.state.writer, size, tag)
-
-    def _by_slot(self) -> list[str]:
-        # Ids are random per run: draw by slot, so replays draw the same way.
-        ordered = sorted(self.expected.state.allocations.values(), key=lambda a: a.layout_slot)
-        return [a.allocation_id for a in ordered]
-
-    def _allocation_id(self, data) -> str:
-        return data.draw(st.sampled_from(self._by_slot() + ["missing"]), label="allocation")
+    @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
+    @rule(data=st.data(), size=st.integers(1, 6 * MiB), tag=st.sampled_from(["weights", "kv"]))
+    def writer_allocates(self, data, size, tag):
+        self._allocate(self._holder(data, "writer"), size, tag)
 
     @rule(data=st.data())
     def free(self, data):
         conn = self._holder(data, "writer")
         if conn is None:
             return
-        alloc_id = self._allocation_id(data)
+        alloc_id = self._allocation_id(data, self._layout_of(conn))
         response = self.conns[conn].call(m.FreeAllocationRequest(alloc_id))
-        state = self.expected.state
+        state = self.state.layout(self._layout_of(conn))
         self._expect(response, lambda: decide_free(state, conn, alloc_id))
 
     def _metadata_put(self, data, conn, key, alloc_id, value):
-        allocation = self.expected.state.allocations.get(alloc_id)
+        allocation = self.state.layout(self._layout_of(conn)).allocations.get(alloc_id)
         size = allocation.size if allocation else 1
         offset = data.draw(st.sampled_from([0, size - 1, size]) | st.integers(0, size - 1))
         response = self.conns[conn].call(m.MetadataPutRequest(key, alloc_id, offset, value))
-        state = self.expected.state
+        state = self.state.layout(self._layout_of(conn))
         self._expect(response, lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS))
 
     @rule(data=st.data(), key=st.sampled_from(KEYS), value=st.binary(max_size=18))
     def metadata_put(self, data, key, value):
         conn = self._holder(data, "writer")
         if conn is not None:
-            self._metadata_put(data, conn, key, self._allocation_id(data), value)
-
-    @precondition(lambda self: self.expected.state.writer is not None and self.expected.state.allocations)
-    @rule(data=st.data(), key=st.sampled_from(KEYS[:-1]), value=st.binary(max_size=16))
-    def writer_puts_metadata(self, data, key, value):
-        alloc_id = data.draw(st.sampled_from(self._by_slot()), label="allocation")
-        self._metadata_put(data, self.expected.state.writer, key, alloc_id, value)
+            self._metadata_put(data, conn, key, self._allocation_id(data, self._layout_of(conn)), value)
 
     @rule(data=st.data(), key=st.sampled_from(KEYS))
     def metadata_delete(self, data, key):
@@ -253,34 +407,126 @@ class ServerMachine(RuleBasedStateMachine):
         if conn is None:
             return
         response = self.conns[conn].call(m.MetadataDeleteRequest(key))
-        state = self.expected.state
+        state = self.state.layout(self._layout_of(conn))
         events = self._expect(response, lambda: decide_metadata_delete(state, conn, key))
         if events is not None:
             assert response.deleted == bool(events)
 
+    @precondition(lambda self: any(l.writer is not None and l.allocations for l in self.state.layouts.values()))
     @rule(data=st.data())
-    def commit(self, data):
+    def writer_publishes_evictable(self, data):
+        """What ``commit(residency="system")`` does: host copies, filled, then the commit."""
         conn = self._holder(data, "writer")
+        self.host_copies(data, conn)
+        self.commit(data, "system", conn)
+
+    @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
+    @rule(data=st.data())
+    def host_copies(self, data, conn=None):
+        """The writer asks for host copies of every allocation and fills them with the pattern."""
+        conn = conn or self._holder(data, "writer")
+        layout = self.state.layout(self._layout_of(conn))
+        ids = self._by_slot(layout.name)
+        if not ids:
+            return
+        self.conns[conn].send(m.ExportHostCopiesRequest(ids))
+        response, fds = self.conns[conn].recv()
+        new = [layout.allocations[i] for i in ids if i not in layout.host_copies]
+
+        def decide():
+            admit_host_copy(self.state, sum(a.aligned_size for a in new))
+            events = []
+            state = self.state
+            for allocation in new:
+                events += decide_host_copy(state.layout(layout.name), conn, allocation.allocation_id)
+                state = fold(state, events[-1])
+            return events
+
+        if self._expect(response, decide) is None:
+            return
+        for info, fd in zip(response.allocations, fds):
+            allocation = layout.allocations[info.allocation_id]
+            self._through_mapping(
+                fd, info.aligned_size, True, lambda va: self.mapper.write(va, pattern(allocation)), host=True
+            )
+
+    @rule(data=st.data(), residency=st.sampled_from(["device", "system", "unpinned"]))
+    def commit(self, data, residency, conn=None):
+        conn = conn or self._holder(data, "writer")
         if conn is None:
             return
-        response = self.conns[conn].call(m.CommitRequest())
-        state = self.expected.state
-        if self._expect(response, lambda: decide_commit(state, conn)) is not None:
-            assert response.memory_layout_hash == self.expected.state.layout_hash
+        layout = self._layout_of(conn)
+        response = self.conns[conn].call(m.CommitRequest(residency))
+        state = self.state.layout(layout)
+        if self._expect(response, lambda: decide_commit(state, conn, residency)) is not None:
+            assert response.memory_layout_hash == self.state.layout(layout).layout_hash
             assert self.conns.pop(conn).closed_by_peer()
-            self._grant()
+            self._record([SessionClosed(conn, layout=layout)])
+            self._grant(layout)
+
+    @rule(layout=st.sampled_from(["a", "b"]))
+    def evict(self, layout):
+        """An admin's ``gms evict`` (this process is root or the server's uid)."""
+        response = RawConn(self.server.socket).call(m.EvictRequest(layout))
+        self._expect(response, lambda: decide_evict(self.state, 0, layout, "admin"))
+        self._grant(layout)
+
+    @precondition(
+        lambda self: any(
+            l.residency.value == "system" and l.tier.value == "gpu" and not l.readers
+            for l in self.state.layouts.values()
+        )
+    )
+    @rule(data=st.data())
+    def evict_then_read(self, data):
+        """An evictable layout goes to the host tier; a reader then brings it back."""
+        names = sorted(
+            n for n, l in self.state.layouts.items()
+            if l.residency.value == "system" and l.tier.value == "gpu" and not l.readers
+        )
+        name = data.draw(st.sampled_from(names), label="layout")
+        self.evict(name)
+        self.handshake(RequestedLockType.RO, name, "t1", None)
+
+    @precondition(lambda self: any(l.restorer is not None and l.tier.value == "restoring" for l in self.state.layouts.values()))
+    @rule(data=st.data(), finish=st.booleans())
+    def restore(self, data, finish):
+        """The restorer copies every host copy into the new GPU memory and says so, or leaves."""
+        restoring = sorted(l.restorer for l in self.state.layouts.values() if l.restorer is not None)
+        conn = data.draw(st.sampled_from(restoring), label="restorer")
+        layout = self._layout_of(conn)
+        if not finish:
+            self.close_conn(conn)
+            return
+        c = self.conns[conn]
+        ids = self._by_slot(layout)
+        c.send(m.ExportAllocationsRequest(ids))
+        gpu, gpu_fds = c.recv()
+        c.send(m.ExportHostCopiesRequest(ids))
+        host, host_fds = c.recv()
+        for g, h, gfd, hfd in zip(gpu.allocations, host.allocations, gpu_fds, host_fds):
+            data_ = self._through_mapping(hfd, h.aligned_size, False, lambda va, g=g: self.mapper.read(va, g.aligned_size), host=True)
+            self._through_mapping(gfd, g.aligned_size, True, lambda va, d=data_: self.mapper.write(va, d))
+        response = c.call(m.RestoreDoneRequest())
+        self._expect(response, lambda: decide_restore_finished(self.state, conn, layout))
+        self._grant(layout)
+
+    def close_conn(self, conn: int) -> None:
+        layout = self._layout_of(conn)
+        self.conns.pop(conn).close()
+        self._record(decide_disconnect(self.state, conn))
+        self._grant(layout)
 
     @rule(data=st.data(), key=st.sampled_from(KEYS), prefix=st.sampled_from(["", "a", "z"]))
     def read(self, data, key, prefix):
         conn = self._holder(data, "reader")
         if conn is None:
             return
-        c, state = self.conns[conn], self.expected.state
-        alloc_id = self._allocation_id(data)
+        c = self.conns[conn]
+        state = self.state.layout(self._layout_of(conn))
+        alloc_id = self._allocation_id(data, state.name)
 
-        entry = self._agree(
-            c.call(m.MetadataGetRequest(key)), lambda: queries.get_metadata(state, conn, key)
-        )
+        entry = self._agree(c.call(m.MetadataGetRequest(key)), lambda: queries.get_metadata(state, conn, key))
         if entry is not NO_ANSWER:
             expected = m.MetadataGetResponse(False)
             if entry is not None:
@@ -295,10 +541,8 @@ class ServerMachine(RuleBasedStateMachine):
         c.send(m.ExportAllocationRequest(alloc_id))
         response, fds = c.recv()
         try:
-            allocation = self._agree(
-                response, lambda: queries.get_allocation(state, conn, alloc_id)
-            )
-            if allocation is not NO_ANSWER:
+            allocation = self._agree(response, lambda: queries.get_allocation(state, conn, alloc_id))
+            if allocation is not NO_ANSWER and conn != state.restorer:
                 (fd,) = fds
                 fds = []
                 assert (response.size, response.aligned_size, response.layout_slot) == (
@@ -307,7 +551,7 @@ class ServerMachine(RuleBasedStateMachine):
                 if self.backend == "host":
                     assert os.fstat(fd).st_size == allocation.aligned_size
                 seen = self._through_mapping(
-                    fd, allocation, conn == state.writer,
+                    fd, allocation.aligned_size, conn == state.writer,
                     lambda va: self.mapper.read(va, len(pattern(allocation))),
                 )
                 assert seen == pattern(allocation), "a reader must see the writer's bytes"
@@ -317,36 +561,42 @@ class ServerMachine(RuleBasedStateMachine):
 
     # -- after every step -------------------------------------------------------------
 
-    def _waiting_counts(self) -> tuple[int, int]:
-        writers = sum(1 for _, lock in self.waiting if lock is RequestedLockType.RW)
-        return writers, len(self.waiting) - writers
-
     def _sync(self):
         """Wait until the server has logged and queued what the local model holds."""
+        waiting = sum(len(q) for q in self.waiting.values())
 
         def caught_up():
             state = self.server.state()
-            in_step = (state.waiting_writers, state.waiting_readers) == self._waiting_counts()
-            return state if in_step and state.last_event_seq >= self.expected.last_seq else None
+            return state if state.waiting == waiting and state.last_event_seq >= self.expected.last_seq else None
 
         return wait_until(caught_up, timeout=10, what=f"server to reach event {self.expected.last_seq}")
 
     @invariant()
     def server_agrees_with_the_pure_core(self):
-        state = self._sync()
-        for event in self.server.events(self.replica_seq):
-            self.replica = fold(self.replica, event.to_event())
+        runtime = self._sync()
+        events = self.server.events(self.replica_seq)
+        replica = self.replica
+        for event in events:
+            replica = fold(replica, event.to_event())
             self.replica_seq = event.seq
-        expected = self.expected.state
-        check_invariants(self.replica)
+        self.replica = replica
+        expected = self.state
+        check_invariants(replica)
         assert self.replica_seq == self.expected.last_seq
-        assert projection(self.replica) == projection(expected)
-        assert (state.state, state.ro_session_count, state.committed) == (
-            expected.lock_state.value, len(expected.readers), expected.committed,
-        )
-        assert (state.allocation_count, state.total_bytes, state.memory_layout_hash) == (
-            len(expected.allocations), expected.total_bytes, expected.layout_hash or "",
-        )
-        assert (state.server_handle_count, state.server_handle_bytes) == (
-            len(expected.allocations), expected.total_bytes,
-        ), "server-owned memory must be exactly the folded layout"
+        assert projection(replica) == projection(expected)
+        for name, layout in expected.layouts.items():
+            row = runtime.layout(name)
+            assert (row.state, row.readers, row.committed, row.tier, row.residency) == (
+                layout.lock_state.value, len(layout.readers), layout.committed, layout.tier.value,
+                layout.residency.value,
+            )
+            assert (row.allocation_count, row.bytes, row.memory_layout_hash) == (
+                len(layout.allocations), layout.held_bytes, layout.layout_hash or "",
+            )
+        gpu = [a for l in expected.layouts.values() if l.tier.value != "host" for a in l.allocations.values()]
+        host = [s for l in expected.layouts.values() for s in l.host_copies.values()]
+        assert (runtime.server_handle_count, runtime.server_handle_bytes) == (
+            len(gpu), sum(a.aligned_size for a in gpu),
+        ), "server-owned device memory must be exactly the folded layouts'"
+        assert (runtime.host_handle_count, runtime.host_handle_bytes) == (len(host), sum(host))
+        assert runtime.used_bytes == expected.gpu_bytes <= BUDGET

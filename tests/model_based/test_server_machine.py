@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -13,8 +16,15 @@ from .server_machine import ServerMachine
 EXAMPLES = int(os.environ.get("GMS_SERVER_MACHINE_EXAMPLES", "40"))
 
 
-def test_server_matches_the_pure_core(tmp_path, backend):
-    machine = type("Machine", (ServerMachine,), {"tmp_path": tmp_path, "backend": backend})
-    run_state_machine_as_test(
-        machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
-    )
+def test_server_matches_the_pure_core(backend):
+    # Tenants connect as other uids: the socket's folder must let them in
+    # (pytest's own folders are private to root).
+    folder = tempfile.mkdtemp(prefix="gms-machine-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    try:
+        machine = type("Machine", (ServerMachine,), {"tmp_path": Path(folder), "backend": backend})
+        run_state_machine_as_test(
+            machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,32 @@
+"""``gms``: the command line.  One module per family of commands:
+
+    gms serve      run a GPU's server (``serve``), or one per GPU (``--devices``)
+    gms status     the runtime state: layouts, tenants, budgets (``inspect``)
+    gms history    the event log (``inspect``)
+    gms replay     rebuild the state from a saved log, offline (``inspect``)
+    gms revoke | evict | pin LAYOUT    admin verbs (``admin``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import admin, inspect, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (serve, inspect, admin):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

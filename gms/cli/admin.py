@@ -1,0 +1,60 @@
+"""``gms revoke | evict | pin LAYOUT``: admin verbs (server's uid, root, or a policy admin)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import GMSError
+from ..units import format_bytes
+from .common import socket_of, target_args
+
+
+def register(sub) -> None:
+    revoke = sub.add_parser("revoke", help="take every lock on a layout away (its writer aborts)")
+    target_args(revoke)
+    revoke.add_argument("layout")
+    revoke.set_defaults(handler=cmd_revoke)
+
+    evict = sub.add_parser("evict", help="release an idle layout's GPU memory now")
+    target_args(evict)
+    evict.add_argument("layout")
+    evict.set_defaults(handler=cmd_evict)
+
+    pin = sub.add_parser("pin", help="set a committed layout's residency (default: device, never evicted)")
+    target_args(pin)
+    pin.add_argument("layout")
+    pin.add_argument("--residency", default="device", choices=("device", "system", "unpinned"))
+    pin.set_defaults(handler=cmd_pin)
+
+
+def _run(args: argparse.Namespace, verb: str, action) -> int:
+    try:
+        print(action(socket_of(args)))
+    except GMSError as exc:
+        print(f"gms {verb}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from ..client.admin import revoke
+
+    return _run(args, "revoke", lambda path: f"{args.layout}: {revoke(path, args.layout)} sessions revoked")
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from ..client.admin import evict
+
+    def action(path: str) -> str:
+        done = evict(path, args.layout)
+        where = "dropped (unpinned)" if done.tier == "none" else f"now on tier {done.tier}"
+        return f"{args.layout}: {format_bytes(done.freed_bytes)} of GPU memory released, {where}"
+
+    return _run(args, "evict", action)
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    from ..client.admin import pin
+
+    return _run(args, "pin", lambda path: f"{args.layout}: residency {pin(path, args.layout, args.residency)}")

@@ -1,0 +1,179 @@
+"""``gms status``, ``gms history`` and ``gms replay``: looking at a server, live or after the fact.
+
+``gms history --json > log.jsonl`` saves the event log, one event per line;
+``gms replay log.jsonl`` folds it offline with the same pure core the server
+runs, checks every invariant and prints the table ``gms status`` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import attrs
+
+from ..errors import GMSError
+from ..units import format_bytes
+from ..wire import messages as m
+from .common import socket_of, target_args
+
+EXIT_REPLAY_FAILED = 2
+
+
+def register(sub) -> None:
+    status = sub.add_parser("status", help="the runtime state: layouts, tenants, budgets (takes no lock)")
+    target_args(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=cmd_status)
+
+    history = sub.add_parser("history", help="the event log (takes no lock)")
+    target_args(history)
+    history.add_argument("--layout", help="only this layout's events")
+    history.add_argument("--since", type=int, default=0, help="events after this sequence number")
+    history.add_argument("--limit", type=int, default=None)
+    history.add_argument("--json", action="store_true", help="one JSON object per line (what replay reads)")
+    history.set_defaults(handler=cmd_history)
+
+    replay = sub.add_parser("replay", help="rebuild the state from a saved log, check it, print it")
+    replay.add_argument("log", help="a file written by 'gms history --json' ('-': stdin)")
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(handler=cmd_replay)
+
+
+# -- tables -------------------------------------------------------------------------
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    cells = [header, *[tuple(str(c) for c in row) for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+
+def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
+    budget = state.budget_bytes
+    rows = [
+        ("socket", path),
+        ("device", f"{state.backend}, device {state.device} ({state.device_name}) {state.device_uuid}"),
+        (
+            "gpu",
+            f"{format_bytes(state.used_bytes)} in layouts, budget {format_bytes(budget)}, "
+            f"capacity {format_bytes(state.capacity_bytes)}, {format_bytes(state.device_free_bytes)} free",
+        ),
+        ("host tier", f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"),
+        ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
+        (
+            "handles",
+            f"gpu {state.server_handle_count} ({format_bytes(state.server_handle_bytes)}), "
+            f"host {state.host_handle_count} ({format_bytes(state.host_handle_bytes)}), "
+            f"{state.allocations_cleared} cleared",
+        ),
+        ("events", f"{state.first_event_seq}..{state.last_event_seq} kept"),
+        ("server", f"pid {state.pid}, up {state.uptime_s:.0f} s" if state.pid else "-"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    layouts = [
+        (
+            r.name, r.state, r.residency, r.tier + (" (restoring)" if r.restoring else ""),
+            format_bytes(r.bytes), r.allocation_count, r.readers, "yes" if r.writer else "-",
+            f"{r.waiting_writers}/{r.waiting_readers}", r.owner or "-", _ago(r.last_use_s),
+            r.loads, r.restores, r.evictions, r.memory_layout_hash[:12] or "-",
+        )
+        for r in state.layouts
+    ]
+    lines += ["", *_columns(
+        ("LAYOUT", "STATE", "RESIDENCY", "TIER", "BYTES", "ALLOCS", "READERS", "WRITER",
+         "WAITING W/R", "OWNER", "LAST USE", "LOADS", "RESTORES", "EVICTIONS", "HASH"),
+        layouts,
+    )]
+    if not layouts:
+        lines.append("(no layouts)")
+    tenants = [
+        (t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions) for t in state.tenants
+    ]
+    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS"), tenants)]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ..client.probes import get_runtime_state
+
+    path = socket_of(args)
+    try:
+        state = get_runtime_state(path)
+    except GMSError as exc:
+        print(f"gms status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"socket": path, **attrs.asdict(state)}))
+    else:
+        print(status_table(path, state))
+    return 0
+
+
+# -- history --------------------------------------------------------------------------
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from ..client.probes import get_event_history, iter_event_history
+    from ..postmortem import event_row
+
+    path = socket_of(args)
+    try:
+        if args.limit is None:
+            events = list(iter_event_history(path, args.since, layout=args.layout))
+        else:
+            events = get_event_history(path, args.since, args.limit, layout=args.layout).events
+    except GMSError as exc:
+        print(f"gms history: {exc}", file=sys.stderr)
+        return 1
+    for e in events:
+        if args.json:
+            print(json.dumps(event_row(e.seq, e.time, e.to_event())))
+        else:
+            stamp = time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time * 1000) % 1000:03d}"
+            fields = {k: v.hex() if isinstance(v, bytes) else v for k, v in e.fields.items() if k != "layout"}
+            detail = " ".join(f"{k}={v}" for k, v in fields.items())
+            print(f"{e.seq:>8}  {stamp}  conn {e.conn:<5} {e.layout or '-':<16} {e.kind:<22} {detail}")
+    return 0
+
+
+# -- replay ---------------------------------------------------------------------------
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from ..fsm import InvariantViolation
+    from ..postmortem import LogFileError, replay_rows
+
+    try:
+        stream = sys.stdin if args.log == "-" else open(args.log, encoding="utf-8")
+    except OSError as exc:
+        print(f"gms replay: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with stream:
+            result = replay_rows(stream)
+    except LogFileError as exc:
+        print(f"gms replay: {exc}", file=sys.stderr)
+        return EXIT_REPLAY_FAILED
+    except InvariantViolation as exc:
+        print(f"gms replay: the log breaks an invariant: {exc}", file=sys.stderr)
+        return EXIT_REPLAY_FAILED
+    state = result.runtime_state()
+    if args.json:
+        print(json.dumps({"replayed": result.count, "last_seq": result.last_seq, **attrs.asdict(state)}))
+    else:
+        print(status_table(args.log, state))
+        print(f"\nreplayed {result.count} events (1..{result.last_seq}); every invariant holds")
+    return 0

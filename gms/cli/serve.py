@@ -1,0 +1,150 @@
+"""``gms serve``: one GPU's server in this process, or a supervisor of one per GPU."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from .. import paths
+from ..fds import reserve_fd_slots
+from ..wire.messages import MAX_FDS_PER_MESSAGE
+from .common import byte_count
+
+EXIT_FATAL = 70  # EX_SOFTWARE: a broken invariant or a CUDA failure
+EXIT_CONFIG = 78  # EX_CONFIG: the policy file or an option cannot be used
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def register(sub) -> None:
+    serve = sub.add_parser("serve", help="run the per-GPU memory server")
+    serve.add_argument("--socket", help="socket path (default: derived from --device)")
+    serve.add_argument("--device", type=int, default=0)
+    serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    serve.add_argument(
+        "--devices",
+        help="supervise one server process per GPU: 'all' or a list like 0,1 (each restarted on its own)",
+    )
+    serve.add_argument("--policy", metavar="FILE", help="tenants, quotas and rights (TOML); default: open")
+    serve.add_argument(
+        "--gpu-budget", metavar="BYTES|FRACTION",
+        help="what layouts may hold on the GPU, e.g. 60GiB or 0.9; beyond it idle layouts are evicted",
+    )
+    serve.add_argument("--host-budget", metavar="BYTES", help="bytes for host copies of evictable layouts")
+    serve.add_argument("--no-host-tier", action="store_true", help="keep no host copies (no residency system)")
+    serve.add_argument("--host-capacity", type=byte_count, help="host backend: the device's size")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S")
+    serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S")
+    serve.add_argument(
+        "--socket-mode", type=lambda s: int(s, 8), default=0o600, help="octal, e.g. 660 (default 600)"
+    )
+    serve.add_argument("--max-frame-bytes", type=byte_count, default=16 << 20)
+    serve.add_argument("--max-metadata-value-bytes", type=byte_count, default=1 << 20)
+    serve.add_argument("--max-allocations", type=int, default=1 << 20, help="per layout")
+    serve.add_argument("--max-metadata-keys", type=int, default=1 << 20, help="per layout")
+    serve.add_argument("--max-layouts", type=int, default=4096)
+    serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(handler=cmd_serve)
+
+
+def server_config(args: argparse.Namespace):
+    """The server's configuration; raises ValueError (a bad path or option) or PolicyError."""
+    from ..fsm import Limits
+    from ..policy import OPEN_POLICY, load_policy
+    from ..server import ServerConfig
+
+    limits = Limits(
+        max_allocations=args.max_allocations,
+        max_metadata_keys=args.max_metadata_keys,
+        max_metadata_value_bytes=args.max_metadata_value_bytes,
+        max_layouts=args.max_layouts,
+    )
+    return ServerConfig(
+        socket_path=args.socket or paths.socket_path(args.device, args.backend),
+        device=args.device,
+        backend=args.backend,
+        host_capacity=args.host_capacity,
+        gpu_budget=args.gpu_budget,
+        host_budget=args.host_budget,
+        host_tier=not args.no_host_tier,
+        policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
+        alloc_retry_interval=args.alloc_retry_interval,
+        alloc_retry_timeout=args.alloc_retry_timeout,
+        socket_mode=args.socket_mode,
+        max_frame_bytes=args.max_frame_bytes,
+        limits=limits,
+        event_log_retain=args.event_log_retain,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
+
+
+def _leaves(exc: BaseException):
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _raise_fd_limit() -> None:
+    """Every allocation keeps one exported fd open: allow as many as the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    from ..policy import PolicyError
+
+    try:
+        config = None if args.devices else server_config(args)
+        if args.devices and args.policy:
+            from ..policy import load_policy
+
+            load_policy(args.policy)  # refuse a bad policy before starting any child
+    except PolicyError as exc:
+        print(f"gms serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ValueError as exc:  # a socket path that cannot exist, an unknown backend
+        print(f"gms serve: {exc}", file=sys.stderr)
+        return 1
+    _raise_fd_limit()
+    if args.devices:
+        from ..supervisor import supervise
+
+        return supervise(args)
+    reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
+
+    import trio
+
+    from ..server import SocketPathError, run_server
+
+    try:
+        trio.run(run_server, config)
+    except BaseException as exc:  # noqa: BLE001 - sorted into exit codes below
+        leaves = list(_leaves(exc))
+        if all(isinstance(e, SocketPathError | OSError | ValueError) for e in leaves):
+            for e in leaves:
+                print(f"gms serve: {e}", file=sys.stderr)
+            return 1
+        for e in leaves:
+            print(f"gms serve: FATAL: {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exception(e, file=sys.stderr)
+        return EXIT_FATAL
+    return 0

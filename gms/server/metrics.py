@@ -1,0 +1,111 @@
+"""Prometheus metrics (``gms serve --metrics-port``), with ``prometheus-client``.
+
+Gauges are read from the folded state when scraped: the state is an
+immutable value, so the scraping thread reads a consistent snapshot without
+a lock.  Counters and histograms are fed by the shell as events are appended
+and requests are served.  Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from ..fsm.events import Event, LayoutEvicted, RestoreFinished, RwCommit
+
+log = logging.getLogger("gms.server")
+
+_LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30)
+
+
+class _StateCollector:
+    def __init__(self, core) -> None:
+        self.core = core
+
+    def collect(self):
+        core = self.core
+        state = core.state
+        gauges = {
+            "gms_capacity_bytes": ("Device memory in bytes", state.capacity_bytes),
+            "gms_budget_bytes": (
+                "GPU budget in bytes (the capacity when no budget is set)",
+                state.budget_bytes if state.budget_bytes is not None else state.capacity_bytes,
+            ),
+            "gms_gpu_used_bytes": ("Layout bytes on the GPU", state.gpu_bytes),
+            "gms_host_used_bytes": ("Layout bytes in the host tier", state.host_bytes),
+            "gms_sessions": ("Handshaken connections", len(state.sessions)),
+            "gms_events_logged": ("Last event sequence number", core.log.last_seq),
+        }
+        for name, (text, value) in gauges.items():
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
+        if state.host_budget_bytes is not None:
+            yield GaugeMetricFamily("gms_host_budget_bytes", "Host tier budget in bytes", value=state.host_budget_bytes)
+        layout_bytes = GaugeMetricFamily("gms_layout_bytes", "Bytes a layout holds, by tier", labels=["layout", "tier"])
+        readers = GaugeMetricFamily("gms_layout_readers", "Readers of a layout", labels=["layout"])
+        info = GaugeMetricFamily(
+            "gms_layout_info", "A layout's lock state and residency (value 1)",
+            labels=["layout", "state", "residency", "tier", "owner"],
+        )
+        waiting = GaugeMetricFamily("gms_lock_waiters", "Handshakes waiting for a lock", labels=["layout", "mode"])
+        for name, layout in state.layouts.items():
+            layout_bytes.add_metric([name, "gpu"], layout.gpu_bytes)
+            layout_bytes.add_metric([name, "host"], layout.host_bytes)
+            readers.add_metric([name], len(layout.readers))
+            info.add_metric(
+                [name, layout.lock_state.value, layout.residency.value, layout.tier.value, layout.owner or ""], 1
+            )
+        for name, (writers, others) in core.waiting_snapshot().items():
+            waiting.add_metric([name, "rw"], writers)
+            waiting.add_metric([name, "other"], others)
+        used = GaugeMetricFamily("gms_tenant_used_bytes", "Bytes a tenant keeps in gms", labels=["tenant"])
+        quota = GaugeMetricFamily("gms_tenant_quota_bytes", "A tenant's quota in bytes", labels=["tenant"])
+        sessions = GaugeMetricFamily("gms_tenant_sessions", "A tenant's handshaken connections", labels=["tenant"])
+        for name, tenant in state.tenants.items():
+            used.add_metric([name], tenant.used_bytes)
+            sessions.add_metric([name], tenant.sessions)
+            if tenant.quota_bytes is not None:
+                quota.add_metric([name], tenant.quota_bytes)
+        yield from (layout_bytes, readers, info, waiting, used, quota, sessions)
+
+
+class Metrics:
+    def __init__(self, core) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(core))
+        self.events = Counter("gms_events", "Events appended, by kind", ["kind"], registry=self.registry)
+        self.layout_events = Counter(
+            "gms_layout_transitions", "Loads (commits), evictions and restores, by layout",
+            ["layout", "kind"], registry=self.registry,
+        )
+        self.allocate_seconds = Histogram(
+            "gms_allocate_seconds", "Time to serve an allocation, waits for memory included",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.lock_wait_seconds = Histogram(
+            "gms_lock_wait_seconds", "Time from handshake to grant", ["mode"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self._server = None
+        core.on_event = self.observe
+
+    def observe(self, event: Event) -> None:
+        self.events.labels(event.KIND).inc()
+        if isinstance(event, RwCommit | LayoutEvicted | RestoreFinished):
+            kind = {RwCommit: "load", LayoutEvicted: "eviction", RestoreFinished: "restore"}[type(event)]
+            self.layout_events.labels(event.layout, kind).inc()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics from a thread; returns the port (useful with port 0)."""
+        self._server, _ = start_http_server(port, host, registry=self.registry)
+        bound = self._server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

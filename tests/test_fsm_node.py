@@ -1,0 +1,233 @@
+"""The node's pure core: sessions, tenants, quotas, budgets, eviction and restore."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from gms.fsm import (
+    BudgetExceeded,
+    InvalidArgument,
+    InvariantViolation,
+    Limits,
+    PermissionDenied,
+    QuotaExceeded,
+    RequestedLockType,
+    admit_allocation,
+    admit_restore,
+    check_invariants,
+    decide_allocate,
+    decide_disconnect,
+    decide_evict,
+    decide_host_copy,
+    decide_pin,
+    decide_session,
+    fold_all,
+    holders,
+    plan_evictions,
+    validate_layout_name,
+)
+from gms.fsm.errors import HostBudgetExceeded, HostCopyMissing, NotEvictable
+from gms.fsm.events import RestoreClaimed, RestoreLoading, RoConnect, RwConnect
+from gms.fsm import admit_host_copy
+
+from .fsm_events import committed, opened, started, writer
+
+MiB = 1 << 20
+RW, RO, AUTO = RequestedLockType.RW, RequestedLockType.RO, RequestedLockType.RW_OR_RO
+
+
+def build(state, conn, layout, sizes, tenant="default", residency="device", host=False):
+    """A writer session on ``layout`` allocating ``sizes`` (MiB), committed with ``residency``."""
+    state = fold_all(writer(conn, layout, tenant), state)
+    for n, size in enumerate(sizes):
+        state = fold_all(
+            decide_allocate(state.layout(layout), conn, f"{layout}-{n}", size * MiB, size * MiB, "w", Limits()),
+            state,
+        )
+        if host or residency == "system":
+            state = fold_all(decide_host_copy(state.layout(layout), conn, f"{layout}-{n}"), state)
+    from gms.fsm import decide_commit
+    from gms.fsm.events import SessionClosed
+
+    state = fold_all([*decide_commit(state.layout(layout), conn, residency), SessionClosed(conn, layout=layout)], state)
+    check_invariants(state)
+    return state
+
+
+def test_tenants_are_charged_what_they_build_and_quotas_are_checked_in_constant_time():
+    state = fold_all([started({"a": 10 * MiB, "b": None})])
+    state = build(state, 1, "m1", [4, 4], tenant="a")
+    assert state.tenants["a"].used_bytes == 8 * MiB and state.gpu_bytes == 8 * MiB
+    state = fold_all(writer(2, "m2", "a"), state)
+    with pytest.raises(QuotaExceeded) as refused:
+        admit_allocation(state, 2, 4 * MiB)
+    assert (refused.value.scope, refused.value.used, refused.value.asked, refused.value.quota) == (
+        "tenant", 8 * MiB, 4 * MiB, 10 * MiB,
+    )
+    assert admit_allocation(state, 2, 2 * MiB) == 0  # fits; no budget to free
+    # Another tenant is not limited by a's quota.
+    state = fold_all(writer(3, "m3", "b"), state)
+    assert admit_allocation(state, 3, 64 * MiB) == 0
+
+
+def test_a_session_limit_narrows_and_its_bytes_go_with_the_session():
+    state = fold_all([started({"a": 10 * MiB}), opened(1, "kv", "RW", "a", limit=3 * MiB)])
+    state = fold_all([RwConnect(1, layout="kv")], state)
+    state = fold_all(decide_allocate(state.layout("kv"), 1, "k0", 2 * MiB, 2 * MiB, "kv", Limits()), state)
+    with pytest.raises(QuotaExceeded) as refused:
+        admit_allocation(state, 1, 2 * MiB)
+    assert (refused.value.scope, refused.value.quota) == ("session", 3 * MiB)
+    state = fold_all(decide_disconnect(state, 1), state)  # a crash: the socket is the lease
+    check_invariants(state)
+    assert state.tenants["a"].used_bytes == 0 and "kv" not in state.layouts and not state.sessions
+
+
+def test_a_session_may_not_widen_its_tenants_quota():
+    state = fold_all([started({"a": 4 * MiB})])
+    with pytest.raises(InvalidArgument, match="never widen"):
+        decide_session(state, 1, "kv", RW, tenant="a", may_read=True, may_write=True, uid=1, gid=1, pid=1,
+                       limit_bytes=5 * MiB, limits=Limits())
+
+
+@pytest.mark.parametrize(
+    "requested, may_read, may_write, outcome",
+    [
+        (RW, True, False, PermissionDenied),
+        (RO, False, False, PermissionDenied),
+        (AUTO, True, False, "RO"),  # a reader-only tenant never rebuilds a layout
+        (AUTO, True, True, "RW_OR_RO"),
+        (RO, False, True, "RO"),  # writing implies reading
+    ],
+)
+def test_what_a_tenant_may_do_with_a_layout(requested, may_read, may_write, outcome):
+    state = fold_all([started({"a": None})])
+    decide = lambda: decide_session(  # noqa: E731
+        state, 1, "m", requested, tenant="a", may_read=may_read, may_write=may_write,
+        uid=1, gid=1, pid=1, limit_bytes=None, limits=Limits(),
+    )
+    if isinstance(outcome, type):
+        with pytest.raises(outcome):
+            decide()
+    else:
+        (event,) = decide()
+        assert event.lock_type == outcome
+
+
+@pytest.mark.parametrize("name", ["", "a" * 129, "../etc", "bad name", "x\x00y", "é", "-lead", 7])
+def test_odd_layout_names_are_refused(name):
+    with pytest.raises(InvalidArgument):
+        validate_layout_name(name)
+
+
+@pytest.mark.parametrize("name", ["weights", "kv_cache", "llama-3.1-8b/tp0", "team:a@v2+x"])
+def test_ordinary_layout_names_are_fine(name):
+    assert validate_layout_name(name) == name
+
+
+def test_budget_evicts_least_recently_used_idle_layouts_never_pinned_ones():
+    state = fold_all([started({"default": None}, budget=16 * MiB)])
+    state = build(state, 1, "old", [4], residency="system")
+    state = build(state, 2, "pinned", [4], residency="device")
+    state = build(state, 3, "newer", [4], residency="unpinned")
+    state = build(state, 4, "newest", [2], residency="system")
+    assert state.gpu_bytes == 14 * MiB
+    state = fold_all(writer(5, "incoming"), state)
+    assert admit_allocation(state, 5, 4 * MiB) == 2 * MiB
+    assert plan_evictions(state, 2 * MiB) == ["old"]
+    assert plan_evictions(state, 6 * MiB) == ["old", "newer"]
+    assert plan_evictions(state, 12 * MiB) is None, "pinned and in-use layouts are never evicted"
+    assert plan_evictions(state, 2 * MiB, busy={"old"}) == ["newer"], "nobody's waited-for layout"
+    with pytest.raises(BudgetExceeded):
+        admit_allocation(state, 5, 17 * MiB)
+
+
+def test_eviction_keeps_the_host_copy_or_drops_an_unpinned_layout():
+    state = fold_all([started(budget=64 * MiB)])
+    state = build(state, 1, "sys", [4], residency="system")
+    state = build(state, 2, "unp", [4], residency="unpinned")
+    before = state.layout("sys").layout_hash
+    state = fold_all(decide_evict(state, 0, "sys", "budget") + decide_evict(state, 0, "unp", "budget"), state)
+    check_invariants(state)
+    sys_layout = state.layout("sys")
+    assert (sys_layout.tier.value, sys_layout.layout_hash, sys_layout.evictions) == ("host", before, 1)
+    assert len(sys_layout.metadata) == len(state.layout("sys").metadata)
+    assert "unp" not in state.layouts, "unpinned: its next user reloads it"
+    assert state.gpu_bytes == 0 and state.host_bytes == 4 * MiB
+    assert state.tenants["default"].used_bytes == 4 * MiB, "a tenant keeps paying for its evicted layout"
+
+
+def test_evict_refuses_pinned_busy_and_unknown_layouts_with_reasons():
+    state = fold_all([started()])
+    state = build(state, 1, "dev", [2], residency="device")
+    state = build(state, 2, "sys", [2], residency="system")
+    state = fold_all([opened(3, "sys", "RO"), RoConnect(3, layout="sys")], state)
+    with pytest.raises(NotEvictable, match="pinned"):
+        decide_evict(state, 0, "dev", "admin")
+    with pytest.raises(NotEvictable, match="1 readers"):
+        decide_evict(state, 0, "sys", "admin")
+    with pytest.raises(Exception, match="no layout"):
+        decide_evict(state, 0, "nope", "admin")
+
+
+def test_system_residency_needs_every_host_copy():
+    state = fold_all([started()])
+    state = build(state, 1, "m", [2, 2], residency="device")
+    with pytest.raises(HostCopyMissing):
+        decide_pin(state, 0, "m", "system")
+    assert [e.residency for e in decide_pin(state, 0, "m", "unpinned")] == ["unpinned"]
+
+
+def test_host_budget_is_a_clear_refusal():
+    state = fold_all([started(host_budget=4 * MiB)])
+    state = build(state, 1, "m", [4], residency="system")
+    with pytest.raises(HostBudgetExceeded):
+        admit_host_copy(state, 2 * MiB)
+
+
+def test_restore_needs_room_and_counts_on_the_gpu_when_loading():
+    state = fold_all([started(budget=8 * MiB)])
+    state = build(state, 1, "a", [6], residency="system")
+    state = fold_all(decide_evict(state, 0, "a", "budget"), state)
+    state = build(state, 2, "b", [4], residency="system")
+    state = fold_all([opened(3, "a", "RO"), RestoreClaimed(3, layout="a")], state)
+    assert admit_restore(state, state.layout("a")) == 2 * MiB  # b must go first
+    state = fold_all(decide_evict(state, 0, "b", "budget") + [RestoreLoading(3, layout="a")], state)
+    check_invariants(state)
+    assert state.gpu_bytes == 6 * MiB
+    # The restorer dies: nothing half-copied is served, the GPU bytes are released.
+    state = fold_all(decide_disconnect(state, 3), state)
+    check_invariants(state)
+    assert state.layout("a").tier.value == "host" and state.gpu_bytes == 0
+
+
+def test_revoke_takes_every_holder():
+    state = fold_all([started()])
+    state = build(state, 1, "w", [2])
+    state = fold_all([opened(2, "w", "RO"), RoConnect(2, layout="w"), opened(3, "w", "RO"), RoConnect(3, layout="w")], state)
+    state = fold_all(writer(4, "kv"), state)
+    assert holders(state, "w") == [2, 3] and holders(state, "kv") == [4]
+    for conn in holders(state, "w"):
+        state = fold_all(decide_disconnect(state, conn), state)
+    check_invariants(state)
+    assert state.layout("w").lock_state.value == "COMMITTED" and len(state.sessions) == 1
+
+
+def test_invariants_catch_accounting_drift():
+    state = build(fold_all([started()]), 1, "m", [2])
+    drifted = attrs.evolve(state, gpu_bytes=state.gpu_bytes + 1)
+    with pytest.raises(InvariantViolation, match="gpu_bytes"):
+        check_invariants(drifted)
+    tenant = state.tenants["default"]
+    drifted = attrs.evolve(state, tenants=state.tenants.set("default", attrs.evolve(tenant, used_bytes=0)))
+    with pytest.raises(InvariantViolation, match="charged"):
+        check_invariants(drifted)
+
+
+def test_a_commit_and_its_session_close_settle_the_owner():
+    state = fold_all([started({"a": None, "b": None})])
+    state = build(state, 1, "m", [2], tenant="a")
+    state = fold_all(writer(2, "m", "b"), state)  # b rebuilds m: a is no longer charged
+    assert (state.tenants["a"].used_bytes, state.layout("m").owner) == (0, "b")
+    state = fold_all(committed(state, 2, "m"), state)
+    check_invariants(state)
