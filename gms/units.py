@@ -1,15 +1,19 @@
-"""Byte counts as people write them: ``1073741824``, ``1g``, ``1GiB``, ``512MiB``, ``20GB``.
+"""Byte counts as people write them: ``1073741824``, ``512MiB``, ``20GiB``, ``20GB``, ``8Gi``.
 
-Binary multiples throughout (``GB`` reads as GiB, as ``nvidia-smi`` and
-most tools print memory), so a quota and a device size compare directly.
+One rule everywhere in gms (quotas, budgets, options, ``gms.ray`` requests),
+the one Kubernetes quantities and the SI follow: ``KiB/MiB/GiB/TiB`` (or
+``Ki/Mi/Gi/Ti``) are powers of 1024, ``KB/MB/GB/TB`` (or ``K/M/G/T``) powers
+of 1000.  ``20GB`` is 20e9 bytes, as the Ray design writes it; a device's
+"80 GB" is 80 GiB-ish, so write GiB where you mean the binary size.
 """
 
 from __future__ import annotations
 
 import re
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*")
+_BINARY = {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*")
 
 
 def parse_bytes(text: str | int) -> int:
@@ -22,8 +26,9 @@ def parse_bytes(text: str | int) -> int:
         return text
     match = _BYTES.fullmatch(str(text).lower())
     if not match:
-        raise ValueError(f"not a byte count: {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+        raise ValueError(f"not a byte count: {text!r} (say 512MiB, 20GiB or 20GB)")
+    unit = match.group(2) or ""
+    return int(float(match.group(1)) * (_BINARY.get(unit) or _DECIMAL[unit]))
 
 
 def parse_budget(text: str, capacity: int | None) -> int:
