@@ -143,6 +143,14 @@ def test_the_validator_is_strict_and_knows_no_more_than_it_says():
         validate({**one("ResourceClaim"), "apiVersion": "resource.k8s.io/v9"}, VERSIONS[0])
 
 
+def test_the_claims_also_validate_as_v1beta2_on_kubernetes_1_33():
+    """docs/deploy.md tells 1.33 users to change only the apiVersion."""
+    claims = find("ResourceClaim") + find("ResourceClaimTemplate")
+    assert claims
+    for claim in claims:
+        validate({**claim, "apiVersion": "resource.k8s.io/v1beta2"}, "1.33.0")
+
+
 def test_kustomizations_list_every_manifest_and_nothing_missing():
     listed: set[Path] = set()
     for kust in DEPLOY.rglob("kustomization.yaml"):
