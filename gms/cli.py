@@ -3,6 +3,7 @@
     gms serve [--device N] [--tag weights --tag kv_cache] [--backend auto|cuda|host] ...
     gms status [--socket PATH | --device N --tag TAG] [--json]
     gms history [--socket PATH | ...] [--since SEQ] [--limit N] [--json]
+    gms failover --config FILE          (gms/cli_failover.py)
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--since", type=int, default=0, help="events after this sequence number")
     history.add_argument("--limit", type=int, default=None)
     history.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    from .cli_failover import add_parser as add_failover
+
+    add_failover(sub)
     return parser
 
 
@@ -262,7 +267,10 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "status": cmd_status, "history": cmd_history}[args.command]
+    from .cli_failover import cmd_failover
+
+    handler = {"serve": cmd_serve, "status": cmd_status, "history": cmd_history,
+               "failover": cmd_failover}[args.command]
     return handler(args)
 
 
