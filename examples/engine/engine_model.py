@@ -81,6 +81,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         self._materialize()
         self.timings["weights_s"] = time.perf_counter() - started
+        self._warm_up()
         if o.mode == "primary":
             self._make_kv_cache()
             self.phase = "serving"
@@ -95,6 +96,16 @@ class Engine:
             model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
         gms.torch.materialize_module(model, self.weights, prefix=PREFIX)
         self.model = model.eval()
+
+    def _warm_up(self) -> None:
+        """One forward without a cache, so the first real request (a shadow's first,
+        right after a failover) does not pay for loading kernels and libraries."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timings["warm_up_s"] = time.perf_counter() - started
 
     def _make_kv_cache(self) -> None:
         o = self.options

@@ -376,8 +376,12 @@ class Coordinator:
 
 
 def _brief(result) -> dict:
+    """An HTTP result for the event line: the engine's own timings if it gave any, else the error."""
     code, body, seconds = result
-    return {"code": code, "seconds": seconds, **({} if code == 200 else {"error": body})}
+    if code != 200:
+        return {"code": code, "seconds": seconds, "error": body}
+    timings = {k: v for k, v in body.items() if k.endswith("_s")} if isinstance(body, dict) else {}
+    return {"code": code, "seconds": seconds, **({"engine": timings} if timings else {})}
 
 
 async def run(config: CoordinatorConfig, *, lock: ServingLock | None = None) -> None:
