@@ -8,6 +8,9 @@ and the clock runs from the signal to the first completed token.
 
 Cases:
 
+The signal goes to rank 0 of the serving set (``--kill all``: every rank);
+the coordinator takes the set's other ranks down itself.
+
 * ``a``  SIGKILL the primary; the KV cache fits beside the primary's
   (``--kv-small``, default 2 GiB per engine).
 * ``b``  SIGKILL the primary; the KV cache is so large (``--kv-large-fraction``
@@ -285,7 +288,10 @@ def one_failover(dep: Deployment, sig: int, kv_bytes: int, nvml: Nvml | None) ->
     dep.wait_event(lambda e: e["event"] == "ready" or (e["event"] == "restarted" and e["set"] == standby), 900,
                    after=_last_failover_index(dep))
     before = len(dep.read_events())
-    pids = [dep.pid(serving, r) for r in range(dep.args.ranks)]
+    # Rank 0 alone by default: a failure of any one rank fails the set, and the
+    # coordinator must take the other ranks down itself (their memory too).
+    ranks = range(dep.args.ranks) if dep.args.kill == "all" else [0]
+    pids = [dep.pid(serving, r) for r in ranks]
     drop = None
     if nvml is not None and sig == signal.SIGKILL:
         drop = MemoryDrop(nvml, 0, nvml.used(0) - kv_bytes // 2)
@@ -347,6 +353,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="coordinator: seconds between probes")
     parser.add_argument("--failures", type=int, default=2)
     parser.add_argument("--canary-timeout", type=float, default=1.0)
+    parser.add_argument("--kill", default="rank0", choices=("rank0", "all"),
+                        help="signal rank 0 of the serving set (default) or every rank")
     parser.add_argument("--port-base", type=int, default=18100)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args()
@@ -361,7 +369,7 @@ def main() -> None:
         cases.remove("b")
 
     work = Path(tempfile.mkdtemp(prefix="gms-failover-bench-"))
-    results: dict = {"backend": args.backend, "shape": shape, "dtype": dtype, "ranks": args.ranks,
+    results: dict = {"backend": args.backend, "shape": shape, "dtype": dtype, "ranks": args.ranks, "kill": args.kill,
                      "cpu": cpu_name(), "coordinator": {"interval_s": args.interval, "failures": args.failures,
                                                         "canary_timeout_s": args.canary_timeout}, "cases": {}}
     if nvml is not None:
