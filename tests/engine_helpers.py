@@ -114,7 +114,7 @@ class RankServers:
             log = open(folder / f"server-{name}-{n}.log", "wb")
             self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
         for layout in LAYOUTS:
-            wait_until(lambda: self._ready(layout), timeout=30, what=f"gms server for {layout}")
+            wait_until(lambda layout=layout: self._ready(layout), timeout=30, what=f"gms server for {layout}")
 
     def layout_socket(self, layout: str) -> str:
         return layout_socket(self.socket, layout)

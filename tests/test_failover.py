@@ -44,7 +44,6 @@ from .engine_helpers import (  # noqa: E402
 from .helpers import wait_until  # noqa: E402
 
 
-
 class Cluster:
     def __init__(self, folder, model, tmp_path_factory) -> None:
         self.folder = folder

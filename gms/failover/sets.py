@@ -96,7 +96,8 @@ class LocalProcessSet:
             out = subprocess.DEVNULL
             if self.config.log_dir:
                 os.makedirs(self.config.log_dir, exist_ok=True)
-                out = open(os.path.join(self.config.log_dir, f"{self.name}-rank{rank}.log"), "ab")
+                path = os.path.join(self.config.log_dir, f"{self.name}-rank{rank}.log")
+                out = await trio.to_thread.run_sync(open, path, "ab")
             try:
                 proc = await trio.lowlevel.open_process(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
             finally:
