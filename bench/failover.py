@@ -26,8 +26,9 @@ the coordinator takes the set's other ranks down itself.
   detection time (interval x failures + canary timeout).
 
 Each case alternates the roles ``--repeats`` times (the failed set comes back
-as the shadow before the next kill).  GPU by default; ``--backend host
---shape tiny`` runs the same on CPU as a smoke test (case b needs NVML).
+as the shadow before the next kill).  GPU by default; ``--backend host``
+runs the same on CPU with the tiny model as a smoke test (case b against a
+256 MiB host capacity, without the teardown measurement).
 
     python bench/failover.py [--cases a,b,c] [--ranks 1|2] [--repeats 3]
     GMS_BENCH_OUT=/tmp/out python bench/failover.py --ranks 2     # 2 GPUs: one engine per GPU per set
@@ -61,6 +62,7 @@ from gms.failover.coreapi import LAYOUTS, layout_socket, serve_commands
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = str(ROOT / "examples" / "engine")
 GiB = 1 << 30
+HOST_CAPACITY = 256 << 20  # host backend: bytes per server, so that case b's two KV caches cannot both fit
 
 SHAPES = {
     # Qwen3-0.6B's architecture (no download: random weights).
@@ -192,6 +194,8 @@ class Deployment:
         self.sockets = [str(self.work / f"gms{r}.sock") for r in range(args.ranks)]
         for rank, socket in enumerate(self.sockets):
             extra = ("--alloc-retry-interval", str(retry_interval), "--log-level", "warning")
+            if args.backend == "host":
+                extra += ("--host-capacity", str(HOST_CAPACITY))
             for n, argv in enumerate(serve_commands(socket, backend=args.backend, device=rank, extra=extra)):
                 log = open(self.work / f"server{rank}-{n}.log", "wb")
                 self.servers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
@@ -364,9 +368,6 @@ def main() -> None:
         args.max_seq_len = min(args.max_seq_len, 128)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     nvml = Nvml() if args.backend == "cuda" else None
-    if "b" in cases and nvml is None:
-        print("case b needs a GPU (NVML): skipped")
-        cases.remove("b")
 
     work = Path(tempfile.mkdtemp(prefix="gms-failover-bench-"))
     results: dict = {"backend": args.backend, "shape": shape, "dtype": dtype, "ranks": args.ranks, "kill": args.kill,
@@ -388,7 +389,10 @@ def main() -> None:
         if "a" in cases:
             plan.append(("a", signal.SIGKILL, small, 0.5))
         if "b" in cases:
-            large = int(args.kv_large_fraction * results["gpu_total_bytes"]) - weight_bytes
+            if nvml is not None:
+                large = int(args.kv_large_fraction * results["gpu_total_bytes"]) - weight_bytes
+            else:  # the host backend's capacity stands for the GPU's (no teardown to measure there)
+                large = int(args.kv_large_fraction * HOST_CAPACITY)
             for interval in (float(x) for x in args.retry_intervals.split(",")):
                 plan.append((f"b_retry{interval:g}", signal.SIGKILL, large, interval))
         if "c" in cases:

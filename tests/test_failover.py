@@ -133,19 +133,24 @@ class World:
     """Every process of this module, started together."""
 
     def __init__(self, tmp_path_factory) -> None:
-        model = tiny_model(tmp_path_factory)
-        folder = tmp_path_factory.mktemp("engine")
-        self.servers = RankServers(folder, "rank0")
-        self.process = EngineProcess(model, self.servers.socket, folder / "engine.log", "primary")
-        self.cluster = Cluster(tmp_path_factory.mktemp("failover"), model, tmp_path_factory)
-        self.cluster.wait_ready(tmp_path_factory)
-        self.process.wait_ready()
+        self.servers = self.process = self.cluster = None
+        try:
+            model = tiny_model(tmp_path_factory)
+            folder = tmp_path_factory.mktemp("engine")
+            self.servers = RankServers(folder, "rank0")
+            self.process = EngineProcess(model, self.servers.socket, folder / "engine.log", "primary")
+            self.cluster = Cluster(tmp_path_factory.mktemp("failover"), model, tmp_path_factory)
+            self.cluster.wait_ready(tmp_path_factory)
+            self.process.wait_ready()
+        except BaseException:
+            self.close()  # nothing left running when start-up fails
+            raise
         self.engine = (self.process, self.servers, PROMPT, self.cluster.reference)
 
     def close(self) -> None:
-        self.process.kill()
-        self.servers.stop()
-        self.cluster.close()
+        for part, stop in ((self.process, "kill"), (self.servers, "stop"), (self.cluster, "close")):
+            if part is not None:
+                getattr(part, stop)()
 
 
 @pytest.fixture(scope="module")

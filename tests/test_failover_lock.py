@@ -81,3 +81,43 @@ def test_the_kernel_releases_the_lock_of_a_killed_holder(path):
     assert lock.try_acquire("set-B")
     assert FileServingLock(path).holder() == "set-B"
     lock.release("set-B")
+
+
+def test_a_coordinator_waits_while_another_holds_the_serving_lock(path, tmp_path):
+    """A second coordinator must not act: it waits for the lock, and takes it
+    (and starts its engine sets) only once the first one is gone."""
+    import json
+    import time
+
+    from .helpers import wait_until
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]  # never becomes ready
+    events = tmp_path / "events.jsonl"
+    config = tmp_path / "failover.toml"
+    config.write_text("\n".join([
+        f'lock = "file:{path}"', 'ranks = ["/nonexistent.sock"]', "interval_s = 0.05",
+        f'events = "{events}"',
+        '[sets.A]', 'kind = "local"', "ports = [1]", f"command = {json.dumps(sleeper)}",
+        '[sets.B]', 'kind = "local"', "ports = [2]", f"command = {json.dumps(sleeper)}",
+    ]) + "\n")
+    other = hold_in_child(path, "A")
+    coordinator = subprocess.Popen([sys.executable, "-m", "gms", "failover", "--config", str(config)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert coordinator.poll() is None
+        assert not events.exists() or events.read_text() == ""  # started nothing
+        other.kill()
+        other.wait()
+        wait_until(lambda: events.exists() and '"start"' in events.read_text(), timeout=20,
+                   what="the coordinator to take the lock")
+        assert FileServingLock(path).holder() == "A"
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(30) == 0
+        assert "waiting" in coordinator.stderr.read()
+        assert FileServingLock(path).holder() is None  # released on the way out
+    finally:
+        other.kill()
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
