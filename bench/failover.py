@@ -139,20 +139,28 @@ class Nvml:
 
 
 class MemoryDrop(threading.Thread):
-    """Polls a GPU's used memory every millisecond; notes when it first falls below a mark."""
+    """Samples a GPU's used memory every millisecond until stopped; ``at`` is when
+    it first fell below ``below`` (None if it never did: e.g. the shadow's KV
+    took the memory as fast as it came back)."""
 
     def __init__(self, nvml: Nvml, index: int, below: int) -> None:
         super().__init__(daemon=True)
         self.nvml, self.index, self.below = nvml, index, below
-        self.at: float | None = None
+        self.samples: list[tuple[float, int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            if self.nvml.used(self.index) <= self.below:
-                self.at = time.time()
-                return
+            self.samples.append((time.time(), self.nvml.used(self.index)))
             time.sleep(0.001)
+
+    @property
+    def at(self) -> float | None:
+        return next((t for t, used in self.samples if used <= self.below), None)
+
+    @property
+    def lowest(self) -> tuple[float, int] | None:
+        return min(self.samples, key=lambda s: s[1]) if self.samples else None
 
 
 # -- the client --------------------------------------------------------------------
@@ -309,8 +317,8 @@ def one_failover(dep: Deployment, sig: int, kv_bytes: int, nvml: Nvml | None) ->
     event = dep.wait_event(lambda e: e["event"] == "failover", 600, before)
     restarted = dep.wait_event(lambda e: e["event"] == "restarted" and e["set"] == serving, 900, before)
     if drop is not None:
-        drop.join(120)
         drop.stop.set()
+        drop.join(5)
     if poller.first_token_at is None:
         raise RuntimeError("no token from the shadow")
     out = {
@@ -326,6 +334,9 @@ def one_failover(dep: Deployment, sig: int, kv_bytes: int, nvml: Nvml | None) ->
     }
     if drop is not None:
         out["teardown_s"] = (drop.at - killed_at) if drop.at else None
+        lowest = drop.lowest
+        if lowest is not None:  # where the used memory bottomed out, and when
+            out["lowest_used_bytes"], out["lowest_used_at_s"] = lowest[1], lowest[0] - killed_at
     return out
 
 
