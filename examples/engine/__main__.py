@@ -22,6 +22,7 @@ import sys
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when run as a file elsewhere
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything comes from --model and gms: never the hub
 
 from engine_http import build_app  # noqa: E402
 from engine_model import Engine  # noqa: E402
