@@ -22,8 +22,8 @@ from gms.failover.lease import (
     LeaseForbiddenError,
     LeaseServingLock,
     LeaseUnauthorizedError,
-    ServingLock,
 )
+from gms.failover.lock import ServingLock
 
 from .k8s_api import FakeLeaseAPI, micro_time
 

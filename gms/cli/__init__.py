@@ -5,6 +5,7 @@
     gms history    the event log (``inspect``)
     gms replay     rebuild the state from a saved log, offline (``inspect``)
     gms revoke | evict | pin LAYOUT    admin verbs (``admin``)
+    gms failover   the shadow-engine failover coordinator (``failover``)
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import admin, inspect, serve
+from . import admin, failover, inspect, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, inspect, admin):
+    for module in (serve, inspect, admin, failover):
         module.register(sub)
     return parser
 

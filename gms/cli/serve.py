@@ -89,10 +89,11 @@ def server_config(args: argparse.Namespace):
     )
 
 
-def _leaves(exc: BaseException):
+def leaves(exc: BaseException):
+    """The exceptions inside (nested) exception groups."""
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            yield from _leaves(inner)
+            yield from leaves(inner)
     else:
         yield exc
 
@@ -138,12 +139,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         trio.run(run_server, config)
     except BaseException as exc:  # noqa: BLE001 - sorted into exit codes below
-        leaves = list(_leaves(exc))
-        if all(isinstance(e, SocketPathError | OSError | ValueError) for e in leaves):
-            for e in leaves:
+        found = list(leaves(exc))
+        if all(isinstance(e, SocketPathError | OSError | ValueError) for e in found):
+            for e in found:
                 print(f"gms serve: {e}", file=sys.stderr)
             return 1
-        for e in leaves:
+        for e in found:
             print(f"gms serve: FATAL: {type(e).__name__}: {e}", file=sys.stderr)
             traceback.print_exception(e, file=sys.stderr)
         return EXIT_FATAL

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+
 
 import attrs
 
@@ -59,23 +59,6 @@ except ImportError as exc:  # the k8s extra is optional; say how to get it
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 RELEASED_DURATION_S = 1  # client-go's release: expire at once for older clients too
 _RELEASE_ATTEMPTS = 8
-
-
-@runtime_checkable
-class ServingLock(Protocol):
-    """Which replica set may serve (shared by the Lease lock and the single-node lock)."""
-
-    def try_acquire(self, holder: str) -> bool:
-        """Non-blocking; True if ``holder`` now holds it (renews if it already did)."""
-        ...
-
-    def release(self, holder: str) -> None:
-        """No-op unless held by ``holder``."""
-        ...
-
-    def holder(self) -> str | None:
-        """The current live holder; None if free or expired."""
-        ...
 
 
 # -- errors --------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The coordinator's pure parts: judging probes, its configuration, pods as the
+Kubernetes API describes them (no API server runs here: these are the
+documented Pod fields, camelCase as the API returns them), and the lock spec."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from gms.failover import config as cfg  # noqa: E402
+from gms.failover.coordinator import Failover, make_lock  # noqa: E402
+from gms.failover.health import Probe, Watch, observe  # noqa: E402
+from gms.failover.lock import FileServingLock  # noqa: E402
+from gms.failover.sets import pod_running, pods_by_rank  # noqa: E402
+
+
+def probe(ok: bool, started: float = 0.0) -> Probe:
+    return Probe("http://x", ok, "serving" if ok else None, "", started, 0.01)
+
+
+def test_a_set_fails_after_enough_bad_rounds_in_a_row_and_one_bad_rank_spoils_a_round():
+    watch, failed = observe(Watch(), [probe(True), probe(False, 5.0)], failures=2)
+    assert (watch.streak, watch.first_bad, failed) == (1, 5.0, False)
+    watch, failed = observe(watch, [probe(True), probe(False, 6.0)], failures=2)
+    assert (watch.streak, watch.first_bad, failed) == (2, 5.0, True)  # detection counts from the first
+    watch, failed = observe(Watch(1, 3.0), [probe(True), probe(True)], failures=2)
+    assert (watch, failed) == (Watch(), False)  # a good round forgives
+
+
+def test_failover_phases_add_up():
+    f = Failover("A", "B", "test", first_bad=1.0, decided=2.0,
+                 marks={"revoke": 2.5, "lock": 2.6, "wake": 4.0, "first_token": 4.5})
+    phases = f.phases()
+    assert phases == pytest.approx({"detect_s": 1.0, "revoke_s": 0.5, "lock_s": 0.1, "wake_s": 1.4,
+                                    "first_token_s": 0.5, "total_s": 2.5})
+
+
+def test_configuration_is_checked():
+    base = {"ranks": ["/s0", "/s1"], "sets": {
+        "A": {"kind": "local", "ports": [1, 2], "command": ["x"]},
+        "B": {"kind": "kubernetes", "namespace": "llm", "selector": "set=B"}}}
+    c = cfg.parse(base)
+    assert (c.initial, c.world_size, c.lock) == ("A", 2, "file:/gms-serving.lock")
+    assert isinstance(c.set("B"), cfg.KubernetesSetConfig) and c.set("B").rank_label == "gms.failover/rank"
+    for broken in ({**base, "ranks": []}, {**base, "initial": "C"},
+                   {**base, "sets": {"A": base["sets"]["A"]}},
+                   {**base, "sets": {**base["sets"], "A": {"kind": "local", "ports": [1], "command": ["x"]}}},
+                   {**base, "sets": {**base["sets"], "B": {"kind": "kubernetes"}}},
+                   {**base, "sets": {**base["sets"], "B": {"kind": "slurm"}}},
+                   {**base, "failures": 0}):
+        with pytest.raises(cfg.ConfigError):
+            cfg.parse(broken)
+
+
+def pod(rank, phase="Running", ip="10.0.0.1", created="2026-01-01T00:00:00Z", deleting=False, terminated=False,
+        uid="u"):
+    meta = {"name": f"p{rank}-{uid}", "uid": uid, "creationTimestamp": created,
+            "labels": {"gms.failover/rank": str(rank)}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    state = {"terminated": {"exitCode": 137}} if terminated else {"running": {}}
+    return {"metadata": meta, "status": {"phase": phase, "podIP": ip, "containerStatuses": [{"state": state}]}}
+
+
+def test_pods_are_live_only_when_running_addressed_and_not_going():
+    assert pod_running(pod(0))
+    assert not pod_running(pod(0, phase="Pending"))
+    assert not pod_running(pod(0, ip=None))
+    assert not pod_running(pod(0, deleting=True))
+    assert not pod_running(pod(0, terminated=True))
+
+
+def test_one_pod_per_rank_prefers_a_live_one():
+    old_dead = pod(0, deleting=True, created="2026-01-01T00:00:00Z", uid="old")
+    new_live = pod(0, created="2026-01-01T00:02:00Z", uid="new")
+    pending = pod(1, phase="Pending", uid="p")
+    stray = pod(7, uid="s")  # outside the world
+    unlabeled = {"metadata": {"labels": {}}, "status": {}}
+    chosen = pods_by_rank([new_live, old_dead, pending, stray, unlabeled], "gms.failover/rank", 2)
+    assert chosen[0]["metadata"]["uid"] == "new" and chosen[1]["metadata"]["uid"] == "p"
+    assert set(chosen) == {0, 1}
+
+
+def test_lock_specs(tmp_path):
+    lock = make_lock(f"file:{tmp_path / 'l'}")
+    assert isinstance(lock, FileServingLock)
+    for bad in ("", "file:", "lease:nonamespace", "zookeeper:/x"):
+        with pytest.raises(ValueError):
+            make_lock(bad)
