@@ -3,6 +3,7 @@
     gms serve [--device N] [--tag weights --tag kv_cache] [--backend auto|cuda|host] ...
     gms status [--socket PATH | --device N --tag TAG] [--json]
     gms history [--socket PATH | ...] [--since SEQ] [--limit N] [--json]
+    gms ray-resources [--devices all|0,1] [--backend auto|cuda|host]
 """
 
 from __future__ import annotations
@@ -49,6 +50,19 @@ def _positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("must be > 0")
     return value
+
+
+def _device_list(text: str) -> list[int] | None:
+    """``all`` (None) or ``0,1``."""
+    if text == "all":
+        return None
+    try:
+        devices = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not 'all' or a list of devices: {text!r}") from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise argparse.ArgumentTypeError(f"devices must be distinct and >= 0: {text!r}")
+    return devices
 
 
 def _target_args(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--since", type=int, default=0, help="events after this sequence number")
     history.add_argument("--limit", type=int, default=None)
     history.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    ray_resources = sub.add_parser(
+        "ray-resources",
+        help="print this node's GPU memory as Ray resources (JSON for `ray start --resources`)",
+    )
+    ray_resources.add_argument(
+        "--devices",
+        type=_device_list,
+        default=None,
+        help="'all' (default: every CUDA GPU; device 0 on the host backend) or a list like 0,1",
+    )
+    ray_resources.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
     return parser
 
 
@@ -260,9 +286,26 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ray_resources(args: argparse.Namespace) -> int:
+    from .ray.node import node_resources  # gms.ray's node side: Ray itself is not needed here
+
+    try:
+        resources = node_resources(args.devices, args.backend)
+    except GMSError as exc:
+        print(f"gms ray-resources: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(resources))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"serve": cmd_serve, "status": cmd_status, "history": cmd_history}[args.command]
+    handler = {
+        "serve": cmd_serve,
+        "status": cmd_status,
+        "history": cmd_history,
+        "ray-resources": cmd_ray_resources,
+    }[args.command]
     return handler(args)
 
 

@@ -18,6 +18,7 @@ Importing this package does not import Ray (the node side runs without it).
 
 from .errors import GPUMemoryRequestError, NodeResourcesError, NoGPUFitsError, WorkerBindingError
 from .names import RESOURCE_PREFIX, resource_name
+from .node import NodeGPU, node_gpus, node_resources
 from .units import UNIT_SCALING, Rounded, parse_gpu_memory, round_to_gpu
 
 __all__ = [
@@ -25,9 +26,12 @@ __all__ = [
     "UNIT_SCALING",
     "GPUMemoryRequestError",
     "NoGPUFitsError",
+    "NodeGPU",
     "NodeResourcesError",
     "Rounded",
     "WorkerBindingError",
+    "node_gpus",
+    "node_resources",
     "parse_gpu_memory",
     "resource_name",
     "round_to_gpu",
