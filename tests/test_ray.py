@@ -208,6 +208,8 @@ def test_the_same_bytes_are_a_different_share_of_each_gpu(cluster, actors):
     small40, small80 = gms.ray.place("10MB", gpu=gpu[40]), gms.ray.place("10MB", gpu=gpu[80])
     assert (small40.fraction, small40.scheduled_bytes) == (0.0003, 12 * 10**6)
     assert (small80.fraction, small80.scheduled_bytes) == (0.0002, 16 * 10**6)
+    # place() only asks: it counts nothing against the GPUs.
+    assert all(v.available_bytes == v.ray_available_bytes for v in gms.ray.gpus())
     # Ray books exactly the rounded bytes.
     a = start(actors, probe.options(gpu_memory="10MB", gpu=gpu[40]))
     b = start(actors, probe.options(gpu_memory="10MB", gpu=gpu[80]))
@@ -246,6 +248,16 @@ def test_a_burst_of_requests_spreads_over_the_gpus_that_hold_them(cluster, actor
     gpu = cluster["gpu"]
     assert per_gpu.get(gpu[24], 0) <= 1 and per_gpu.get(gpu[40], 0) <= 2
     assert sum(per_gpu.values()) == 4
+
+
+def test_a_pick_ray_already_booked_is_not_counted_twice(cluster, actors):
+    gpu = cluster["gpu"]
+    first = start(actors, probe.options(gpu_memory="50GB"))
+    assert ray.get(first.where.remote(), timeout=60)["gpu"] == gpu[80]
+    wait_until(lambda: ray_free(gpu[80]) == 30 * GB, what="Ray's books show the 50 GB")
+    # Best fit is now the 80 GB GPU's last 30 GB, unless the 50 GB counted twice.
+    second = start(actors, probe.options(gpu_memory="30GB"))
+    assert ray.get(second.where.remote(), timeout=60)["gpu"] == gpu[80]
 
 
 def test_bytes_come_back_to_ray_when_a_worker_exits_or_crashes(cluster, actors):

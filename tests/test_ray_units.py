@@ -114,3 +114,39 @@ def test_no_fit_error_survives_pickling():
     err = pickle.loads(pickle.dumps(NoGPUFitsError("too big", 5, 4)))
     assert isinstance(err, GPUMemoryRequestError) and isinstance(err, ValueError)
     assert (str(err), err.asked_bytes, err.largest_bytes) == ("too big", 5, 4)
+
+
+# -- picks Ray's books do not show yet (placement._RecentPicks) ---------------------
+
+
+def test_a_pick_counts_until_rays_books_show_it():
+    from gms.ray.placement import _RecentPicks
+
+    recent = _RecentPicks()
+    recent.add("a", 20, ray_available=40)
+    recent.add("a", 10, ray_available=40)
+    assert recent.pending({"a": 40}) == {"a": 30}  # Ray shows neither yet
+    assert recent.pending({"a": 20}) == {"a": 10}  # the first is booked: never counted twice
+    assert recent.pending({"a": 20}) == {"a": 10}
+    recent.add("a", 5, ray_available=20)  # made against a count that already showed the first
+    assert recent.pending({"a": 10}) == {"a": 5}
+    assert recent.pending({"a": 5}) == {}
+
+
+def test_a_release_in_between_keeps_the_pick_counted():
+    from gms.ray.placement import _RecentPicks
+
+    recent = _RecentPicks()
+    recent.add("a", 20, ray_available=20)
+    assert recent.pending({"a": 30}) == {"a": 20}  # 10 came back: the pick is not seen in that
+    assert recent.pending({"a": 10}) == {}  # now it is
+
+
+def test_a_pick_ray_never_shows_is_forgotten(monkeypatch):
+    from gms.ray import placement
+
+    recent = placement._RecentPicks()
+    recent.add("a", 20, ray_available=40)
+    recent.add("b", 5, ray_available=8)
+    monkeypatch.setattr(placement, "PENDING_S", 0.0)
+    assert recent.pending({"a": 40, "b": 8}) == {}

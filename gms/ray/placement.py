@@ -15,14 +15,16 @@ instead of waiting forever in Ray.
 
 Ray's available counts lag a submission until the raylet grants it and
 reports (about 100 ms).  So that a burst of submissions from one process does
-not pick the same GPU over and over, the picks this process made in the last
-:data:`PENDING_S` seconds also count against their GPU here.
+not pick the same GPU over and over, the picks this process submitted count
+against their GPU here until Ray's count shows them (or for
+:data:`PENDING_S` seconds at most).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 
 import attrs
@@ -31,7 +33,7 @@ from .errors import GPUMemoryRequestError, NoGPUFitsError
 from .names import RESOURCE_PREFIX, gpu_of, resource_name
 from .units import Rounded, format_size, parse_gpu_memory, round_to_gpu
 
-PENDING_S = 2.0  # longer than Ray takes to show a granted request in its books
+PENDING_S = 5.0  # at most; Ray shows a granted request in its books within ~100 ms
 
 
 @attrs.frozen
@@ -41,7 +43,8 @@ class GPUView:
     gpu: str
     node_id: str
     total_bytes: int
-    available_bytes: int  # Ray's count, less this process's recent picks
+    available_bytes: int  # Ray's count, less this process's picks Ray does not show yet
+    ray_available_bytes: int  # Ray's count
 
     @property
     def resource(self) -> str:
@@ -55,6 +58,7 @@ class Placement:
     gpu: str
     node_id: str
     rounded: Rounded
+    ray_available_bytes: int  # Ray's count for the GPU when placed
 
     @property
     def resource(self) -> str:
@@ -82,29 +86,58 @@ class Placement:
         return {self.resource: self.scheduled_bytes}
 
 
+@attrs.define
+class _Unseen:
+    ray_available: int  # Ray's count for the GPU before these picks were booked
+    picks: deque  # (monotonic time, bytes), oldest first
+
+
 class _RecentPicks:
-    """Bytes this process placed lately, which Ray's books may not show yet."""
+    """Bytes this process submitted that Ray's books may not show yet.
+
+    Per GPU: the picks not yet seen, oldest first, and Ray's available count
+    before them.  When Ray's count drops, the oldest picks that the drop
+    covers are taken as booked by Ray and forgotten (never counted twice); a
+    pick Ray never showed is forgotten after :data:`PENDING_S` (a short task
+    can come and go between two of Ray's reports).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._picks: list[tuple[float, str, int]] = []
+        self._gpus: dict[str, _Unseen] = {}
 
-    def add(self, gpu: str, nbytes: int) -> None:
+    def add(self, gpu: str, nbytes: int, ray_available: int) -> None:
         with self._lock:
-            self._picks.append((time.monotonic(), gpu, nbytes))
+            unseen = self._gpus.setdefault(gpu, _Unseen(ray_available, deque()))
+            unseen.picks.append((time.monotonic(), nbytes))
 
-    def pending(self) -> dict[str, int]:
-        cutoff = time.monotonic() - PENDING_S
+    def pending(self, ray_available: Mapping[str, int]) -> dict[str, int]:
+        """Bytes per GPU still unseen, given Ray's available counts now."""
+        expired_before = time.monotonic() - PENDING_S
+        out: dict[str, int] = {}
         with self._lock:
-            self._picks = [p for p in self._picks if p[0] >= cutoff]
-            out: dict[str, int] = {}
-            for _, gpu, nbytes in self._picks:
-                out[gpu] = out.get(gpu, 0) + nbytes
-            return out
+            for gpu, unseen in list(self._gpus.items()):
+                now = ray_available.get(gpu, 0)
+                booked = unseen.ray_available - now
+                while unseen.picks and unseen.picks[0][1] <= booked:
+                    booked -= unseen.picks.popleft()[1]
+                expired = False
+                while unseen.picks and unseen.picks[0][0] < expired_before:
+                    unseen.picks.popleft()
+                    expired = True
+                if not unseen.picks:
+                    del self._gpus[gpu]
+                    continue
+                # What is left counts from here: from Ray's count now if a pick
+                # expired unseen or bytes came back (the count rose), else from
+                # the count before the picks still unseen.
+                unseen.ray_available = now if expired else now + max(booked, 0)
+                out[gpu] = sum(nbytes for _, nbytes in unseen.picks)
+        return out
 
     def clear(self) -> None:
         with self._lock:
-            self._picks.clear()
+            self._gpus.clear()
 
 
 _recent = _RecentPicks()
@@ -119,8 +152,10 @@ def gpus(*, accelerator_type: str | None = None) -> list[GPUView]:
     """Every GPU that gms advertises to Ray on a live node, from Ray's books now."""
     import ray
 
-    available = ray.available_resources()  # leaves out resources with none available
-    pending = _recent.pending()
+    available = {  # Ray leaves out resources with none available
+        gpu: int(amount) for name, amount in ray.available_resources().items() if (gpu := gpu_of(name))
+    }
+    pending = _recent.pending(available)
     views = []
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -132,8 +167,8 @@ def gpus(*, accelerator_type: str | None = None) -> list[GPUView]:
             gpu = gpu_of(name)
             if gpu is None:
                 continue
-            free = int(available.get(name, 0)) - pending.get(gpu, 0)
-            views.append(GPUView(gpu, node["NodeID"], int(total), max(free, 0)))
+            free = available.get(gpu, 0)
+            views.append(GPUView(gpu, node["NodeID"], int(total), max(free - pending.get(gpu, 0), 0), free))
     return sorted(views, key=lambda v: v.gpu)
 
 
@@ -142,11 +177,14 @@ def _choose(asked: int, views: list[GPUView]) -> tuple[GPUView, Rounded] | None:
     candidates = [(v, r) for v, r in candidates if r.fits]
     if not candidates:
         return None
-    room = [(v, r) for v, r in candidates if r.scheduled_bytes <= v.available_bytes]
-    if room:  # best fit: fewest bytes left over
-        return min(room, key=lambda c: (c[0].available_bytes - c[1].scheduled_bytes, c[0].gpu))
-    # None has room now: wait in Ray where the shortfall is smallest.
-    return min(candidates, key=lambda c: (c[1].scheduled_bytes - c[0].available_bytes, c[0].gpu))
+    # Best fit (fewest bytes left over) by Ray's count less our unseen picks; then,
+    # in case those are stale, by Ray's count alone; else wait in Ray where the
+    # shortfall is smallest.
+    for free in (lambda v: v.available_bytes, lambda v: v.ray_available_bytes):
+        room = [(v, r) for v, r in candidates if r.scheduled_bytes <= free(v)]
+        if room:
+            return min(room, key=lambda c, f=free: (f(c[0]) - c[1].scheduled_bytes, c[0].gpu))
+    return min(candidates, key=lambda c: (c[1].scheduled_bytes - c[0].ray_available_bytes, c[0].gpu))
 
 
 def place(
@@ -156,6 +194,8 @@ def place(
 
     ``gpu`` pins a GPU by name (``gms.ray.gpus()`` lists them);
     ``accelerator_type`` keeps to nodes of that Ray accelerator type.
+    A question only: nothing is booked until the request is submitted
+    (:func:`options`, :func:`remote`).
     """
     asked = parse_gpu_memory(gpu_memory)
     views = gpus(accelerator_type=accelerator_type)
@@ -168,8 +208,7 @@ def place(
         raise NoGPUFitsError(_unfit_message(asked, views, accelerator_type), asked,
                              max((v.total_bytes for v in views), default=None))
     view, rounded = chosen
-    _recent.add(view.gpu, rounded.scheduled_bytes)
-    return Placement(view.gpu, view.node_id, rounded)
+    return Placement(view.gpu, view.node_id, rounded, view.ray_available_bytes)
 
 
 def _unfit_message(asked: int, views: list[GPUView], accelerator_type: str | None) -> str:
@@ -199,10 +238,12 @@ def _check_options(ray_options: Mapping) -> None:
 
 
 def options(gpu_memory: int | str, *, gpu: str | None = None, **ray_options) -> dict:
-    """Ray options (for ``.options(**...)`` or ``ray.remote(**...)``) asking for
-    ``gpu_memory`` bytes of one GPU, placed now; ``ray_options`` pass through."""
+    """Ray options (for ``.options(**...)``) asking for ``gpu_memory`` bytes of
+    one GPU, placed now; ``ray_options`` pass through.  Submit them at once:
+    this process counts them against the GPU until Ray's books show them."""
     _check_options(ray_options)
     placement = place(gpu_memory, gpu=gpu, accelerator_type=ray_options.get("accelerator_type"))
+    _recent.add(placement.gpu, placement.scheduled_bytes, placement.ray_available_bytes)
     return {**ray_options, "resources": {**(ray_options.get("resources") or {}), **placement.resources()}}
 
 
