@@ -67,3 +67,9 @@ class Probe:
         va = self.memory.create_mapping(allocation_id)
         self.memory.write(va, data)
         return self.memory.read(va, len(data))
+
+    def allocate_raising(self, size: int) -> None:
+        """Allocate and let any error travel back through Ray as it is."""
+        if not hasattr(self, "memory"):
+            self.memory = gms.ray.connect()
+        self.memory.allocate_handle(size, tag="ray")

@@ -333,6 +333,16 @@ def test_a_worker_cannot_allocate_past_its_scheduled_bytes(cluster, actors):
 
 
 @needs_limits
+def test_the_quota_error_reaches_the_driver_as_itself(cluster, actors):
+    # Ray pickles an actor's exception to the driver; an error that cannot be
+    # rebuilt from its pickle arrives as ray.exceptions.UnserializableException.
+    worker = start(actors, probe.options(gpu_memory="8MiB", gpu=cluster["gpu"][24]))
+    with pytest.raises(_core.quota_exceeded_error()) as caught:
+        ray.get(worker.allocate_raising.remote(64 * MiB), timeout=60)
+    assert caught.value.scope == "session" and caught.value.asked >= 64 * MiB
+
+
+@needs_limits
 def test_workers_share_a_gpu_through_one_server_each_held_to_its_bytes(cluster, actors):
     gpu = cluster["gpu"][80]
     sizes = [32 * MiB, 64 * MiB, 128 * MiB]
