@@ -1,23 +1,29 @@
 """Byte counts as people write them: ``1073741824``, ``512MiB``, ``20GiB``, ``20GB``, ``8Gi``.
 
 One rule everywhere in gms (quotas, budgets, options, ``gms.ray`` requests),
-the one Kubernetes quantities and the SI follow: ``KiB/MiB/GiB/TiB`` (or
-``Ki/Mi/Gi/Ti``) are powers of 1024, ``KB/MB/GB/TB`` (or ``K/M/G/T``) powers
-of 1000.  ``20GB`` is 20e9 bytes, as the Ray design writes it; a device's
-"80 GB" is 80 GiB-ish, so write GiB where you mean the binary size.
+the SI's and Kubernetes': ``KiB/MiB/GiB/TiB`` (or ``Ki/Mi/Gi/Ti``) are
+powers of 1024, ``KB/MB/GB/TB`` powers of 1000: ``20GB`` is 20e9 bytes, as
+the Ray design writes it.  A bare ``G`` or ``M`` is refused: a service that
+promises bytes must not guess which was meant.
 """
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
-_BINARY = {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*")
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_BYTES = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*")
 
 
 def parse_bytes(text: str | int) -> int:
-    """Raises ValueError for anything that is not a non-negative byte count."""
+    """Raises ValueError for anything that is not a non-negative byte count.
+    A fractional byte rounds up."""
     if isinstance(text, bool):
         raise ValueError(f"not a byte count: {text!r}")
     if isinstance(text, int):
@@ -25,10 +31,13 @@ def parse_bytes(text: str | int) -> int:
             raise ValueError(f"a byte count cannot be negative: {text}")
         return text
     match = _BYTES.fullmatch(str(text).lower())
-    if not match:
-        raise ValueError(f"not a byte count: {text!r} (say 512MiB, 20GiB or 20GB)")
-    unit = match.group(2) or ""
-    return int(float(match.group(1)) * (_BINARY.get(unit) or _DECIMAL[unit]))
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(
+            f"not a byte count: {text!r} (bytes, or a number with B, KB, MB, GB, TB "
+            "(powers of 10) or KiB, MiB, GiB, TiB (powers of 2))"
+        )
+    amount = Fraction(match.group(1)) * _UNITS[match.group(2)]
+    return -(-amount.numerator // amount.denominator)
 
 
 def parse_budget(text: str, capacity: int | None) -> int:

@@ -6,6 +6,7 @@
     gms replay     rebuild the state from a saved log, offline (``inspect``)
     gms revoke | evict | pin LAYOUT    admin verbs (``admin``)
     gms failover   the shadow-engine failover coordinator (``failover``)
+    gms ray-resources   this node's GPU memory as Ray resources (``ray``)
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import admin, failover, inspect, serve
+from . import admin, failover, inspect, ray, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, inspect, admin, failover):
+    for module in (serve, inspect, admin, failover, ray):
         module.register(sub)
     return parser
 
