@@ -166,11 +166,49 @@ class RawConn:
             return False
         return response is None
 
-    def handshake(self, lock_type: str, timeout_ms=None) -> m.HandshakeResponse:
-        return self.call(m.HandshakeRequest(lock_type, timeout_ms))
+    def handshake(self, lock_type: str, timeout_ms=None, layout: str = "weights", limit_bytes=None):
+        return self.call(m.HandshakeRequest(lock_type, timeout_ms, layout, limit_bytes))
 
     def close(self) -> None:
         self.sock.close()
+
+
+def connect_as(path: str, uid: int | None) -> RawConn:
+    """A connection whose peer credentials are ``uid``'s (needs root): a forked
+    child with that uid connects and hands the socket back over a socketpair.
+    The server sees the child's credentials, as it would a pod's."""
+    if uid is None:
+        return RawConn(path)
+    here, there = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then _exit
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            socket.send_fds(there, [b"x"], [sock.fileno()])
+        finally:
+            os._exit(0)
+    there.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(here, 1, 1)
+    finally:
+        here.close()
+        os.waitpid(pid, 0)
+    if not fds:
+        raise PermissionError(f"uid {uid} could not connect to {path}")
+    return RawConn.from_socket(socket.socket(fileno=fds[0]))
+
+
+def shared_folder(prefix: str = "gms-") -> Path:
+    """A folder other uids may enter (pytest's are private to their owner)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    folder.chmod(0o755)
+    return folder
 
 
 def build_layout(conn: RawConn, sizes=(3 * MiB, 5 * MiB), tag: str = "weights") -> list[m.AllocateResponse]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -67,7 +66,7 @@ from gms.postmortem import row_event
 from gms.store import EventLog
 from gms.wire import messages as m
 
-from ..helpers import MiB, RawConn, ServerProcess, wait_until
+from ..helpers import MiB, RawConn, ServerProcess, connect_as, wait_until
 
 LIMITS = Limits(max_allocations=6, max_metadata_keys=5, max_metadata_value_bytes=16, max_layouts=2)
 BUDGET = 16 * MiB
@@ -98,33 +97,6 @@ NO_ANSWER = object()
 def pattern(allocation) -> bytes:
     seed = f"{allocation.layout_slot}:{allocation.size}".encode()
     return (hashlib.sha256(seed).digest() * 2)[: min(64, allocation.size)]
-
-
-def connect_as(path: str, uid: int | None) -> RawConn:
-    """A connection whose peer credentials are ``uid``'s: a forked child with
-    that uid connects and hands the socket back over a socketpair."""
-    if uid is None:
-        return RawConn(path)
-    here, there = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:  # the child: only system calls, then _exit
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(path)
-            socket.send_fds(there, [b"x"], [sock.fileno()])
-        finally:
-            os._exit(0)
-    there.close()
-    try:
-        _, fds, _, _ = socket.recv_fds(here, 1, 1)
-    finally:
-        here.close()
-        os.waitpid(pid, 0)
-    (fd,) = fds
-    return RawConn.from_socket(socket.socket(fileno=fd))
 
 
 def projection(state):
