@@ -18,9 +18,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
-import yaml
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install 'gms[test]'")
+yaml = pytest.importorskip("yaml")
 
 from .helpers import wait_until
 

@@ -12,10 +12,12 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
 
-from gms.failover.lease import (
+pytest.importorskip("kubernetes", reason="the Lease lock needs pip install 'gms[k8s]'")
+from kubernetes import client as k8s  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
+
+from gms.failover.lease import (  # noqa: E402
     LeaseAPIError,
     LeaseAPIUnavailableError,
     LeaseConfigError,
@@ -23,9 +25,9 @@ from gms.failover.lease import (
     LeaseServingLock,
     LeaseUnauthorizedError,
 )
-from gms.failover.lock import ServingLock
+from gms.failover.lock import ServingLock  # noqa: E402
 
-from .k8s_api import FakeLeaseAPI, micro_time
+from .k8s_api import FakeLeaseAPI, micro_time  # noqa: E402
 
 NS = "gms"
 NAME = "gms-serving"
