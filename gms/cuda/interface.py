@@ -95,8 +95,8 @@ class Mapper(Protocol):
         """``map`` for many (fd, va, size); access is granted once per contiguous run."""
 
     def map_host(self, fd: int, va: int, size: int) -> object:
-        """Import a host-tier ``fd`` (closing it) at ``va``, readable and writable by
-        the device and the CPU; returns a handle for unmap."""
+        """Import a host-tier ``fd`` (closing it) at ``va`` for copies (``copy``) to
+        and from it; returns a handle for unmap."""
 
     def unmap(self, va: int, size: int, handle: object) -> None:
         """Unmap and release the imported memory; the reservation stays."""

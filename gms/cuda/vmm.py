@@ -240,11 +240,6 @@ class VmmMapper:
             desc.location = _location(device, host=False)
             desc.flags = flags
             self._access[writable] = [desc]
-        # The host tier: the device copies from it, the CPU may fill it.
-        cpu = cu.CUmemAccessDesc()
-        cpu.location = _location(device, host=True)
-        cpu.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._host_access = [self._access[True][0], cpu]
 
     def _run(self, call: str, out):
         try:
@@ -296,7 +291,9 @@ class VmmMapper:
         finally:
             os.close(fd)
         self._run("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))
-        self._run("cuMemSetAccess", cu.cuMemSetAccess(va, size, self._host_access, len(self._host_access)))
+        # Device access only: copies to and from it run on the GPU's copy
+        # engines; CPU access would double the page-table work of a restore.
+        self._run("cuMemSetAccess", cu.cuMemSetAccess(va, size, self._access[True], 1))
         return handle
 
     def unmap(self, va: int, size: int, handle: object) -> None:
