@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from gms.client.probes import get_runtime_state
+from gms.client.probes import get_runtime_state, iter_event_history
 from gms.errors import GMSError
 
 from .helpers import wait_until
@@ -127,6 +127,9 @@ class RankServers:
     def state(self, layout: str):
         """The layout's row of the server's state."""
         return get_runtime_state(self.socket).layout(layout)
+
+    def events(self):
+        return list(iter_event_history(self.socket))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -23,6 +23,8 @@ import pytest
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install 'gms[test]'")
 yaml = pytest.importorskip("yaml")
 
+from gms.failover import config as failover_config
+
 from .helpers import wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -328,6 +330,8 @@ def test_coordinator_runs_as_its_bound_service_account():
 def test_coordinator_config_names_the_lease_the_role_grants(pattern):
     config_map = one("ConfigMap", "gms-failover-config", under=pattern)
     config = tomllib.loads(config_map["data"]["failover.toml"])
+    parsed = failover_config.parse(config)  # what `gms failover` itself would read
+    assert parsed.revoke == "engines", "the coordinator's pod cannot reach the GPUs' sockets"
     kind, _, where = config["lock"].partition(":")
     namespace, _, name = where.partition("/")
     assert kind == "lease" and namespace == one("Role")["metadata"]["namespace"]

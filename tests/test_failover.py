@@ -40,7 +40,7 @@ from .engine_helpers import (  # noqa: E402
     tiny_model,
     wait_http,
 )
-from .helpers import wait_until  # noqa: E402
+from .helpers import RawConn, build_layout, wait_until  # noqa: E402
 
 
 class Cluster:
@@ -226,6 +226,20 @@ def test_engine_sleep_releases_gms_memory_and_wake_restores_the_same_addresses(w
 
 # -- failover --------------------------------------------------------------------
 
+
+
+def test_a_waking_engine_revokes_a_hung_primarys_kv_lock_on_its_own_node(world):
+    """``revoke = "engines"``: for a coordinator that cannot reach the GPU's socket."""
+    e, servers, prompt, reference = world.engine
+    assert httpx.post(f"{e.url}/sleep", timeout=10).json()["is_sleeping"] is True
+    hung = RawConn(servers.socket)  # a primary that holds the KV lock and answers nothing
+    assert hung.handshake("RW", layout="kv_cache").success
+    build_layout(hung, sizes=(2 << 20,), tag="kv_cache")
+    woke = httpx.post(f"{e.url}/wake_up", json={"revoke_kv": True}, timeout=30).json()
+    assert (woke["is_sleeping"], woke["revoked"]) == (False, 1)
+    assert hung.closed_by_peer(), "the hung primary lost its lock and its connection"
+    assert complete(e.url, prompt, 6, ignore_eos=True).json()["choices"][0]["token_ids"] == reference
+    assert [e.kind for e in servers.events() if e.kind == "LAYOUT_REVOKED"] == ["LAYOUT_REVOKED"]
 
 
 def test_primary_serves_and_shadow_sleeps(cluster):

@@ -10,6 +10,8 @@ answering while the model computes.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import time
 import uuid
@@ -96,8 +98,18 @@ def build_app(engine: Engine) -> Starlette:
         return JSONResponse({"is_sleeping": True, "sleep_s": seconds})
 
     async def wake_up(request: Request) -> JSONResponse:
+        """``{"revoke_kv": true}``: first take the KV lock from a hung primary on
+        this GPU (for a coordinator that cannot reach the GPU's gms socket)."""
         started = time.perf_counter()
+        body = await request.body()
         try:
+            options = json.loads(body) if body else {}
+        except ValueError:
+            return _error(400, "the body is not JSON", "invalid_request_error")
+        revoked = {}
+        try:
+            if isinstance(options, dict) and options.get("revoke_kv"):
+                revoked = {"revoked": await run(engine.revoke_kv)}
             phases = await run(engine.wake)
         except EngineError as exc:
             return _error(409, str(exc), "conflict")
@@ -105,7 +117,7 @@ def build_app(engine: Engine) -> Starlette:
             return _error(503, f"wake timed out waiting for a lock: {exc}", "unavailable")
         seconds = time.perf_counter() - started
         log.info("awake in %.1f ms %s", seconds * 1e3, phases)
-        return JSONResponse({"is_sleeping": False, "wake_s": seconds, **phases})
+        return JSONResponse({"is_sleeping": False, "wake_s": seconds, **revoked, **phases})
 
     async def is_sleeping(request: Request) -> JSONResponse:
         return JSONResponse({"is_sleeping": engine.phase == "asleep"})

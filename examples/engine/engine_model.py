@@ -126,6 +126,14 @@ class Engine:
         self.phase = "asleep"
         return time.perf_counter() - started
 
+    def revoke_kv(self) -> int:
+        """Take the KV layout's lock from whoever holds it on this GPU's server (a
+        hung primary): the failover step a coordinator off the node cannot do.
+        Needs admin rights on the server (its uid, root, or a policy admin)."""
+        from gms.client.admin import revoke
+
+        return revoke(self.options.gms_socket, "kv_cache")
+
     def wake(self) -> dict[str, float]:
         if self.phase == "serving":
             return {}

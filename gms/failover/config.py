@@ -11,6 +11,10 @@
     wake_timeout_s = 600.0                   # a wake may wait for memory a dead engine still holds
     ready_timeout_s = 600.0                  # a (re)started set must be ready within this
     events = "/var/log/gms-failover.jsonl"   # optional: JSON lines also go there
+    revoke = "server"                        # or "engines": the new set's engines revoke the KV
+                                             # layout on their own node as they wake (a coordinator
+                                             # off the GPU nodes cannot reach the sockets; ranks
+                                             # then only name the ranks)
 
     [sets.A]                                 # local processes, one per rank
     kind = "local"
@@ -77,6 +81,10 @@ class CoordinatorConfig:
     wake_timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
     events: str | None = None
+    # Who revokes the failed set's KV layout: the coordinator on each rank's
+    # gms socket ("server"), or each rank's new engine on its own node as it
+    # wakes ("engines": for a coordinator that cannot reach the sockets).
+    revoke: str = "server"
 
     def set(self, name: str) -> SetConfig:
         return next(s for s in self.sets if s.name == name)
@@ -119,10 +127,13 @@ def parse(data: dict) -> CoordinatorConfig:
         raise ConfigError(f"initial: {initial!r} is not a set")
     fields = {k: data[k] for k in ("interval_s", "canary_timeout_s", "wake_timeout_s", "ready_timeout_s")
               if k in data}
+    revoke = data.get("revoke", "server")
+    if revoke not in ("server", "engines"):
+        raise ConfigError(f"revoke: 'server' or 'engines', not {revoke!r}")
     config = CoordinatorConfig(
         lock=str(data.get("lock", "file:" + os.path.join(os.path.dirname(ranks[0]) or ".", "gms-serving.lock"))),
         initial=initial, ranks=ranks, sets=sets, failures=int(data.get("failures", 3)),
-        events=data.get("events"), **{k: float(v) for k, v in fields.items()},
+        events=data.get("events"), revoke=revoke, **{k: float(v) for k, v in fields.items()},
     )
     if config.failures < 1 or config.interval_s <= 0:
         raise ConfigError("failures must be >= 1 and interval_s > 0")

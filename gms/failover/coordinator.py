@@ -261,7 +261,8 @@ class Coordinator:
             await self.restarting[new].wait()
             f.decided = time.monotonic()
         # 1. revoke: the failed engines' KV sessions go, even if those engines hang
-        revoked = await self._revoke_all()
+        # (with revoke = "engines", each new engine does it on its node as it wakes)
+        revoked = await self._revoke_all() if self.config.revoke == "server" else {}
         f.marks["revoke"] = time.monotonic()
         # 2. release the lock, 3. take it for the shadow set
         self.lock.release(failed)
@@ -275,7 +276,11 @@ class Coordinator:
         killed = trio.Event()
         self.restarting[failed] = trio.Event()
         self.nursery.start_soon(self._kill, failed, killed)
-        wake = await self._post_all(new, "/wake_up", self.config.wake_timeout_s)
+        wake_body = {"revoke_kv": True} if self.config.revoke == "engines" else None
+        wake = await self._post_all(new, "/wake_up", self.config.wake_timeout_s, wake_body)
+        if self.config.revoke == "engines":
+            revoked = {f"rank {i}": body.get("revoked") if isinstance(body, dict) else body
+                       for i, (_, body, _) in enumerate(wake)}
         f.marks["wake"] = time.monotonic()
         tokens = await self._first_tokens(new)
         f.marks["first_token"] = time.monotonic()
@@ -302,18 +307,15 @@ class Coordinator:
         async with trio.open_nursery() as nursery:
             for socket in self.config.ranks:
                 nursery.start_soon(one, socket)
-        if any(v == "unavailable" for v in out.values()):
-            log.warning("revoke: this gms core has no revoke verb; the failed engines' KV locks go with them")
-        else:
-            log.info("revoked %s: %s", KV_LAYOUT, out)
+        log.info("revoked %s: %s", KV_LAYOUT, out)
         return out
 
-    async def _post_all(self, name: str, path: str, timeout: float) -> list:
+    async def _post_all(self, name: str, path: str, timeout: float, body: dict | None = None) -> list:
         urls = self.sets[name].urls()
         results: list = [None] * len(urls)
 
         async def one(i: int, url: str) -> None:
-            results[i] = await probes.post(self.client, url, path, timeout)
+            results[i] = await probes.post(self.client, url, path, timeout, body)
 
         async with trio.open_nursery() as nursery:
             for i, url in enumerate(urls):
