@@ -93,21 +93,18 @@ def test_policy_errors_name_the_line(text, line, message):
 
 
 def test_a_server_refuses_to_start_on_a_bad_policy(tmp_path):
-    policy = tmp_path / "policy.toml"
-    policy.write_text('[[tenant]]\nname = "a"\nuids = [1]\nquota = -3\n')
-    run = subprocess.run(
-        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "s.sock"),
-         "--policy", str(policy)],
-        capture_output=True, text=True, timeout=60,
-    )
+    def serve_with(text: str) -> subprocess.CompletedProcess:
+        policy = tmp_path / "policy.toml"
+        policy.write_text(text)
+        return subprocess.run(
+            [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "s.sock"),
+             "--policy", str(policy)],
+            capture_output=True, text=True, timeout=60,
+        )
+
+    run = serve_with('[[tenant]]\nname = "a"\nuids = [1]\nquota = -3\n')
     assert run.returncode == 78
-    assert f"{policy}:4: quota" in run.stderr and "Traceback" not in run.stderr
+    assert f"{tmp_path / 'policy.toml'}:4: quota" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "s.sock").exists()
-    syntax = tmp_path / "broken.toml"
-    syntax.write_text("[[tenant]\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "s.sock"),
-         "--policy", str(syntax)],
-        capture_output=True, text=True, timeout=60,
-    )
+    run = serve_with("[[tenant]\n")
     assert run.returncode == 78 and "not valid TOML" in run.stderr and "line 1" in run.stderr
