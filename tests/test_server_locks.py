@@ -176,6 +176,26 @@ def test_a_waiter_that_hangs_up_never_gets_the_lock(server):
     assert "RW_CONNECT" not in server.kinds()[-3:]
 
 
+def test_a_dead_waiter_with_a_pipelined_request_never_gets_the_lock(server):
+    """Regression (tests/reliability): a queued writer that sent a second request
+    and then died was granted RW after its death, clearing the committed layout.
+    Its hang-up hid behind the unread request; the kernel reports it (POLLHUP)."""
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    doomed = RawConn(server.socket)
+    doomed.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
+    doomed.send(m.GetStateHashRequest())  # read by nobody while the handshake waits
+    time.sleep(0.05)
+    doomed.close()
+    reader.close()  # frees the lock at once: the dead writer must not be granted it
+    wait_until(lambda: server.state().sessions == 0, what="both sessions closed")
+    assert server.layout().state == "COMMITTED"
+    assert server.layout().allocation_count == 1
+    assert server.kinds().count("RW_CONNECT") == 1, "only the writer that committed"
+
+
 def test_commit_releases_the_lock_before_answering(server):
     writer = RawConn(server.socket)
     writer.handshake("RW")

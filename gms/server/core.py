@@ -73,6 +73,17 @@ GrantCallback = Callable[[Grant], None]
 _SCAN_CACHE_ENTRIES = 64  # (layout, prefix) pairs remembered; models have one or a few
 
 
+@attrs.frozen
+class Waiter:
+    """A queued handshake: what it asked for, how to wake its task, and whether
+    its client is still there (the shell asks the kernel; a dead client is
+    never granted a lock, least of all one that clears a committed layout)."""
+
+    requested: RequestedLockType
+    on_grant: GrantCallback
+    alive: Callable[[], bool] = lambda: True
+
+
 class UnknownRequest(Rejection):
     code = "UNKNOWN_MESSAGE"
 
@@ -123,7 +134,7 @@ class ServiceCore:
         self.started = time.monotonic()
         self._next_conn = 1
         self._scans: dict[tuple[str, str], tuple[object, m.MetadataScanResponse]] = {}
-        self._waiting: dict[str, dict[int, tuple[RequestedLockType, GrantCallback]]] = {}
+        self._waiting: dict[str, dict[int, Waiter]] = {}
         self._waiting_view: dict[str, tuple[int, int]] = {}  # replaced, never mutated: for threads
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
         # Set by the shell: called whenever server-owned memory was released.
@@ -228,10 +239,17 @@ class ServiceCore:
         (opened,) = events
         return RequestedLockType(opened.lock_type)
 
-    def request_lock(self, conn: int, requested: RequestedLockType, on_grant: GrantCallback) -> None:
-        """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted."""
+    def request_lock(
+        self,
+        conn: int,
+        requested: RequestedLockType,
+        on_grant: GrantCallback,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted.
+        ``alive`` is asked before a grant: False drops the waiter instead."""
         layout = self._session(conn).layout
-        self._waiting.setdefault(layout, {})[conn] = (requested, on_grant)
+        self._waiting.setdefault(layout, {})[conn] = Waiter(requested, on_grant, alive)
         self._grant_waiters(layout)
         self._refresh_waiting(layout)
 
@@ -250,11 +268,16 @@ class ServiceCore:
         queue = self._waiting.get(layout)
         if not queue:
             return
-        waiting = [(conn, requested) for conn, (requested, _) in queue.items()]
+        # A client that died while queued may not have been noticed by its task
+        # yet (its hang-up is read after this release, or hides behind a
+        # request it pipelined): the kernel knows, so ask before granting.
+        # Its task sees the hang-up and unwinds the session.
+        for conn in [conn for conn, waiter in queue.items() if not waiter.alive()]:
+            del queue[conn]
+        waiting = [(conn, waiter.requested) for conn, waiter in queue.items()]
         for grant in schedule(self.state.layout(layout), waiting):
             self._append(grant.event)  # a grant releases nothing
-            _, on_grant = queue.pop(grant.conn)
-            on_grant(grant)
+            queue.pop(grant.conn).on_grant(grant)
         if not queue:
             del self._waiting[layout]
         self._refresh_waiting(layout)
@@ -277,8 +300,8 @@ class ServiceCore:
         queues = [self._waiting.get(layout, {})] if layout is not None else list(self._waiting.values())
         writers = others = 0
         for queue in queues:
-            for requested, _ in queue.values():
-                if requested is RequestedLockType.RW:
+            for waiter in queue.values():
+                if waiter.requested is RequestedLockType.RW:
                     writers += 1
                 else:
                     others += 1

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import array
+import select
 import socket
 from collections.abc import Awaitable, Callable
 
 import trio
+
+
+_HANGUP_POLL_S = 0.05  # how often a wait with a pipelined request unread checks for a hang-up
 
 
 class PeerGone(Exception):
@@ -30,8 +34,17 @@ async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: tuple[int,
         raise SendFailed(str(exc) or type(exc).__name__) from exc
 
 
+def peer_hung_up(sock: trio.socket.SocketType) -> bool:
+    """Has the peer closed (or half-closed, or reset) the connection?  The
+    kernel says so (POLLHUP, POLLRDHUP) even with unread data queued, and
+    asking reads nothing."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+    return bool(poller.poll(0))
+
+
 async def wait_for_hangup(sock: trio.socket.SocketType) -> None:
-    """Return once the peer has closed; if it sends data instead, wait forever.
+    """Return once the peer has closed.
 
     Used while a session waits (for a lock, for memory) and reads nothing:
     a client that dies meanwhile must not be granted a lock it cannot use.
@@ -43,7 +56,10 @@ async def wait_for_hangup(sock: trio.socket.SocketType) -> None:
         return
     if not data:
         return
-    await trio.sleep_forever()  # a pipelined request: it is read once the wait ends
+    # A pipelined request: it is read once the wait ends.  Readability says
+    # nothing more until then, so poll for the hang-up behind it.
+    while not peer_hung_up(sock):
+        await trio.sleep(_HANGUP_POLL_S)
 
 
 async def wait_or_hangup(wait: Callable[[], Awaitable[None]], sock: trio.socket.SocketType) -> bool:

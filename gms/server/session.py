@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .core import Reply, ServiceCore
 from .memory_signal import MemorySignal
 from .metrics import Metrics
-from .netio import PeerGone, SendFailed, send_frame, wait_for_hangup, wait_or_hangup
+from .netio import PeerGone, SendFailed, peer_hung_up, send_frame, wait_or_hangup
 from .peer import peer_of
 
 log = logging.getLogger("gms.server")
@@ -203,7 +203,7 @@ class Session:
             done.set()
 
         asked_at = trio.current_time()
-        self.core.request_lock(self.conn, requested, on_grant)
+        self.core.request_lock(self.conn, requested, on_grant, lambda: not peer_hung_up(self.sock))
         if grant is None:
             hung_up = False
             timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
