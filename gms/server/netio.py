@@ -10,9 +10,6 @@ from collections.abc import Awaitable, Callable
 import trio
 
 
-_HANGUP_POLL_S = 0.05  # how often a wait with a pipelined request unread checks for a hang-up
-
-
 class PeerGone(Exception):
     """The client closed, crashed or reset the connection."""
 
@@ -43,37 +40,18 @@ def peer_hung_up(sock: trio.socket.SocketType) -> bool:
     return bool(poller.poll(0))
 
 
-async def wait_for_hangup(sock: trio.socket.SocketType) -> None:
-    """Return once the peer has closed.
-
-    Used while a session waits (for a lock, for memory) and reads nothing:
-    a client that dies meanwhile must not be granted a lock it cannot use.
-    """
-    await trio.lowlevel.wait_readable(sock)
-    try:
-        data = await sock.recv(1, socket.MSG_PEEK)
-    except OSError:
-        return
-    if not data:
-        return
-    # A pipelined request: it is read once the wait ends.  Readability says
-    # nothing more until then, so poll for the hang-up behind it.
-    while not peer_hung_up(sock):
-        await trio.sleep(_HANGUP_POLL_S)
-
-
-async def wait_or_hangup(wait: Callable[[], Awaitable[None]], sock: trio.socket.SocketType) -> bool:
-    """Run ``wait()`` until it returns (False) or the peer hangs up (True)."""
+async def wait_or_hangup(wait: Callable[[], Awaitable[None]], watch: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``wait()`` until it returns (False) or ``watch()`` does (True: the peer hung up)."""
     hung_up = False
     async with trio.open_nursery() as nursery:
 
-        async def watch() -> None:
+        async def watcher() -> None:
             nonlocal hung_up
-            await wait_for_hangup(sock)
+            await watch()
             hung_up = True
             nursery.cancel_scope.cancel()
 
-        nursery.start_soon(watch)
+        nursery.start_soon(watcher)
         await wait()
         nursery.cancel_scope.cancel()
     return hung_up
