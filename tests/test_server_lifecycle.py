@@ -309,3 +309,42 @@ def test_server_fds_return_to_baseline_after_many_exports(server):
     reader.close()
     wait_until(lambda: server.layout().readers == 0, what="readers gone")
     wait_until(lambda: server.open_fds() == baseline - 1, what="fds back to baseline")
+
+
+def test_running_out_of_fds_refuses_exports_and_never_stops_the_server(start_server):
+    """Regression (tests/reliability): a client that filled the server's fd table
+    (by opening connections) made the next export's dup() fail with EMFILE,
+    which stopped the server and lost every layout.  Exports are refused with
+    RESOURCE_EXHAUSTED instead, and releases do not need an fd."""
+    import resource
+
+    server = start_server("--host-capacity", "64MiB")
+    commit_layout(server, sizes=(2 * MiB, 2 * MiB))
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    ids = [a.allocation_id for a in reader.call(m.ListAllocationsRequest()).allocations]
+    writer = RawConn(server.socket)
+    assert writer.call(m.HandshakeRequest("RW", None, "other")).success
+    assert isinstance(writer.call(m.AllocateRequest(2 * MiB, "w")), m.AllocateResponse)
+    limit = server.open_fds() + 4
+    resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (limit, limit))
+    flood = [RawConn(server.socket) for _ in range(8)]  # the server takes 4, the rest wait
+    wait_until(lambda: server.open_fds() == limit, what="the server's fd table full")
+
+    for request in (m.ExportAllocationRequest(ids[0]), m.ExportAllocationsRequest(ids)):
+        response = reader.call(request)
+        assert (type(response), response.code) == (m.ErrorResponse, "RESOURCE_EXHAUSTED"), response
+    writer.close()  # RW_ABORT releases the writer's memory with no fd to spare
+    time.sleep(0.3)
+    assert server.proc.poll() is None, server.log
+
+    for conn in flood:
+        conn.close()
+    wait_until(lambda: server.open_fds() < limit, what="fds back")
+    reader.send(m.ExportAllocationRequest(ids[1]))
+    response, fds = reader.recv()
+    assert isinstance(response, m.ExportAllocationResponse) and len(fds) == 1
+    os.close(fds[0])
+    reader.close()
+    wait_until(lambda: server.state().sessions == 0, what="sessions closed")
+    assert server.layout("other").state == "EMPTY" and server.layout().state == "COMMITTED"

@@ -11,6 +11,7 @@ arrival order, each with a callback the shell uses to wake its task;
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import uuid
@@ -86,6 +87,28 @@ class Waiter:
 
 class UnknownRequest(Rejection):
     code = "UNKNOWN_MESSAGE"
+
+
+class ResourceExhausted(Rejection):
+    """The server could not open another fd (its table or the system's is full)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+_FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def export_fd(tier: MemoryBackend, allocation_id: str) -> int:
+    """A new fd for an allocation.  Running out of fds (a flood of connections
+    can fill the table) refuses this request; it must never stop the server."""
+    try:
+        return tier.export(allocation_id)
+    except OSError as exc:
+        if exc.errno in _FD_EXHAUSTED:
+            raise ResourceExhausted(
+                f"the server cannot open another file descriptor ({exc.strerror}); try again later"
+            ) from None
+        raise
 
 
 @attrs.frozen
@@ -432,7 +455,7 @@ class ServiceCore:
         fds: list[int] = []
         try:
             for allocation in found:
-                fds.append(self.host.export(allocation.allocation_id))
+                fds.append(export_fd(self.host, allocation.allocation_id))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -495,7 +518,7 @@ class ServiceCore:
 
     def _export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
         allocation = queries.get_allocation(self._layout(conn), conn, req.allocation_id)
-        fd = self.gpu.export(allocation.allocation_id)
+        fd = export_fd(self.gpu, allocation.allocation_id)
         return Reply(_info(allocation, m.ExportAllocationResponse), fds=(fd,))
 
     def _export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:
@@ -508,7 +531,7 @@ class ServiceCore:
         fds: list[int] = []
         try:
             for allocation in found:
-                fds.append(self.gpu.export(allocation.allocation_id))
+                fds.append(export_fd(self.gpu, allocation.allocation_id))
         except BaseException:
             for fd in fds:
                 os.close(fd)
