@@ -589,6 +589,10 @@ class ServiceCore:
     def _metadata_scan(self, conn: int, req: m.MetadataScanRequest) -> Reply:
         layout = self._layout(conn)
         queries.require_view(layout, conn, "metadata_scan")
+        if len(req.prefix) > self.limits.max_key_bytes:
+            # Longer than any key: it matches nothing, and must not be cached
+            # (64 prefixes of a frame's size each would pin a GiB).
+            return Reply(m.MetadataScanResponse([], [], [], []))
         key = (layout.name, req.prefix)
         cached = self._scans.get(key)
         # A committed layout's metadata never changes, so every reader of a
