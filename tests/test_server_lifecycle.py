@@ -198,6 +198,38 @@ def test_socket_is_private_by_default_and_mode_is_configurable(start_server):
     assert stat.S_IMODE(os.stat(start_server("--socket-mode", "660").socket).st_mode) == 0o660
 
 
+def test_socket_folders_are_never_writable_by_others(tmp_path, backend):
+    """Regression (tests/reliability): under umask 000 the server created the
+    socket's folders 0777, without the sticky bit, so any local user could
+    replace the socket with their own.  It warns about such a folder it finds."""
+    path = tmp_path / "a" / "b" / "gms.sock"
+    cmd = [sys.executable, "-m", "gms", "serve", "--backend", backend, "--socket", str(path)]
+    old = os.umask(0)
+    try:
+        server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.umask(old)
+    try:
+        wait_until(lambda: _try_connect(str(path)), timeout=30, what="server in a new folder")
+        for folder in (tmp_path / "a", tmp_path / "a" / "b"):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(20) == 0
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    cmd[-1] = str(open_folder / "gms.sock")
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _try_connect(cmd[-1]), timeout=30, what="server in an open folder")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(20)
+    assert "writable by others" in server.stderr.read()
+
+
 def test_stale_socket_is_replaced_and_live_one_refused(tmp_path, backend):
     path = tmp_path / "stale.sock"
     dead = socket.socket(socket.AF_UNIX)
