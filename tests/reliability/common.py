@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import socket
 import statistics
 import subprocess
@@ -18,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gms.fsm import check_invariants, fold_all
+from gms.fsm import EMPTY_NODE, InvariantViolation, check_invariants, fold
 
 from ..helpers import ServerProcess, wait_until
 
@@ -139,18 +140,30 @@ def settle(server: ServerProcess, expected: dict, timeout: float = 10.0) -> dict
 # -- the log: refold what the server recorded -------------------------------------------
 
 
+_folded: dict[int, tuple[int, object]] = {}  # server pid -> (last seq folded, state)
+
+
 def refold(server: ServerProcess):
-    """Fold the server's whole history (from seq 1) with the pure core, check
-    every invariant, and compare with what the server reports now.  Call when
-    no client is active.  Returns the folded state."""
-    page = server.history(0, 1)
-    assert page.first_seq == 1, "refold needs the whole log (raise --event-log-retain)"
-    events = server.events()
-    assert [e.seq for e in events] == list(range(1, len(events) + 1)), "the history has gaps"
-    state = fold_all(e.to_event() for e in events)
-    check_invariants(state)  # raises InvariantViolation
+    """Fold the server's history (from seq 1) with the pure core, checking every
+    invariant after every event, and compare the result with what the server
+    reports now.  Call when no client is active.  Folds only what is new since
+    the last call for the same server.  Returns the folded state."""
+    seq, state = _folded.get(server.pid, (0, EMPTY_NODE))
+    if seq == 0:
+        assert server.history(0, 1).first_seq == 1, "refold needs the whole log (raise --event-log-retain)"
+    events = server.events(seq)
+    assert [e.seq for e in events] == list(range(seq + 1, seq + len(events) + 1)), "the history has gaps"
+    for entry in events:
+        state = fold(state, entry.to_event())  # raises InvariantViolation on an impossible event
+        try:
+            check_invariants(state)
+        except InvariantViolation as exc:
+            raise AssertionError(f"after event {entry.seq} ({entry.kind}): {exc}") from None
+    if events:
+        seq = events[-1].seq
+    _folded[server.pid] = (seq, state)
     live = server.state()
-    assert live.last_event_seq == events[-1].seq, "clients were active during the refold"
+    assert live.last_event_seq == seq, "clients were active during the refold"
     for name, layout in state.layouts.items():
         row = live.layout(name)
         ours = (layout.lock_state.value, layout.layout_hash or "", len(layout.allocations),
@@ -241,7 +254,13 @@ def connect_as(path: str, uid: int) -> socket.socket:
 
 def open_dir() -> Path:
     """A 0755 folder under /tmp: other uids can reach a socket in it
-    (pytest's tmp folders are 0700)."""
+    (pytest's tmp folders are 0700).  Remove it with :func:`stop`."""
     path = Path(tempfile.mkdtemp(prefix="gms-rel-", dir="/tmp"))
     path.chmod(0o755)
     return path
+
+
+def stop(server: ServerProcess) -> None:
+    """Kill a server started in an :func:`open_dir` folder, and remove the folder."""
+    server.kill()
+    shutil.rmtree(Path(server.socket).parent, ignore_errors=True)

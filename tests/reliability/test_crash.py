@@ -278,3 +278,54 @@ def test_sigkill_at_every_step(server, lock, step):
            grants_ms=[round(g * 1000, 3) for g in grants])
     assert figures["max_ms"] < GRANT_BOUND_MS, figures
     refold(server)
+
+
+def test_crashes_on_several_layouts_at_once_leave_every_other_layout_intact(server):
+    """Four victims on four layouts (a writer building, a reader mapped, a
+    restorer mid-restore, a writer queued behind a reader) die at once; two
+    more layouts, committed, are never touched.  Each layout ends as the seed
+    says, every byte of every committed layout is intact, handles and fds
+    are back."""
+    base = baseline(server)
+    names = {k: f"multi.{k}" for k in ("build", "read", "restore", "queued", "quiet1", "quiet2")}
+    for key in ("read", "queued", "quiet1", "quiet2"):
+        commit_pattern(server, names[key], f"{names[key]}/p0")
+    commit_pattern(server, names["restore"], f"{names['restore']}/p0", "system")
+    assert admin.evict(server.socket, names["restore"]).tier == "host"
+    hashes = {k: server.layout(n).memory_layout_hash for k, n in names.items() if k != "build"}
+    holder = RawConn(server.socket)
+    assert holder.call(m.HandshakeRequest("RO", None, names["queued"])).success
+    plan = [("build", "RW", "metadata-put"), ("read", "RO", "reader-mapped"),
+            ("restore", "RO", "restoring"), ("queued", "RW", "waiting")]
+    victims = []
+    try:
+        for key, lock, step in plan:
+            victim = spawn("victim.py", server.socket, names[key], lock, step, f"{names[key]}/v", CAPACITY)
+            victims.append(victim)
+            assert json.loads(read_line(victim)).get("ready") == step
+        wait_until(lambda: server.state().waiting == 1, what="the queued writer")
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+        for victim in victims:
+            victim.wait(10)
+        holder.close()
+        wait_until(lambda: server.state().sessions == 0, what="every victim's session gone")
+        state = server.state()
+        assert state.layout(names["build"]).state == "EMPTY"
+        assert state.layout(names["restore"]).tier == "host"
+        for key, layout_hash in hashes.items():
+            assert state.layout(names[key]).memory_layout_hash == layout_hash, key
+            assert read_back(server, names[key]) == len(SIZES), key
+        assert read_back(server, "sentinel") == len(SIZES)
+        for name in names.values():
+            drop_layout(server, name)
+        settle(server, base)
+        refold(server)
+        record("crash", "four layouts at once", kills=len(victims), errors=0,
+               layouts_intact=len(hashes) + 1)
+    finally:
+        for victim in victims:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
+        holder.close()

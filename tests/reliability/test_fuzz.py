@@ -50,6 +50,7 @@ from .common import (
     rss_bytes,
     scale,
     settle,
+    stop,
     unused_uid,
 )
 from .fuzz import Context, Frame, Fuzzer
@@ -430,7 +431,7 @@ def server():
     server = ServerProcess(open_dir(), *SERVER_ARGS)
     commit_pattern(server, "sentinel", "sentinel")
     yield server
-    server.kill()
+    stop(server)
 
 
 def test_hostile_frames_campaign(server, tmp_path):

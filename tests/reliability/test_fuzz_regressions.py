@@ -20,7 +20,7 @@ import pytest
 from gms.wire import messages as m
 
 from ..helpers import RawConn, ServerProcess, wait_until
-from .common import open_dir, record
+from .common import open_dir, record, stop
 from .fuzz import Frame
 from .test_crash import commit_pattern, read_back
 from .test_fuzz import SERVER_ARGS, Conn, alive
@@ -69,4 +69,4 @@ def test_a_finding_no_longer_hurts_the_server(path):
             assert read_back(server, name) == 2
         record("fuzz", f"regression {path.stem}", connections=len(finding["connections"]), errors=0)
     finally:
-        server.kill()
+        stop(server)

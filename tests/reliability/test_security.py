@@ -23,7 +23,7 @@ from gms.errors import GMSConnectionError, GMSServerError
 from gms.wire import messages as m
 
 from ..helpers import RawConn, ServerProcess, wait_until
-from .common import connect_as, is_root, open_dir, record, unused_uid
+from .common import connect_as, is_root, open_dir, record, stop, unused_uid
 from .test_crash import commit_pattern
 from .test_fuzz import memfd_allocation_id
 
@@ -55,7 +55,7 @@ def servers():
 
     yield start
     for server in started:
-        server.kill()
+        stop(server)
 
 
 # -- who can reach the socket ---------------------------------------------------------
