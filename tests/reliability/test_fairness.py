@@ -152,7 +152,7 @@ def test_a_waiting_writer_is_not_starved_by_a_stream_of_readers(server):
     try:
         for _ in range(WRITERS):
             time.sleep(0.3)  # the stream runs
-            assert server.layout(layout).readers > 0, "readers overlap"
+            wait_until(lambda: server.layout(layout).readers > 0, what="a reader holding the layout")
             since = server.state().last_event_seq
             writer = RawConn(server.socket)
             asked = time.perf_counter()
