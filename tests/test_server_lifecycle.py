@@ -198,6 +198,38 @@ def test_socket_is_private_by_default_and_mode_is_configurable(start_server):
     assert stat.S_IMODE(os.stat(start_server("--socket-mode", "660").socket).st_mode) == 0o660
 
 
+def test_socket_folders_are_never_writable_by_others(tmp_path, backend):
+    """Regression (tests/reliability): under umask 000 the server created the
+    socket's folders 0777, without the sticky bit, so any local user could
+    replace the socket with their own.  It warns about such a folder it finds."""
+    path = tmp_path / "a" / "b" / "gms.sock"
+    cmd = [sys.executable, "-m", "gms", "serve", "--backend", backend, "--socket", str(path)]
+    old = os.umask(0)
+    try:
+        server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.umask(old)
+    try:
+        wait_until(lambda: _try_connect(str(path)), timeout=30, what="server in a new folder")
+        for folder in (tmp_path / "a", tmp_path / "a" / "b"):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(20) == 0
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    cmd[-1] = str(open_folder / "gms.sock")
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _try_connect(cmd[-1]), timeout=30, what="server in an open folder")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(20)
+    assert "writable by others" in server.stderr.read()
+
+
 def test_stale_socket_is_replaced_and_live_one_refused(tmp_path, backend):
     path = tmp_path / "stale.sock"
     dead = socket.socket(socket.AF_UNIX)
@@ -309,3 +341,42 @@ def test_server_fds_return_to_baseline_after_many_exports(server):
     reader.close()
     wait_until(lambda: server.layout().readers == 0, what="readers gone")
     wait_until(lambda: server.open_fds() == baseline - 1, what="fds back to baseline")
+
+
+def test_running_out_of_fds_refuses_exports_and_never_stops_the_server(start_server):
+    """Regression (tests/reliability): a client that filled the server's fd table
+    (by opening connections) made the next export's dup() fail with EMFILE,
+    which stopped the server and lost every layout.  Exports are refused with
+    RESOURCE_EXHAUSTED instead, and releases do not need an fd."""
+    import resource
+
+    server = start_server("--host-capacity", "64MiB")
+    commit_layout(server, sizes=(2 * MiB, 2 * MiB))
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    ids = [a.allocation_id for a in reader.call(m.ListAllocationsRequest()).allocations]
+    writer = RawConn(server.socket)
+    assert writer.call(m.HandshakeRequest("RW", None, "other")).success
+    assert isinstance(writer.call(m.AllocateRequest(2 * MiB, "w")), m.AllocateResponse)
+    limit = server.open_fds() + 4
+    resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (limit, limit))
+    flood = [RawConn(server.socket) for _ in range(8)]  # the server takes 4, the rest wait
+    wait_until(lambda: server.open_fds() == limit, what="the server's fd table full")
+
+    for request in (m.ExportAllocationRequest(ids[0]), m.ExportAllocationsRequest(ids)):
+        response = reader.call(request)
+        assert (type(response), response.code) == (m.ErrorResponse, "RESOURCE_EXHAUSTED"), response
+    writer.close()  # RW_ABORT releases the writer's memory with no fd to spare
+    time.sleep(0.3)
+    assert server.proc.poll() is None, server.log
+
+    for conn in flood:
+        conn.close()
+    wait_until(lambda: server.open_fds() < limit, what="fds back")
+    reader.send(m.ExportAllocationRequest(ids[1]))
+    response, fds = reader.recv()
+    assert isinstance(response, m.ExportAllocationResponse) and len(fds) == 1
+    os.close(fds[0])
+    reader.close()
+    wait_until(lambda: server.state().sessions == 0, what="sessions closed")
+    assert server.layout("other").state == "EMPTY" and server.layout().state == "COMMITTED"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import array
+import socket
 import time
 
+from gms.wire import encode
 from gms.wire import messages as m
 
 from .helpers import RawConn, build_layout, wait_until
@@ -174,6 +177,65 @@ def test_a_waiter_that_hangs_up_never_gets_the_lock(server):
     # The dead writer was never granted, so the committed layout survived.
     assert server.layout().allocation_count == 1
     assert "RW_CONNECT" not in server.kinds()[-3:]
+
+
+def test_a_dead_waiter_with_a_pipelined_request_never_gets_the_lock(server):
+    """Regression (tests/reliability): a queued writer that sent a second request
+    and then died was granted RW after its death, clearing the committed layout.
+    Its hang-up hid behind the unread request; the kernel reports it (POLLHUP)."""
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    doomed = RawConn(server.socket)
+    doomed.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
+    doomed.send(m.GetStateHashRequest())  # read by nobody while the handshake waits
+    time.sleep(0.05)
+    doomed.close()
+    reader.close()  # frees the lock at once: the dead writer must not be granted it
+    wait_until(lambda: server.state().sessions == 0, what="both sessions closed")
+    assert server.layout().state == "COMMITTED"
+    assert server.layout().allocation_count == 1
+    assert server.kinds().count("RW_CONNECT") == 1, "only the writer that committed"
+
+
+def test_a_dead_waiter_that_sent_its_own_socket_never_gets_the_lock(server):
+    """Regression (tests/reliability): a queued writer that sent its own socket's
+    fd with a pipelined request and then died stayed alive in the server's eyes
+    (the socket lived on, in flight in the server's receive queue), was granted
+    RW and cleared the committed layout.  Waits now read requests ahead, which
+    drops the fds that came with them."""
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    doomed = RawConn(server.socket)
+    doomed.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
+    own = array.array("i", [doomed.sock.fileno()])
+    doomed.sock.sendmsg([encode(m.GetStateHashRequest())], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, own)])
+    doomed.close()
+    wait_until(lambda: server.layout().waiting_writers == 0, what="the dead writer seen as dead")
+    reader.close()
+    wait_until(lambda: server.state().sessions == 0, what="both sessions closed")
+    assert (server.layout().state, server.layout().allocation_count) == ("COMMITTED", 1)
+    assert server.kinds().count("RW_CONNECT") == 1, "only the writer that committed"
+
+
+def test_pipelining_more_than_a_frame_while_waiting_drops_the_connection(start_server):
+    server = start_server("--max-frame-bytes", "4KiB")
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+    greedy = RawConn(server.socket)
+    greedy.send(m.HandshakeRequest("RW"))
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer waiting")
+    for _ in range(3):
+        greedy.send(m.MetadataGetRequest("k" * 2000))
+    assert greedy.closed_by_peer()
+    dropped = [e for e in server.events() if e.kind == "CONNECTION_DROPPED"]
+    assert "pipelined while waiting for the lock" in dropped[-1].fields["reason"]
+    assert server.layout().state == "RO", "the reader is untouched"
+    reader.close()
 
 
 def test_commit_releases_the_lock_before_answering(server):

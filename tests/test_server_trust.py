@@ -171,3 +171,23 @@ def test_server_survives_a_storm_of_hostile_clients(server):
     state = server.state()
     assert (state.layout("weights").state, state.layout("weights").memory_layout_hash) == ("COMMITTED", before)
     assert server.proc.poll() is None
+
+
+def test_scans_of_huge_prefixes_do_not_pin_server_memory(server):
+    """Regression (tests/reliability): the metadata-scan cache kept each prefix a
+    reader sent; 64 prefixes of 4 MiB pinned 256 MiB in the server for good."""
+    commit_layout(server)
+    reader = RawConn(server.socket)
+    reader.handshake("RO")
+
+    def rss() -> int:
+        with open(f"/proc/{server.pid}/status") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+
+    before = rss()
+    for n in range(63):  # the cache holds 64 answers
+        response = reader.call(m.MetadataScanRequest(f"{n}" + "p" * (4 << 20)))
+        assert response.keys == []
+    grown = rss() - before
+    assert grown < 64 << 20, f"server RSS grew by {grown >> 20} MiB"
+    assert reader.call(m.MetadataScanRequest("t")).keys == ["t0"]  # short prefixes still work

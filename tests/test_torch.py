@@ -54,6 +54,10 @@ def test_encoding_round_trips(meta):
     __import__("msgpack").packb([1, "float32", [2, 2], [1]]),
     __import__("msgpack").packb([1, "float32", [-1], [1]]),
     __import__("msgpack").packb([1, "Tensor", [1], [1]]),
+    # Regression (tests/reliability): a name that is no string raised TypeError.
+    __import__("msgpack").packb([1, 5, [1], [1]]),
+    __import__("msgpack").packb([1, b"float32", [1], [1]]),
+    __import__("msgpack").packb([1, None, [1], [1]]),
 ])
 def test_decoding_refuses_what_is_not_a_tensor_description(value):
     with pytest.raises(gt.TensorMetaError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -25,6 +26,8 @@ import struct
 from .interface import BackendError, DeviceInfo, OutOfMemory
 
 DEFAULT_GRANULARITY = 2 << 20
+
+log = logging.getLogger("gms.host")
 
 _F_OFD_GETLK = 36
 _F_OFD_SETLK = 37
@@ -106,8 +109,14 @@ class HostBackend:
         fd, size = self._fds.pop(allocation_id)
         if self.capacity is not None:
             # A second description of the same file, to watch the lock from.
-            probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-            self._draining.append((probe, size))
+            try:
+                probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                # No fd to spare (a flood of connections): count the memory as
+                # free now rather than fail a release, which must not fail.
+                log.warning("cannot watch released memory of %s (%s): counted free now", allocation_id, exc)
+            else:
+                self._draining.append((probe, size))
         os.close(fd)
         self._prune_draining()
 

@@ -11,6 +11,7 @@ arrival order, each with a callback the shell uses to wake its task;
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import uuid
@@ -72,8 +73,41 @@ GrantCallback = Callable[[Grant], None]
 _SCAN_CACHE_ENTRIES = 64  # (layout, prefix) pairs remembered; models have one or a few
 
 
+@attrs.frozen
+class Waiter:
+    """A queued handshake: what it asked for, how to wake its task, and whether
+    its client is still there (the shell asks the kernel; a dead client is
+    never granted a lock, least of all one that clears a committed layout)."""
+
+    requested: RequestedLockType
+    on_grant: GrantCallback
+    alive: Callable[[], bool] = lambda: True
+
+
 class UnknownRequest(Rejection):
     code = "UNKNOWN_MESSAGE"
+
+
+class ResourceExhausted(Rejection):
+    """The server could not open another fd (its table or the system's is full)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+_FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def export_fd(tier: MemoryBackend, allocation_id: str) -> int:
+    """A new fd for an allocation.  Running out of fds (a flood of connections
+    can fill the table) refuses this request; it must never stop the server."""
+    try:
+        return tier.export(allocation_id)
+    except OSError as exc:
+        if exc.errno in _FD_EXHAUSTED:
+            raise ResourceExhausted(
+                f"the server cannot open another file descriptor ({exc.strerror}); try again later"
+            ) from None
+        raise
 
 
 @attrs.frozen
@@ -122,7 +156,7 @@ class ServiceCore:
         self.started = time.monotonic()
         self._next_conn = 1
         self._scans: dict[tuple[str, str], tuple[object, m.MetadataScanResponse]] = {}
-        self._waiting: dict[str, dict[int, tuple[RequestedLockType, GrantCallback]]] = {}
+        self._waiting: dict[str, dict[int, Waiter]] = {}
         self._waiting_view: dict[str, tuple[int, int]] = {}  # replaced, never mutated: for threads
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
         # Set by the shell: called whenever server-owned memory was released.
@@ -227,10 +261,17 @@ class ServiceCore:
         (opened,) = events
         return RequestedLockType(opened.lock_type)
 
-    def request_lock(self, conn: int, requested: RequestedLockType, on_grant: GrantCallback) -> None:
-        """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted."""
+    def request_lock(
+        self,
+        conn: int,
+        requested: RequestedLockType,
+        on_grant: GrantCallback,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted.
+        ``alive`` is asked before a grant: False drops the waiter instead."""
         layout = self._session(conn).layout
-        self._waiting.setdefault(layout, {})[conn] = (requested, on_grant)
+        self._waiting.setdefault(layout, {})[conn] = Waiter(requested, on_grant, alive)
         self._grant_waiters(layout)
         self._refresh_waiting(layout)
 
@@ -249,11 +290,16 @@ class ServiceCore:
         queue = self._waiting.get(layout)
         if not queue:
             return
-        waiting = [(conn, requested) for conn, (requested, _) in queue.items()]
+        # A client that died while queued may not have been noticed by its task
+        # yet (its hang-up is read after this release, or hides behind a
+        # request it pipelined): the kernel knows, so ask before granting.
+        # Its task sees the hang-up and unwinds the session.
+        for conn in [conn for conn, waiter in queue.items() if not waiter.alive()]:
+            del queue[conn]
+        waiting = [(conn, waiter.requested) for conn, waiter in queue.items()]
         for grant in schedule(self.state.layout(layout), waiting):
             self._append(grant.event)  # a grant releases nothing
-            _, on_grant = queue.pop(grant.conn)
-            on_grant(grant)
+            queue.pop(grant.conn).on_grant(grant)
         if not queue:
             del self._waiting[layout]
         self._refresh_waiting(layout)
@@ -276,8 +322,8 @@ class ServiceCore:
         queues = [self._waiting.get(layout, {})] if layout is not None else list(self._waiting.values())
         writers = others = 0
         for queue in queues:
-            for requested, _ in queue.values():
-                if requested is RequestedLockType.RW:
+            for waiter in queue.values():
+                if waiter.requested is RequestedLockType.RW:
                     writers += 1
                 else:
                     others += 1
@@ -408,7 +454,7 @@ class ServiceCore:
         fds: list[int] = []
         try:
             for allocation in found:
-                fds.append(self.host.export(allocation.allocation_id))
+                fds.append(export_fd(self.host, allocation.allocation_id))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -470,7 +516,7 @@ class ServiceCore:
 
     def _export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
         allocation = queries.get_allocation(self._layout(conn), conn, req.allocation_id)
-        fd = self.gpu.export(allocation.allocation_id)
+        fd = export_fd(self.gpu, allocation.allocation_id)
         return Reply(_info(allocation, m.ExportAllocationResponse), fds=(fd,))
 
     def _export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:
@@ -483,7 +529,7 @@ class ServiceCore:
         fds: list[int] = []
         try:
             for allocation in found:
-                fds.append(self.gpu.export(allocation.allocation_id))
+                fds.append(export_fd(self.gpu, allocation.allocation_id))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -541,6 +587,10 @@ class ServiceCore:
     def _metadata_scan(self, conn: int, req: m.MetadataScanRequest) -> Reply:
         layout = self._layout(conn)
         queries.require_view(layout, conn, "metadata_scan")
+        if len(req.prefix) > self.limits.max_key_bytes:
+            # Longer than any key: it matches nothing, and must not be cached
+            # (64 prefixes of a frame's size each would pin a GiB).
+            return Reply(m.MetadataScanResponse([], [], [], []))
         key = (layout.name, req.prefix)
         cached = self._scans.get(key)
         # A committed layout's metadata never changes, so every reader of a

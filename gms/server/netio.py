@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import select
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -30,34 +31,27 @@ async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: tuple[int,
         raise SendFailed(str(exc) or type(exc).__name__) from exc
 
 
-async def wait_for_hangup(sock: trio.socket.SocketType) -> None:
-    """Return once the peer has closed; if it sends data instead, wait forever.
-
-    Used while a session waits (for a lock, for memory) and reads nothing:
-    a client that dies meanwhile must not be granted a lock it cannot use.
-    """
-    await trio.lowlevel.wait_readable(sock)
-    try:
-        data = await sock.recv(1, socket.MSG_PEEK)
-    except OSError:
-        return
-    if not data:
-        return
-    await trio.sleep_forever()  # a pipelined request: it is read once the wait ends
+def peer_hung_up(sock: trio.socket.SocketType) -> bool:
+    """Has the peer closed (or half-closed, or reset) the connection?  The
+    kernel says so (POLLHUP, POLLRDHUP) even with unread data queued, and
+    asking reads nothing."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
-async def wait_or_hangup(wait: Callable[[], Awaitable[None]], sock: trio.socket.SocketType) -> bool:
-    """Run ``wait()`` until it returns (False) or the peer hangs up (True)."""
+async def wait_or_hangup(wait: Callable[[], Awaitable[None]], watch: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``wait()`` until it returns (False) or ``watch()`` does (True: the peer hung up)."""
     hung_up = False
     async with trio.open_nursery() as nursery:
 
-        async def watch() -> None:
+        async def watcher() -> None:
             nonlocal hung_up
-            await wait_for_hangup(sock)
+            await watch()
             hung_up = True
             nursery.cancel_scope.cancel()
 
-        nursery.start_soon(watch)
+        nursery.start_soon(watcher)
         await wait()
         nursery.cancel_scope.cancel()
     return hung_up

@@ -57,9 +57,26 @@ def clear_stale_socket(path: str) -> None:
     raise SocketPathError(f"a gms server is already listening on {path}")
 
 
+def make_socket_dir(directory: str) -> None:
+    """Create the socket's folder (and its parents) writable by us alone, whatever
+    the umask: whoever can write the folder can replace the socket with their own."""
+    old_umask = os.umask(0o022)
+    os.umask(old_umask | 0o022)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    finally:
+        os.umask(old_umask)
+    mode = os.stat(directory).st_mode
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        log.warning(
+            "socket folder %s is writable by others (mode %o) without the sticky bit: "
+            "anyone who can write it can replace the socket", directory, stat.S_IMODE(mode),
+        )
+
+
 async def bind_listener(path: str, mode: int) -> tuple[trio.socket.SocketType, int]:
     """Bind with no window in which the socket is more open than ``mode``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_socket_dir(os.path.dirname(os.path.abspath(path)))
     clear_stale_socket(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)

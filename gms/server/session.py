@@ -29,11 +29,12 @@ from ..fsm.errors import HostBudgetExceeded, Rejection, StateViolation
 from ..fsm.events import AllocationOomGaveUp, AllocationOomWait, ConnectionDropped, LockTimeout
 from ..wire import FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
 from ..wire import messages as m
+from ..wire.codec import HEADER
 from .config import ServerConfig
 from .core import Reply, ServiceCore
 from .memory_signal import MemorySignal
 from .metrics import Metrics
-from .netio import PeerGone, SendFailed, send_frame, wait_for_hangup, wait_or_hangup
+from .netio import PeerGone, SendFailed, peer_hung_up, send_frame, wait_or_hangup
 from .peer import peer_of
 
 log = logging.getLogger("gms.server")
@@ -81,6 +82,8 @@ class Session:
         self.conn = core.new_conn()
         self.handshaken = False
         self._decoder = FrameDecoder(config.max_frame_bytes)
+        self._read_ahead_limit = config.max_frame_bytes + HEADER.size  # one whole frame
+        self._overflowed = False
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._scope = trio.CancelScope()
         self._revoked = False
@@ -135,6 +138,31 @@ class Session:
                     raise ProtocolError(f"connection closed inside a frame ({self._decoder.pending} bytes)")
                 raise PeerGone("closed")
             self._decoder.feed(memoryview(self._buffer)[:n])
+
+    async def _until_hangup(self) -> None:
+        """Return once the client hangs up; used while the session waits (for a
+        lock, for memory) and answers nothing.
+
+        A client that died while queued must never be granted: its hang-up is
+        seen even behind a request it pipelined, because that request is read
+        ahead into the decoder.  Reading also drops any fds sent with it, so a
+        client cannot keep its own socket alive, in flight in our receive
+        queue, after its death.  More than one frame of read-ahead is a
+        protocol violation (noted; the caller drops the connection)."""
+        while self._decoder.pending <= self._read_ahead_limit:
+            try:
+                n = await self.sock.recv_into(self._buffer)
+            except OSError:
+                return
+            if not n:
+                return
+            self._decoder.feed(memoryview(self._buffer)[:n])
+        self._overflowed = True
+
+    def _gone(self, waiting_for: str) -> Exception:
+        if self._overflowed:
+            return ProtocolError(f"more than a frame pipelined while waiting for {waiting_for}")
+        return PeerGone(f"hung up while waiting for {waiting_for}")
 
     async def _send(self, reply: Reply) -> None:
         try:
@@ -203,16 +231,16 @@ class Session:
             done.set()
 
         asked_at = trio.current_time()
-        self.core.request_lock(self.conn, requested, on_grant)
+        self.core.request_lock(self.conn, requested, on_grant, lambda: not peer_hung_up(self.sock))
         if grant is None:
             hung_up = False
             timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
             with trio.move_on_after(timeout):
-                hung_up = await wait_or_hangup(done.wait, self.sock)
+                hung_up = await wait_or_hangup(done.wait, self._until_hangup)
             if grant is None:
                 self.core.cancel_lock_request(self.conn)
                 if hung_up:
-                    raise PeerGone("hung up while waiting for the lock")
+                    raise self._gone("the lock")
                 self.core.record(
                     [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
                 )
@@ -274,13 +302,13 @@ class Session:
             wait = pause if timeout is None else min(pause, timeout - waited)
             pause = min(pause * 2, interval)
             with trio.move_on_after(wait):
-                hung_up = await wait_or_hangup(released.wait, self.sock)
+                hung_up = await wait_or_hangup(released.wait, self._until_hangup)
                 if hung_up:
                     waited = trio.current_time() - started
                     self.core.record(
                         [AllocationOomGaveUp(self.conn, size, tag, "disconnect", int(waited * 1000), layout=self._layout())]
                     )
-                    raise PeerGone("hung up while waiting for memory")
+                    raise self._gone("memory")
 
     async def _allocate(self, request: m.AllocateRequest) -> Reply:
         with self.metrics.allocate_seconds.time():

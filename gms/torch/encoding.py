@@ -47,9 +47,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+# Every dtype torch has, by name: a name from the wire is looked up here, never
+# with getattr on the module (any attribute, of any type, could be named).
+_DTYPES = {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise TensorMetaError(f"unknown dtype {name!r}")
     return dtype
 
