@@ -369,6 +369,9 @@ def torch_fragmentation_main(spec_path: str) -> None:
         used -= sizes[model]
         counts["evictions"] += 1
 
+    for model in spec.get("initial", []):  # gms's GPU as the trace started, LRU first
+        resident[model] = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for shape in shapes[model]]
+        used += sizes[model]
     t_start = time.perf_counter()
     truncated = False
     for i, model in enumerate(spec["trace"]):
@@ -432,7 +435,7 @@ def torch_fragmentation_main(spec_path: str) -> None:
         "peak_reserved_minus_allocated": peak_gap,
         "load_p50_ms": _pct(load_s, 0.5) * 1e3 if load_s else None,
         "load_p99_ms": _pct(load_s, 0.99) * 1e3 if load_s else None,
-        "hits": hits,
+        "hit_sequence": hits,
     }))
 
 
@@ -559,7 +562,10 @@ def safetensors_phase(worker: Worker, catalog: list[dict], st_sizes: list[float]
                       results: dict) -> None:
     """The same models from safetensors files: page cache, then cold."""
     for size in st_sizes:
-        entry = next(e for e in catalog if e["nominal"] == size)
+        entry = next((e for e in catalog if e["nominal"] == size), None)
+        if entry is None:
+            print(f"safetensors: no model of size {size:g} in the catalog; skipped", flush=True)
+            continue
         path = os.path.join(directory, f"{entry['name']}.safetensors")
         write_safetensors(path, entry["shapes"])
         try:
@@ -761,6 +767,12 @@ def main() -> None:
                         save()
                     deadline = time.perf_counter() + left() - torch_reserve if last else float("inf")
                     trace = zipf_trace(order, exponent, length, args.seed)
+                    # What is on the GPU as the trace starts, least recently used first
+                    # (PyTorch's run of the same trace starts from the same set).
+                    names = [e["name"] for e in catalog]
+                    initial = [names.index(r.name) for r in sorted(
+                        (r for r in get_runtime_state(server.socket).layouts if r.tier == "gpu"),
+                        key=lambda r: -(r.last_use_s or 0.0))]
                     t0 = time.perf_counter()
                     rows = run_trace(server.socket, worker, args.backend, catalog, trace, budget,
                                      args.fresh_readers, f"s={exponent}", deadline)
@@ -768,7 +780,7 @@ def main() -> None:
                     summary["seconds"] = time.perf_counter() - t0
                     summary["truncated"] = len(rows) < len(trace)
                     results["traces"].append({"exponent": exponent, "trace": trace[: len(rows)],
-                                              "summary": summary, "rows": rows})
+                                              "initial_resident": initial, "summary": summary, "rows": rows})
                     print(f"s={exponent}: {len(rows)} requests{' (cut by the time limit)' if summary['truncated'] else ''}, "
                           f"hit rate {summary['hit_rate']:.2f}, hits p50 {summary.get('hit_p50_ms', float('nan')):.1f} ms, "
                           f"restores p50 {summary.get('restore_p50_ms', float('nan')):.1f} ms "
@@ -795,14 +807,15 @@ def main() -> None:
                 results["fragmentation"]["torch"] = "not run: PyTorch's caching allocator needs CUDA"
             elif modes:
                 spec = {"budget": budget, "cap": int(budget / 0.95), "trace": frag["trace"],
+                        "initial": frag["initial_resident"],
                         "shapes": [[s for _, s in e["shapes"]] for e in catalog], "bytes": [e["bytes"] for e in catalog]}
                 gms_hits = [r["hit"] for r in frag["rows"]]
                 results["fragmentation"]["torch"] = {}
                 for n, mode in enumerate(modes):
                     spec["limit_s"] = max(20.0, (left() - 10) / (len(modes) - n))
                     got = run_torch_fragmentation(mode, spec, directory)
-                    if "hits" in got:
-                        hits = got.pop("hits")
+                    if "hit_sequence" in got:
+                        hits = got.pop("hit_sequence")
                         got["same_hits_as_gms"] = hits == gms_hits[: len(hits)]
                     results["fragmentation"]["torch"][mode] = got
                     print(f"torch ({mode}): {got.get('ooms')} OOMs on {got.get('loads_with_oom_count')} loads, "

@@ -408,6 +408,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None,
                         help="open loop: total allocations/s over all clients (default 1000 host, 400 cuda)")
     parser.add_argument("--size", default="2MiB", help="bytes per allocation")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every point (medians reported)")
     parser.add_argument("--check-tenants", default="1,64,1024", help="tenant counts for the in-process check")
     parser.add_argument("--kill-repeats", type=int, default=5)
     parser.add_argument("--kill-allocations", type=int, default=100)
@@ -418,6 +419,7 @@ def main() -> None:
 
     counts = [1, 4] if args.quick else [int(n) for n in args.tenants.split(",")]
     duration = 1.0 if args.quick else args.duration
+    repeats = 1 if args.quick else args.repeats
     rate = args.rate or (1000.0 if args.backend == "host" else 400.0)
     size, kill_size = parse_bytes(args.size), parse_bytes(args.kill_size)
     root = os.geteuid() == 0
@@ -425,7 +427,7 @@ def main() -> None:
     results: dict = {
         "backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), "root": root,
         "identities": "distinct uids (effective ids at connect)" if root else "not root: every client is one uid, one tenant",
-        "duration_s": duration, "open_rate_per_s": rate, "size": size, "load": [], "check": [], "kill": [],
+        "duration_s": duration, "repeats": repeats, "open_rate_per_s": rate, "size": size, "load": [], "check": [], "kill": [],
     }
     if args.backend == "cuda":
         import subprocess
@@ -449,25 +451,27 @@ def main() -> None:
         server_args += ["--policy", policy]
     try:
         with Server(directory, args.backend, "tenants", *server_args) as server:
-            for n in counts:
-                spread = [UID_BASE + i for i in range(n)] if root else [None] * n
-                shared = [SHARED_UID] * n if root else [None] * n
-                tenants_layouts = [f"t{i}-kv" for i in range(n)]
-                shared_layouts = [f"s-{i}-kv" for i in range(n)]
-                for mode, uids, layouts, prefix, r in (
-                    ("closed, tenants", spread, tenants_layouts, "t", 0.0),
-                    ("closed, one tenant", shared, shared_layouts, "s" if root else "d", 0.0),
-                    ("open, tenants", spread, tenants_layouts, "t", rate),
-                    ("open, one tenant", shared, shared_layouts, "s" if root else "d", rate),
-                ):
-                    row = run_load(server.socket, uids, layouts, size, duration, r,
-                                   tenant_sessions(server.socket, prefix))
-                    row["mode"] = mode
-                    results["load"].append(row)
-                    print(f"{n:3d} clients, {mode:18s}: alloc p50 {row['alloc_p50_us']:8.0f} µs  "
-                          f"p99 {row['alloc_p99_us']:8.0f} µs  max {row['alloc_max_us']:8.0f} µs  "
-                          f"{row['cycles_per_s']:7.0f}/s  (tenants seen {row['tenants_seen']})", flush=True)
-                write_json(json_path, results)
+            for repeat in range(repeats):  # rounds: the VM's noise moves p99 between runs
+                for n in counts:
+                    spread = [UID_BASE + i for i in range(n)] if root else [None] * n
+                    shared = [SHARED_UID] * n if root else [None] * n
+                    tenants_layouts = [f"t{i}-kv" for i in range(n)]
+                    shared_layouts = [f"s-{i}-kv" for i in range(n)]
+                    for mode, uids, layouts, prefix, r in (
+                        ("closed, tenants", spread, tenants_layouts, "t", 0.0),
+                        ("closed, one tenant", shared, shared_layouts, "s" if root else "d", 0.0),
+                        ("open, tenants", spread, tenants_layouts, "t", rate),
+                        ("open, one tenant", shared, shared_layouts, "s" if root else "d", rate),
+                    ):
+                        row = run_load(server.socket, uids, layouts, size, duration, r,
+                                       tenant_sessions(server.socket, prefix))
+                        row["mode"] = mode
+                        row["repeat"] = repeat
+                        results["load"].append(row)
+                        print(f"{n:3d} clients, {mode:18s}: alloc p50 {row['alloc_p50_us']:8.0f} µs  "
+                              f"p99 {row['alloc_p99_us']:8.0f} µs  max {row['alloc_max_us']:8.0f} µs  "
+                              f"{row['cycles_per_s']:7.0f}/s  (tenants seen {row['tenants_seen']})", flush=True)
+                    write_json(json_path, results)
             for _ in range(args.kill_repeats):
                 results["kill"].append(kill_once(server.socket, args.backend, VICTIM_UID if root else None,
                                                  args.kill_allocations, kill_size))
@@ -482,7 +486,19 @@ def main() -> None:
         with contextlib.suppress(OSError):
             os.rmdir(directory)
 
-    by = {(r["clients"], r["mode"]): r for r in results["load"]}
+    # Per point, the median over the rounds (and the spread of p99).
+    points: dict[tuple, list[dict]] = {}
+    for r in results["load"]:
+        points.setdefault((r["clients"], r["mode"]), []).append(r)
+    by = {}
+    for (clients, mode), rounds in points.items():
+        by[(clients, mode)] = {
+            "clients": clients, "mode": mode, "rounds": len(rounds), "tenants_seen": rounds[0]["tenants_seen"],
+            **{key: statistics.median(r[key] for r in rounds)
+               for key in ("alloc_p50_us", "alloc_p99_us", "alloc_max_us", "free_p50_us", "cycles_per_s")},
+            "alloc_p99_us_range": [min(r["alloc_p99_us"] for r in rounds), max(r["alloc_p99_us"] for r in rounds)],
+        }
+    results["load_median"] = list(by.values())
     one = by.get((1, "open, tenants"))
     summary = {}
     for n in counts:
@@ -506,10 +522,11 @@ def main() -> None:
                 results["kill_summary"][f"floor_{key}"] = {"median": statistics.median(k["floor"][key] for k in kills)}
 
     print_table(
-        "allocate latency, µs (open loop: the same total rate split over the clients)",
+        f"allocate latency, µs, median of {repeats} rounds (open loop: {rate:.0f}/s split over the clients)",
         [(r["mode"], r["clients"], r["tenants_seen"], f"{r['alloc_p50_us']:.0f}", f"{r['alloc_p99_us']:.0f}",
-          f"{r['alloc_max_us']:.0f}", f"{r['free_p50_us']:.0f}", f"{r['cycles_per_s']:,.0f}") for r in results["load"]],
-        header=("load", "clients", "tenants", "p50", "p99", "max", "free p50", "cycles/s"),
+          "{:.0f}-{:.0f}".format(*r["alloc_p99_us_range"]), f"{r['alloc_max_us']:.0f}", f"{r['free_p50_us']:.0f}",
+          f"{r['cycles_per_s']:,.0f}") for r in results["load_median"]],
+        header=("load", "clients", "tenants", "p50", "p99", "p99 range", "max", "free p50", "cycles/s"),
     )
     print_table(
         "the quota check alone (in process), per call",
