@@ -28,15 +28,17 @@ One run, one server (``gms serve --gpu-budget B``):
   PCIe floor); ``safetensors.torch.load_file`` of the same model from the
   page cache and cold (``posix_fadvise(DONTNEED)`` and, as root,
   ``drop_caches``; the JSON says whether that worked).  On the host backend
-  there is no PCIe: the floor is a memcpy of the same bytes between two
-  buffers already touched, and the host tier's restore, a memmove into new
-  memfd pages, pays page faults the GPU's does not.
+  there is no PCIe: a restore is a memmove into new memfd pages, so the
+  floor is a memcpy of the same bytes into new memfd pages (and, for
+  reference, into pages touched before).  The event log's stamps split
+  every restore into the server's part (evicting, creating GPU memory) and
+  the reader's copy.
 * **fragmentation**  the trace at ``--frag-exponent`` runs ``--frag-loads``
   (1000) requests deep.  gms must never fail one.  Then the same trace
   through PyTorch's caching allocator, one process: each model's tensors
   allocated one by one (``torch.empty`` of its layer shapes), the same LRU
   rule on the same byte counts (evict until the resident models fit the
-  budget), the allocator capped at budget / 0.95
+  budget), starting from the models gms had on the GPU, the allocator capped at budget / 0.95
   (``set_per_process_memory_fraction``) so the models fill at most 95 % of
   what it may hold; once with one arena (``expandable_segments:False``) and
   once with expandable segments.  Every OOM there is one despite free bytes
@@ -44,13 +46,17 @@ One run, one server (``gms serve --gpu-budget B``):
   flushes (``num_alloc_retries``), our ``empty_cache()`` calls, the extra
   evictions it took, and loads that failed outright.
 
-    # host backend, small (8-64 MiB models, 96 MiB budget; about 2-3 minutes on 2 cores)
+    # host backend, small (8-64 MiB models, 96 MiB budget): about 1 minute on the 2-core host
     python bench/on_demand.py --backend host
-    # CUDA, as root for the cold reads (about 5-6 minutes on an H100; see --quick, --sizes)
+    # CUDA, as root for the cold reads (drop_caches): 2-16 GiB models, 60 GiB over a 24 GiB
+    # budget; at most about 7.5 minutes: --time-limit 420 (the default on cuda) cuts the
+    # 1000-request trace short to leave a minute to each PyTorch allocator run
     sudo GMS_BENCH_OUT=/tmp/out .venv/bin/python bench/on_demand.py --backend cuda
-    # smaller on the GPU (about 1.5 minutes): --quick  (1, 2, 4 GiB models, 6 GiB budget, 30/200 requests)
+    #   -> /tmp/out/on_demand_cuda.json (docs/results/on_demand_h100.json for bench/plot.py)
+    # smaller on the GPU (about 1.5 minutes): --quick (1, 2, 4 GiB models, 6 GiB budget, 30/200 requests)
     # knobs: --sizes 2,2,4,4,8,8,16,16 --unit GiB --budget 24GiB --exponents 0.8,1.1,1.5
-    #        --requests 100 --frag-loads 1000 --safetensors-sizes 2,8 --torch-modes arena,expandable
+    #        --requests 100 --frag-loads 1000 --frag-exponent 1.1 --safetensors-sizes 2,8
+    #        --torch-modes arena,expandable --fresh-readers --time-limit S --dir /big/disk
     python bench/plot.py  # the plot, from docs/results/on_demand_*.json
 """
 
@@ -439,6 +445,17 @@ def torch_fragmentation_main(spec_path: str) -> None:
     }))
 
 
+def compact(value):
+    """Floats to 7 decimals (0.1 µs in seconds): the per-request rows stay readable in git."""
+    if isinstance(value, float):
+        return round(value, 7)
+    if isinstance(value, dict):
+        return {k: compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [compact(v) for v in value]
+    return value
+
+
 def _pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -724,7 +741,7 @@ def main() -> None:
 
     def save() -> None:
         results["seconds"] = time.perf_counter() - t_run
-        write_json(json_path, results)
+        write_json(json_path, compact(results))
 
     def left() -> float:
         return float("inf") if limit is None else limit - (time.perf_counter() - t_run)

@@ -131,6 +131,8 @@ def on_demand(data: dict, out: Path, name: str = "on_demand.png") -> None:
             ax.scatter(*zip(*st), marker=marker, s=40, label=label, zorder=3)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel(f"model {unit} (log)")
     ax.set_ylabel("ms (log)")
     ax.set_title("restores against the floor", fontsize=9)

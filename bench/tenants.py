@@ -5,7 +5,7 @@ Three measurements, one run, one server (``gms serve --policy``):
 * **load**  N tenants (N = 1, 4, 16, 64), each one process with its own uid,
   each holding the RW lock of its own layout, allocate and free at once
   (2 MiB by default).  Timed: the allocate request, from send to answer.
-  Four loads per N: *closed* loop (each client sends as soon as it can: the
+  Four loads per N, each ``--repeats`` rounds (medians reported): *closed* loop (each client sends as soon as it can: the
   server's throughput, its latency grows with the queue) and *open* loop
   (the same total rate, ``--rate`` allocations/s, split over the N clients:
   the goal's comparison, p99 at N tenants against p99 at 1), each for N
@@ -29,12 +29,13 @@ child of ``tests/model_based/server_machine.py``'s ``connect_as``.  The
 server's socket is mode 666 in a 0755 folder.  Not root: every client is
 this uid, one tenant, and the JSON says so.
 
-    # host backend (the 2-core CI-like host; about 2 minutes)
+    # host backend, as root (3 rounds: about 3.5 minutes on the 2-core host; --quick: 40 s)
     sudo .venv/bin/python bench/tenants.py --backend host
-    # CUDA (about 2 minutes on the H100; --quick: 1 and 4 tenants, 1 s, ~30 s)
+    # CUDA, as root (about 4 minutes on the H100 host; --repeats 1: about 1.5; --quick: under 1)
     sudo GMS_BENCH_OUT=/tmp/out .venv/bin/python bench/tenants.py --backend cuda
-    # knobs: --tenants 1,4,16,64 --duration 3 --rate 1000 --size 2MiB
-    #        --kill-repeats 5 --kill-allocations 100 --kill-size 2MiB
+    #   -> /tmp/out/tenants_cuda.json (docs/results/tenants_h100.json)
+    # knobs: --tenants 1,4,16,64 --repeats 3 --duration 3 --rate 1000 (host) / 400 (cuda)
+    #        --size 2MiB --check-tenants 1,64,1024 --kill-repeats 5 --kill-allocations 100 --kill-size 2MiB
 """
 
 from __future__ import annotations
