@@ -5,8 +5,9 @@ Three measurements, one run, one server (``gms serve --policy``):
 * **load**  N tenants (N = 1, 4, 16, 64), each one process with its own uid,
   each holding the RW lock of its own layout, allocate and free at once
   (2 MiB by default).  Timed: the allocate request, from send to answer.
-  Four loads per N, each ``--repeats`` rounds (medians reported): *closed* loop (each client sends as soon as it can: the
-  server's throughput, its latency grows with the queue) and *open* loop
+  Four loads per N, each run ``--repeats`` rounds (medians reported):
+  *closed* loop (each client sends as soon as it can: the server's
+  throughput, its latency grows with the queue) and *open* loop
   (the same total rate, ``--rate`` allocations/s, split over the N clients:
   the goal's comparison, p99 at N tenants against p99 at 1), each for N
   distinct tenants and, as the baseline in the same run, for N clients of
@@ -19,7 +20,9 @@ Three measurements, one run, one server (``gms serve --policy``):
   SIGKILLed; timed from the kill: the server's ``RW_ABORT`` and
   ``SESSION_CLOSED`` events (their monotonic stamps in the event log), and a
   probe loop seeing the tenant's bytes at 0 with 0 server handles left; on
-  CUDA also the device's free memory (NVML) back where it was.
+  CUDA also the device's free memory (NVML) back where it was.  On the host
+  backend, the kernel's share alone, same bytes, no gms: the exit of a
+  process that wrote as many memfds, and closing their last fds.
 
 Identities are real: as root, a client drops its effective uid/gid to the
 tenant's for the ``connect()`` call alone (the kernel records the effective
