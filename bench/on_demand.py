@@ -301,6 +301,8 @@ def worker_main(socket_path: str, backend: str) -> None:
         del src, dst
         if cuda:
             torch.cuda.empty_cache()
+            # torch keeps freed pinned blocks cached: give the host RAM back to the host tier
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
         return {"floor_s": out}
 
     ops = {"publish": publish, "load": load, "safetensors": safetensors, "floor": floor}
