@@ -462,9 +462,9 @@ def main() -> None:
                     tenants_layouts = [f"t{i}-kv" for i in range(n)]
                     shared_layouts = [f"s-{i}-kv" for i in range(n)]
                     for mode, uids, layouts, prefix, r in (
-                        ("closed, tenants", spread, tenants_layouts, "t", 0.0),
+                        ("closed, tenants", spread, tenants_layouts, "t" if root else "d", 0.0),
                         ("closed, one tenant", shared, shared_layouts, "s" if root else "d", 0.0),
-                        ("open, tenants", spread, tenants_layouts, "t", rate),
+                        ("open, tenants", spread, tenants_layouts, "t" if root else "d", rate),
                         ("open, one tenant", shared, shared_layouts, "s" if root else "d", rate),
                     ):
                         row = run_load(server.socket, uids, layouts, size, duration, r,
