@@ -1,0 +1,849 @@
+"""On-demand weights: a catalog larger than the GPU budget, Zipf requests, restores against the PCIe floor.
+
+One run, one server (``gms serve --gpu-budget B``):
+
+* **catalog**  Llama-shaped bf16 models of mixed sizes (on the GPU 2, 4, 8 and
+  16 GiB, two of each: 60 GiB against a 24 GiB budget), each published once
+  with ``commit(residency="system")``: real bytes (a random fill on the
+  device, 1 GiB packs, one metadata entry per tensor), the server keeps a
+  pinned host copy and evicts idle models least-recently-used when the next
+  one needs room (publishing itself evicts).
+* **trace**  Zipf requests over the catalog (exponents 0.8, 1.1, 1.5; which
+  model is how popular is a seeded shuffle, the same for every exponent).
+  Each request is timed until its tensors are usable: a new
+  ``GMSClientMemoryManager``, ``connect(RO)`` (which restores an evicted
+  model from the host tier first) and ``gms.torch.import_tensors``, then
+  the device synchronized.  The reader is ONE worker process, kept for the
+  whole run, with torch and CUDA initialised (as an engine has them), that
+  connects afresh for every request and closes after it: a new process per
+  request would cost seconds of CUDA start-up and measure that
+  (``--fresh-readers`` does it anyway, for a short trace); creating the
+  manager (the fd table, ``gms/fds.py``) is timed apart, as in
+  ``bench/warm_start.py``.  A request is a *hit* when the model was on the
+  GPU, a *restore* when the server's restore counter for it moved.  After
+  every request, outside the clock, the bytes are checked (first and last
+  MiB of every allocation, against sums taken at publish).
+* **floors**  in the same worker, the same run: a plain pinned host to device
+  copy of each model's bytes (torch pinned memory -> GPU, best of 3: the
+  PCIe floor); ``safetensors.torch.load_file`` of the same model from the
+  page cache and cold (``posix_fadvise(DONTNEED)`` and, as root,
+  ``drop_caches``; the JSON says whether that worked).  On the host backend
+  there is no PCIe: a restore is a memmove into new memfd pages, so the
+  floor is a memcpy of the same bytes into new memfd pages (and, for
+  reference, into pages touched before).  The event log's stamps split
+  every restore into the server's part (evicting, creating GPU memory) and
+  the reader's copy.
+* **fragmentation**  the trace at ``--frag-exponent`` runs ``--frag-loads``
+  (1000) requests deep.  gms must never fail one.  Then the same trace
+  through PyTorch's caching allocator, one process: each model's tensors
+  allocated one by one (``torch.empty`` of its layer shapes), the same LRU
+  rule on the same byte counts (evict until the resident models fit the
+  budget), starting from the models gms had on the GPU, the allocator capped at budget / 0.95
+  (``set_per_process_memory_fraction``) so the models fill at most 95 % of
+  what it may hold; once with one arena (``expandable_segments:False``) and
+  once with expandable segments.  Every OOM there is one despite free bytes
+  (5 % of the cap at least); counted: OOMs, the allocator's own cache
+  flushes (``num_alloc_retries``), our ``empty_cache()`` calls, the extra
+  evictions it took, and loads that failed outright.
+
+    # host backend, small (8-64 MiB models, 96 MiB budget): about 1 minute on the 2-core host
+    python bench/on_demand.py --backend host
+    # CUDA, as root for the cold reads (drop_caches): 2-16 GiB models, 60 GiB over a 24 GiB
+    # budget; at most about 7.5 minutes: --time-limit 420 (the default on cuda) cuts the
+    # 1000-request trace short to leave a minute to each PyTorch allocator run
+    sudo GMS_BENCH_OUT=/tmp/out .venv/bin/python bench/on_demand.py --backend cuda
+    #   -> /tmp/out/on_demand_cuda.json (docs/results/on_demand_h100.json for bench/plot.py)
+    # smaller on the GPU (about 1.5 minutes): --quick (1, 2, 4 GiB models, 6 GiB budget, 30/200 requests)
+    # knobs: --sizes 2,2,4,4,8,8,16,16 --unit GiB --budget 24GiB --exponents 0.8,1.1,1.5
+    #        --requests 100 --frag-loads 1000 --frag-exponent 1.1 --safetensors-sizes 2,8
+    #        --torch-modes arena,expandable --fresh-readers --time-limit S --dir /big/disk
+    python bench/plot.py  # the plot, from docs/results/on_demand_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+MiB, GiB = 1 << 20, 1 << 30
+REPLY = "@@"  # a worker's answers are the stdout lines that start with this
+
+DEFAULTS = {
+    "cuda": {"sizes": "2,2,4,4,8,8,16,16", "unit": "GiB", "budget": "24GiB", "safetensors": "2,8"},
+    "host": {"sizes": "8,8,16,16,32,32,64,64", "unit": "MiB", "budget": "96MiB", "safetensors": "16,64"},
+}
+QUICK = {
+    "cuda": {"sizes": "1,1,2,2,4,4", "unit": "GiB", "budget": "6GiB", "safetensors": "1"},
+    "host": {"sizes": "8,8,16,16,32,32", "unit": "MiB", "budget": "48MiB", "safetensors": "16"},
+}
+
+
+# -- model shapes ---------------------------------------------------------------------------
+
+
+def shapes_for(total: int, unit: str) -> list[tuple[str, list[int]]]:
+    """A Llama-shaped model of about ``total`` bytes: Llama-3.2-3B's shapes for
+    GiB models (as ``bench/warm_start.py``), the same structure scaled down
+    (hidden 512) for MiB models."""
+    sys.path.insert(0, str(HERE.parent))
+    import llama_checkpoint
+
+    if unit == "GiB":
+        return [(name, list(shape)) for name, shape in llama_checkpoint.llama_shapes(total)]
+    hidden, inter, kv, vocab = 512, 1408, 128, 1000
+
+    def layer(i: int) -> list[tuple[str, list[int]]]:
+        p = f"model.layers.{i}."
+        return [(p + "input_layernorm.weight", [hidden]), (p + "self_attn.q_proj.weight", [hidden, hidden]),
+                (p + "self_attn.k_proj.weight", [kv, hidden]), (p + "self_attn.v_proj.weight", [kv, hidden]),
+                (p + "self_attn.o_proj.weight", [hidden, hidden]), (p + "post_attention_layernorm.weight", [hidden]),
+                (p + "mlp.gate_proj.weight", [inter, hidden]), (p + "mlp.up_proj.weight", [inter, hidden]),
+                (p + "mlp.down_proj.weight", [hidden, inter])]
+
+    shapes = [("model.embed_tokens.weight", [vocab, hidden])]
+    ends = [("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
+    used = sum(nbytes(s) for _, s in shapes + ends)
+    i = 0
+    while used + sum(nbytes(s) for _, s in layer(i)) <= total or i == 0:
+        shapes += layer(i)
+        used += sum(nbytes(s) for _, s in layer(i))
+        i += 1
+    return shapes + ends
+
+
+def nbytes(shape: list[int]) -> int:
+    n = 2  # bf16
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_safetensors(path: str, shapes: list[tuple[str, list[int]]]) -> None:
+    """The model as a safetensors file (random bytes, one block repeated), fsynced."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape in shapes:
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes(shape)]}
+        offset += nbytes(shape)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    block = os.urandom(64 << 20)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        left = offset
+        while left:
+            n = min(left, len(block))
+            f.write(block[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def drop_from_page_cache(path: str) -> bool:
+    """Evict the file (fadvise works for any owner); True if drop_caches worked too."""
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_through(path: str) -> None:
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(64 << 20)
+        while f.readinto(buffer):
+            pass
+
+
+# -- the worker: a reader (or the publisher) with torch and CUDA up before any clock ----------------
+
+
+def worker_main(socket_path: str, backend: str) -> None:
+    import torch
+
+    cuda = backend == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device=device)
+        import gms.cuda.vmm  # loaded before the clock, as an engine has it
+    import ctypes
+    import mmap
+
+    import gms.torch
+    from gms import GMSClientMemoryManager
+    from gms.torch import TensorMeta, encode, plan_packs
+    from gms.torch.views import Region
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def check(va: int, size: int, alloc_size: int) -> list[int]:
+        """Sums of the first and last MiB of an allocation's bytes."""
+        base = Region(va, size, device).base
+        k = min(MiB, alloc_size)
+        return [int(base[:k].to(torch.int64).sum()), int(base[alloc_size - k : alloc_size].to(torch.int64).sum())]
+
+    def publish(cmd: dict) -> dict:
+        shapes = cmd["shapes"]
+        plan = plan_packs([nbytes(shape) for _, shape in shapes])
+        t0 = time.perf_counter()
+        mgr = GMSClientMemoryManager(socket_path, device=0, layout=cmd["layout"])
+        mgr.connect("RW")
+        generator = torch.Generator(device=device)
+        generator.manual_seed(cmd["seed"])
+        packs = []
+        for size in plan.pack_sizes:
+            va = mgr.create_mapping(size=size, tag="weights")
+            mapping = next(mp for mp in mgr.mappings if mp.va == va)
+            Region(va, mapping.size, device).base[:size].random_(generator=generator)
+            packs.append(mapping)
+        sync()
+        filled = time.perf_counter()
+        entries = []
+        for (name, shape), placement in zip(shapes, plan.placements):
+            stride = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                stride[i] = stride[i + 1] * shape[i + 1]
+            meta = TensorMeta(torch.bfloat16, tuple(shape), tuple(stride))
+            entries.append((name, packs[placement.pack].allocation_id, placement.offset, encode(meta)))
+        for start in range(0, len(entries), 4096):
+            mgr.metadata_put_many(entries[start : start + 4096])
+        checks = {str(mp.layout_slot): check(mp.va, mp.size, mp.alloc_size) for mp in packs}
+        committing = time.perf_counter()
+        mgr.commit(residency=cmd["residency"])
+        done = time.perf_counter()
+        mgr.close()
+        return {"publish_s": done - t0, "fill_s": filled - t0, "commit_s": done - committing,
+                "allocations": len(packs), "bytes": sum(mp.size for mp in packs), "tensors": len(entries),
+                "checks": checks}
+
+    def load(cmd: dict) -> dict:
+        t = time.perf_counter()
+        mgr = GMSClientMemoryManager(socket_path, device=0, layout=cmd["layout"])
+        t0 = time.perf_counter()
+        mgr.connect("RO")
+        t1 = time.perf_counter()
+        tensors = gms.torch.import_tensors(mgr)
+        sync()
+        t2 = time.perf_counter()
+        verified = None
+        if cmd.get("checks"):
+            got = {str(mp.layout_slot): check(mp.va, mp.size, mp.alloc_size) for mp in mgr.mappings}
+            verified = got == cmd["checks"]
+        mgr.close()
+        return {"manager_s": t0 - t, "connect_s": t1 - t0, "import_s": t2 - t1, "total_s": t2 - t0,
+                "tensors": len(tensors), "verified": verified}
+
+    def safetensors(cmd: dict) -> dict:
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        tensors = load_file(cmd["path"], device=str(device))
+        sync()
+        total = time.perf_counter() - t0
+        del tensors
+        if cuda:
+            torch.cuda.empty_cache()
+        return {"total_s": total}
+
+    def floor(cmd: dict) -> dict:
+        """Copy each size once per repeat; best of the repeats."""
+        largest = max(cmd["sizes"])
+        out = {}
+        if cuda:
+            src = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
+            src.fill_(1)
+            dst = torch.empty(largest, dtype=torch.uint8, device=device)
+        else:
+            src = torch.ones(largest, dtype=torch.uint8)
+            dst = torch.zeros(largest, dtype=torch.uint8)  # touched: no page faults in the copy
+            out["fresh"] = {}
+            for size in cmd["sizes"]:  # into new memfd pages, as the host backend's restore copies
+                best = float("inf")
+                for _ in range(cmd["repeats"]):
+                    fd = os.memfd_create("floor")
+                    os.ftruncate(fd, size)
+                    pages = mmap.mmap(fd, size)
+                    target = (ctypes.c_char * size).from_buffer(pages)
+                    t0 = time.perf_counter()
+                    ctypes.memmove(ctypes.addressof(target), src.data_ptr(), size)
+                    best = min(best, time.perf_counter() - t0)
+                    del target
+                    pages.close()
+                    os.close(fd)
+                out["fresh"][str(size)] = best
+        out["touched"] = {}
+        for size in cmd["sizes"]:
+            best = float("inf")
+            for _ in range(cmd["repeats"]):
+                sync()
+                t0 = time.perf_counter()
+                dst[:size].copy_(src[:size], non_blocking=True)
+                sync()
+                best = min(best, time.perf_counter() - t0)
+            out["touched"][str(size)] = best
+        del src, dst
+        if cuda:
+            torch.cuda.empty_cache()
+            # torch keeps freed pinned blocks cached: give the host RAM back to the host tier
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        return {"floor_s": out}
+
+    ops = {"publish": publish, "load": load, "safetensors": safetensors, "floor": floor}
+    print(REPLY + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            out = ops[cmd["op"]](cmd)
+        except Exception:  # noqa: BLE001 - the orchestrator records it (a failed load is a result)
+            out = {"error": traceback.format_exc()}
+        print(REPLY + json.dumps(out), flush=True)
+
+
+class Worker:
+    def __init__(self, socket_path: str, backend: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE), "--worker", socket_path, "--backend", backend],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise RuntimeError(f"the worker exited ({self.proc.wait()})")
+
+    def call(self, op: str, **kwargs) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(120)
+
+
+# -- PyTorch's caching allocator on the same trace -------------------------------------------------
+
+
+def torch_fragmentation_main(spec_path: str) -> None:
+    """Run in its own process, PYTORCH_CUDA_ALLOC_CONF set by the parent."""
+    from collections import OrderedDict
+
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget, cap = spec["budget"], spec["cap"]
+    torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    shapes, sizes = spec["shapes"], spec["bytes"]  # per model: tensor shapes; gms's byte count
+    resident: OrderedDict[int, list] = OrderedDict()
+    used = 0
+    counts = {"loads": 0, "hits": 0, "ooms": 0, "empty_cache_calls": 0, "extra_evictions": 0,
+              "failed_loads": 0, "evictions": 0}
+    first_oom = None
+    oom_loads = []
+    load_s = []
+    hits = []
+    peak_gap = 0  # reserved - allocated: bytes the arena holds but no tensor uses
+
+    def evict_lru() -> None:
+        nonlocal used
+        model, tensors = resident.popitem(last=False)
+        tensors.clear()
+        used -= sizes[model]
+        counts["evictions"] += 1
+
+    for model in spec.get("initial", []):  # gms's GPU as the trace started, LRU first
+        resident[model] = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for shape in shapes[model]]
+        used += sizes[model]
+    t_start = time.perf_counter()
+    truncated = False
+    for i, model in enumerate(spec["trace"]):
+        if time.perf_counter() - t_start > (spec.get("limit_s") or 1e9):
+            truncated = True
+            break
+        counts["loads"] += 1
+        if model in resident:
+            resident.move_to_end(model)
+            counts["hits"] += 1
+            hits.append(True)
+            continue
+        hits.append(False)
+        while resident and used + sizes[model] > budget:
+            evict_lru()
+        t0 = time.perf_counter()
+        emptied, ooms_here = False, 0
+        while True:
+            tensors = []
+            try:
+                for shape in shapes[model]:
+                    tensors.append(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+                break
+            except torch.OutOfMemoryError:
+                counts["ooms"] += 1
+                ooms_here += 1
+                allocated = torch.cuda.memory_allocated() - sum(t.nbytes for t in tensors)
+                if first_oom is None:
+                    first_oom = {"load": i, "model": model, "need": sizes[model], "cap": cap,
+                                 "allocated_by_models": allocated, "free_in_cap": cap - allocated,
+                                 "reserved": torch.cuda.memory_reserved()}
+                tensors.clear()
+                if not emptied:  # the allocator has flushed its free blocks already; ask again
+                    torch.cuda.empty_cache()
+                    counts["empty_cache_calls"] += 1
+                    emptied = True
+                elif resident:
+                    evict_lru()
+                    counts["extra_evictions"] += 1
+                else:
+                    counts["failed_loads"] += 1
+                    tensors = None
+                    break
+        torch.cuda.synchronize()
+        load_s.append(time.perf_counter() - t0)
+        if ooms_here:
+            oom_loads.append(i)
+        if tensors is not None:
+            resident[model] = tensors
+            used += sizes[model]
+        peak_gap = max(peak_gap, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+    stats = torch.cuda.memory_stats()
+    print(json.dumps({
+        **counts,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "budget": budget, "cap": cap, "seconds": time.perf_counter() - t_start, "truncated": truncated,
+        "first_oom": first_oom, "loads_with_oom": oom_loads[:200], "loads_with_oom_count": len(oom_loads),
+        "allocator_cache_flushes": stats.get("num_alloc_retries", 0),
+        "allocator_ooms": stats.get("num_ooms", 0),
+        "device_mallocs": stats.get("num_device_alloc"), "device_frees": stats.get("num_device_free"),
+        "peak_reserved_minus_allocated": peak_gap,
+        "load_p50_ms": _pct(load_s, 0.5) * 1e3 if load_s else None,
+        "load_p99_ms": _pct(load_s, 0.99) * 1e3 if load_s else None,
+        "hit_sequence": hits,
+    }))
+
+
+def compact(value):
+    """Floats to 7 decimals (0.1 µs in seconds): the per-request rows stay readable in git."""
+    if isinstance(value, float):
+        return round(value, 7)
+    if isinstance(value, dict):
+        return {k: compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [compact(v) for v in value]
+    return value
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_torch_fragmentation(mode: str, spec: dict, directory: str) -> dict:
+    path = os.path.join(directory, "torch_spec.json")
+    Path(path).write_text(json.dumps(spec))
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"expandable_segments:{'True' if mode == 'expandable' else 'False'}")
+    out = subprocess.run([sys.executable, str(HERE), "--torch-fragmentation", path], env=env,
+                         capture_output=True, text=True, timeout=1200, check=False)
+    if out.returncode != 0:
+        return {"error": out.stderr[-3000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the trace -----------------------------------------------------------------------------------
+
+
+def popularity(models: int, seed: int) -> list[int]:
+    """rank -> model: which model is the most popular, the next, ..."""
+    order = list(range(models))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def zipf_trace(order: list[int], exponent: float, length: int, seed: int) -> list[int]:
+    rng = random.Random(f"{seed}-{exponent}")
+    weights = [1 / (rank + 1) ** exponent for rank in range(len(order))]
+    return [order[rank] for rank in rng.choices(range(len(order)), weights, k=length)]
+
+
+def run_trace(server_socket: str, worker: Worker | None, backend: str, catalog: list[dict], trace: list[int],
+              budget: int, fresh: bool, label: str, deadline: float = float("inf")) -> list[dict]:
+    from gms import get_event_history, get_runtime_state
+
+    rows = []
+    for i, model in enumerate(trace):
+        if time.perf_counter() > deadline and i >= 50:
+            print(f"  {label}: the time limit cuts the trace at {i} requests", flush=True)
+            break
+        entry = catalog[model]
+        before = get_runtime_state(server_socket)
+        layout = before.layout(entry["name"])
+        reader = Worker(server_socket, backend) if fresh else worker
+        try:
+            got = reader.call("load", layout=entry["name"], checks=entry["checks"])
+        finally:
+            if fresh:
+                reader.close()
+        after = get_runtime_state(server_socket)
+        evictions = sum(r.evictions for r in after.layouts) - sum(r.evictions for r in before.layouts)
+        restored = after.layout(entry["name"]).restores > layout.restores
+        row = {"i": i, "model": model, "bytes": entry["bytes"], "hit": not restored and "error" not in got,
+               "tier_before": layout.tier, "evictions": evictions, "used_frac": after.used_bytes / budget}
+        if "error" in got:
+            row["error"] = got["error"][-2000:]
+        else:
+            row.update({k: got[k] for k in ("total_s", "connect_s", "import_s", "manager_s", "verified")})
+        if restored:  # where the restore's time went, from the event log's stamps
+            stamps = {e.kind: e.mono_ns for e in get_event_history(server_socket, before.last_event_seq).events
+                      if e.layout == entry["name"]}
+            if {"RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED"} <= stamps.keys():
+                row["server_s"] = (stamps["RESTORE_LOADING"] - stamps["RESTORE_CLAIMED"]) / 1e9  # evict, create
+                row["copy_s"] = (stamps["RESTORE_FINISHED"] - stamps["RESTORE_LOADING"]) / 1e9  # map, copy, sync
+        rows.append(row)
+        if (i + 1) % 100 == 0:
+            print(f"  {label}: {i + 1}/{len(trace)}", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], floors: dict[int, float]) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    hits = [r["total_s"] for r in ok if r["hit"]]
+    restores = [r for r in ok if not r["hit"]]
+    ratios = [r["total_s"] / floors[r["bytes"]] for r in restores]
+    out = {
+        "requests": len(rows), "failures": len(rows) - len(ok), "hit_rate": len(hits) / len(ok) if ok else float("nan"),
+        "hits": len(hits), "restores": len(restores),
+        "unverified": sum(1 for r in ok if r["verified"] is False),
+        "evictions": sum(r["evictions"] for r in rows),
+    }
+    if hits:
+        out.update(hit_p50_ms=_pct(hits, 0.5) * 1e3, hit_p99_ms=_pct(hits, 0.99) * 1e3, hit_max_ms=max(hits) * 1e3)
+    if restores:
+        times = [r["total_s"] for r in restores]
+        out.update(
+            restore_p50_ms=_pct(times, 0.5) * 1e3, restore_p99_ms=_pct(times, 0.99) * 1e3,
+            restore_gib_per_s_p50=_pct([r["bytes"] / GiB / r["total_s"] for r in restores], 0.5),
+            restore_vs_floor_p50=_pct(ratios, 0.5), restore_vs_floor_p99=_pct(ratios, 0.99),
+            restore_vs_floor_max=max(ratios),
+        )
+    by_size = {}
+    for size in sorted({r["bytes"] for r in restores}):
+        times = [r["total_s"] for r in restores if r["bytes"] == size]
+        by_size[str(size)] = {"n": len(times), "p50_ms": _pct(times, 0.5) * 1e3, "floor_ms": floors[size] * 1e3,
+                              "vs_floor_p50": _pct(times, 0.5) / floors[size],
+                              "gib_per_s_p50": size / GiB / _pct(times, 0.5),
+                              "floor_gib_per_s": size / GiB / floors[size]}
+    out["restores_by_size"] = by_size
+    return out
+
+
+def publish_catalog(socket_path: str, backend: str, catalog: list[dict], seed: int) -> None:
+    """Every model once, residency system, from a process that then exits."""
+    publisher = Worker(socket_path, backend)
+    try:
+        for n, entry in enumerate(catalog):
+            got = publisher.call("publish", layout=entry["name"], shapes=entry["shapes"],
+                                 seed=seed * 1000 + n, residency="system")
+            if "error" in got:
+                raise RuntimeError(f"publishing {entry['name']} failed:\n{got['error']}")
+            entry.update(got)
+            print(f"published {entry['name']}: {got['bytes'] / GiB:.2f} GiB in {got['publish_s']:.2f} s "
+                  f"(commit with the host copy {got['commit_s']:.2f} s)", flush=True)
+    finally:
+        publisher.close()
+
+
+def safetensors_phase(worker: Worker, catalog: list[dict], st_sizes: list[float], directory: str,
+                      results: dict) -> None:
+    """The same models from safetensors files: page cache, then cold."""
+    for size in st_sizes:
+        entry = next((e for e in catalog if e["nominal"] == size), None)
+        if entry is None:
+            print(f"safetensors: no model of size {size:g} in the catalog; skipped", flush=True)
+            continue
+        path = os.path.join(directory, f"{entry['name']}.safetensors")
+        write_safetensors(path, entry["shapes"])
+        try:
+            read_through(path)
+            cached = min(worker.call("safetensors", path=path)["total_s"] for _ in range(2))
+            dropped = drop_from_page_cache(path)
+            cold = worker.call("safetensors", path=path)["total_s"]
+        finally:
+            os.unlink(path)
+        results["safetensors"].append({"model": entry["name"], "bytes": entry["bytes"], "cached_s": cached,
+                                       "cold_s": cold, "drop_caches": dropped})
+        print(f"safetensors {entry['name']}: cached {cached:.2f} s, cold {cold:.2f} s "
+              f"(drop_caches {'ok' if dropped else 'refused: fadvise only'})", flush=True)
+
+
+def report(results: dict, floors: dict[int, float]) -> None:
+    from _common import print_table
+
+    from gms.units import format_bytes
+
+    traces = results["traces"]
+    print_table(
+        f"on-demand: catalog {results['catalog_bytes'] / GiB:.2f} GiB, budget {results['budget'] / GiB:.2f} GiB "
+        f"({results['catalog_over_budget']:.1f}x); ms until usable",
+        [(t["exponent"], t["summary"]["requests"], f"{t['summary']['hit_rate']:.2f}",
+          f"{t['summary'].get('hit_p50_ms', float('nan')):.1f}", f"{t['summary'].get('hit_p99_ms', float('nan')):.1f}",
+          f"{t['summary'].get('restore_p50_ms', float('nan')):.1f}",
+          f"{t['summary'].get('restore_p99_ms', float('nan')):.1f}",
+          f"{t['summary'].get('restore_gib_per_s_p50', float('nan')):.1f}",
+          f"{t['summary'].get('restore_vs_floor_p50', float('nan')):.2f}x",
+          t["summary"]["failures"], t["summary"]["unverified"]) for t in traces],
+        header=("zipf s", "requests", "hit rate", "hit p50", "hit p99", "restore p50", "restore p99",
+                "restore GiB/s", "vs floor", "failed", "bad bytes"),
+    )
+    # Restores of each model size over every trace, against its floor and safetensors.
+    rows = []
+    for size in sorted(floors):
+        times = [r["total_s"] for t in traces for r in t["rows"] if r["bytes"] == size and not r["hit"] and "error" not in r]
+        st = next((s for s in results["safetensors"] if s["bytes"] == size), None)
+        entry = {"bytes": size, "restores": len(times), "floor_s": floors[size],
+                 "floor_gib_per_s": size / GiB / floors[size]}
+        if times:
+            p50 = _pct(times, 0.5)
+            entry.update(restore_p50_s=p50, restore_p99_s=_pct(times, 0.99), vs_floor_p50=p50 / floors[size],
+                         restore_gib_per_s_p50=size / GiB / p50)
+            parts = [r for t in traces for r in t["rows"] if r["bytes"] == size and "copy_s" in r]
+            if parts:
+                copy = _pct([r["copy_s"] for r in parts], 0.5)
+                entry.update(copy_p50_s=copy, copy_vs_floor_p50=copy / floors[size],
+                             server_p50_s=_pct([r["server_s"] for r in parts], 0.5))
+        if st:
+            entry.update(safetensors_cached_s=st["cached_s"], safetensors_cold_s=st["cold_s"])
+            if times:
+                entry.update(cached_vs_restore=st["cached_s"] / entry["restore_p50_s"],
+                             cold_vs_restore=st["cold_s"] / entry["restore_p50_s"])
+        rows.append(entry)
+    results["by_size"] = rows
+    print_table(
+        "restores by model size, every trace",
+        [(format_bytes(r["bytes"]), r["restores"], f"{r.get('restore_p50_s', float('nan')) * 1e3:.1f}",
+          f"{r.get('restore_p99_s', float('nan')) * 1e3:.1f}", f"{r['floor_s'] * 1e3:.1f}",
+          f"{r.get('vs_floor_p50', float('nan')):.2f}x", f"{r.get('server_p50_s', float('nan')) * 1e3:.1f}",
+          f"{r.get('copy_p50_s', float('nan')) * 1e3:.1f}", f"{r.get('copy_vs_floor_p50', float('nan')):.2f}x",
+          f"{r.get('restore_gib_per_s_p50', float('nan')):.2f}",
+          f"{r['floor_gib_per_s']:.2f}", f"{r['safetensors_cached_s'] * 1e3:.0f}" if "safetensors_cached_s" in r else "-",
+          f"{r['safetensors_cold_s'] * 1e3:.0f}" if "safetensors_cold_s" in r else "-") for r in rows],
+        header=("model", "restores", "p50 ms", "p99 ms", "floor ms", "p50 / floor", "server ms", "copy ms",
+                "copy / floor", "GiB/s", "floor GiB/s",
+                "safetensors cached ms", "cold ms"),
+    )
+    frag = results["fragmentation"]
+    if "gms" in frag:
+        g = frag["gms"]
+        lines = [("gms", g["loads"], g["failures"], "-", "-", "-", "-", f"{g['occupancy_mean']:.2f}")]
+        if isinstance(frag.get("torch"), dict):
+            for mode, t in frag["torch"].items():
+                lines.append((f"torch, {mode}", t.get("loads"), t.get("failed_loads"), t.get("ooms"),
+                              t.get("loads_with_oom_count"), t.get("allocator_cache_flushes"),
+                              t.get("extra_evictions"), "-"))
+        print_table("fragmentation: the same trace", lines,
+                    header=("allocator", "loads", "failed", "OOMs", "loads with OOM", "cache flushes",
+                            "extra evictions", "occupancy"))
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="host", choices=("host", "cuda"))
+    parser.add_argument("--quick", action="store_true", help="a smaller catalog and shorter traces")
+    parser.add_argument("--sizes", help="model sizes, in --unit (default: see DEFAULTS)")
+    parser.add_argument("--unit", choices=("GiB", "MiB"))
+    parser.add_argument("--budget", help="gms serve --gpu-budget")
+    parser.add_argument("--exponents", default="0.8,1.1,1.5")
+    parser.add_argument("--requests", type=int, default=None, help="requests per exponent (default 100)")
+    parser.add_argument("--frag-loads", type=int, default=None, help="the fragmentation trace's length (1000)")
+    parser.add_argument("--frag-exponent", type=float, default=1.1)
+    parser.add_argument("--safetensors-sizes", help="models (by size, in --unit) also loaded from safetensors")
+    parser.add_argument("--torch-modes", default="arena,expandable", help="'' to skip PyTorch's allocator")
+    parser.add_argument("--fresh-readers", action="store_true", help="a new reader process per request (slow)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds for the whole run (default 420 on cuda): the long trace stops early "
+                             "to leave time for PyTorch's allocator, and says so")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--dir", default=None, help="where safetensors files go (default: a temp folder)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", metavar="SOCKET", help=argparse.SUPPRESS)
+    parser.add_argument("--torch-fragmentation", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(args.worker, args.backend)
+    if args.torch_fragmentation:
+        return torch_fragmentation_main(args.torch_fragmentation)
+
+    sys.path.insert(0, str(HERE.parent))
+    from _common import Server, cpu_name, write_json
+
+    from gms import get_runtime_state
+    from gms.units import parse_bytes
+
+    t_run = time.perf_counter()
+    limit = args.time_limit or (420.0 if args.backend == "cuda" else None)
+    modes = [m for m in args.torch_modes.split(",") if m] if args.backend == "cuda" else []
+    # The long trace leaves this much of the limit to PyTorch's allocator runs.
+    torch_reserve = 60.0 * len(modes)
+    preset = (QUICK if args.quick else DEFAULTS)[args.backend]
+    unit = args.unit or preset["unit"]
+    scale = GiB if unit == "GiB" else MiB
+    sizes = [float(s) for s in (args.sizes or preset["sizes"]).split(",")]
+    budget = parse_bytes(args.budget or preset["budget"])
+    requests = args.requests or (30 if args.quick else 100)
+    frag_loads = args.frag_loads or (200 if args.quick else 1000)
+    exponents = [float(e) for e in args.exponents.split(",")]
+    st_sizes = [float(s) for s in (args.safetensors_sizes if args.safetensors_sizes is not None
+                                   else preset["safetensors"]).split(",") if s]
+    json_path = args.json or f"bench/results/on_demand_{args.backend}.json"
+
+    catalog = []
+    for n, size in enumerate(sizes):
+        shapes = shapes_for(int(size * scale), unit)
+        catalog.append({"name": f"m{n}-{size:g}{unit.lower()}", "nominal": size, "unit": unit, "shapes": shapes,
+                        "tensor_bytes": sum(nbytes(s) for _, s in shapes)})
+    import torch
+
+    results: dict = {
+        "backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "budget": budget, "seed": args.seed, "exponents": exponents, "frag_exponent": args.frag_exponent,
+        "reader": "a fresh process per request" if args.fresh_readers else
+                  "one worker process (torch, CUDA up), a new manager and connection per request",
+        "time_limit_s": limit, "traces": [], "safetensors": [], "fragmentation": {},
+    }
+    if args.backend == "cuda":
+        results["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True, check=False).stdout.strip()
+
+    def save() -> None:
+        results["seconds"] = time.perf_counter() - t_run
+        write_json(json_path, compact(results))
+
+    def left() -> float:
+        return float("inf") if limit is None else limit - (time.perf_counter() - t_run)
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        with Server(directory, args.backend, "ondemand", "--gpu-budget", str(budget)) as server:
+            publish_catalog(server.socket, args.backend, catalog, args.seed)
+            total = sum(e["bytes"] for e in catalog)
+            state = get_runtime_state(server.socket)
+            results.update(
+                catalog=[{k: v for k, v in e.items() if k not in ("shapes", "checks")} for e in catalog],
+                catalog_bytes=total, catalog_over_budget=total / budget,
+                capacity_bytes=state.capacity_bytes, host_tier_bytes=state.host_used_bytes,
+            )
+            print(f"catalog {total / GiB:.2f} GiB = {total / budget:.2f}x the budget of {budget / GiB:.2f} GiB",
+                  flush=True)
+            order = popularity(len(catalog), args.seed)
+            results["popularity"] = [catalog[m]["name"] for m in order]
+            # The long (fragmentation) trace runs last, so a time limit cuts it, not the rest.
+            plan = [(e, requests) for e in exponents if e != args.frag_exponent]
+            if frag_loads or args.frag_exponent in exponents:
+                plan.append((args.frag_exponent, max(frag_loads, requests if args.frag_exponent in exponents else 0)))
+            worker = None if args.fresh_readers else Worker(server.socket, args.backend)
+            helper = worker or Worker(server.socket, args.backend)  # floors and safetensors
+            try:
+                got = helper.call("floor", sizes=sorted({e["bytes"] for e in catalog}), repeats=3)["floor_s"]
+                results["floor_touched_s"] = got["touched"]
+                if args.backend == "cuda":
+                    results["floor_kind"] = "torch pinned host memory -> GPU, copy_ into a tensor, best of 3"
+                    floors = {int(k): v for k, v in got["touched"].items()}
+                else:
+                    results["floor_kind"] = ("host backend, no PCIe: memcpy into new memfd pages (as a restore "
+                                             "copies), best of 3; floor_touched_s: into pages touched before")
+                    floors = {int(k): v for k, v in got["fresh"].items()}
+                results["floor_s"] = {str(k): v for k, v in floors.items()}
+                for n, (exponent, length) in enumerate(plan):
+                    last = n == len(plan) - 1
+                    if last:  # before the long trace, which the time limit may cut
+                        safetensors_phase(helper, catalog, st_sizes, directory, results)
+                        save()
+                    deadline = time.perf_counter() + left() - torch_reserve if last else float("inf")
+                    trace = zipf_trace(order, exponent, length, args.seed)
+                    # What is on the GPU as the trace starts, least recently used first
+                    # (PyTorch's run of the same trace starts from the same set).
+                    names = [e["name"] for e in catalog]
+                    initial = [names.index(r.name) for r in sorted(
+                        (r for r in get_runtime_state(server.socket).layouts if r.tier == "gpu"),
+                        key=lambda r: -(r.last_use_s or 0.0))]
+                    t0 = time.perf_counter()
+                    rows = run_trace(server.socket, worker, args.backend, catalog, trace, budget,
+                                     args.fresh_readers, f"s={exponent}", deadline)
+                    summary = summarize(rows, floors)
+                    summary["seconds"] = time.perf_counter() - t0
+                    summary["truncated"] = len(rows) < len(trace)
+                    results["traces"].append({"exponent": exponent, "trace": trace[: len(rows)],
+                                              "initial_resident": initial, "summary": summary, "rows": rows})
+                    print(f"s={exponent}: {len(rows)} requests{' (cut by the time limit)' if summary['truncated'] else ''}, "
+                          f"hit rate {summary['hit_rate']:.2f}, hits p50 {summary.get('hit_p50_ms', float('nan')):.1f} ms, "
+                          f"restores p50 {summary.get('restore_p50_ms', float('nan')):.1f} ms "
+                          f"({summary.get('restore_vs_floor_p50', float('nan')):.2f}x the floor), "
+                          f"failures {summary['failures']}", flush=True)
+                    save()
+                if not plan:
+                    safetensors_phase(helper, catalog, st_sizes, directory, results)
+            finally:
+                if helper is not worker:
+                    helper.close()
+                if worker:
+                    worker.close()
+        # -- fragmentation: gms (the long trace above), then PyTorch's allocator on the same trace
+        frag = next((t for t in results["traces"] if t["exponent"] == args.frag_exponent), None)
+        if frag:
+            used = [r["used_frac"] for r in frag["rows"]]
+            results["fragmentation"]["gms"] = {
+                "loads": len(frag["rows"]), "failures": frag["summary"]["failures"],
+                "restores": frag["summary"]["restores"], "evictions": frag["summary"]["evictions"],
+                "occupancy_mean": statistics.fmean(used), "occupancy_min_after_warmup": min(used[len(used) // 10:]),
+            }
+            if args.backend != "cuda":
+                results["fragmentation"]["torch"] = "not run: PyTorch's caching allocator needs CUDA"
+            elif modes:
+                spec = {"budget": budget, "cap": int(budget / 0.95), "trace": frag["trace"],
+                        "initial": frag["initial_resident"],
+                        "shapes": [[s for _, s in e["shapes"]] for e in catalog], "bytes": [e["bytes"] for e in catalog]}
+                gms_hits = [r["hit"] for r in frag["rows"]]
+                results["fragmentation"]["torch"] = {}
+                for n, mode in enumerate(modes):
+                    spec["limit_s"] = max(20.0, (left() - 10) / (len(modes) - n))
+                    got = run_torch_fragmentation(mode, spec, directory)
+                    if "hit_sequence" in got:
+                        hits = got.pop("hit_sequence")
+                        got["same_hits_as_gms"] = hits == gms_hits[: len(hits)]
+                    results["fragmentation"]["torch"][mode] = got
+                    print(f"torch ({mode}): {got.get('ooms')} OOMs on {got.get('loads_with_oom_count')} loads, "
+                          f"{got.get('allocator_cache_flushes')} cache flushes, {got.get('extra_evictions')} extra "
+                          f"evictions, {got.get('failed_loads')} failed", flush=True)
+                    save()
+    report(results, floors)
+    save()
+
+
+if __name__ == "__main__":
+    main()
