@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 
 from .errors import InvariantViolation
 from .events import (
@@ -37,6 +36,7 @@ from .events import (
     RwConnect,
 )
 from .layout_hash import compute_layout_hash
+from .replace import replace
 from .state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 
 
@@ -86,7 +86,7 @@ def _rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
     residency = _residency(state, event, event.residency)
     if residency is Residency.SYSTEM and not _host_copies_complete(state):
         raise _refuse(state, event, "residency system without a host copy of every allocation")
-    return attrs.evolve(
+    return replace(
         state, writer=None, committed=True, layout_hash=event.layout_hash,
         residency=residency, loads=state.loads + 1,
     )
@@ -104,13 +104,13 @@ def _ro_connect(state: LayoutState, event: RoConnect) -> LayoutState:
         raise _refuse(state, event, "layout is not on the GPU")
     if event.conn in state.readers:
         raise _refuse(state, event, "already a reader")
-    return attrs.evolve(state, readers=state.readers | {event.conn})
+    return replace(state, readers=state.readers | {event.conn})
 
 
 def _ro_disconnect(state: LayoutState, event: RoDisconnect) -> LayoutState:
     if event.conn not in state.readers:
         raise _refuse(state, event, "not a reader")
-    return attrs.evolve(state, readers=state.readers - {event.conn})
+    return replace(state, readers=state.readers - {event.conn})
 
 
 # -- the writer's layout --------------------------------------------------------------
@@ -127,7 +127,7 @@ def _allocation_created(state: LayoutState, event: AllocationCreated) -> LayoutS
     allocation = Allocation(
         event.allocation_id, event.size, event.aligned_size, event.tag, event.layout_slot
     )
-    return attrs.evolve(
+    return replace(
         state,
         allocations=state.allocations.set(event.allocation_id, allocation),
         next_layout_slot=event.layout_slot + 1,
@@ -147,7 +147,7 @@ def _allocation_freed(state: LayoutState, event: AllocationFreed) -> LayoutState
     if event.allocation_id in host_copies:
         host_bytes -= host_copies[event.allocation_id]
         host_copies = host_copies.delete(event.allocation_id)
-    return attrs.evolve(
+    return replace(
         state,
         allocations=state.allocations.delete(event.allocation_id),
         held_bytes=state.held_bytes - allocation.aligned_size,
@@ -164,14 +164,14 @@ def _metadata_put(state: LayoutState, event: MetadataPut) -> LayoutState:
     if not 0 <= event.offset_bytes < allocation.size:
         raise _refuse(state, event, f"offset {event.offset_bytes} outside {allocation.size}")
     entry = MetadataEntry(event.key, event.allocation_id, event.offset_bytes, event.value)
-    return attrs.evolve(state, metadata=state.metadata.set(event.key, entry))
+    return replace(state, metadata=state.metadata.set(event.key, entry))
 
 
 def _metadata_deleted(state: LayoutState, event: MetadataDeleted) -> LayoutState:
     _require_writer(state, event)
     if event.key not in state.metadata:
         raise _refuse(state, event, f"unknown key {event.key!r}")
-    return attrs.evolve(state, metadata=state.metadata.delete(event.key))
+    return replace(state, metadata=state.metadata.delete(event.key))
 
 
 def _host_copy_created(state: LayoutState, event: HostCopyCreated) -> LayoutState:
@@ -181,7 +181,7 @@ def _host_copy_created(state: LayoutState, event: HostCopyCreated) -> LayoutStat
         raise _refuse(state, event, f"unknown allocation {event.allocation_id!r}")
     if event.allocation_id in state.host_copies:
         raise _refuse(state, event, f"allocation {event.allocation_id!r} has a host copy")
-    return attrs.evolve(
+    return replace(
         state,
         host_copies=state.host_copies.set(event.allocation_id, allocation.aligned_size),
         host_bytes=state.host_bytes + allocation.aligned_size,
@@ -203,7 +203,7 @@ def _residency_set(state: LayoutState, event: ResidencySet) -> LayoutState:
     residency = _residency(state, event, event.residency)
     if residency is Residency.SYSTEM and not _host_copies_complete(state):
         raise _refuse(state, event, "residency system without a host copy of every allocation")
-    return attrs.evolve(state, residency=residency)
+    return replace(state, residency=residency)
 
 
 def _layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
@@ -215,28 +215,28 @@ def _layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
     if state.residency is Residency.UNPINNED:
         # No host copy: its next user reloads it from wherever it came from.
         return state.fresh(evictions=state.evictions + 1)
-    return attrs.evolve(state, tier=Tier.HOST, evictions=state.evictions + 1)
+    return replace(state, tier=Tier.HOST, evictions=state.evictions + 1)
 
 
 def _restore_claimed(state: LayoutState, event: RestoreClaimed) -> LayoutState:
     _idle_committed(state, event)
     if state.tier is not Tier.HOST or state.restorer is not None:
         raise _refuse(state, event, "not an evicted layout awaiting a restorer")
-    return attrs.evolve(state, restorer=event.conn)
+    return replace(state, restorer=event.conn)
 
 
 def _restore_loading(state: LayoutState, event: RestoreLoading) -> LayoutState:
     _require_restorer(state, event)
     if state.tier is not Tier.HOST:
         raise _refuse(state, event, "GPU memory exists already")
-    return attrs.evolve(state, tier=Tier.RESTORING)
+    return replace(state, tier=Tier.RESTORING)
 
 
 def _restore_finished(state: LayoutState, event: RestoreFinished) -> LayoutState:
     _require_restorer(state, event)
     if state.tier is not Tier.RESTORING:
         raise _refuse(state, event, "no GPU memory was filled")
-    return attrs.evolve(
+    return replace(
         state,
         tier=Tier.GPU,
         restorer=None,
@@ -247,7 +247,7 @@ def _restore_finished(state: LayoutState, event: RestoreFinished) -> LayoutState
 
 def _restore_aborted(state: LayoutState, event: RestoreAborted) -> LayoutState:
     _require_restorer(state, event)
-    return attrs.evolve(state, tier=Tier.HOST, restorer=None)
+    return replace(state, tier=Tier.HOST, restorer=None)
 
 
 # -- observations ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from .events import (
     SessionRefused,
 )
 from .folding import fold_layout
+from .replace import replace
 from .state import LayoutState
 
 DEFAULT_TENANT = "default"
@@ -57,7 +58,7 @@ class SessionInfo:
     limit_bytes: int | None = None
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
 class TenantState:
     name: str
     quota_bytes: int | None = None  # None: unlimited
@@ -65,7 +66,7 @@ class TenantState:
     sessions: int = 0
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
 class NodeState:
     started: bool = False
     capacity_bytes: int | None = None
@@ -103,7 +104,7 @@ def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     if node.started:
         raise _refuse(node, event, "the server has started already")
     tenants = Map({name: TenantState(name, quota) for name, quota in event.quotas.items()})
-    return attrs.evolve(
+    return replace(
         node,
         started=True,
         capacity_bytes=event.capacity_bytes,
@@ -124,10 +125,10 @@ def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
     session = SessionInfo(
         event.layout, event.tenant, event.uid, event.gid, event.pid, event.lock_type, event.limit_bytes
     )
-    return attrs.evolve(
+    return replace(
         node,
         sessions=node.sessions.set(event.conn, session),
-        tenants=node.tenants.set(tenant.name, attrs.evolve(tenant, sessions=tenant.sessions + 1)),
+        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions + 1)),
     )
 
 
@@ -138,10 +139,10 @@ def _session_closed(node: NodeState, event: SessionClosed) -> NodeState:
     if node.layout(event.layout).holds_lock(event.conn):
         raise _refuse(node, event, "the session still holds a lock")
     tenant = node.tenants[session.tenant]
-    return attrs.evolve(
+    return replace(
         node,
         sessions=node.sessions.delete(event.conn),
-        tenants=node.tenants.set(tenant.name, attrs.evolve(tenant, sessions=tenant.sessions - 1)),
+        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions - 1)),
     )
 
 
@@ -168,7 +169,7 @@ def _charge(tenants: Map, name: str | None, delta: int, event: Event) -> Map:
     tenant = tenants.get(name)
     if tenant is None:
         raise InvariantViolation(f"{event.KIND}: layout owned by unknown tenant {name!r}")
-    return tenants.set(name, attrs.evolve(tenant, used_bytes=tenant.used_bytes + delta))
+    return tenants.set(name, replace(tenant, used_bytes=tenant.used_bytes + delta))
 
 
 def _settle(
@@ -184,7 +185,7 @@ def _settle(
         layouts = node.layouts.delete(after.name) if after.name in node.layouts else node.layouts
     else:
         layouts = node.layouts.set(after.name, after)
-    return attrs.evolve(
+    return replace(
         node,
         layouts=layouts,
         tenants=tenants,
@@ -204,9 +205,9 @@ def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
             raise _refuse(node, event, f"no session on layout {event.layout!r}")
     after = fold_layout(before, event)
     if isinstance(event, RwConnect):
-        after = attrs.evolve(after, owner=node.sessions[event.conn].tenant)
-    if isinstance(event, _USES):
-        after = attrs.evolve(after, last_use=tick)
+        after = replace(after, owner=node.sessions[event.conn].tenant, last_use=tick)
+    elif isinstance(event, _USES):
+        after = replace(after, last_use=tick)
     return _settle(node, before, after, event, tick)
 
 
@@ -217,7 +218,7 @@ def fold(node: NodeState, event: Event) -> NodeState:
     step = _NODE_STEPS.get(type(event))
     if step is None:
         return _layout_event(node, event, tick)
-    return attrs.evolve(step(node, event), tick=tick)
+    return replace(step(node, event), tick=tick)
 
 
 def fold_all(events: Iterable[Event], state: NodeState = EMPTY_NODE) -> NodeState:

@@ -56,7 +56,7 @@ class MetadataEntry:
     value: bytes
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
 class LayoutState:
     name: str
     writer: int | None = None

@@ -272,8 +272,7 @@ class ServiceCore:
         ``alive`` is asked before a grant: False drops the waiter instead."""
         layout = self._session(conn).layout
         self._waiting.setdefault(layout, {})[conn] = Waiter(requested, on_grant, alive)
-        self._grant_waiters(layout)
-        self._refresh_waiting(layout)
+        self._grant_waiters(layout)  # refreshes the waiting view
 
     def cancel_lock_request(self, conn: int) -> None:
         session = self.state.sessions.get(conn)
@@ -283,8 +282,8 @@ class ServiceCore:
         if queue.pop(conn, None) is not None:
             if not queue:
                 del self._waiting[session.layout]
-            self._grant_waiters(session.layout)  # a writer leaving the queue may unblock readers
             self._refresh_waiting(session.layout)
+            self._grant_waiters(session.layout)  # a writer leaving the queue may unblock readers
 
     def _grant_waiters(self, layout: str) -> None:
         queue = self._waiting.get(layout)
