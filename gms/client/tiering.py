@@ -9,10 +9,13 @@ context); the client that needs the bytes moved does it:
   into the fresh GPU memory (host to device), then says so.
 
 On CUDA the host copies are pinned memory (``cuMemCreate`` on the host NUMA
-node), mapped here without registration, so the copies run at PCIe speed;
-mapping the next allocation overlaps the copy of the last (copies are
-asynchronous, one synchronize at the end).  On the host backend both tiers
-are memfd and a copy is a ``memmove``.
+node), mapped here without registration, so the copies run at PCIe speed.
+Mapping a host copy is the dearest step of a transfer (its set-access costs
+about 8 ms per GiB on the H100 host against 20 ms per GiB of copying:
+``bench/restore_copy_probe.py``), so host copies are mapped one at a time,
+each while the copy of the one before runs (copies are asynchronous, one
+synchronize at the end).  On the host backend both tiers are memfd and a
+copy is a ``memmove``.
 """
 
 from __future__ import annotations
@@ -57,17 +60,19 @@ class _Scratch:
         self.mapped += zip(vas, sizes, handles)
         return vas
 
-    def map_host(self, infos, fds: list[int]) -> list[int]:
-        sizes = [info.aligned_size for info in infos]
-        vas = self._reserve(sizes)
-        for n, (fd, va, size) in enumerate(zip(fds, vas, sizes)):
-            try:
-                handle = self.mapper.map_host(fd, va, size)
-            except BaseException:
-                _close_all(fds[n + 1 :])
-                raise
-            self.mapped.append((va, size, handle))
-        return vas
+    def map_host_each(self, infos, fds: list[int]) -> Iterator[int]:
+        """Map the host copies one by one, yielding each address as it is mapped,
+        so that the caller's copy of one overlaps mapping the next; fds not
+        reached (an error, or the caller stopping early) are closed."""
+        pending = list(zip(fds, self._reserve([info.aligned_size for info in infos]), infos))
+        try:
+            while pending:
+                fd, va, info = pending.pop(0)
+                handle = self.mapper.map_host(fd, va, info.aligned_size)  # consumes the fd
+                self.mapped.append((va, info.aligned_size, handle))
+                yield va
+        finally:
+            _close_all([fd for fd, _, _ in pending])
 
     def close(self) -> None:
         self.mapper.synchronize()
@@ -104,8 +109,7 @@ def restore(call: Call, mapper: Mapper) -> str:
             except BaseException:
                 _close_all(host_fds)
                 raise
-            src = scratch.map_host(host.allocations, host_fds)
-            for info, d, s in zip(gpu.allocations, dst, src):
+            for info, d, s in zip(gpu.allocations, dst, scratch.map_host_each(host.allocations, host_fds)):
                 mapper.copy(d, s, info.aligned_size)
     finally:
         scratch.close()  # synchronizes: every copy has landed
@@ -128,8 +132,7 @@ def fill_host_copies(call: Call, mapper: Mapper, live: dict[str, int]) -> None:
                 gpu, fds = _export(call, m.ExportAllocationsRequest(unmapped), m.ExportAllocationsResponse, len(unmapped))
                 sources.update(zip(unmapped, scratch.map_device(gpu.allocations, fds, writable=False)))
             host, host_fds = _export(call, m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse, len(ids))
-            dst = scratch.map_host(host.allocations, host_fds)
-            for info, d in zip(batch, dst):
+            for info, d in zip(batch, scratch.map_host_each(host.allocations, host_fds)):
                 mapper.copy(d, sources[info.allocation_id], info.aligned_size)
     finally:
         scratch.close()
