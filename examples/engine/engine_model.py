@@ -21,7 +21,7 @@ import time
 import torch
 from engine_kv import GmsKvCache, KvShape
 from engine_options import EngineOptions
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, StaticCache
 
 import gms.torch
 from gms import GMSClientMemoryManager, GrantedLockType, RequestedLockType, StaleMemoryLayoutError
@@ -97,11 +97,16 @@ class Engine:
         self.model = model.eval()
 
     def _warm_up(self) -> None:
-        """One forward without a cache, so the first real request (a shadow's first,
-        right after a failover) does not pay for loading kernels and libraries."""
+        """One token through the model and a static KV cache of the serving shape
+        (plain torch memory, dropped after), so the first real request (a
+        shadow's first, right after a failover) loads no kernels: CUDA loads
+        each lazily, and the cached attention path uses others than a
+        forward without a cache."""
         started = time.perf_counter()
+        cache = StaticCache(config=self.config, max_cache_len=self.options.max_seq_len)
         with torch.inference_mode():
-            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), past_key_values=cache,
+                       cache_position=torch.arange(1, device=self.device), use_cache=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.timings["warm_up_s"] = time.perf_counter() - started
