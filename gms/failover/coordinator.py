@@ -113,6 +113,7 @@ class Coordinator:
         self.restarting: dict[str, trio.Event] = {}
         self.exited: dict[str, float] = {}  # set -> when one of its processes was seen exiting
         self._wakeup = trio.Event()
+        self._probing: trio.CancelScope | None = None  # the monitor's round of probes, while in flight
         self.failovers = 0
 
     def _make_set(self, s) -> EngineSet:
@@ -126,6 +127,8 @@ class Coordinator:
     def _on_exit(self, name: str, rank: int, code: int) -> None:
         self.exited.setdefault(name, time.monotonic())
         self._wakeup.set()  # look now, not at the next tick
+        if self._probing is not None:
+            self._probing.cancel()  # nor after the canaries in flight answer
 
     # -- the whole life ---------------------------------------------------------
 
@@ -203,12 +206,15 @@ class Coordinator:
         while True:
             if not self.lock.try_acquire(self.serving):  # renews a Lease
                 raise LostServingLock(f"the serving lock is held by {self.lock.holder()!r}")
-            failure = await self._check_serving()
+            failure = None
+            with trio.CancelScope() as self._probing:  # an exit cancels it: it is looked at at once
+                failure = await self._check_serving()
+                if failure is None and self.standby not in self.restarting:
+                    await self._check_standby()
+            self._probing = None
             if failure is not None:
                 await self._failover(*failure)
                 continue
-            if self.standby not in self.restarting:
-                await self._check_standby()
             with trio.move_on_after(self.config.interval_s):
                 await self._wakeup.wait()
             self._wakeup = trio.Event()
