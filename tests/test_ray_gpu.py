@@ -1,7 +1,6 @@
 """gms.ray on a real GPU: a one-node Ray cluster placing by bytes, gms holding to them.
 
-Needs Ray on the GPU host (its wheel, about 76 MiB, is past what travels to
-the offline GPU machine: docs/ray.md) and the core's per-session limits.
+Skips without Ray (docs/ray.md says how its wheel reached the offline GPU host).
 """
 
 from __future__ import annotations
