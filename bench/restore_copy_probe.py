@@ -21,9 +21,8 @@ import argparse
 import os
 import time
 
-from cuda.bindings import driver as cu
-
 from _common import write_json
+from cuda.bindings import driver as cu
 
 GiB = 1 << 30
 POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -132,34 +131,24 @@ def main() -> None:
     for i in range(n):
         unmap(dbase + i * GiB, handles[n + i])
 
-    # as a restore: map the GPU memory of GiB i+1 while GiB i copies
-    def overlapped() -> None:
+    def overlapped(fds: list[int], base: int) -> None:
+        """Map GiB i of ``fds`` at ``base``, then copy GiB i: each mapping runs
+        beside the copy before it, as in a restore."""
         mapped = []
-        for i, fd in enumerate(dev_fds):
-            h, _ = map_fd(fd, dbase + i * GiB)
-            mapped.append(h)
+        for i, fd in enumerate(fds):
+            mapped.append(map_fd(fd, base + i * GiB)[0])
             ck(cu.cuMemcpyAsync(dbase + i * GiB, hbase + i * GiB, GiB, streams[0]))
         ck(cu.cuCtxSynchronize())
         for i, h in enumerate(mapped):
-            unmap(dbase + i * GiB, h)
+            unmap(base + i * GiB, h)
 
-    res["map_device_and_copy_overlapped_gibps"] = timed(overlapped)
+    # the host copies mapped, the GPU memory mapped during the copies
+    res["map_device_and_copy_overlapped_gibps"] = timed(lambda: overlapped(dev_fds, dbase))
     for i in range(n):
         unmap(hbase + i * GiB, handles[i])
+    # the GPU memory mapped, the host copies mapped during the copies (gms/client/tiering.py)
     dev = [map_fd(fd, dbase + i * GiB)[0] for i, fd in enumerate(dev_fds)]
-
-    # as a restore now does (gms/client/tiering.py): map host copy i+1 while i copies
-    def host_overlapped() -> None:
-        mapped = []
-        for i, fd in enumerate(host_fds):
-            h, _ = map_fd(fd, hbase + i * GiB)
-            mapped.append(h)
-            ck(cu.cuMemcpyAsync(dbase + i * GiB, hbase + i * GiB, GiB, streams[0]))
-        ck(cu.cuCtxSynchronize())
-        for i, h in enumerate(mapped):
-            unmap(hbase + i * GiB, h)
-
-    res["map_host_and_copy_overlapped_gibps"] = timed(host_overlapped)
+    res["map_host_and_copy_overlapped_gibps"] = timed(lambda: overlapped(host_fds, hbase))
     for i, h in enumerate(dev):
         unmap(dbase + i * GiB, h)
 
