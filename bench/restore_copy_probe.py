@@ -2,8 +2,9 @@
 
 A restore (``gms/client/tiering.py``) imports and maps every allocation's
 GPU memory and its host copy, then copies.  This probe times each part on
-1 GiB allocations, made the way the server makes them (``cuMemCreate`` on
-the GPU and on its host NUMA node, exported as fds), in one process:
+1 GiB allocations, made with the server backend's own allocation
+properties (``cuMemCreate`` on the GPU and on its host NUMA node, exported
+as fds), in one process:
 
 * map      import + map + set-access, device memory and host memory, per GiB
 * copy     host copy -> GPU, already mapped: one stream, one copy per GiB;
@@ -24,8 +25,10 @@ import time
 from _common import write_json
 from cuda.bindings import driver as cu
 
+from gms.cuda import vmm
+
 GiB = 1 << 30
-POSIX = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+POSIX = vmm._POSIX_FD
 
 
 def ck(out):
@@ -35,20 +38,9 @@ def ck(out):
     return rest[0] if len(rest) == 1 else rest
 
 
-def prop(host: bool) -> cu.CUmemAllocationProp:
-    p = cu.CUmemAllocationProp()
-    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.location.type = (cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA if host
-                       else cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE)
-    p.location.id = 0
-    p.requestedHandleTypes = POSIX
-    return p
-
-
 def access() -> list:
     d = cu.CUmemAccessDesc()
-    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    d.location.id = 0
+    d.location = vmm._location(0, host=False)
     d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     return [d]
 
@@ -57,7 +49,7 @@ def make_fds(host: bool, n: int) -> list[int]:
     """As the server does: create, export, release (the fd keeps the memory)."""
     fds = []
     for _ in range(n):
-        h = ck(cu.cuMemCreate(GiB, prop(host), 0))
+        h = ck(cu.cuMemCreate(GiB, vmm._allocation_prop(0, host), 0))  # as the server's backend
         fds.append(int(ck(cu.cuMemExportToShareableHandle(h, POSIX, 0))))
         ck(cu.cuMemRelease(h))
     return fds
