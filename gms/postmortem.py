@@ -16,7 +16,16 @@ from collections.abc import Iterable
 
 import attrs
 
-from .fsm import EMPTY_NODE, EVENT_TYPES, Event, NodeState, check_invariants, fold
+from .fsm import (
+    EMPTY_NODE,
+    EVENT_TYPES,
+    Event,
+    InvariantViolation,
+    NodeState,
+    Rejection,
+    check_invariants,
+    fold,
+)
 from .fsm.events import ServerStarted
 from .status import layout_rows, tenant_rows
 from .wire import messages as m
@@ -107,7 +116,10 @@ def replay_rows(lines: Iterable[str]) -> Replayed:
                 "or incomplete"
             )
         event = row_event(row)
-        state = fold(state, event)
+        try:
+            state = fold(state, event)
+        except Rejection as refused:  # a server never logs what its rules refuse
+            raise InvariantViolation(f"event {seq} ({event.KIND}) breaks a rule: {refused.message}") from None
         if started is None:
             started = event
         count, last_seq = count + 1, seq

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gms.fsm import InvariantViolation, LockState
+from gms.fsm import InvariantViolation, LockState, StateViolation
 from gms.fsm.events import RoConnect
 from gms.store import EventLog, replay
 
@@ -25,7 +25,7 @@ def test_sequence_numbers_and_clocks():
 def test_refused_event_is_not_stored():
     log = EventLog()
     log.extend([started(), *writer(1)])
-    with pytest.raises(InvariantViolation):
+    with pytest.raises(StateViolation, match="no session"):
         log.append(RoConnect(2, layout="w"))
     assert log.last_seq == 3 and log.state.layout("w").lock_state is LockState.RW
     assert replay(log) == log.state

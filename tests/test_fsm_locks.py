@@ -6,13 +6,14 @@ import pytest
 
 from gms.fsm import (
     GrantedLockType,
-    InvariantViolation,
     LayoutState,
     LockState,
+    Rejection,
     RequestedLockType,
     can_grant_ro,
     can_grant_rw,
     decide_commit,
+    fold_all,
     fold_layout,
     resolve_rw_or_ro,
     schedule,
@@ -28,6 +29,8 @@ from gms.fsm.events import (
     RwAbort,
     RwConnect,
 )
+
+from .fsm_events import committed as committed_by, opened, reader, started, writer
 
 RW, RO, AUTO = RequestedLockType.RW, RequestedLockType.RO, RequestedLockType.RW_OR_RO
 EMPTY = LayoutState("w")
@@ -85,6 +88,20 @@ def test_transitions():
     assert s.lock_state is LockState.RW and s.layout_hash is None and not s.committed
 
 
+def node_in(lock_state: LockState):
+    """A node whose layout "w" is in ``lock_state``; conn 9 has a session on "w" and no lock."""
+    events = [started()]
+    if lock_state is not LockState.EMPTY:
+        events += writer(1)
+        if lock_state is not LockState.RW:
+            events += committed_by(fold_all(events), 1)
+        if lock_state is LockState.RO:
+            events += reader(2)
+    node = fold_all([*events, opened(9, "w", "RO")])
+    assert node.layout("w").lock_state is lock_state
+    return node
+
+
 @pytest.mark.parametrize(
     "lock_state, event",
     [
@@ -97,12 +114,13 @@ def test_transitions():
         (LockState.RO, LayoutEvicted(0, "admin", layout="w")),  # in use
         (LockState.COMMITTED, LayoutEvicted(0, "admin", layout="w")),  # residency device
         (LockState.COMMITTED, RestoreClaimed(9, layout="w")),  # not evicted
-        (LockState.COMMITTED, RoConnect(9, layout="other")),  # another layout's event
+        (LockState.COMMITTED, RoConnect(9, layout="other")),  # a layout conn 9 has no session on
     ],
 )
-def test_fold_refuses_impossible_events(lock_state, event):
-    with pytest.raises(InvariantViolation):
-        fold([event], STATES[lock_state])
+def test_the_rules_refuse_impossible_events(lock_state, event):
+    node = node_in(lock_state)
+    with pytest.raises(Rejection):
+        fold_all([event], node)
 
 
 def test_rw_or_ro_three_branches():

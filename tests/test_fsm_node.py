@@ -9,7 +9,6 @@ from gms.fsm import (
     BudgetExceeded,
     InvalidArgument,
     InvariantViolation,
-    Limits,
     PermissionDenied,
     QuotaExceeded,
     RequestedLockType,
@@ -29,7 +28,6 @@ from gms.fsm import (
 )
 from gms.fsm.errors import HostBudgetExceeded, HostCopyMissing, NotEvictable
 from gms.fsm.events import RestoreClaimed, RestoreLoading, RoConnect, RwConnect
-from gms.fsm import admit_host_copy
 
 from .fsm_events import committed, opened, started, writer
 
@@ -42,7 +40,7 @@ def build(state, conn, layout, sizes, tenant="default", residency="device", host
     state = fold_all(writer(conn, layout, tenant), state)
     for n, size in enumerate(sizes):
         state = fold_all(
-            decide_allocate(state.layout(layout), conn, f"{layout}-{n}", size * MiB, size * MiB, "w", Limits()),
+            decide_allocate(state.layout(layout), conn, f"{layout}-{n}", size * MiB, size * MiB, "w"),
             state,
         )
         if host or residency == "system":
@@ -55,28 +53,33 @@ def build(state, conn, layout, sizes, tenant="default", residency="device", host
     return state
 
 
+def allocation(state, conn, layout, size, name="x"):
+    (event,) = decide_allocate(state.layout(layout), conn, name, size, size, "w")
+    return event
+
+
 def test_tenants_are_charged_what_they_build_and_quotas_are_checked_in_constant_time():
     state = fold_all([started({"a": 10 * MiB, "b": None})])
     state = build(state, 1, "m1", [4, 4], tenant="a")
     assert state.tenants["a"].used_bytes == 8 * MiB and state.gpu_bytes == 8 * MiB
     state = fold_all(writer(2, "m2", "a"), state)
     with pytest.raises(QuotaExceeded) as refused:
-        admit_allocation(state, 2, 4 * MiB)
+        admit_allocation(state, allocation(state, 2, "m2", 4 * MiB))
     assert (refused.value.scope, refused.value.used, refused.value.asked, refused.value.quota) == (
         "tenant", 8 * MiB, 4 * MiB, 10 * MiB,
     )
-    assert admit_allocation(state, 2, 2 * MiB) == 0  # fits; no budget to free
+    assert admit_allocation(state, allocation(state, 2, "m2", 2 * MiB)) == 0  # fits; no budget to free
     # Another tenant is not limited by a's quota.
     state = fold_all(writer(3, "m3", "b"), state)
-    assert admit_allocation(state, 3, 64 * MiB) == 0
+    assert admit_allocation(state, allocation(state, 3, "m3", 64 * MiB)) == 0
 
 
 def test_a_session_limit_narrows_and_its_bytes_go_with_the_session():
     state = fold_all([started({"a": 10 * MiB}), opened(1, "kv", "RW", "a", limit=3 * MiB)])
     state = fold_all([RwConnect(1, layout="kv")], state)
-    state = fold_all(decide_allocate(state.layout("kv"), 1, "k0", 2 * MiB, 2 * MiB, "kv", Limits()), state)
+    state = fold_all(decide_allocate(state.layout("kv"), 1, "k0", 2 * MiB, 2 * MiB, "kv"), state)
     with pytest.raises(QuotaExceeded) as refused:
-        admit_allocation(state, 1, 2 * MiB)
+        admit_allocation(state, allocation(state, 1, "kv", 2 * MiB))
     assert (refused.value.scope, refused.value.quota) == ("session", 3 * MiB)
     state = fold_all(decide_disconnect(state, 1), state)  # a crash: the socket is the lease
     check_invariants(state)
@@ -85,9 +88,10 @@ def test_a_session_limit_narrows_and_its_bytes_go_with_the_session():
 
 def test_a_session_may_not_widen_its_tenants_quota():
     state = fold_all([started({"a": 4 * MiB})])
+    events = decide_session(state, 1, "kv", RW, tenant="a", may_read=True, may_write=True, uid=1, gid=1, pid=1,
+                            limit_bytes=5 * MiB)
     with pytest.raises(InvalidArgument, match="never widen"):
-        decide_session(state, 1, "kv", RW, tenant="a", may_read=True, may_write=True, uid=1, gid=1, pid=1,
-                       limit_bytes=5 * MiB, limits=Limits())
+        fold_all(events, state)  # the rules refuse it when the shell appends it
 
 
 @pytest.mark.parametrize(
@@ -104,7 +108,7 @@ def test_what_a_tenant_may_do_with_a_layout(requested, may_read, may_write, outc
     state = fold_all([started({"a": None})])
     decide = lambda: decide_session(  # noqa: E731
         state, 1, "m", requested, tenant="a", may_read=may_read, may_write=may_write,
-        uid=1, gid=1, pid=1, limit_bytes=None, limits=Limits(),
+        uid=1, gid=1, pid=1, limit_bytes=None,
     )
     if isinstance(outcome, type):
         with pytest.raises(outcome):
@@ -133,13 +137,13 @@ def test_budget_evicts_least_recently_used_idle_layouts_never_pinned_ones():
     state = build(state, 4, "newest", [2], residency="system")
     assert state.gpu_bytes == 14 * MiB
     state = fold_all(writer(5, "incoming"), state)
-    assert admit_allocation(state, 5, 4 * MiB) == 2 * MiB
+    assert admit_allocation(state, allocation(state, 5, "incoming", 4 * MiB)) == 2 * MiB
     assert plan_evictions(state, 2 * MiB) == ["old"]
     assert plan_evictions(state, 6 * MiB) == ["old", "newer"]
     assert plan_evictions(state, 12 * MiB) is None, "pinned and in-use layouts are never evicted"
     assert plan_evictions(state, 2 * MiB, busy={"old"}) == ["newer"], "nobody's waited-for layout"
     with pytest.raises(BudgetExceeded):
-        admit_allocation(state, 5, 17 * MiB)
+        admit_allocation(state, allocation(state, 5, "incoming", 17 * MiB))
 
 
 def test_eviction_keeps_the_host_copy_or_drops_an_unpinned_layout():
@@ -163,9 +167,9 @@ def test_evict_refuses_pinned_busy_and_unknown_layouts_with_reasons():
     state = build(state, 2, "sys", [2], residency="system")
     state = fold_all([opened(3, "sys", "RO"), RoConnect(3, layout="sys")], state)
     with pytest.raises(NotEvictable, match="pinned"):
-        decide_evict(state, 0, "dev", "admin")
-    with pytest.raises(NotEvictable, match="1 readers"):
-        decide_evict(state, 0, "sys", "admin")
+        fold_all(decide_evict(state, 0, "dev", "admin"), state)
+    with pytest.raises(NotEvictable, match="while it is RO"):
+        fold_all(decide_evict(state, 0, "sys", "admin"), state)
     with pytest.raises(Exception, match="no layout"):
         decide_evict(state, 0, "nope", "admin")
 
@@ -174,15 +178,16 @@ def test_system_residency_needs_every_host_copy():
     state = fold_all([started()])
     state = build(state, 1, "m", [2, 2], residency="device")
     with pytest.raises(HostCopyMissing):
-        decide_pin(state, 0, "m", "system")
+        fold_all(decide_pin(state, 0, "m", "system"), state)
     assert [e.residency for e in decide_pin(state, 0, "m", "unpinned")] == ["unpinned"]
 
 
 def test_host_budget_is_a_clear_refusal():
     state = fold_all([started(host_budget=4 * MiB)])
     state = build(state, 1, "m", [4], residency="system")
+    state = fold_all(writer(2, "n") + [allocation(state, 2, "n", 2 * MiB)], state)
     with pytest.raises(HostBudgetExceeded):
-        admit_host_copy(state, 2 * MiB)
+        fold_all(decide_host_copy(state.layout("n"), 2, "x"), state)
 
 
 def test_restore_needs_room_and_counts_on_the_gpu_when_loading():
@@ -191,7 +196,7 @@ def test_restore_needs_room_and_counts_on_the_gpu_when_loading():
     state = fold_all(decide_evict(state, 0, "a", "budget"), state)
     state = build(state, 2, "b", [4], residency="system")
     state = fold_all([opened(3, "a", "RO"), RestoreClaimed(3, layout="a")], state)
-    assert admit_restore(state, state.layout("a")) == 2 * MiB  # b must go first
+    assert admit_restore(state, RestoreLoading(3, layout="a")) == 2 * MiB  # b must go first
     state = fold_all(decide_evict(state, 0, "b", "budget") + [RestoreLoading(3, layout="a")], state)
     check_invariants(state)
     assert state.gpu_bytes == 6 * MiB
@@ -231,3 +236,78 @@ def test_a_commit_and_its_session_close_settle_the_owner():
     assert (state.tenants["a"].used_bytes, state.layout("m").owner) == (0, "b")
     state = fold_all(committed(state, 2, "m"), state)
     check_invariants(state)
+
+
+# -- the bounds hold in the fold itself, whatever the shell asks ------------------------------
+
+
+def test_the_fold_refuses_to_break_the_gpu_budget():
+    state = fold_all([started(budget=8 * MiB)])
+    state = build(state, 1, "a", [6], residency="system")
+    state = fold_all(writer(2, "b"), state)
+    over = allocation(state, 2, "b", 4 * MiB)
+    assert admit_allocation(state, over) == 2 * MiB  # the shell must evict a first
+    with pytest.raises(InvariantViolation, match="past its bound"):
+        fold_all([over], state)  # a shell that forgot to: no log can hold it
+    state = fold_all(decide_evict(state, 0, "a", "budget") + [over], state)
+    check_invariants(state)
+
+
+def test_the_fold_refuses_to_break_the_host_budget_between_two_writers():
+    """Both writers' host copies pass the check alone; appended together, the second
+    is refused (the overshoot two writers could reach across an await)."""
+    state = fold_all([started(host_budget=3 * MiB)])
+    state = fold_all(writer(1, "a") + writer(2, "b"), state)
+    state = fold_all([allocation(state, 1, "a", 2 * MiB, "x"), allocation(state, 2, "b", 2 * MiB, "y")], state)
+    first = decide_host_copy(state.layout("a"), 1, "x")
+    second = decide_host_copy(state.layout("b"), 2, "y")
+    fold_all(second, state)  # alone it fits
+    with pytest.raises(HostBudgetExceeded):
+        fold_all(first + second, state)
+
+
+def test_a_commit_trusts_its_hash_and_the_invariants_check_it():
+    state = fold_all([started()])
+    state = fold_all(writer(1, "m") + [allocation(state, 1, "m", 2 * MiB)], state)
+    (commit,) = decide_commit_for(state, 1, "m")
+    forged = attrs.evolve(commit, layout_hash="0" * 64)
+    state = fold_all([forged], state)  # checked once (where it is computed), then trusted
+    with pytest.raises(InvariantViolation, match="does not match"):
+        check_invariants(state)
+
+
+def decide_commit_for(state, conn, layout):
+    from gms.fsm import decide_commit
+
+    return decide_commit(state.layout(layout), conn)
+
+
+def test_freeing_finds_its_metadata_through_the_index():
+    from gms.fsm import decide_free, decide_metadata_put
+
+    state = fold_all([started()])
+    state = fold_all(writer(1, "m"), state)
+    state = fold_all([allocation(state, 1, "m", 2 * MiB, "x")], state)
+    state = fold_all([allocation(state, 1, "m", 2 * MiB, "y")], state)
+    layout = state.layout("m")
+    puts = [*decide_metadata_put(layout, 1, "k1", "x", 0, b"v"), *decide_metadata_put(layout, 1, "k2", "y", 0, b"w")]
+    puts += decide_metadata_put(layout, 1, "k3", "x", 1, b"abc")
+    state = fold_all(puts + decide_metadata_put(layout, 1, "k2", "x", 2, b"moved"), state)
+    check_invariants(state)
+    layout = state.layout("m")
+    assert set(layout.keys_by_allocation["x"]) == {"k1", "k2", "k3"} and "y" not in layout.keys_by_allocation
+    assert layout.metadata_bytes == len("k1v") + len("k2moved") + len("k3abc")
+    events = decide_free(layout, 1, "x")
+    assert sorted(e.KIND for e in events) == ["ALLOCATION_FREED"] + ["METADATA_DELETED"] * 3
+    state = fold_all(events, state)
+    check_invariants(state)
+    assert not state.layout("m").metadata and state.layout("m").metadata_bytes == 0
+
+
+def test_the_layout_cap_holds_in_the_fold():
+    """Two first writers of new layouts both pass the session check; the fold refuses
+    the grant that would break the cap (the shell grants at once, so it never asks)."""
+    state = fold_all([attrs.evolve(started(), limits={"max_layouts": 2}), *writer(1, "a")])
+    state = fold_all([opened(2, "b"), opened(3, "c"), RwConnect(2, layout="b")], state)
+    with pytest.raises(InvariantViolation, match="more than 2 layouts"):
+        fold_all([RwConnect(3, layout="c")], state)

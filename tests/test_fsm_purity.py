@@ -8,7 +8,8 @@ from pathlib import Path
 import gms.fsm
 import gms.fsm.folding as folding
 import gms.fsm.node as node
-from gms.fsm import EVENT_TYPES
+from gms.fsm import EVENT_TYPES, RULES
+from gms.fsm.events import ServerStarted
 
 ALLOWED = {
     "__future__", "attrs", "immutables", "enum", "hashlib", "struct", "re", "collections",
@@ -28,7 +29,8 @@ def test_fsm_imports_nothing_impure():
             assert set(names) <= ALLOWED, f"{path.name} imports {names}"
 
 
-def test_fold_is_total_over_event_types():
+def test_fold_is_total_over_event_types_and_every_event_has_one_rule():
     layout_steps, node_steps = set(folding.LAYOUT_STEPS), set(node._NODE_STEPS)
     assert not layout_steps & node_steps, "each event is folded in one place"
-    assert layout_steps | node_steps == set(EVENT_TYPES.values())
+    assert layout_steps | node_steps | {ServerStarted} == set(EVENT_TYPES.values())
+    assert set(RULES) == set(EVENT_TYPES.values()) - {ServerStarted}, "the table covers every event"

@@ -233,7 +233,7 @@ def test_pipelining_more_than_a_frame_while_waiting_drops_the_connection(start_s
         greedy.send(m.MetadataGetRequest("k" * 2000))
     assert greedy.closed_by_peer()
     dropped = [e for e in server.events() if e.kind == "CONNECTION_DROPPED"]
-    assert "pipelined while waiting for the lock" in dropped[-1].fields["reason"]
+    assert "pipelined while waiting for the answer to HandshakeRequest" in dropped[-1].fields["reason"]
     assert server.layout().state == "RO", "the reader is untouched"
     reader.close()
 

@@ -6,6 +6,8 @@ this runs in CI; on the CUDA backend the same tests run on the GPU.
 
 from __future__ import annotations
 
+import os
+
 import json
 import math
 import subprocess
@@ -68,12 +70,13 @@ def test_decoding_refuses_what_is_not_a_tensor_description(value):
 def host_region():
     backend, mapper = HostBackend(), HostMapper()
     size = 4 << 20
-    backend.create("r", size)
+    held = backend.create(size)
     va = mapper.reserve(size)
-    handle = mapper.map(backend.export("r"), va, size, True)
+    handle = mapper.map(os.dup(held.fd), va, size, True)
     yield va, size
     mapper.unmap(va, size, handle)
     mapper.free(va, size)
+    backend.release(held)
     backend.close()
 
 

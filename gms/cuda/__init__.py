@@ -8,6 +8,7 @@ import os
 from .interface import (
     BackendError,
     DeviceInfo,
+    Held,
     Mapper,
     MemoryBackend,
     OutOfMemory,
@@ -85,6 +86,7 @@ __all__ = [
     "BACKENDS",
     "BackendError",
     "DeviceInfo",
+    "Held",
     "Mapper",
     "MemoryBackend",
     "OutOfMemory",

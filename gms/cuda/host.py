@@ -23,7 +23,7 @@ import mmap
 import os
 import struct
 
-from .interface import BackendError, DeviceInfo, OutOfMemory
+from .interface import BackendError, DeviceInfo, Held, OutOfMemory
 
 DEFAULT_GRANULARITY = 2 << 20
 
@@ -39,7 +39,10 @@ def _flock(lock_type: int) -> bytes:
 
 
 class HostBackend:
-    """``memfd`` allocations; ``capacity`` (bytes, None: unlimited) makes OOM testable."""
+    """``memfd`` allocations; ``capacity`` (bytes, None: unlimited) makes OOM testable.
+
+    Called from one lane thread only (``gms.server.lanes``), like the CUDA
+    backend; it counts the bytes it holds but keeps no table of them."""
 
     name = "host"
 
@@ -49,14 +52,11 @@ class HostBackend:
         self.device = device
         self.capacity = capacity
         self.granularity = granularity
-        self._fds: dict[str, tuple[int, int]] = {}
+        self._live_bytes = 0
         # Released memory that clients may still map: (probe fd, size).
         self._draining: list[tuple[int, int]] = []
 
     # -- accounting ---------------------------------------------------------
-
-    def _live_bytes(self) -> int:
-        return sum(size for _, size in self._fds.values())
 
     def _prune_draining(self) -> int:
         """Forget released memory nobody maps any more; returns bytes still held."""
@@ -72,15 +72,15 @@ class HostBackend:
 
     def bytes_in_use(self) -> int:
         """Server-owned bytes plus released bytes still mapped by clients."""
-        return self._live_bytes() + self._prune_draining()
+        return self._live_bytes + self._prune_draining()
 
     # -- MemoryBackend ------------------------------------------------------
 
-    def create(self, allocation_id: str, aligned_size: int) -> None:
+    def create(self, aligned_size: int, label: str = "") -> Held:
         if self.capacity is not None and self.bytes_in_use() + aligned_size > self.capacity:
             raise OutOfMemory(f"host capacity of {self.capacity} bytes reached")
         try:
-            fd = os.memfd_create(f"gms-{allocation_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = os.memfd_create(f"gms-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
                 raise OutOfMemory(str(exc)) from exc
@@ -100,28 +100,23 @@ class HostBackend:
             if exc.errno == errno.ENOMEM:
                 raise OutOfMemory(str(exc)) from exc
             raise BackendError(f"preparing memfd failed: {exc}") from exc
-        self._fds[allocation_id] = (fd, aligned_size)
+        self._live_bytes += aligned_size
+        return Held(None, fd, aligned_size)
 
-    def export(self, allocation_id: str) -> int:
-        return os.dup(self._fds[allocation_id][0])
-
-    def release(self, allocation_id: str) -> None:
-        fd, size = self._fds.pop(allocation_id)
+    def release(self, held: Held) -> None:
+        self._live_bytes -= held.size
         if self.capacity is not None:
             # A second description of the same file, to watch the lock from.
             try:
-                probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                probe = os.open(f"/proc/self/fd/{held.fd}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 # No fd to spare (a flood of connections): count the memory as
                 # free now rather than fail a release, which must not fail.
-                log.warning("cannot watch released memory of %s (%s): counted free now", allocation_id, exc)
+                log.warning("cannot watch released memory (%s): counted free now", exc)
             else:
-                self._draining.append((probe, size))
-        os.close(fd)
+                self._draining.append((probe, held.size))
+        os.close(held.fd)
         self._prune_draining()
-
-    def live_handles(self) -> tuple[int, int]:
-        return len(self._fds), self._live_bytes()
 
     def device_info(self) -> DeviceInfo:
         if self.capacity is None:
@@ -141,8 +136,6 @@ class HostBackend:
         )
 
     def close(self) -> None:
-        for allocation_id in list(self._fds):
-            self.release(allocation_id)
         for probe, _ in self._draining:
             os.close(probe)
         self._draining = []

@@ -52,31 +52,40 @@ def contiguous_runs(ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, in
         yield run_start, run_end - run_start
 
 
+@attrs.frozen
+class Held:
+    """Memory a backend made: its handle (None on the host backend) and the one fd
+    exported for it, which every export dups."""
+
+    handle: object
+    fd: int
+    size: int
+
+
 class MemoryBackend(Protocol):
     """Server-owned memory of one tier: the device, or the host tier that keeps
     copies of evicted layouts (memfd on the host backend, pinned host memory
-    made by ``cuMemCreate`` on CUDA)."""
+    made by ``cuMemCreate`` on CUDA).
+
+    A backend keeps no table of what it made: the server does, on its event
+    loop (``gms.server.memory``), and calls the backend only from that tier's
+    lane (``gms.server.lanes``), one call at a time."""
 
     name: str
     device: int
     granularity: int
 
-    def create(self, allocation_id: str, aligned_size: int) -> None:
-        """Create memory and keep one exported fd for it; raise OutOfMemory when full."""
+    def create(self, aligned_size: int, label: str = "") -> Held:
+        """Create memory and export one fd for it; raise OutOfMemory when full.
+        ``label`` (the allocation id) names it where the backend can (memfd names)."""
 
-    def export(self, allocation_id: str) -> int:
-        """A new fd for the allocation (a dup of the cached one); the caller closes it."""
-
-    def release(self, allocation_id: str) -> None:
-        """Drop the server's handle and its cached fd (importers keep theirs)."""
-
-    def live_handles(self) -> tuple[int, int]:
-        """(count, bytes) of server-owned handles."""
+    def release(self, held: Held) -> None:
+        """Close the fd and drop the handle (importers keep theirs)."""
 
     def device_info(self) -> DeviceInfo: ...
 
     def close(self) -> None:
-        """Release every handle."""
+        """Release what the backend itself holds (not the memory: the server releases that)."""
 
 
 class Mapper(Protocol):

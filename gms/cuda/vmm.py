@@ -1,8 +1,8 @@
 """CUDA VMM adapters (``cuda.bindings.driver``): the real GPU memory path.
 
 Server side (:class:`VmmBackend`): ``cuMemCreate`` pinned device memory that
-can be exported as a POSIX fd, export it once, ``dup()`` per export, release
-on layout clear.  It never maps and never creates a context.  The host tier
+can be exported as a POSIX fd, exported once (the server ``dup()``s that fd
+per export), released on layout clear; called from the tier's lane only.  It never maps and never creates a context.  The host tier
 (:class:`VmmHostTier`) is the same call on the GPU's host NUMA node: pinned
 host memory the server owns, exported as an fd, that every client maps
 without registering it (``cudaHostRegister`` costs 0.44 s per 8 GiB in each
@@ -27,7 +27,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .interface import BackendError, DeviceInfo, OutOfMemory, contiguous_runs
+from .interface import BackendError, DeviceInfo, Held, OutOfMemory, contiguous_runs
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
@@ -118,28 +118,46 @@ class _NvmlMemory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
-def _nvml_free_bytes(uuid: str) -> int | None:
-    """Free device memory from NVML; None where NVML is missing."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+class _Nvml:
+    """Free device memory from NVML, initialised once (an init per status probe
+    cost milliseconds); None where NVML is missing."""
+
+    def __init__(self, uuid: str) -> None:
+        self._nvml = self._handle = None
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return
         if nvml.nvmlInit_v2() != 0:
-            return None
+            return
         handle = ctypes.c_void_p()
         if nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) != 0:
+            nvml.nvmlShutdown()
+            return
+        self._nvml, self._handle = nvml, handle
+
+    def free_bytes(self) -> int | None:
+        if self._nvml is None:
             return None
         memory = _NvmlMemory()
-        if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+        if self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(memory)) != 0:
             return None
         return int(memory.free)
-    except OSError:
-        return None
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
 
 
 # -- server ----------------------------------------------------------------------
 
 
 class VmmBackend:
-    """Creates and exports device memory; never maps it, never needs a context."""
+    """Creates and exports device memory; never maps it, never needs a context.
+
+    Called from one lane thread only (``gms.server.lanes``); it keeps no table:
+    the server's loop does."""
 
     name = "cuda"
     host = False
@@ -153,9 +171,9 @@ class VmmBackend:
         raw_name = _check("cuDeviceGetName", cu.cuDeviceGetName(256, self._dev))
         self.device_name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
         self.total_bytes = int(_check("cuDeviceTotalMem", cu.cuDeviceTotalMem(self._dev)))
-        self._handles: dict[str, tuple[object, int, int]] = {}  # id -> (handle, fd, size)
+        self._nvml: _Nvml | None = None  # made on the lane, at the first status probe
 
-    def create(self, allocation_id: str, aligned_size: int) -> None:
+    def create(self, aligned_size: int, label: str = "") -> Held:
         handle = _check("cuMemCreate", cu.cuMemCreate(aligned_size, self._prop, 0))
         try:
             fd = _check(
@@ -164,40 +182,35 @@ class VmmBackend:
         except BaseException:
             cu.cuMemRelease(handle)
             raise
-        self._handles[allocation_id] = (handle, int(fd), aligned_size)
+        return Held(handle, int(fd), aligned_size)
 
-    def export(self, allocation_id: str) -> int:
-        return os.dup(self._handles[allocation_id][1])
-
-    def release(self, allocation_id: str) -> None:
-        handle, fd, _ = self._handles.pop(allocation_id)
-        os.close(fd)
-        _check("cuMemRelease", cu.cuMemRelease(handle))
-
-    def live_handles(self) -> tuple[int, int]:
-        return len(self._handles), sum(size for _, _, size in self._handles.values())
+    def release(self, held: Held) -> None:
+        os.close(held.fd)
+        _check("cuMemRelease", cu.cuMemRelease(held.handle))
 
     def device_info(self) -> DeviceInfo:
+        if self._nvml is None:
+            self._nvml = _Nvml(self.uuid)
         return DeviceInfo(
             backend=self.name,
             device=self.device,
             name=self.device_name,
             uuid=self.uuid,
             total_bytes=self.total_bytes,
-            free_bytes=_nvml_free_bytes(self.uuid),
+            free_bytes=self._nvml.free_bytes(),
         )
 
     def close(self) -> None:
-        for allocation_id in list(self._handles):
-            self.release(allocation_id)
+        if self._nvml is not None:
+            self._nvml.close()
 
 
 class VmmHostTier(VmmBackend):
-    """Pinned host memory on the GPU's NUMA node, made and exported like device memory."""
+    """Pinned host memory on the GPU's NUMA node, made and exported like device memory
+    (pinning host pages costs about 0.24 s per GiB: why each tier has its own lane)."""
 
     name = "cuda-host"
     host = True
-    create_in_thread = True  # pinning host pages: about 0.24 s per GiB
 
     def device_info(self) -> DeviceInfo:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -6,10 +6,13 @@ touches trio or CUDA.  ``tests/test_fsm_purity.py`` checks the imports.
 One node (a GPU) holds many named layouts; each layout has the seed's lock
 FSM, tables and hash (``state``, ``folding``, ``decide``, ``locks``,
 ``queries``); the node adds sessions, tenants, budgets and residency
-(``node``, ``sessions``, ``accounting``, ``residency``).
+(``node``, ``sessions``, ``accounting``, ``residency``).  Every rule of what
+is legal lives in one table, ``rules``, which the fold consults before each
+step; decisions only propose events.
 """
 
-from .accounting import admit_allocation, admit_host_copy, admit_restore
+from . import rules
+from .accounting import admit_allocation, admit_restore, gpu_shortfall
 from .decide import (
     decide_allocate,
     decide_commit,
@@ -18,8 +21,6 @@ from .decide import (
     decide_metadata_delete,
     decide_metadata_put,
     decide_metadata_put_many,
-    parse_residency,
-    validate_allocate,
 )
 from .effects import MemoryTier, Release, released_memory
 from .errors import (
@@ -65,6 +66,7 @@ from .residency import (
     plan_evictions,
     why_not_evictable,
 )
+from .rules import RULES, Rule, Who, parse_residency
 from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
@@ -97,6 +99,8 @@ __all__ = [
     "Rejection",
     "Release",
     "RequestedLockType",
+    "Rule",
+    "RULES",
     "Residency",
     "SessionInfo",
     "StateViolation",
@@ -104,9 +108,10 @@ __all__ = [
     "Tier",
     "UnknownAllocation",
     "UnknownLayout",
+    "Who",
     "admit_allocation",
-    "admit_host_copy",
     "admit_restore",
+    "gpu_shortfall",
     "can_grant_ro",
     "can_grant_rw",
     "check_invariants",
@@ -136,8 +141,8 @@ __all__ = [
     "plan_evictions",
     "released_memory",
     "resolve_rw_or_ro",
+    "rules",
     "schedule",
-    "validate_allocate",
     "validate_layout_name",
     "why_not_evictable",
 ]

@@ -31,7 +31,9 @@ class ServerStarted(Event):
     """The first event: what the node holds and who may use it.
 
     ``quotas`` maps every tenant to its byte quota (None: unlimited); the
-    budgets are None when unlimited.
+    budgets are None when unlimited (a host budget of 0: no host tier).
+    ``limits`` are the server's :class:`~gms.fsm.limits.Limits` as a dict, so
+    the fold enforces exactly what the server enforced when it logged.
     """
 
     KIND: ClassVar[str] = "SERVER_STARTED"
@@ -39,6 +41,7 @@ class ServerStarted(Event):
     budget_bytes: int | None
     host_budget_bytes: int | None
     quotas: dict
+    limits: dict = attrs.field(factory=dict)
     # For the post-mortem reader only: which server this log is from.
     backend: str = ""
     device: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .errors import InvariantViolation
+from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
 from .node import NodeState
 from .state import LayoutState, Residency, Tier
@@ -69,6 +70,13 @@ def layout_problems(state: LayoutState):
             yield f"metadata {key!r} points to missing allocation {m.allocation_id!r}"
         elif not 0 <= m.offset_bytes < allocation.size:
             yield f"metadata {key!r} offset {m.offset_bytes} outside {allocation.size}"
+    index = {(a, k) for a, keys in state.keys_by_allocation.items() for k in keys}
+    if index != {(m.allocation_id, k) for k, m in state.metadata.items()}:
+        yield "the allocation -> metadata keys index does not match the metadata"
+    if any(not keys for keys in state.keys_by_allocation.values()):
+        yield "the allocation -> metadata keys index keeps an empty entry"
+    if state.metadata_bytes != sum(entry_bytes(k, m.value) for k, m in state.metadata.items()):
+        yield f"metadata_bytes {state.metadata_bytes} is not the sum of its entries"
     if state.layout_hash is not None:
         try:
             actual = compute_layout_hash(state.allocations.values(), state.metadata.values())

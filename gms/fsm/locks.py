@@ -18,6 +18,7 @@ import attrs
 
 from .events import Event, RestoreClaimed, RoConnect, RwConnect
 from .folding import fold_layout
+from .rules import lock_event_allowed
 from .state import LayoutState, Tier
 
 
@@ -33,16 +34,13 @@ class GrantedLockType(str, enum.Enum):
 
 
 def can_grant_rw(state: LayoutState) -> bool:
-    return state.writer is None and not state.readers and state.restorer is None
+    return lock_event_allowed(state, RwConnect)
 
 
 def can_grant_ro(state: LayoutState, writers_waiting: int = 0) -> bool:
-    """A read lock now, or the restore that leads to one."""
-    return (
-        state.writer is None
-        and state.committed
-        and state.restorer is None
-        and writers_waiting == 0
+    """A read lock now, or the restore that leads to one; never past a waiting writer."""
+    return writers_waiting == 0 and (
+        lock_event_allowed(state, RoConnect) or lock_event_allowed(state, RestoreClaimed)
     )
 
 
@@ -92,7 +90,8 @@ def schedule(state: LayoutState, waiting: Sequence[tuple[int, RequestedLockType]
     """Which of a layout's waiting handshakes (in arrival order) to grant now, in order.
 
     Each grant's event is folded before the next waiter is considered, so the
-    result is exactly what appending the events one by one would allow.
+    result is exactly what appending the events one by one would allow (the
+    predicates above are the table's own, so every grant is legal).
     """
     writers_waiting = sum(1 for _, requested in waiting if requested is RequestedLockType.RW)
     grants: list[Grant] = []

@@ -1,14 +1,20 @@
 """The node: every layout of one GPU, the sessions on them, the tenants and the budgets.
 
 ``fold(node, event) -> node`` is the one way the state changes (the event log
-calls it).  Node events (the start, sessions) change the node; every other
-event is folded into the layout it names by :func:`fold_layout`, and the
-node's byte accounting is settled from the layout before and after, in O(1):
+calls it).  It asks the rules (``gms.fsm.rules``) whether the event is legal
+(a refusal raises the Rejection that says why), then applies it: node events
+(the start, sessions) change the node; every other event is folded into the
+layout it names by :func:`fold_layout`, and the node's byte accounting is
+settled from the layout before and after, in O(1):
 
 * a tenant is charged ``held_bytes`` for every layout it owns (built), on the
   GPU or evicted to the host: its quota bounds what it keeps in gms;
 * the node's ``gpu_bytes`` sums what is on the GPU now: the GPU budget bounds it;
 * ``host_bytes`` sums the host copies: the host budget bounds it.
+
+Settling also holds every bound: a step that would take a total past its
+bound raises InvariantViolation, so no log can break a budget, a quota, a
+session's limit or the layout cap, whatever the shell asked.
 
 ``tick`` counts folded events: a logical clock that orders layouts by last use
 (for LRU eviction) without reading a clock in the core.
@@ -21,6 +27,7 @@ from collections.abc import Callable, Iterable
 import attrs
 from immutables import Map
 
+from . import rules
 from .errors import InvariantViolation
 from .events import (
     ConnectionDropped,
@@ -39,6 +46,7 @@ from .events import (
     SessionRefused,
 )
 from .folding import fold_layout
+from .limits import Limits
 from .replace import replace
 from .state import LayoutState
 
@@ -71,7 +79,8 @@ class NodeState:
     started: bool = False
     capacity_bytes: int | None = None
     budget_bytes: int | None = None
-    host_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None  # 0: the server keeps no host tier
+    limits: Limits = Limits()
     layouts: Map[str, LayoutState] = Map()
     sessions: Map[int, SessionInfo] = Map()
     tenants: Map[str, TenantState] = Map()
@@ -89,12 +98,6 @@ EMPTY_NODE = NodeState()
 
 # Events after which a layout counts as used (LRU order).
 _USES = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished)
-# Events that take a lock: the connection must have opened a session on the layout.
-_ACQUIRES = (RwConnect, RoConnect, RestoreClaimed)
-
-
-def _refuse(node: NodeState, event: Event, why: str) -> InvariantViolation:
-    return InvariantViolation(f"cannot fold {event.KIND} from conn {event.conn} ({why})")
 
 
 # -- node steps -----------------------------------------------------------------------
@@ -102,7 +105,7 @@ def _refuse(node: NodeState, event: Event, why: str) -> InvariantViolation:
 
 def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     if node.started:
-        raise _refuse(node, event, "the server has started already")
+        raise InvariantViolation("cannot fold SERVER_STARTED: the server has started already")
     tenants = Map({name: TenantState(name, quota) for name, quota in event.quotas.items()})
     return replace(
         node,
@@ -110,18 +113,13 @@ def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
         capacity_bytes=event.capacity_bytes,
         budget_bytes=event.budget_bytes,
         host_budget_bytes=event.host_budget_bytes,
+        limits=Limits.from_dict(event.limits),
         tenants=tenants,
     )
 
 
 def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
-    if not event.layout:
-        raise _refuse(node, event, "a session names a layout")
-    if event.conn in node.sessions:
-        raise _refuse(node, event, "connection has a session")
-    tenant = node.tenants.get(event.tenant)
-    if tenant is None:
-        raise _refuse(node, event, f"unknown tenant {event.tenant!r}")
+    tenant = node.tenants[event.tenant]
     session = SessionInfo(
         event.layout, event.tenant, event.uid, event.gid, event.pid, event.lock_type, event.limit_bytes
     )
@@ -133,11 +131,7 @@ def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
 
 
 def _session_closed(node: NodeState, event: SessionClosed) -> NodeState:
-    session = node.sessions.get(event.conn)
-    if session is None or session.layout != event.layout:
-        raise _refuse(node, event, f"no session on layout {event.layout!r}")
-    if node.layout(event.layout).holds_lock(event.conn):
-        raise _refuse(node, event, "the session still holds a lock")
+    session = node.sessions[event.conn]
     tenant = node.tenants[session.tenant]
     return replace(
         node,
@@ -151,7 +145,6 @@ def _observation(node: NodeState, event: Event) -> NodeState:
 
 
 _NODE_STEPS: dict[type[Event], Callable[[NodeState, Event], NodeState]] = {
-    ServerStarted: _server_started,
     SessionOpened: _session_opened,
     SessionClosed: _session_closed,
     SessionRefused: _observation,
@@ -172,6 +165,12 @@ def _charge(tenants: Map, name: str | None, delta: int, event: Event) -> Map:
     return tenants.set(name, replace(tenant, used_bytes=tenant.used_bytes + delta))
 
 
+def _over(event: Event, what: str, before: int, after: int, bound: int | None) -> None:
+    """A total may only pass its bound by not growing (a bound lowered under it)."""
+    if bound is not None and after > bound and after > before:
+        raise InvariantViolation(f"{event.KIND} would take {what} to {after} bytes, past its bound of {bound}")
+
+
 def _settle(
     node: NodeState, before: LayoutState, after: LayoutState, event: Event, tick: int
 ) -> NodeState:
@@ -185,24 +184,31 @@ def _settle(
         layouts = node.layouts.delete(after.name) if after.name in node.layouts else node.layouts
     else:
         layouts = node.layouts.set(after.name, after)
+    gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
+    host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
+    if after.held_bytes > before.held_bytes or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes:
+        _hold_bounds(node, after, event, tenants, gpu_bytes, host_bytes)
+    if len(layouts) > max(len(node.layouts), node.limits.max_layouts):
+        raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     return replace(
-        node,
-        layouts=layouts,
-        tenants=tenants,
-        gpu_bytes=node.gpu_bytes - before.gpu_bytes + after.gpu_bytes,
-        host_bytes=node.host_bytes - before.host_bytes + after.host_bytes,
-        tick=tick,
+        node, layouts=layouts, tenants=tenants, gpu_bytes=gpu_bytes, host_bytes=host_bytes, tick=tick,
     )
 
 
+def _hold_bounds(node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int) -> None:
+    """Only for steps that grew something: every bound the growth could break."""
+    _over(event, "the GPU", node.gpu_bytes, gpu, node.budget_bytes)
+    _over(event, "the host tier", node.host_bytes, host, node.host_budget_bytes)
+    if after.owner is not None:
+        old, new = node.tenants[after.owner], tenants[after.owner]
+        _over(event, f"tenant {after.owner!r}", old.used_bytes, new.used_bytes, new.quota_bytes)
+    if after.writer is not None:
+        limit = node.sessions[after.writer].limit_bytes
+        _over(event, f"layout {after.name!r} (its writer's limit)", 0, after.held_bytes, limit)
+
+
 def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
-    if not event.layout:
-        raise _refuse(node, event, "the event names no layout")
     before = node.layout(event.layout)
-    if isinstance(event, _ACQUIRES):
-        session = node.sessions.get(event.conn)
-        if session is None or session.layout != event.layout:
-            raise _refuse(node, event, f"no session on layout {event.layout!r}")
     after = fold_layout(before, event)
     if isinstance(event, RwConnect):
         after = replace(after, owner=node.sessions[event.conn].tenant, last_use=tick)
@@ -212,8 +218,13 @@ def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
 
 
 def fold(node: NodeState, event: Event) -> NodeState:
-    if not node.started and not isinstance(event, ServerStarted):
-        raise _refuse(node, event, "the log starts with SERVER_STARTED")
+    """The next node; raises the Rejection of an illegal event (``gms.fsm.rules``),
+    InvariantViolation for one no state could take."""
+    if isinstance(event, ServerStarted):
+        return replace(_server_started(node, event), tick=node.tick + 1)
+    if not node.started:
+        raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
+    rules.check(node, event)
     tick = node.tick + 1
     step = _NODE_STEPS.get(type(event))
     if step is None:

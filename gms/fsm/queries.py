@@ -7,20 +7,36 @@ restorer sees the committed layout it is bringing back.
 
 from __future__ import annotations
 
-from .decide import lookup_allocation, require_lock
-from .errors import InvariantViolation
-from .state import Allocation, LayoutState, MetadataEntry
+from .errors import InvariantViolation, NotConnected, StateViolation
+from .rules import Who, allocation_of, require
+from .state import Allocation, LayoutState, MetadataEntry, Tier
+
+
+def layout_of(node, conn: int) -> LayoutState:
+    """The layout ``conn``'s session is on."""
+    session = node.sessions.get(conn)
+    if session is None:
+        raise NotConnected("this request needs a lock: send HandshakeRequest first")
+    return node.layout(session.layout)
 
 
 def require_view(state: LayoutState, conn: int, action: str) -> None:
-    require_lock(state, conn, action)
+    require(state, conn, Who.HOLDER, action)
     if conn in state.readers and not (state.committed and state.resident):
         raise InvariantViolation(f"reader {conn} sees a layout that is not committed and resident")
 
 
+def exportable(state: LayoutState, conn: int, allocation_ids: list[str]) -> list[Allocation]:
+    """What a holder may export: the restorer only once the GPU memory exists."""
+    found = [get_allocation(state, conn, allocation_id) for allocation_id in allocation_ids]
+    if state.restorer == conn and state.tier is not Tier.RESTORING:
+        raise StateViolation("the layout's GPU memory is not there yet")
+    return found
+
+
 def get_allocation(state: LayoutState, conn: int, allocation_id: str) -> Allocation:
     require_view(state, conn, "get_allocation")
-    return lookup_allocation(state, allocation_id)
+    return allocation_of(state, allocation_id)
 
 
 def list_allocations(state: LayoutState, conn: int, tag: str | None = None) -> list[Allocation]:

@@ -5,28 +5,26 @@ reader, no restorer, nobody waiting), never ``device`` ones, and only when it
 makes the request fit: evicting without making room would cost hits and
 still leave the request waiting.  VMM memory has no arena, so freeing any
 layout's bytes makes room for any other's: there is nothing to compact.
+Which layout *may* be evicted is the table's rule for ``LAYOUT_EVICTED``
+(``gms.fsm.rules``); this module only chooses among them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
 
-from .decide import parse_residency, require_host_copies
-from .errors import NotEvictable, StateViolation, UnknownLayout
+from . import rules
+from .errors import Rejection, UnknownLayout
 from .events import Event, LayoutEvicted, ResidencySet, RestoreFinished, RestoreLoading
 from .node import NodeState
-from .state import LayoutState, Residency, Tier
+from .state import LayoutState, Residency
 
 
-def why_not_evictable(layout: LayoutState) -> str | None:
-    if not layout.committed or layout.writer is not None:
-        return "it is not a committed layout"
-    if layout.residency is Residency.DEVICE:
-        return "it is pinned to the device (residency device)"
-    if not layout.resident:
-        return f"it is not on the GPU (tier {layout.tier.value})"
-    if layout.readers or layout.restorer is not None:
-        return f"it has {len(layout.readers) + (layout.restorer is not None)} readers"
+def why_not_evictable(node: NodeState, layout: LayoutState) -> str | None:
+    try:
+        rules.check(node, LayoutEvicted(0, "budget", layout=layout.name))
+    except Rejection as refused:
+        return refused.message
     return None
 
 
@@ -35,7 +33,7 @@ def eviction_candidates(node: NodeState, busy: Container[str] = ()) -> list[Layo
     found = [
         layout
         for layout in node.layouts.values()
-        if layout.name not in busy and why_not_evictable(layout) is None
+        if layout.name not in busy and why_not_evictable(node, layout) is None
     ]
     return sorted(found, key=lambda layout: (layout.last_use, layout.name))
 
@@ -61,36 +59,22 @@ def _known(node: NodeState, name: str) -> LayoutState:
 
 
 def decide_evict(node: NodeState, conn: int, name: str, reason: str) -> list[Event]:
-    layout = _known(node, name)
-    why = why_not_evictable(layout)
-    if why is not None:
-        raise NotEvictable(f"cannot evict layout {name!r}: {why}")
+    _known(node, name)
     return [LayoutEvicted(conn, reason, layout=name)]
 
 
 def decide_pin(node: NodeState, conn: int, name: str, residency: Residency | str) -> list[Event]:
     layout = _known(node, name)
-    residency = parse_residency(residency)
-    if not layout.committed or layout.writer is not None:
-        raise StateViolation(f"layout {name!r} is not committed: its writer sets residency at commit")
-    if not layout.resident:
-        raise StateViolation(f"layout {name!r} is evicted: pin it once a reader has brought it back")
-    if residency is Residency.SYSTEM:
-        require_host_copies(layout)
-    if residency is layout.residency:
-        return []
-    return [ResidencySet(conn, residency.value, layout=name)]
+    event = ResidencySet(conn, rules.parse_residency(residency).value, layout=name)
+    if event.residency != layout.residency.value:
+        return [event]
+    rules.check(node, event)  # pinning what is already so: still only where pinning is legal
+    return []
 
 
 def decide_restore_loading(node: NodeState, conn: int, name: str) -> list[Event]:
-    layout = node.layout(name)
-    if layout.restorer != conn or layout.tier is not Tier.HOST:
-        raise StateViolation("this connection is not restoring the layout")
     return [RestoreLoading(conn, layout=name)]
 
 
 def decide_restore_finished(node: NodeState, conn: int, name: str) -> list[Event]:
-    layout = node.layout(name)
-    if layout.restorer != conn or layout.tier is not Tier.RESTORING:
-        raise StateViolation("this connection is not restoring the layout")
     return [RestoreFinished(conn, layout=name)]

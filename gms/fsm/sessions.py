@@ -2,14 +2,14 @@
 
 Identity is the kernel's (the shell reads the peer's credentials); the tenant
 and what it may do come from the operator's policy, resolved by the shell and
-passed in as plain values.  Nothing here trusts a name the client sent.
+passed in as plain values.  Nothing here trusts a name the client sent.  What
+the state itself allows (a known tenant, a valid name, a limit within the
+quota, room under the layout cap) is the rules' business (``gms.fsm.rules``).
 """
 
 from __future__ import annotations
 
-import re
-
-from .errors import InvalidArgument, LimitExceeded, PermissionDenied, StateViolation
+from .errors import PermissionDenied
 from .events import (
     Event,
     RestoreAborted,
@@ -18,26 +18,11 @@ from .events import (
     SessionClosed,
     SessionOpened,
 )
-from .limits import Limits
 from .locks import RequestedLockType
 from .node import NodeState
+from .rules import MAX_LAYOUT_NAME_BYTES, check_layout_name
 
-MAX_LAYOUT_NAME_BYTES = 128
-_LAYOUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]*")
-
-
-def validate_layout_name(name: object) -> str:
-    """Printable, short, no odd bytes: names show up in logs, metrics and file names."""
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument("a layout name must be a non-empty string")
-    if len(name.encode()) > MAX_LAYOUT_NAME_BYTES:
-        raise InvalidArgument(f"layout name is longer than {MAX_LAYOUT_NAME_BYTES} bytes")
-    if not _LAYOUT_NAME.fullmatch(name):
-        raise InvalidArgument(
-            f"layout name {name!r} must start with a letter or digit and hold only "
-            "letters, digits and . _ : @ + / -"
-        )
-    return name
+validate_layout_name = check_layout_name  # the name the shell and clients know it by
 
 
 def decide_session(
@@ -53,44 +38,19 @@ def decide_session(
     gid: int,
     pid: int,
     limit_bytes: int | None,
-    limits: Limits,
 ) -> list[Event]:
     """Open a session; the event's ``lock_type`` is what the connection will wait for.
 
     A tenant that may read a layout but not write it gets RO for RW_OR_RO: it
     can never be the one that (re)builds the layout.
     """
-    if conn in node.sessions:
-        raise StateViolation("this connection has already handshaken")
-    validate_layout_name(layout)
-    state = node.tenants.get(tenant)
-    if state is None:
-        raise PermissionDenied(f"tenant {tenant!r} is not configured on this server")
     if requested is RequestedLockType.RW_OR_RO and not may_write:
         requested = RequestedLockType.RO
     if requested is RequestedLockType.RW and not may_write:
         raise PermissionDenied(f"tenant {tenant!r} may not write layout {layout!r}")
     if requested is RequestedLockType.RO and not (may_read or may_write):
         raise PermissionDenied(f"tenant {tenant!r} may not read layout {layout!r}")
-    if limit_bytes is not None:
-        if limit_bytes < 0:
-            raise InvalidArgument("limit_bytes must be >= 0")
-        if state.quota_bytes is not None and limit_bytes > state.quota_bytes:
-            raise InvalidArgument(
-                f"limit_bytes {limit_bytes} exceeds tenant {tenant!r}'s quota of "
-                f"{state.quota_bytes} bytes: a session may narrow its limit, never widen it"
-            )
-    if (
-        requested is not RequestedLockType.RO
-        and layout not in node.layouts
-        and len(node.layouts) >= limits.max_layouts
-    ):
-        raise LimitExceeded(f"the server already holds {limits.max_layouts} layouts")
-    return [
-        SessionOpened(
-            conn, tenant, uid, gid, pid, requested.value, limit_bytes, layout=layout
-        )
-    ]
+    return [SessionOpened(conn, tenant, uid, gid, pid, requested.value, limit_bytes, layout=layout)]
 
 
 def decide_disconnect(node: NodeState, conn: int) -> list[Event]:

@@ -64,6 +64,10 @@ class LayoutState:
     committed: bool = False
     allocations: Map[str, Allocation] = Map()
     metadata: Map[str, MetadataEntry] = Map()
+    # allocation id -> the metadata keys pointing into it (a set as a Map), so
+    # freeing an allocation finds its keys without scanning every key.
+    keys_by_allocation: Map[str, Map[str, None]] = Map()
+    metadata_bytes: int = 0  # bytes of every key and value: what the daemon's RAM holds for it
     layout_hash: str | None = None
     next_layout_slot: int = 0
     held_bytes: int = 0  # aligned bytes of every allocation, whatever the tier

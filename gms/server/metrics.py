@@ -57,7 +57,7 @@ class _StateCollector:
             info.add_metric(
                 [name, layout.lock_state.value, layout.residency.value, layout.tier.value, layout.owner or ""], 1
             )
-        for name, (writers, others) in core.waiting_snapshot().items():
+        for name, (writers, others) in core.queues.snapshot().items():
             waiting.add_metric([name, "rw"], writers)
             waiting.add_metric([name, "other"], others)
         used = GaugeMetricFamily("gms_tenant_used_bytes", "Bytes a tenant keeps in gms", labels=["tenant"])
@@ -72,9 +72,11 @@ class _StateCollector:
 
 
 class Metrics:
-    def __init__(self, core) -> None:
+    """Made before the core, whose every event it counts (``observe``, given to the
+    core at construction); ``watch(core)`` then adds the gauges read from its state."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(core))
         self.events = Counter("gms_events", "Events appended, by kind", ["kind"], registry=self.registry)
         self.layout_events = Counter(
             "gms_layout_transitions", "Loads (commits), evictions and restores, by layout",
@@ -89,7 +91,9 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self._server = None
-        core.on_event = self.observe
+
+    def watch(self, core) -> None:
+        self.registry.register(_StateCollector(core))
 
     def observe(self, event: Event) -> None:
         self.events.labels(event.KIND).inc()

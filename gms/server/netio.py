@@ -1,4 +1,11 @@
-"""Socket I/O for the Trio shell: framed sends with fds, and hang-up watching."""
+"""Socket I/O for the Trio shell, and the one place OS errors are translated.
+
+A :class:`Channel` is an accepted Unix socket: bytes in, frames (with fds)
+out, the peer's credentials, and whether it hung up.  Every ``OSError`` of a
+connection's socket becomes :class:`PeerGone` (reading) or
+:class:`SendFailed` (writing) here and nowhere else, so the rest of the
+shell reasons about peers, not errnos.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,10 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from .peer import Peer, peer_of
+
+_RECV_BYTES = 16 * 1024
+
 
 class PeerGone(Exception):
     """The client closed, crashed or reset the connection."""
@@ -18,26 +29,46 @@ class SendFailed(Exception):
     """A response could not be delivered: unwound like a drop."""
 
 
-async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: tuple[int, ...] = ()) -> None:
-    """Send a whole frame; ``fds`` ride with its first byte (SCM_RIGHTS)."""
-    view = memoryview(frame)
-    try:
-        if fds:
-            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            view = view[await sock.sendmsg([view], ancillary) :]
-        while view:
-            view = view[await sock.send(view) :]
-    except OSError as exc:
-        raise SendFailed(str(exc) or type(exc).__name__) from exc
+class Channel:
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.peer: Peer = peer_of(sock)  # OSError: the peer left before we asked (the caller drops it)
+        self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
+        self._view = memoryview(self._buffer)
 
+    async def receive(self) -> memoryview:
+        """The next bytes; empty when the peer closed (a reset counts as a close)."""
+        try:
+            n = await self.sock.recv_into(self._buffer)
+        except OSError:
+            return self._view[:0]
+        return self._view[:n]
 
-def peer_hung_up(sock: trio.socket.SocketType) -> bool:
-    """Has the peer closed (or half-closed, or reset) the connection?  The
-    kernel says so (POLLHUP, POLLRDHUP) even with unread data queued, and
-    asking reads nothing."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLHUP | select.POLLRDHUP | select.POLLERR)
-    return bool(poller.poll(0))
+    async def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
+        """Send a whole frame; ``fds`` ride with its first byte (SCM_RIGHTS)."""
+        view = memoryview(frame)
+        try:
+            if fds:
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                view = view[await self.sock.sendmsg([view], ancillary) :]
+            while view:
+                view = view[await self.sock.send(view) :]
+        except OSError as exc:
+            raise SendFailed(str(exc) or type(exc).__name__) from exc
+
+    def hung_up(self) -> bool:
+        """Has the peer closed (or half-closed, or reset) the connection?  The
+        kernel says so (POLLHUP, POLLRDHUP) even with unread data queued, and
+        asking reads nothing."""
+        poller = select.poll()
+        try:
+            poller.register(self.sock.fileno(), select.POLLHUP | select.POLLRDHUP | select.POLLERR)
+        except (OSError, ValueError):  # closed already
+            return True
+        return bool(poller.poll(0))
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 async def wait_or_hangup(wait: Callable[[], Awaitable[None]], watch: Callable[[], Awaitable[None]]) -> bool:

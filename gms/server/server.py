@@ -1,14 +1,14 @@
 """The listener: one Unix socket per GPU, one nursery, one task per connection.
 
-``Server.serve`` binds, reports itself started, and accepts until cancelled;
-on the way out every connection task is cancelled (each unwinds its lock),
-the memory is released and the socket file removed.  ``run_server`` is the
+``Server.serve`` binds, reports itself started, and accepts (Trio's own
+accept loop) until cancelled; on the way out every connection task is
+cancelled (each unwinds its lock), the memory is released on its lanes and
+the socket file removed.  ``run_server`` is the
 process entry, stopped by SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -22,9 +22,9 @@ from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
 from .config import ServerConfig
-from .core import ServiceCore
-from .memory_signal import MemorySignal
+from .core import ServiceCore, open_core
 from .metrics import Metrics
+from .netio import Channel
 from .session import Session
 
 log = logging.getLogger("gms.server")
@@ -100,17 +100,18 @@ def _remove_if_ours(path: str, inode: int) -> None:
         pass
 
 
-def effective_limits(config: ServerConfig, backend: MemoryBackend):
+def effective_limits(config: ServerConfig, total_bytes: int | None):
     """Cap single allocations at the device's size unless configured."""
     limits = config.limits
-    if limits.max_allocation_bytes is None:
-        total = backend.device_info().total_bytes
-        if total is not None:
-            limits = attrs.evolve(limits, max_allocation_bytes=total)
+    if limits.max_allocation_bytes is None and total_bytes is not None:
+        limits = attrs.evolve(limits, max_allocation_bytes=total_bytes)
     return limits
 
 
 class Server:
+    """One GPU's server.  The backends are opened here; the lanes, the memory
+    tables and the core are made when serving starts (they live in Trio)."""
+
     def __init__(
         self,
         config: ServerConfig,
@@ -122,69 +123,74 @@ class Server:
         if host_tier is None and config.host_tier:
             host_tier = open_host_tier(config.backend, config.device)
         self.host_tier = host_tier
-        capacity = self.backend.device_info().total_bytes
-        self.core = ServiceCore(
+        self.device = self.backend.device_info()  # once, at start: later on the lane
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
+        self.core: ServiceCore | None = None
+
+    def _open_core(self) -> ServiceCore:
+        config = self.config
+        capacity = self.device.total_bytes
+        self.core = open_core(
             self.backend,
-            host_tier,
+            self.host_tier,
+            on_event=self.metrics.observe,
             policy=config.policy,
-            limits=effective_limits(config, self.backend),
+            limits=effective_limits(config, capacity),
             log=EventLog(retain=config.event_log_retain),
             budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
             host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,
             history_max_bytes=config.history_max_bytes,
+            alloc_retry_interval=config.alloc_retry_interval,
+            alloc_retry_timeout=config.alloc_retry_timeout,
         )
-        self.memory = MemorySignal()
-        self.core.on_memory_released = self.memory.released
-        self.metrics = Metrics(self.core)
-        self.metrics_port: int | None = None
-        self.device_uuid = self.backend.device_info().uuid
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.backend.close()
-        if self.host_tier is not None:
-            self.host_tier.close()
+        self.metrics.watch(self.core)
+        return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.config.socket_path
+        core = None
         try:
             listener, inode = await bind_listener(path, self.config.socket_mode)
-            if self.config.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         except BaseException:
-            self.close()
+            self._close_backends()
             raise
         try:
+            core = self._open_core()
+            if self.config.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
             async with trio.open_nursery() as nursery:
+                for tier in core.ledger.tiers.values():
+                    nursery.start_soon(tier.lane.watch)  # a failed release stops the server
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
-                    self.config.device,
-                    path,
-                    self.backend.name,
-                    self.config.policy.source,
+                    self.config.device, path, self.backend.name, self.config.policy.source,
                 )
                 task_status.started(self)
-                while True:
-                    try:
-                        sock, _ = await listener.accept()
-                    except OSError as exc:
-                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                            log.warning("accept failed (%s); backing off", exc)
-                            await trio.sleep(0.1)
-                            continue
-                        raise
-                    try:
-                        session = Session(self.core, self.config, sock, self.device_uuid, self.memory, self.metrics)
-                    except OSError as exc:  # the peer left before we asked who it was
-                        log.info("dropping a connection: %s", exc)
-                        sock.close()
-                        continue
-                    nursery.start_soon(session.run)
+                # Trio's own accept loop: it ignores ECONNABORTED/EPROTO and backs off on EMFILE.
+                await trio.serve_listeners(self._handle, [trio.SocketListener(listener)], handler_nursery=nursery)
         finally:
             listener.close()
             _remove_if_ours(path, inode)
-            self.close()
+            if core is not None:
+                with trio.CancelScope(shield=True):
+                    await core.aclose()
+            self.metrics.close()
+            self._close_backends()
+
+    def _close_backends(self) -> None:
+        for backend in (self.backend, self.host_tier):
+            if backend is not None:
+                backend.close()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            channel = Channel(stream.socket)
+        except OSError as exc:  # the peer left before we asked who it was
+            log.info("dropping a connection: %s", exc)
+            return
+        await Session(self.core, self.config, channel, self.metrics).run()
 
 
 async def run_server(config: ServerConfig) -> None:

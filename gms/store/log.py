@@ -1,7 +1,8 @@
 """The event log: append-only, in memory, bounded by count.
 
-Appending folds first: an event the state refuses raises and is not stored,
-so the log never holds an event its state could not accept.  Entries live in
+Appending folds first: an event the state refuses raises and is not stored
+(a batch is stored all or nothing), so the log never holds an event its
+state could not accept.  Entries live in
 fixed-size chunks, each remembering the (immutable) state before its first
 entry; retention drops whole chunks from the front, and the oldest kept
 chunk's start state becomes the snapshot.  No re-fold is needed at the cut,
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -68,22 +69,40 @@ class EventLog:
     # -- writing -----------------------------------------------------------
 
     def append(self, event: Event) -> LogEntry:
-        state = fold(self._state, event)  # raises before anything is stored
-        chunk = self._chunks[-1]
-        if len(chunk.entries) == self._chunk_size:
-            chunk = _Chunk(self._next_seq, self._state)
-            self._chunks.append(chunk)
-        entry = LogEntry(self._next_seq, time.monotonic_ns(), time.time_ns(), event)
-        chunk.entries.append(entry)
-        self._next_seq += 1
-        self._kept += 1
+        """Fold, then store; a refused event (the fold raises) is not stored."""
+        (entry,) = self.extend((event,))
+        return entry
+
+    def extend(
+        self, events: Iterable[Event], observe: Callable[[NodeState, Event], None] | None = None
+    ) -> list[LogEntry]:
+        """Append all or nothing: each event folds on the state the ones before it
+        leave, and if any is refused none is stored (a free and its cascade, a
+        batch of metadata puts, land together or not at all).  ``observe(before,
+        event)`` sees each stored event with the state it was folded on."""
+        folded: list[tuple[Event, NodeState]] = []
+        state = self._state
+        for event in events:
+            after = fold(state, event)  # raises before anything is stored
+            folded.append((event, state))
+            state = after
+        entries = []
+        for event, before in folded:
+            if observe is not None:
+                observe(before, event)
+            chunk = self._chunks[-1]
+            if len(chunk.entries) == self._chunk_size:
+                chunk = _Chunk(self._next_seq, before)
+                self._chunks.append(chunk)
+            entry = LogEntry(self._next_seq, time.monotonic_ns(), time.time_ns(), event)
+            chunk.entries.append(entry)
+            entries.append(entry)
+            self._next_seq += 1
+        self._kept += len(entries)
         self._state = state
         if self._retain is not None:
             self._trim()
-        return entry
-
-    def extend(self, events: Iterable[Event]) -> list[LogEntry]:
-        return [self.append(event) for event in events]
+        return entries
 
     def _trim(self) -> None:
         chunks = self._chunks

@@ -301,6 +301,11 @@ class LayoutStatus:
     restores: int
     evictions: int
 
+    @classmethod
+    def empty(cls, name: str) -> LayoutStatus:
+        """The row of a layout the server holds none of."""
+        return cls(name, "EMPTY", False, "device", "gpu", 0, 0, 0, 0, 0, False, 0, False, 0, 0, "", "", None, 0, 0, 0)
+
 
 @attrs.frozen
 class TenantStatus:
@@ -335,16 +340,24 @@ class GetRuntimeStateResponse:
     pid: int = 0
     layouts: list[LayoutStatus] = attrs.Factory(list)
     tenants: list[TenantStatus] = attrs.Factory(list)
+    # The seed's single-layout fields, describing the layout "weights", so a
+    # seed-era client or probe reads this response unchanged.
+    state: str = "EMPTY"
+    has_rw_session: bool = False
+    ro_session_count: int = 0
+    waiting_writers: int = 0
+    waiting_readers: int = 0
+    committed: bool = False
+    allocation_count: int = 0
+    total_bytes: int = 0
+    memory_layout_hash: str = ""
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""
         for row in self.layouts:
             if row.name == name:
                 return row
-        return LayoutStatus(
-            name, "EMPTY", False, "device", "gpu", 0, 0, 0, 0, 0, False, 0, False, 0, 0, "", "",
-            None, 0, 0, 0,
-        )
+        return LayoutStatus.empty(name)
 
     def tenant(self, name: str) -> TenantStatus | None:
         return next((row for row in self.tenants if row.name == name), None)

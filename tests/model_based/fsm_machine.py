@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gms.fsm import (
+    RULES,
     Limits,
     Rejection,
     RequestedLockType,
     admit_allocation,
-    admit_host_copy,
     admit_restore,
     check_invariants,
     decide_allocate,
@@ -42,12 +42,13 @@ from gms.fsm import (
     decide_restore_finished,
     decide_restore_loading,
     decide_session,
+    fold,
     fold_all,
     plan_evictions,
     schedule,
 )
 from gms.fsm import queries
-from gms.fsm.events import ServerStarted, SessionClosed
+from gms.fsm.events import RestoreLoading, ServerStarted, SessionClosed
 from gms.store import EventLog
 
 from .reference import ReferenceModel
@@ -107,7 +108,7 @@ class FsmMachine(RuleBasedStateMachine):
         self.log = EventLog(retain=24, chunk_size=4)
         self.events = []
         quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
-        self._append([ServerStarted(0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, layout="")])
+        self._append([ServerStarted(0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(), layout="")])
         self.refs = {
             name: ReferenceModel(
                 LIMITS.max_allocations,
@@ -131,9 +132,20 @@ class FsmMachine(RuleBasedStateMachine):
         return self.clock
 
     def _append(self, events) -> None:
+        """Append atomically, as the shell does; each event moves its layout only
+        along a move its rule declares (the table is the whole truth)."""
+        events = list(events)
+        before = self.log.state
+        self.log.extend(events)
+        self.events.extend(events)
         for event in events:
-            self.log.append(event)
-            self.events.append(event)
+            after = fold(before, event)
+            rule = RULES.get(type(event))
+            if rule is not None and event.layout:
+                was, now = before.layout(event.layout), after.layout(event.layout)
+                assert (was.lock_state, now.lock_state) in {(m.before, m.after) for m in rule.moves}, event
+                assert (was.tier, now.tier) in {(m.before, m.after) for m in rule.tier_moves}, event
+            before = after
 
     def _layout_of(self, conn: int) -> str:
         return self.sessions[conn][0] if conn in self.sessions else "a"
@@ -160,10 +172,13 @@ class FsmMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from([0, *sorted(self.sessions)]), label="conn")
 
     def _decide(self, thunk):
-        code, events = rejection_code(thunk)
-        if events is not None:
+        """Decide, then append: a refusal may come from either (the rules run in the fold)."""
+        def decide_and_append():
+            events = thunk()
             self._append(events)
-        return code, events
+            return events
+
+        return rejection_code(decide_and_append)
 
     def _known_allocation(self, data, layout: str) -> str:
         ids = sorted(self.log.state.layout(layout).allocations) + ["missing"]
@@ -213,7 +228,7 @@ class FsmMachine(RuleBasedStateMachine):
         code, events = self._decide(
             lambda: decide_session(
                 self.log.state, conn, layout, lock, tenant=tenant, may_read=may_read,
-                may_write=may_write, uid=1000, gid=1000, pid=conn, limit_bytes=limit, limits=LIMITS,
+                may_write=may_write, uid=1000, gid=1000, pid=conn, limit_bytes=limit,
             )
         )
         effective = "RO" if lock is RequestedLockType.RW_OR_RO and not may_write else lock.value
@@ -271,20 +286,13 @@ class FsmMachine(RuleBasedStateMachine):
             elif ref.bytes() + aligned(size) > BUDGET:
                 expected = "BUDGET_EXCEEDED"
         state = self.log.state
-
-        def decide():
-            from gms.fsm import validate_allocate
-
-            validate_allocate(state.layout(layout), conn, size, tag, LIMITS)
-            return admit_allocation(state, conn, aligned(size))
-
-        code, shortfall = rejection_code(decide)
+        (proposed,) = decide_allocate(state.layout(layout), conn, alloc_id, size, aligned(size), tag)
+        code, shortfall = rejection_code(lambda: admit_allocation(state, proposed))
         assert code == expected
         if code is not None or not self._make_room(shortfall):
             return
-        self._append(
-            decide_allocate(self.log.state.layout(layout), conn, alloc_id, size, aligned(size), tag, LIMITS)
-        )
+        # As the shell: decided again after the wait (here, the evictions).
+        self._append(decide_allocate(self.log.state.layout(layout), conn, alloc_id, size, aligned(size), tag))
         assert ref.allocate(conn, alloc_id, size, aligned(size), tag) is None
 
     def _free(self, conn, alloc_id):
@@ -301,9 +309,7 @@ class FsmMachine(RuleBasedStateMachine):
             label="offset",
         )
         state = self.log.state.layout(layout)
-        code, _ = self._decide(
-            lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS)
-        )
+        code, _ = self._decide(lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value))
         assert code == self.refs[layout].metadata_put(conn, key, alloc_id, offset, value)
 
     @precondition(has_connections)
@@ -363,14 +369,11 @@ class FsmMachine(RuleBasedStateMachine):
         for alloc_id in chosen:
             allocation = self.log.state.layout(layout).allocations.get(alloc_id)
             fresh = allocation is not None and alloc_id not in self.log.state.layout(layout).host_copies
-            if fresh:
-                host_used = sum(r.host_bytes() for r in self.refs.values())
-                code, _ = rejection_code(lambda: admit_host_copy(self.log.state, allocation.aligned_size))
-                expected = "HOST_MEMORY_EXHAUSTED" if host_used + allocation.aligned_size > HOST_BUDGET else None
-                assert code == expected
-                if code:
-                    continue
+            host_used = sum(r.host_bytes() for r in self.refs.values())
             code, _ = self._decide(lambda: decide_host_copy(self.log.state.layout(layout), conn, alloc_id))
+            if fresh and host_used + allocation.aligned_size > HOST_BUDGET:
+                assert code == "HOST_MEMORY_EXHAUSTED"
+                continue
             assert code == self.refs[layout].host_copy(conn, alloc_id)
 
     @precondition(has_connections)
@@ -411,7 +414,7 @@ class FsmMachine(RuleBasedStateMachine):
         ref = self.refs[layout]
         conn = ref.restorer
         if ref.tier == "host":
-            shortfall = admit_restore(self.log.state, self.log.state.layout(layout))
+            shortfall = admit_restore(self.log.state, RestoreLoading(conn, layout=layout))
             if not self._make_room(shortfall):
                 return
             self._append(decide_restore_loading(self.log.state, conn, layout))

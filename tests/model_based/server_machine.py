@@ -23,6 +23,7 @@ until the server has logged as many events as the local log, then checks that
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 
 from hypothesis import strategies as st
@@ -31,12 +32,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gms.cuda import open_mapper
 from gms.fsm import (
     EMPTY_NODE,
-    Limits,
     PermissionDenied,
     Rejection,
     RequestedLockType,
     admit_allocation,
-    admit_host_copy,
     admit_restore,
     check_invariants,
     decide_allocate,
@@ -51,14 +50,15 @@ from gms.fsm import (
     decide_restore_loading,
     decide_session,
     fold,
+    fold_all,
     plan_evictions,
     queries,
     schedule,
-    validate_allocate,
 )
 from gms.fsm.events import (
     AllocationOomGaveUp,
     AllocationOomWait,
+    RestoreLoading,
     SessionClosed,
     SessionRefused,
 )
@@ -68,7 +68,6 @@ from gms.wire import messages as m
 
 from ..helpers import MiB, RawConn, ServerProcess, connect_as, wait_until
 
-LIMITS = Limits(max_allocations=6, max_metadata_keys=5, max_metadata_value_bytes=16, max_layouts=2)
 BUDGET = 16 * MiB
 HOST_BUDGET = 12 * MiB
 AS_ROOT = os.geteuid() == 0
@@ -195,7 +194,7 @@ class ServerMachine(RuleBasedStateMachine):
     def _load_restore(self, conn: int, layout: str) -> bool:
         """The server makes the restore's GPU memory, or gives up and closes."""
         size = self.state.layout(layout).held_bytes
-        if self._make_room(admit_restore(self.state, self.state.layout(layout))):
+        if self._make_room(admit_restore(self.state, RestoreLoading(conn, layout=layout))):
             self._record(decide_restore_loading(self.state, conn, layout))
             return True
         self._gave_up(conn, size, "restore")
@@ -227,8 +226,14 @@ class ServerMachine(RuleBasedStateMachine):
         return result
 
     def _expect(self, response, decide) -> object:
-        """Check the server's answer against a local decision; record its events (None if refused)."""
-        events = self._agree(response, decide)
+        """Check the server's answer against a local decision and the rules' verdict
+        on it; record its events (None if refused)."""
+        def judged():
+            events = decide()
+            fold_all(events, self.state)  # the rules refuse in the fold, as in the server
+            return events
+
+        events = self._agree(response, judged)
         if events is NO_ANSWER:
             return None
         self._record(events)
@@ -278,8 +283,9 @@ class ServerMachine(RuleBasedStateMachine):
             events = decide_session(
                 self.state, conn, layout, lock, tenant=tenant,
                 may_read=layout in writes + reads, may_write=layout in writes,
-                uid=uid or 0, gid=uid or 0, pid=0, limit_bytes=limit, limits=LIMITS,
+                uid=uid or 0, gid=uid or 0, pid=0, limit_bytes=limit,
             )
+            fold_all(events, self.state)
         except Rejection as rejection:
             response, _ = self.conns[conn].recv()
             assert response.code == rejection.code, (response, rejection)
@@ -308,16 +314,16 @@ class ServerMachine(RuleBasedStateMachine):
     # -- requests -------------------------------------------------------------------
 
     def _allocate(self, conn, size, tag):
+        self._check_allocation(conn, size, tag, self.conns[conn].call(m.AllocateRequest(size, tag)))
+
+    def _check_allocation(self, conn, size, tag, response):
+        """The local decision for an allocation the server answered with ``response``."""
         layout = self._layout_of(conn)
-        state = self.state
-
-        def admit():
-            validate_allocate(state.layout(layout), conn, size, tag, LIMITS)
-            return admit_allocation(state, conn, -(-size // (2 * MiB)) * 2 * MiB)
-
-        response = self.conns[conn].call(m.AllocateRequest(size, tag))
+        aligned = -(-size // (2 * MiB)) * 2 * MiB if size > 0 else size
+        allocation_id = getattr(response, "allocation_id", "refused")
+        (proposed,) = decide_allocate(self.state.layout(layout), conn, allocation_id, size, aligned, tag)
         try:
-            shortfall = admit()
+            shortfall = admit_allocation(self.state, proposed)
         except Rejection as rejection:
             assert isinstance(response, m.ErrorResponse) and response.code == rejection.code, (response, rejection)
             return
@@ -325,12 +331,8 @@ class ServerMachine(RuleBasedStateMachine):
             assert response.code == "OUT_OF_MEMORY", response
             self._gave_up(conn, size, tag)
             return
-        assert response.aligned_size >= size and response.aligned_size % (2 * MiB) == 0
-        self._record(
-            decide_allocate(
-                self.state.layout(layout), conn, response.allocation_id, size, response.aligned_size, tag, LIMITS
-            )
-        )
+        assert response.aligned_size == aligned, response
+        self._record(decide_allocate(self.state.layout(layout), conn, allocation_id, size, aligned, tag))
         allocation = self.state.layout(layout).allocations[response.allocation_id]
         self.conns[conn].send(m.ExportAllocationRequest(allocation.allocation_id))
         _, (fd,) = self.conns[conn].recv()
@@ -349,6 +351,29 @@ class ServerMachine(RuleBasedStateMachine):
     def writer_allocates(self, data, size, tag):
         self._allocate(self._holder(data, "writer"), size, tag)
 
+    @precondition(lambda self: sum(l.writer is not None for l in self.state.layouts.values()) >= 2)
+    @rule(sizes=st.tuples(st.integers(1, 6 * MiB), st.integers(1, 6 * MiB)))
+    def two_writers_allocate_at_once(self, sizes):
+        """Two sessions' allocations in flight together: the server serves them
+        interleaved across its awaits (each waits for the lane that makes its
+        memory, and decides again after), so budget, quota and evictions must
+        come out as one serial order of the two would have them."""
+        writers = sorted(l.writer for l in self.state.layouts.values() if l.writer is not None)[:2]
+        for conn, size in zip(writers, sizes):
+            self.conns[conn].send(m.AllocateRequest(size, "kv"))
+        responses = {conn: self.conns[conn].recv(timeout=10)[0] for conn in writers}
+        # The server's log says which went first (conn numbers are its own: match by id).
+        created = {
+            e.fields["allocation_id"]: e.seq
+            for e in self.server.events(self.expected.last_seq)
+            if e.kind == "ALLOCATION_CREATED"
+        }
+        order = sorted(
+            zip(writers, sizes), key=lambda w: created.get(getattr(responses[w[0]], "allocation_id", None), math.inf)
+        )
+        for conn, size in order:
+            self._check_allocation(conn, size, "kv", responses[conn])
+
     @rule(data=st.data())
     def free(self, data):
         conn = self._holder(data, "writer")
@@ -365,7 +390,7 @@ class ServerMachine(RuleBasedStateMachine):
         offset = data.draw(st.sampled_from([0, size - 1, size]) | st.integers(0, size - 1))
         response = self.conns[conn].call(m.MetadataPutRequest(key, alloc_id, offset, value))
         state = self.state.layout(self._layout_of(conn))
-        self._expect(response, lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value, LIMITS))
+        self._expect(response, lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value))
 
     @rule(data=st.data(), key=st.sampled_from(KEYS), value=st.binary(max_size=18))
     def metadata_put(self, data, key, value):
@@ -406,13 +431,7 @@ class ServerMachine(RuleBasedStateMachine):
         new = [layout.allocations[i] for i in ids if i not in layout.host_copies]
 
         def decide():
-            admit_host_copy(self.state, sum(a.aligned_size for a in new))
-            events = []
-            state = self.state
-            for allocation in new:
-                events += decide_host_copy(state.layout(layout.name), conn, allocation.allocation_id)
-                state = fold(state, events[-1])
-            return events
+            return [e for a in new for e in decide_host_copy(layout, conn, a.allocation_id)]
 
         if self._expect(response, decide) is None:
             return

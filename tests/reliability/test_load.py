@@ -26,7 +26,7 @@ import pytest
 from gms import GMSClientMemoryManager
 from gms.cuda.host import HostBackend
 from gms.fsm import RequestedLockType, check_invariants
-from gms.server.core import ServiceCore
+from gms.server.core import open_core
 from gms.server.peer import Peer
 from gms.store import EventLog
 from gms.wire import messages as m
@@ -178,12 +178,12 @@ def test_the_event_log_stays_within_its_retention(server):
     assert growth < 32 * MiB, f"RSS still grows by {growth / MiB:.0f} MiB at the log's bound"
 
 
-def test_a_retained_log_replays_to_the_live_state():
+async def test_a_retained_log_replays_to_the_live_state():
     """The server's own EventLog under churn, cut by retention many times:
     replaying what it keeps over its snapshot equals its live state (a client
     cannot check this: the snapshot never leaves the server)."""
     retain, chunk = 500, 64
-    core = ServiceCore(HostBackend(), log=EventLog(retain=retain, chunk_size=chunk))
+    core = open_core(HostBackend(), log=EventLog(retain=retain, chunk_size=chunk))
     peer = Peer(os.getpid(), os.getuid(), os.getgid())
     granted = []
     checks = 0
@@ -194,12 +194,12 @@ def test_a_retained_log_replays_to_the_live_state():
         requested = core.open_session(conn, m.HandshakeRequest(lock.value, 0, layout), peer)
         core.request_lock(conn, requested, granted.append)
         if core.state.layout(layout).writer == conn:
-            allocation = core.allocate(conn, 2 * MiB, "w")
-            core.handle(conn, m.MetadataPutRequest("k", allocation.allocation_id, 0, b"v"))
+            allocation = await core.placement.allocate(conn, 2 * MiB, "w")
+            core.requests.handle(conn, m.MetadataPutRequest("k", allocation.allocation_id, 0, b"v"))
             if n % 4:
-                core.handle(conn, m.CommitRequest())
+                core.requests.handle(conn, m.CommitRequest())
         elif conn in core.state.layout(layout).readers:
-            core.handle(conn, m.ListAllocationsRequest())
+            core.requests.handle(conn, m.ListAllocationsRequest())
         core.disconnect(conn)
         if n % 97 == 0:
             assert core.log.replay() == core.state
@@ -210,4 +210,4 @@ def test_a_retained_log_replays_to_the_live_state():
     assert core.log.replay() == core.state
     record("load", "retained log replays to the live state (in-process)", errors=0,
            events=core.log.last_seq, kept=len(core.log), replays_checked=checks + 1)
-    core.gpu.close()
+    await core.aclose()

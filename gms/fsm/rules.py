@@ -1,0 +1,433 @@
+"""Every rule of the state machine, in one table.
+
+``RULES`` maps each event type to the :class:`Rule` that says when it may be
+folded: who may send it (the role of its connection on the layout), the lock
+states it may happen in and the state it leads to (``moves``, from which
+docs/architecture.md draws its diagrams), the tiers it may happen in, and the
+checks on its fields, in order.  Nothing else decides legality: decisions
+build events, and :func:`check`, which the fold runs before every step,
+accepts or refuses them.  Checked once, then trusted: a step never checks
+again, and the commit's hash, computed by its decision, is taken as given
+(``check_invariants`` recomputes it where that is wanted: tests, replays).
+
+A refusal is a typed :class:`Rejection` saying what the client asked wrong;
+the shell answers it and nothing is appended.  The same refusal of an event
+the server proposed itself, or in a log being replayed, is an
+:class:`InvariantViolation`: the server stops.
+
+Node-wide bounds (the GPU and host budgets, tenant quotas, session limits,
+the layout cap) are checked here for the events that spend them and held by
+the fold for every event (``gms.fsm.node``): no log can break one.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable
+
+import attrs
+
+from .errors import (
+    BudgetExceeded,
+    HostBudgetExceeded,
+    HostCopyMissing,
+    InvalidArgument,
+    InvariantViolation,
+    LimitExceeded,
+    ModeViolation,
+    NotConnected,
+    NotEvictable,
+    OffsetOutOfBounds,
+    PermissionDenied,
+    QuotaExceeded,
+    Rejection,
+    StateViolation,
+    UnknownAllocation,
+)
+from .events import (
+    AllocationCreated,
+    AllocationFreed,
+    AllocationOomGaveUp,
+    AllocationOomWait,
+    ConnectionDropped,
+    Event,
+    HostCopyCreated,
+    LayoutEvicted,
+    LayoutRevoked,
+    LockTimeout,
+    MetadataDeleted,
+    MetadataPut,
+    ResidencySet,
+    RestoreAborted,
+    RestoreClaimed,
+    RestoreFinished,
+    RestoreLoading,
+    RoConnect,
+    RoDisconnect,
+    RwAbort,
+    RwCommit,
+    RwConnect,
+    ServerStarted,
+    SessionClosed,
+    SessionOpened,
+    SessionRefused,
+)
+from .state import LayoutState, LockState, Residency, Tier
+
+EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
+GPU, HOST, RESTORING = Tier.GPU, Tier.HOST, Tier.RESTORING
+ALL_TIERS = frozenset(Tier)
+_WHERE = {GPU: "on the GPU", HOST: "evicted to the host tier", RESTORING: "being restored"}
+
+MAX_LAYOUT_NAME_BYTES = 128
+_LAYOUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]*")
+LOCK_TYPES = ("RW", "RO", "RW_OR_RO")
+
+
+class Who(enum.Enum):
+    """The role an event's connection must have on the event's layout."""
+
+    ANYONE = "anyone"  # the server (conn 0), an admin, any connection
+    SESSION = "a session on the layout that holds no lock"  # a handshake being granted
+    WRITER = "the writer"
+    READER = "a reader"
+    RESTORER = "the restorer"
+    HOLDER = "a lock holder"  # writer, reader or restorer
+
+
+@attrs.frozen
+class Move:
+    """One edge of the diagram: ``before`` -> ``after`` (lock states or tiers)."""
+
+    before: enum.Enum
+    after: enum.Enum
+    note: str = ""
+
+
+def stays(*states: enum.Enum) -> tuple[Move, ...]:
+    return tuple(Move(s, s) for s in states)
+
+
+Check = Callable[["object", LayoutState, Event], None]
+
+
+@attrs.frozen
+class Rule:
+    who: Who
+    moves: tuple[Move, ...]  # lock states it may happen in, and where each leads
+    tier_moves: tuple[Move, ...] = stays(*Tier)  # tiers it may happen in, and where each leads
+    checks: tuple[Check, ...] = ()
+    action: str = ""  # the client's word for it, in refusals
+    refusal: type[Rejection] = StateViolation  # when the lock state or tier does not allow it
+    needs_layout: bool = True  # False: node events that may name no layout
+
+    @property
+    def locks(self) -> frozenset[LockState]:
+        return frozenset(move.before for move in self.moves)
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        return frozenset(move.before for move in self.tier_moves)
+
+
+# -- the roles --------------------------------------------------------------------------
+
+
+def require(layout: LayoutState, conn: int, who: Who, action: str, node=None) -> None:
+    """Raise the Rejection that says why ``conn`` is not ``who`` on ``layout``."""
+    if who is Who.ANYONE:
+        return
+    if who is Who.WRITER:
+        if layout.writer == conn:
+            return
+        if layout.holds_lock(conn):
+            raise ModeViolation(f"{action} needs the RW lock; this connection holds RO")
+    elif who is Who.READER:
+        if conn in layout.readers:
+            return
+    elif who is Who.RESTORER:
+        if layout.restorer == conn:
+            return
+        raise StateViolation("this connection is not restoring the layout")
+    elif who is Who.HOLDER:
+        if layout.holds_lock(conn):
+            return
+    elif who is Who.SESSION:
+        session = node.sessions.get(conn) if node is not None else None
+        if session is None or session.layout != layout.name:
+            raise StateViolation(f"{action}: connection {conn} has no session on layout {layout.name!r}")
+        if layout.holds_lock(conn):
+            raise StateViolation(f"{action}: connection {conn} holds a lock on {layout.name!r} already")
+        return
+    raise NotConnected(f"{action} needs a lock: send HandshakeRequest first")
+
+
+# -- checks on fields ---------------------------------------------------------------------
+
+
+def check_text(name: str, text: str, max_bytes: int) -> None:
+    if not text:
+        raise InvalidArgument(f"{name} must not be empty")
+    if len(text.encode()) > max_bytes:
+        raise LimitExceeded(f"{name} is longer than {max_bytes} bytes")
+
+
+def check_layout_name(name: object) -> str:
+    """Printable, short, no odd bytes: names show up in logs, metrics and file names."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("a layout name must be a non-empty string")
+    if len(name.encode()) > MAX_LAYOUT_NAME_BYTES:
+        raise InvalidArgument(f"layout name is longer than {MAX_LAYOUT_NAME_BYTES} bytes")
+    if not _LAYOUT_NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"layout name {name!r} must start with a letter or digit and hold only "
+            "letters, digits and . _ : @ + / -"
+        )
+    return name
+
+
+def parse_residency(value: Residency | str) -> Residency:
+    try:
+        return Residency(value)
+    except ValueError:
+        choices = ", ".join(r.value for r in Residency)
+        raise InvalidArgument(f"unknown residency {value!r}; choose one of {choices}") from None
+
+
+def allocation_of(layout: LayoutState, allocation_id: str):
+    allocation = layout.allocations.get(allocation_id)
+    if allocation is None:
+        raise UnknownAllocation(f"no allocation {allocation_id!r} in the current layout")
+    return allocation
+
+
+def _new_allocation(node, layout: LayoutState, e: AllocationCreated) -> None:
+    if e.allocation_id in layout.allocations:
+        raise StateViolation(f"allocation {e.allocation_id!r} exists")
+    if e.layout_slot != layout.next_layout_slot:
+        raise StateViolation(f"slot {e.layout_slot} is not the next one ({layout.next_layout_slot})")
+
+
+def _allocation_sizes(node, layout: LayoutState, e: AllocationCreated) -> None:
+    limits = node.limits
+    if e.size <= 0:
+        raise InvalidArgument(f"allocation size must be positive, got {e.size}")
+    if e.aligned_size < e.size:
+        raise InvalidArgument(f"aligned size {e.aligned_size} is below the size {e.size}")
+    if limits.max_allocation_bytes is not None and e.size > limits.max_allocation_bytes:
+        raise LimitExceeded(f"allocation of {e.size} bytes exceeds the {limits.max_allocation_bytes}-byte limit")
+    check_text("tag", e.tag, limits.max_tag_bytes)
+    if len(layout.allocations) >= limits.max_allocations:
+        raise LimitExceeded(f"layout already holds {limits.max_allocations} allocations")
+
+
+def within_quotas(node, layout: LayoutState, conn: int, more: int) -> None:
+    """The writer's session limit, then its tenant's quota, for ``more`` bytes."""
+    session = node.sessions.get(conn)
+    if session is None:
+        raise InvariantViolation(f"conn {conn} spends bytes without a session")
+    if session.limit_bytes is not None and layout.held_bytes + more > session.limit_bytes:
+        raise QuotaExceeded("session", layout.held_bytes, more, session.limit_bytes)
+    tenant = node.tenants[session.tenant]
+    if tenant.quota_bytes is not None and tenant.used_bytes + more > tenant.quota_bytes:
+        raise QuotaExceeded("tenant", tenant.used_bytes, more, tenant.quota_bytes)
+
+
+def fits_budget_ever(node, layout: LayoutState, total: int) -> None:
+    budget = node.budget_bytes
+    if budget is not None and total > budget:
+        raise BudgetExceeded(
+            f"layout {layout.name!r} would hold {total} bytes, more than the GPU budget of "
+            f"{budget} bytes: it can never fit"
+        )
+
+
+def _allocation_admitted(node, layout: LayoutState, e: AllocationCreated) -> None:
+    within_quotas(node, layout, e.conn, e.aligned_size)
+    fits_budget_ever(node, layout, layout.held_bytes + e.aligned_size)
+
+
+def _known_allocation(node, layout: LayoutState, e) -> None:
+    allocation_of(layout, e.allocation_id)
+
+
+def _unreferenced(node, layout: LayoutState, e: AllocationFreed) -> None:
+    keys = layout.keys_by_allocation.get(e.allocation_id)
+    if keys:
+        raise StateViolation(f"metadata {next(iter(keys))!r} still points into {e.allocation_id!r}")
+
+
+def _metadata_entry(node, layout: LayoutState, e: MetadataPut) -> None:
+    limits = node.limits
+    check_text("metadata key", e.key, limits.max_key_bytes)
+    if len(e.value) > limits.max_metadata_value_bytes:
+        raise LimitExceeded(f"metadata value of {len(e.value)} bytes exceeds {limits.max_metadata_value_bytes}")
+    allocation = allocation_of(layout, e.allocation_id)
+    if not 0 <= e.offset_bytes < allocation.size:
+        raise OffsetOutOfBounds(
+            f"offset {e.offset_bytes} is outside allocation {e.allocation_id!r} of {allocation.size} bytes"
+        )
+    if e.key not in layout.metadata and len(layout.metadata) >= limits.max_metadata_keys:
+        raise LimitExceeded(f"layout already holds {limits.max_metadata_keys} metadata keys")
+
+
+def _known_key(node, layout: LayoutState, e: MetadataDeleted) -> None:
+    if e.key not in layout.metadata:
+        raise StateViolation(f"no metadata key {e.key!r}")
+
+
+def require_host_copies(layout: LayoutState) -> None:
+    missing = len(layout.allocations) - len(layout.host_copies)
+    if missing:
+        raise HostCopyMissing(
+            f"residency system needs a host copy of every allocation; {missing} of "
+            f"{len(layout.allocations)} have none (the client library makes them at commit)"
+        )
+
+
+def _residency_field(node, layout: LayoutState, e: RwCommit | ResidencySet) -> None:
+    if parse_residency(e.residency) is Residency.SYSTEM:
+        require_host_copies(layout)
+
+
+def _host_copy_admitted(node, layout: LayoutState, e: HostCopyCreated) -> None:
+    if node.host_budget_bytes == 0:
+        raise StateViolation("this server keeps no host tier")
+    allocation = allocation_of(layout, e.allocation_id)
+    if e.allocation_id in layout.host_copies:
+        raise StateViolation(f"allocation {e.allocation_id!r} has a host copy")
+    budget = node.host_budget_bytes
+    if budget is not None and node.host_bytes + allocation.aligned_size > budget:
+        raise HostBudgetExceeded(
+            f"host tier full: {node.host_bytes} bytes used + {allocation.aligned_size} asked > "
+            f"the host budget of {budget} bytes"
+        )
+
+
+def _not_pinned(node, layout: LayoutState, e: LayoutEvicted) -> None:
+    if layout.residency is Residency.DEVICE:
+        raise NotEvictable(f"cannot evict layout {layout.name!r}: it is pinned to the device (residency device)")
+
+
+def _restore_admitted(node, layout: LayoutState, e: RestoreLoading) -> None:
+    fits_budget_ever(node, layout, layout.held_bytes)
+
+
+def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> None:
+    if e.conn in node.sessions:
+        raise StateViolation("this connection has already handshaken")
+    check_layout_name(e.layout)  # also when empty: then ``layout`` is None
+    if e.lock_type not in LOCK_TYPES:
+        raise InvalidArgument(f"unknown lock type {e.lock_type!r}")
+    tenant = node.tenants.get(e.tenant)
+    if tenant is None:
+        raise PermissionDenied(f"tenant {e.tenant!r} is not configured on this server")
+    if e.limit_bytes is not None:
+        if e.limit_bytes < 0:
+            raise InvalidArgument("limit_bytes must be >= 0")
+        if tenant.quota_bytes is not None and e.limit_bytes > tenant.quota_bytes:
+            raise InvalidArgument(
+                f"limit_bytes {e.limit_bytes} exceeds tenant {e.tenant!r}'s quota of "
+                f"{tenant.quota_bytes} bytes: a session may narrow its limit, never widen it"
+            )
+    cap = node.limits.max_layouts
+    if e.lock_type != "RO" and e.layout not in node.layouts and len(node.layouts) >= cap:
+        raise LimitExceeded(f"the server already holds {cap} layouts")
+
+
+def _session_ends(node, layout: LayoutState, e: SessionClosed) -> None:
+    session = node.sessions.get(e.conn)
+    if session is None or session.layout != e.layout:
+        raise StateViolation(f"connection {e.conn} has no session on layout {e.layout!r}")
+    if layout.holds_lock(e.conn):
+        raise StateViolation("the session still holds a lock")
+
+
+# -- the table ------------------------------------------------------------------------------
+
+ANY_LOCK = stays(*LockState)
+EVICTED_LEAVES = (Move(HOST, HOST), Move(RESTORING, HOST, "half-filled memory released"))
+
+RULES: dict[type[Event], Rule] = {
+    # locks
+    RwConnect: Rule(
+        Who.SESSION,
+        (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
+        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped")),
+    ),
+    RwCommit: Rule(
+        Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit",
+    ),
+    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort"),
+    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO)), stays(GPU)),
+    RoDisconnect: Rule(Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last"))),
+    # the writer's layout
+    AllocationCreated: Rule(
+        Who.WRITER, stays(RW), stays(GPU),
+        (_new_allocation, _allocation_sizes, _allocation_admitted), action="allocate",
+    ),
+    AllocationFreed: Rule(
+        Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free",
+    ),
+    MetadataPut: Rule(Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put"),
+    MetadataDeleted: Rule(Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete"),
+    HostCopyCreated: Rule(
+        Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies",
+    ),
+    # residency
+    ResidencySet: Rule(Who.ANYONE, stays(COMMITTED, RO), stays(GPU), (_residency_field,), action="pin"),
+    LayoutEvicted: Rule(
+        Who.ANYONE,
+        (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
+        (Move(GPU, HOST, "system"), Move(GPU, GPU, "unpinned: a fresh layout")),
+        (_not_pinned,), action="evict", refusal=NotEvictable,
+    ),
+    RestoreClaimed: Rule(Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST)),
+    RestoreLoading: Rule(
+        Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"),), (_restore_admitted,),
+    ),
+    RestoreFinished: Rule(Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),)),
+    RestoreAborted: Rule(Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES),
+    # sessions
+    SessionOpened: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False),
+    SessionClosed: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_ends,)),
+    # observations: they change nothing
+    AllocationOomWait: Rule(Who.HOLDER, stays(RW, RO)),
+    AllocationOomGaveUp: Rule(Who.HOLDER, stays(RW, RO)),
+    LockTimeout: Rule(Who.SESSION, ANY_LOCK),
+    SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
+    LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK),
+    ConnectionDropped: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
+}
+NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event
+
+
+def rule_for(event: Event) -> Rule:
+    try:
+        return RULES[type(event)]
+    except KeyError:
+        raise InvariantViolation(f"no rule for {type(event).__name__}") from None
+
+
+def check(node, event: Event) -> None:
+    """Raise the Rejection that refuses ``event`` in ``node``; return if it is legal."""
+    rule = rule_for(event)
+    layout = node.layout(event.layout) if event.layout else None
+    if layout is not None:
+        require(layout, event.conn, rule.who, rule.action or event.KIND, node)
+        if layout.lock_state not in rule.locks or layout.tier not in rule.tiers:
+            raise rule.refusal(
+                f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
+                f"{layout.lock_state.value} and {_WHERE[layout.tier]}"
+            )
+    elif rule.needs_layout:
+        raise InvariantViolation(f"{event.KIND} names no layout")
+    for step in rule.checks:
+        step(node, layout, event)
+
+
+def lock_event_allowed(layout: LayoutState, event_type: type[Event]) -> bool:
+    """Whether the layout's lock state and tier allow ``event_type`` (who asks aside)."""
+    rule = RULES[event_type]
+    return layout.lock_state in rule.locks and layout.tier in rule.tiers

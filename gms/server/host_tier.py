@@ -1,0 +1,78 @@
+"""Host copies: made for a writer publishing with residency ``system``, exported to
+it and to the restorer of an evicted layout.
+
+Pinning host memory takes about a quarter of a second per GiB on CUDA, so it
+runs on the host tier's lane while the loop serves others; the copies are
+decided (checked against the rules, the host budget included) before they are
+made, and recorded after, when the fold checks them again on the state as it
+is then: two writers racing for the last of the host budget cannot both win.
+"""
+
+from __future__ import annotations
+
+from ..cuda import OutOfMemory, align_up
+from ..fsm import HostBudgetExceeded, LimitExceeded, StateViolation, decide_host_copy, fold_all, queries
+from ..fsm.rules import allocation_of
+from ..fsm.state import Allocation
+from ..wire import messages as m
+from ..wire.messages import MAX_FDS_PER_MESSAGE
+from .ledger import Ledger
+from .memory import Memory
+from .reply import Reply, allocation_info
+
+
+class HostTier:
+    def __init__(self, ledger: Ledger, host: Memory | None) -> None:
+        self.ledger = ledger
+        self.host = host
+
+    def _size(self, allocation: Allocation) -> int:
+        return align_up(allocation.aligned_size, self.host.granularity)
+
+    async def export_copies(self, conn: int, allocation_ids: list[str]) -> Reply:
+        """The writer: make the missing copies, then export them all.  The restorer:
+        export the copies the layout has."""
+        if len(allocation_ids) > MAX_FDS_PER_MESSAGE:
+            raise LimitExceeded(f"at most {MAX_FDS_PER_MESSAGE} host copies per request")
+        if self.host is None:
+            raise StateViolation("this server keeps no host tier")
+        layout = queries.layout_of(self.ledger.state, conn)
+        queries.require_view(layout, conn, "host copies")
+        for allocation_id in allocation_ids:
+            allocation_of(layout, allocation_id)  # another layout's id is unknown here
+        if layout.restorer == conn:
+            missing = [i for i in allocation_ids if i not in layout.host_copies]
+            if missing:
+                raise StateViolation(f"{len(missing)} allocations have no host copy to restore from")
+        else:
+            await self._make(conn, list(dict.fromkeys(allocation_ids)))
+        layout = queries.layout_of(self.ledger.state, conn)
+        found = [allocation_of(layout, i) for i in allocation_ids]
+        fds = self.host.export_many(allocation_ids)
+        rows = [allocation_info(a, aligned=self._size(a)) for a in found]
+        return Reply(m.ExportHostCopiesResponse(rows), fds=tuple(fds))
+
+    async def _make(self, conn: int, allocation_ids: list[str]) -> None:
+        def propose():
+            layout = queries.layout_of(self.ledger.state, conn)
+            return [e for i in allocation_ids for e in decide_host_copy(layout, conn, i)]
+
+        events = propose()
+        fold_all(events, self.ledger.state)  # refusals (not the writer, the host budget) cost nothing yet
+        if not events:
+            return
+        layout = queries.layout_of(self.ledger.state, conn)
+        items = [(e.allocation_id, self._size(layout.allocations[e.allocation_id])) for e in events]
+        try:
+            await self.host.create(items)
+        except OutOfMemory as exc:
+            raise HostBudgetExceeded(f"host memory exhausted: {exc}") from None
+        # The world may have changed during the await: decide and check again.
+        try:
+            again = propose()
+            if [e.allocation_id for e in again] != [e.allocation_id for e in events]:
+                raise StateViolation("the layout's host copies changed while these were made")
+            self.ledger.record(again)
+        except BaseException:
+            self.host.release([allocation_id for allocation_id, _ in items])
+            raise

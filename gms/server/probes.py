@@ -1,0 +1,160 @@
+"""The probes: what the server is (runtime state) and what happened (the event log).
+
+Who sees what is decided from the peer's credentials: admins (root, the
+server's uid, a policy admin) everything, a tenant the layouts it may read
+and its own row, a peer of no tenant nothing.  The runtime state keeps the
+seed's single-layout fields at the top level, describing the layout
+``weights``, so a seed-era client or probe reads it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import attrs
+
+from ..fsm import PermissionDenied
+from ..policy import Policy, TenantPolicy
+from ..status import layout_rows, tenant_rows
+from ..store import LogEntry
+from ..wire import messages as m
+from .ledger import Ledger
+from .memory import Memory
+from .peer import Peer
+
+SEED_LAYOUT = "weights"  # what the seed's single-layout clients read at the top level
+
+
+@attrs.frozen
+class View:
+    """What a probe shows: everything (``tenant_policy`` None), or one tenant's share."""
+
+    tenant_policy: TenantPolicy | None
+
+    def layout(self, name: str) -> bool:
+        return self.tenant_policy is None or not name or self.tenant_policy.may_read(name)
+
+    def tenant(self, name: str) -> bool:
+        return self.tenant_policy is None or self.tenant_policy.name == name
+
+
+def history_entry(entry: LogEntry) -> dict:
+    """One event as the history probe shows it."""
+    event = entry.event
+    row = {"seq": entry.seq, "kind": event.KIND, "time": entry.wall_ns / 1e9, "mono_ns": entry.mono_ns}
+    row.update(attrs.asdict(event))
+    return row
+
+
+class Probes:
+    def __init__(
+        self,
+        ledger: Ledger,
+        gpu: Memory,
+        host: Memory | None,
+        policy: Policy,
+        server_uid: int,
+        *,
+        history_max_events: int,
+        history_max_bytes: int,
+    ) -> None:
+        self.ledger = ledger
+        self.gpu = gpu
+        self.host = host
+        self.policy = policy
+        self.server_uid = server_uid
+        self.history_max_events = history_max_events
+        self.history_max_bytes = history_max_bytes
+        self.started_monotonic = time.monotonic()
+
+    def view_for(self, peer: Peer) -> View:
+        if self.policy.is_admin(peer.uid, peer.gid, self.server_uid):
+            return View(None)
+        tenant = self.policy.tenant_for(peer.uid, peer.gid)
+        if tenant is None:
+            raise PermissionDenied(f"uid {peer.uid} is no tenant of this server's policy")
+        return View(tenant)
+
+    async def answer(self, request: object, peer: Peer) -> m.GetRuntimeStateResponse | m.GetEventHistoryResponse:
+        view = self.view_for(peer)
+        if isinstance(request, m.GetRuntimeStateRequest):
+            return await self.runtime_state(view)
+        return self.history(request.since_seq, request.limit, request.layout, view)
+
+    def _seconds_since(self, seq: int) -> float | None:
+        entry = self.ledger.log.entry(seq)
+        return None if entry is None else (time.monotonic_ns() - entry.mono_ns) / 1e9
+
+    async def runtime_state(self, view: View = View(None)) -> m.GetRuntimeStateResponse:
+        info = await self.gpu.device_info()  # NVML, on the lane
+        state = self.ledger.state  # after the await: the state as it is now
+        log = self.ledger.log
+        queues = self.ledger.queues
+        handles, handle_bytes = self.gpu.live()
+        host_handles, host_handle_bytes = self.host.live() if self.host else (0, 0)
+        rows = [row for row in layout_rows(state, queues.counts, self._seconds_since) if view.layout(row.name)]
+        writers, others = queues.counts()
+        seed = next((row for row in rows if row.name == SEED_LAYOUT), None) or m.LayoutStatus.empty(SEED_LAYOUT)
+        return m.GetRuntimeStateResponse(
+            backend=self.gpu.name,
+            device=self.gpu.backend.device,
+            device_name=info.name,
+            device_uuid=info.uuid,
+            capacity_bytes=state.capacity_bytes,
+            budget_bytes=state.budget_bytes if state.budget_bytes is not None else state.capacity_bytes,
+            used_bytes=state.gpu_bytes,
+            host_budget_bytes=state.host_budget_bytes,
+            host_used_bytes=state.host_bytes,
+            device_free_bytes=info.free_bytes,
+            server_handle_count=handles,
+            server_handle_bytes=handle_bytes,
+            host_handle_count=host_handles,
+            host_handle_bytes=host_handle_bytes,
+            allocations_cleared=self.gpu.released,
+            sessions=len(state.sessions),
+            waiting=writers + others,
+            first_event_seq=log.first_seq,
+            last_event_seq=log.last_seq,
+            uptime_s=time.monotonic() - self.started_monotonic,
+            pid=os.getpid(),
+            layouts=rows,
+            tenants=[row for row in tenant_rows(state) if view.tenant(row.name)],
+            state=seed.state,
+            has_rw_session=seed.writer,
+            ro_session_count=seed.readers,
+            waiting_writers=seed.waiting_writers,
+            waiting_readers=seed.waiting_readers,
+            committed=seed.committed,
+            allocation_count=seed.allocation_count,
+            total_bytes=seed.bytes,
+            memory_layout_hash=seed.memory_layout_hash,
+        )
+
+    def history(
+        self,
+        since_seq: int | None,
+        limit: int | None,
+        layout: str | None = None,
+        view: View = View(None),
+    ) -> m.GetEventHistoryResponse:
+        """Events after ``since_seq``, capped by count and (roughly) by bytes.
+
+        A filtered page skips other layouts' events; the scan is bounded too,
+        and ``scanned_seq`` says where the next page starts."""
+        log = self.ledger.log
+        cap = self.history_max_events if limit is None else max(0, min(limit, self.history_max_events))
+        filtered = layout is not None or view.tenant_policy is not None
+        rows: list[dict] = []
+        budget = self.history_max_bytes
+        scanned = max(since_seq or 0, log.first_seq - 1)
+        for entry in log.since(scanned, cap * 16 + 1024 if filtered else cap):
+            event = entry.event
+            if (layout is None or event.layout == layout) and view.layout(event.layout):
+                row = history_entry(entry)
+                budget -= 96 + sum(len(v) for v in row.values() if isinstance(v, str | bytes))
+                if len(rows) >= cap or (rows and budget < 0):
+                    break
+                rows.append(row)
+            scanned = entry.seq
+        return m.GetEventHistoryResponse(rows, log.first_seq, log.last_seq, scanned)

@@ -1,0 +1,161 @@
+"""The server's side of one connection, without I/O (the h11 pattern).
+
+:class:`ServerConnection` holds every rule of the protocol that concerns a
+connection rather than a layout, and is driven by bytes in and messages
+out, so each rule is tested without sockets:
+
+* framing: frames of at most ``max_frame_bytes``; a frame that cannot be
+  read or decoded, or a connection closed inside one, is a protocol error
+  (the connection is not trusted: ``ERROR``);
+* one request at a time: the next request is handed out only once the
+  previous one is answered;
+* a probe or an admin verb (``ONE_SHOT``) is answered only as the first and
+  only request of a connection, then it closes; sent later it is refused;
+* one handshake per connection: a second is refused (a refused handshake
+  may be tried again);
+* close after the answers that end a session: a commit, a lock wait that
+  timed out, and any the server marks so;
+* read-ahead: while a request is being served the server keeps reading (to
+  see a hang-up), but more than one whole frame pipelined behind it is a
+  protocol error.
+
+The Trio shell (``gms.server.session``) is the small loop around it: feed
+what the socket gives, serve what comes out, send what it encodes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from . import messages as m
+from .codec import HEADER, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
+
+
+class ConnectionState(enum.Enum):
+    IDLE = "IDLE"  # waiting for a request
+    SERVING = "SERVING"  # a request was handed out and is not answered yet
+    CLOSING = "CLOSING"  # the last answer was sent: read nothing more
+    ERROR = "ERROR"  # the peer broke the protocol: drop the connection
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")  # no whole request yet: feed more bytes
+PEER_CLOSED = _Sentinel("PEER_CLOSED")  # the peer closed between requests
+
+
+class Refused:
+    """A request the protocol itself refuses (answered with an error; the session goes on)."""
+
+    def __init__(self, message: str, code: str = "STATE_VIOLATION") -> None:
+        self.message = message
+        self.code = code
+
+    def reply(self) -> m.ErrorResponse:
+        return m.ErrorResponse(self.message, self.code)
+
+
+_CLOSES_AFTER = (m.CommitResponse,)
+
+
+class ServerConnection:
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.state = ConnectionState.IDLE
+        self.handshaken = False
+        self.requests = 0  # handed out so far
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._read_ahead_limit = max_frame_bytes + HEADER.size  # one whole frame
+        self._eof = False
+        self._serving: object = None
+        self._one_shot = False
+
+    # -- bytes in -----------------------------------------------------------------
+
+    def receive_data(self, data: bytes | memoryview) -> None:
+        """What the socket gave; empty means the peer closed its end."""
+        if not data:
+            self._eof = True
+            return
+        self._decoder.feed(data)
+        if self.state is ConnectionState.SERVING and self._decoder.pending > self._read_ahead_limit:
+            self.state = ConnectionState.ERROR
+
+    @property
+    def overflowed(self) -> bool:
+        """More than a frame was pipelined while a request was served."""
+        return self.state is ConnectionState.ERROR and self._decoder.pending > self._read_ahead_limit
+
+    def overflow_error(self) -> ProtocolError:
+        return ProtocolError(
+            f"more than a frame pipelined while waiting for the answer to {type(self._serving).__name__}"
+        )
+
+    @property
+    def eof(self) -> bool:
+        return self._eof
+
+    def next_request(self):
+        """The next request (a message, an :class:`UnknownMessageType`, or a
+        :class:`Refused`), ``NEED_DATA`` or ``PEER_CLOSED``.  Raises
+        ProtocolError for bytes that cannot be trusted."""
+        if self.state is not ConnectionState.IDLE:
+            if self.state is ConnectionState.ERROR:
+                raise self.overflow_error()
+            return NEED_DATA  # serving (one at a time) or closing: nothing more is read
+        try:
+            body = self._decoder.next_frame()
+            if body is None:
+                if not self._eof:
+                    return NEED_DATA
+                if self._decoder.pending:
+                    raise ProtocolError(f"connection closed inside a frame ({self._decoder.pending} bytes)")
+                return PEER_CLOSED
+            try:
+                message = decode(body)
+            except UnknownMessageType as unknown:
+                message = unknown  # decodable: answered with an error
+        except ProtocolError:
+            self.state = ConnectionState.ERROR
+            raise
+        self.state = ConnectionState.SERVING
+        self.requests += 1
+        self._serving = self._admit(message)
+        return self._serving
+
+    def _admit(self, message: object) -> object:
+        first = self.requests == 1
+        if isinstance(message, m.ONE_SHOT):
+            if first:
+                self._one_shot = True
+                return message
+            return Refused(f"{type(message).__name__} must be the first and only request of a connection")
+        if isinstance(message, m.HandshakeRequest) and self.handshaken:
+            return Refused("this connection has already handshaken")
+        return message
+
+    # -- messages out -----------------------------------------------------------------
+
+    def send(self, response: object, *, close: bool = False) -> bytes:
+        """Encode the answer to the request being served; ``close``: the last one."""
+        if self.state is not ConnectionState.SERVING:
+            raise RuntimeError(f"no request to answer (connection {self.state.value})")
+        request = self._serving
+        if isinstance(request, m.HandshakeRequest) and isinstance(response, m.HandshakeResponse):
+            self.handshaken = True
+            close = close or not response.success  # the lock wait timed out
+        if close or self._one_shot or isinstance(response, _CLOSES_AFTER):
+            self.state = ConnectionState.CLOSING
+        else:
+            self.state = ConnectionState.IDLE
+        self._serving = None
+        return encode(response)
+
+    @property
+    def closing(self) -> bool:
+        return self.state is ConnectionState.CLOSING
