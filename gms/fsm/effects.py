@@ -1,4 +1,6 @@
-"""Which server-owned memory an event releases, derived from the state before it.
+"""What an event does to memory: what it releases, and whether it may make room.
+
+Which server-owned memory an event releases is derived from the state before it.
 
 The shell folds an event, then hands what this returns to the memory
 adapters: ``gpu`` (the device) or ``host`` (the host tier).  Creation is the
@@ -13,7 +15,18 @@ import enum
 
 import attrs
 
-from .events import AllocationFreed, Event, LayoutEvicted, RestoreAborted, RwAbort, RwConnect
+from .events import (
+    AllocationFreed,
+    Event,
+    LayoutEvicted,
+    ResidencySet,
+    RestoreAborted,
+    RestoreFinished,
+    RoDisconnect,
+    RwAbort,
+    RwCommit,
+    RwConnect,
+)
 from .node import NodeState
 from .state import Residency, Tier
 
@@ -57,3 +70,14 @@ def _all(layout, *, gpu: bool, host: bool) -> list[Release]:
     if host:
         out += [Release(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
     return out
+
+
+# Events after which an idle layout may have become evictable (a lock let go,
+# a residency changed): room for a waiting allocation, though nothing was released.
+_MAY_MAKE_ROOM = (RoDisconnect, RwCommit, RestoreAborted, RestoreFinished, ResidencySet)
+
+
+def may_make_room(event: Event) -> bool:
+    """Should sessions waiting for memory look again after ``event``?  (Releases
+    aside: every release does.)"""
+    return isinstance(event, _MAY_MAKE_ROOM)

@@ -167,12 +167,12 @@ class ServiceCore:
         ``alive`` is asked before a grant: False drops the waiter instead."""
         layout = layout_of(self.state, conn).name
         self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
-        self.ledger.regrant(layout)
+        self.ledger.grant(layout)
 
     def cancel_lock_request(self, conn: int) -> None:
         session = self.state.sessions.get(conn)
         if session is not None and self.queues.remove(session.layout, conn):
-            self.ledger.regrant(session.layout)  # a writer leaving the queue may unblock readers
+            self.ledger.grant(session.layout, waiter_left=True)
 
     def on_revoke(self, conn: int, hook: Callable[[], None]) -> None:
         """``hook`` ends the connection's task when an admin revokes its lock."""
@@ -224,12 +224,13 @@ class ServiceCore:
         return len(victims)
 
 
-def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
-    """A core over these backends, each with its lane (call it inside Trio)."""
+async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
+    """A core over these backends, each with its lane (inside Trio); the device is asked on its lane."""
+    gpu_memory = Memory(gpu, Lane("gpu"))
     return ServiceCore(
-        Memory(gpu, Lane("gpu")),
+        gpu_memory,
         Memory(host, Lane("host")) if host is not None else None,
-        device=gpu.device_info(),
+        device=await gpu_memory.device_info(),
         signal=options.pop("signal", None) or MemorySignal(),
         server_uid=options.pop("server_uid", os.getuid()),
         **options,

@@ -5,15 +5,17 @@ log folds, and the fold's rules refuse what is not legal), hands the memory
 each event released to its tier (the release runs on the tier's lane, the
 table forgets it at once), grants whatever the changed layouts can grant now
 (each grant recorded the same way: a writer's grant clears a committed
-layout and releases its memory too), and, if any memory was released, wakes
-every session waiting for memory.  Nothing else appends to the log.
+layout and releases its memory too), and, if any memory was released or a
+layout may have become evictable (a lock let go, a residency changed, a
+queue emptied), wakes every session waiting for memory.  Nothing else
+appends to the log.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..fsm import InvariantViolation, MemoryTier, NodeState, Rejection, released_memory
+from ..fsm import InvariantViolation, MemoryTier, NodeState, Rejection, may_make_room, released_memory
 from ..fsm.events import Event
 from ..store import EventLog
 from .lock_queues import LockQueues
@@ -41,38 +43,44 @@ class Ledger:
         return self.log.state
 
     def record(self, events: Iterable[Event], *, by_server: bool = False) -> bool:
-        """Append, release, grant, wake; returns whether memory was released.
+        """Append, release, grant, wake; returns whether memory waiters were woken.
 
         A refused event raises its Rejection (nothing was appended) when a
         client's request proposed it; ``by_server`` events (evictions, grants)
         the server proposed itself, so their refusal is a broken invariant."""
         events = list(events)
-        released = self._append(events, by_server)
-        touched = dict.fromkeys(event.layout for event in events if event.layout)
-        for layout in touched:
-            released = self._grant(layout) or released
-        if released:
+        room = self._append(events, by_server)
+        for layout in dict.fromkeys(event.layout for event in events if event.layout):
+            room = self._grant(layout) or room
+        if room:
             self._on_released()
-        return released
+        return room
 
-    def regrant(self, layout: str) -> None:
-        """A waiter left the queue (a writer's leaving may unblock readers behind it)."""
-        if self._grant(layout):
+    def grant(self, layout: str, *, waiter_left: bool = False) -> None:
+        """The layout's queue changed: grant what it can grant now.  A waiter that
+        left (``waiter_left``) may unblock readers behind it, and may leave a
+        layout nobody waits for, which may then be evicted: room."""
+        room = self._grant(layout)
+        if room or (waiter_left and layout not in self.queues.busy()):
             self._on_released()
 
     def _grant(self, layout: str) -> bool:
-        released = False
+        """Record the grants ``layout`` can make now; True if they may have made room."""
+        room = False
         for grant, waiter in self.queues.take_grants(self.state.layout(layout)):
-            released = self._append([grant.event], by_server=True) or released
+            room = self._append([grant.event], by_server=True) or room
             waiter.on_grant(grant)
-        return released
+        return room
 
     def _append(self, events: list[Event], by_server: bool) -> bool:
         releases: dict[MemoryTier, list[str]] = {}
+        room = False
 
         def observe(before: NodeState, event: Event) -> None:
+            nonlocal room
             for release in released_memory(before, event):
                 releases.setdefault(release.tier, []).append(release.allocation_id)
+            room = room or may_make_room(event)
 
         try:
             self.log.extend(events, observe)
@@ -84,4 +92,4 @@ class Ledger:
             self._on_event(event)
         for tier, allocation_ids in releases.items():
             self.tiers[tier].release(allocation_ids)
-        return bool(releases)
+        return bool(releases) or room

@@ -22,7 +22,10 @@ from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
 from .config import ServerConfig
-from .core import ServiceCore, open_core
+from .core import ServiceCore
+from .lanes import Lane
+from .memory import Memory
+from .memory_signal import MemorySignal
 from .metrics import Metrics
 from .netio import Channel
 from .session import Session
@@ -123,17 +126,21 @@ class Server:
         if host_tier is None and config.host_tier:
             host_tier = open_host_tier(config.backend, config.device)
         self.host_tier = host_tier
-        self.device = self.backend.device_info()  # once, at start: later on the lane
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.core: ServiceCore | None = None
 
-    def _open_core(self) -> ServiceCore:
+    async def _open_core(self) -> ServiceCore:
         config = self.config
-        capacity = self.device.total_bytes
-        self.core = open_core(
-            self.backend,
-            self.host_tier,
+        gpu = Memory(self.backend, Lane("gpu"))
+        host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
+        device = await gpu.device_info()  # on the lane, like every call into a backend
+        capacity = device.total_bytes
+        self.core = ServiceCore(
+            gpu,
+            host,
+            device=device,
+            signal=MemorySignal(),
             on_event=self.metrics.observe,
             policy=config.policy,
             limits=effective_limits(config, capacity),
@@ -142,6 +149,7 @@ class Server:
             host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,
             history_max_bytes=config.history_max_bytes,
+            server_uid=os.getuid(),
             alloc_retry_interval=config.alloc_retry_interval,
             alloc_retry_timeout=config.alloc_retry_timeout,
         )
@@ -157,7 +165,7 @@ class Server:
             self._close_backends()
             raise
         try:
-            core = self._open_core()
+            core = await self._open_core()
             if self.config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
             async with trio.open_nursery() as nursery:

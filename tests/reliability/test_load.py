@@ -183,7 +183,7 @@ async def test_a_retained_log_replays_to_the_live_state():
     replaying what it keeps over its snapshot equals its live state (a client
     cannot check this: the snapshot never leaves the server)."""
     retain, chunk = 500, 64
-    core = open_core(HostBackend(), log=EventLog(retain=retain, chunk_size=chunk))
+    core = await open_core(HostBackend(), log=EventLog(retain=retain, chunk_size=chunk))
     peer = Peer(os.getpid(), os.getuid(), os.getgid())
     granted = []
     checks = 0
