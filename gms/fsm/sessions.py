@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidArgument, LimitExceeded, PermissionDenied, StateViolation
+from .errors import InvalidArgument, LimitExceeded, PermissionDenied, StaleLayout, StateViolation
 from .events import (
     Event,
     RestoreAborted,
@@ -54,11 +54,13 @@ def decide_session(
     pid: int,
     limit_bytes: int | None,
     limits: Limits,
+    expect_hash: str = "",
 ) -> list[Event]:
     """Open a session; the event's ``lock_type`` is what the connection will wait for.
 
     A tenant that may read a layout but not write it gets RO for RW_OR_RO: it
-    can never be the one that (re)builds the layout.
+    can never be the one that (re)builds the layout.  ``expect_hash`` (readers
+    only) asks for exactly that committed layout: anything else is StaleLayout.
     """
     if conn in node.sessions:
         raise StateViolation("this connection has already handshaken")
@@ -80,6 +82,8 @@ def decide_session(
                 f"limit_bytes {limit_bytes} exceeds tenant {tenant!r}'s quota of "
                 f"{state.quota_bytes} bytes: a session may narrow its limit, never widen it"
             )
+    if expect_hash:
+        check_expected_hash(node, layout, requested, expect_hash)
     if (
         requested is not RequestedLockType.RO
         and layout not in node.layouts
@@ -91,6 +95,22 @@ def decide_session(
             conn, tenant, uid, gid, pid, requested.value, limit_bytes, layout=layout
         )
     ]
+
+
+def check_expected_hash(node: NodeState, layout: str, requested: RequestedLockType, expect_hash: str) -> None:
+    """A reader that mapped one committed layout asks for it back (a wake, or a
+    client riding through a server restart).  Checked when the handshake
+    arrives; a layout that changes while the handshake waits behind a writer
+    is granted with its new hash, which the client compares."""
+    if requested is RequestedLockType.RW:
+        raise InvalidArgument("expect_hash is for readers (RO or RW_OR_RO), not RW")
+    state = node.layouts.get(layout)
+    if state is None or not state.committed:
+        raise StaleLayout(f"layout {layout!r} holds no committed layout (expected {expect_hash[:12]})")
+    if state.layout_hash != expect_hash:
+        raise StaleLayout(
+            f"layout {layout!r} is committed with hash {state.layout_hash[:12]}, not {expect_hash[:12]}"
+        )
 
 
 def decide_disconnect(node: NodeState, conn: int) -> list[Event]:

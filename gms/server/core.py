@@ -253,6 +253,7 @@ class ServiceCore:
                 uid=peer.uid, gid=peer.gid, pid=peer.pid,
                 limit_bytes=request.limit_bytes,
                 limits=self.limits,
+                expect_hash=request.expect_hash,
             )
         except PermissionDenied as refused:
             self.record([SessionRefused(conn, peer.uid, peer.gid, peer.pid, refused.message, layout="")])

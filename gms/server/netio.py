@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import os
 import select
 import socket
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,16 @@ async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: tuple[int,
             view = view[await sock.send(view) :]
     except OSError as exc:
         raise SendFailed(str(exc) or type(exc).__name__) from exc
+
+
+def send_notice_nowait(sock: trio.socket.SocketType, frame: bytes) -> bool:
+    """Best effort, never waits: write a small frame if the socket takes it now.
+    For notices sent just before a close (``SessionEnded``); a client whose
+    receive buffer is full, or who is gone, simply does not get it."""
+    try:
+        return os.write(sock.fileno(), frame) == len(frame)
+    except OSError:
+        return False
 
 
 def peer_hung_up(sock: trio.socket.SocketType) -> bool:

@@ -34,7 +34,7 @@ from .config import ServerConfig
 from .core import Reply, ServiceCore
 from .memory_signal import MemorySignal
 from .metrics import Metrics
-from .netio import PeerGone, SendFailed, peer_hung_up, send_frame, wait_or_hangup
+from .netio import PeerGone, SendFailed, peer_hung_up, send_frame, send_notice_nowait, wait_or_hangup
 from .peer import peer_of
 
 log = logging.getLogger("gms.server")
@@ -87,9 +87,15 @@ class Session:
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._scope = trio.CancelScope()
         self._revoked = False
+        self._sending = False  # a frame is partly sent: nothing may be written between
 
     def _revoke(self) -> None:
         self._revoked = True
+        # Tell the client the end is deliberate, so it does not reconnect as it
+        # would after a server restart (docs/protocol.md, SessionEnded).  Never
+        # in the middle of a response: that would corrupt the frame it follows.
+        if not self._sending:
+            send_notice_nowait(self.sock, encode(m.SessionEnded("revoked")))
         self._scope.cancel()
 
     async def run(self) -> None:
@@ -165,8 +171,10 @@ class Session:
         return PeerGone(f"hung up while waiting for {waiting_for}")
 
     async def _send(self, reply: Reply) -> None:
+        self._sending = True
         try:
             await send_frame(self.sock, encode(reply.message), reply.fds)
+            self._sending = False
         finally:
             for fd in reply.fds:  # the client has its own copies now, or never will
                 os.close(fd)
@@ -269,6 +277,7 @@ class Session:
             layout=layout.name if layout else "",
             tenant=session.tenant if session else "",
             restore=grant is not None and grant.restore,
+            max_frame_bytes=self.config.max_frame_bytes,
         )
 
     # -- memory ------------------------------------------------------------------
