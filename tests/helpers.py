@@ -37,9 +37,12 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01, what: s
 class ServerProcess:
     """``python -m gms serve`` on a private socket; stderr goes to a log file."""
 
-    def __init__(self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None
+    ) -> None:
+        """``socket_path``: a path of its own (a new server in a dead one's place, say)."""
         n = next(_counter)
-        self.socket = str(tmp_path / f"gms-{n}.sock")
+        self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
         self.backend = backend
         self._log = open(self.log_path, "wb")

@@ -18,12 +18,16 @@ def revoke(socket_path: str, layout: str, *, timeout: float | None = DEFAULT_TIM
     return one_shot(socket_path, m.RevokeRequest(layout), m.RevokeResponse, timeout).sessions
 
 
-def evict(socket_path: str, layout: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> m.EvictResponse:
+def evict(
+    socket_path: str, layout: str, *, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> m.EvictResponse:
     """Release an idle committed layout's GPU memory now (a ``system`` layout keeps
     its host copy; an ``unpinned`` one is dropped)."""
     return one_shot(socket_path, m.EvictRequest(layout), m.EvictResponse, timeout)
 
 
-def pin(socket_path: str, layout: str, residency: str = "device", *, timeout: float | None = DEFAULT_TIMEOUT_S) -> str:
+def pin(
+    socket_path: str, layout: str, residency: str = "device", *, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> str:
     """Set a committed layout's residency (``device``: never evicted)."""
     return one_shot(socket_path, m.PinRequest(layout, residency), m.PinResponse, timeout).residency

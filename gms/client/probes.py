@@ -88,9 +88,14 @@ def get_event_history(
 
 
 def iter_event_history(
-    socket_path: str, since_seq: int = 0, *, layout: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S
+    socket_path: str,
+    since_seq: int = 0,
+    *,
+    layout: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> Iterator[HistoryEvent]:
-    """Every kept event after ``since_seq``, paging until the log's end at call time."""
+    """Every kept event after ``since_seq``, paging until the log's end at call time
+    (``timeout`` bounds each page)."""
     end = None
     while True:
         page = get_event_history(socket_path, since_seq, layout=layout, timeout=timeout)
