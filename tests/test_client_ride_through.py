@@ -28,7 +28,7 @@ from gms import (
 from gms.client import admin
 from gms.wire import messages as m
 
-from .helpers import MiB, RawConn, build_layout, wait_until
+from .helpers import MiB, RawConn, wait_until
 from .test_client import PAYLOAD, publish
 
 SLACK_S = 10.0  # generous: deadlines are asserted as bounds, never speeds

@@ -213,7 +213,8 @@ class Engine:
                 log.warning("rank %d: the weights rode through a gms server restart", self.options.rank)
         except StaleMemoryLayoutError as exc:
             self.gms_notes["weights"] = f"stale: {exc}"
-            log.warning("rank %d: weights stale after a gms restart (%s): serving as mapped", self.options.rank, exc)
+            log.warning("rank %d: weights stale after a gms restart (%s): serving as mapped",
+                        self.options.rank, exc)
         except SessionEndedError as exc:
             self.gms_notes["weights"] = f"revoked: {exc}"
         except GMSError as exc:

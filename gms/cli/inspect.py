@@ -134,7 +134,8 @@ def cmd_history(args: argparse.Namespace) -> int:
         if args.limit is None:
             events = list(iter_event_history(path, args.since, layout=args.layout, timeout=args.timeout))
         else:
-            events = get_event_history(path, args.since, args.limit, layout=args.layout, timeout=args.timeout).events
+            page = get_event_history(path, args.since, args.limit, layout=args.layout, timeout=args.timeout)
+            events = page.events
     except GMSError as exc:
         print(client_error("history", exc), file=sys.stderr)
         return 1
