@@ -395,7 +395,7 @@ def test_connect_twice_and_writes_without_rw_are_refused(server):
     mgr.close()
 
 
-def test_server_restart_makes_remap_stale(start_server):
+def test_a_restarted_server_makes_the_wake_stale_at_once(start_server):
     first = start_server()
     publish(first.socket, {"t0": PAYLOAD})
     mgr = asleep_reader(first.socket)
