@@ -201,7 +201,7 @@ def test_a_request_over_the_servers_frame_cap_is_refused_before_sending(start_se
         mgr.metadata_put("big", allocation_id, 0, b"x" * (3 * MiB))
     assert (caught.value.limit, caught.value.size > 3 * MiB) == (2 * MiB, True)
     with pytest.raises(RequestTooLargeError):
-        mgr.metadata_put("huge", allocation_id, 0, bytes(1 << 30))  # 1 GiB: refused, never sent
+        mgr.metadata_put("huge", allocation_id, 0, bytes(256 * MiB))  # refused at once, never sent
     assert mgr.is_connected and mgr.metadata_put("small", allocation_id, 0, b"ok")  # the session goes on
     kinds = [e.kind for e in server.events(before)]
     assert kinds == ["METADATA_PUT"], "nothing of the big requests reached the server"
