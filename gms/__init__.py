@@ -16,13 +16,19 @@ from .client import (
     get_runtime_state,
 )
 from .errors import (
+    BuildLostError,
     GMSConnectionError,
     GMSError,
     GMSProtocolError,
     GMSServerError,
     GMSUsageError,
+    LockRevokedError,
     LockTimeoutError,
     QuotaExceededError,
+    RequestTooLargeError,
+    ResponseTimeoutError,
+    ServerGoneError,
+    SessionEndedError,
     StaleMemoryLayoutError,
 )
 from .fsm import GrantedLockType, RequestedLockType, Residency
@@ -31,6 +37,7 @@ from .paths import socket_path
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildLostError",
     "EventHistory",
     "GMSClientMemoryManager",
     "GMSConnectionError",
@@ -41,10 +48,15 @@ __all__ = [
     "GrantedLockType",
     "HandleInfo",
     "HistoryEvent",
+    "LockRevokedError",
     "LockTimeoutError",
     "QuotaExceededError",
+    "RequestTooLargeError",
     "RequestedLockType",
     "Residency",
+    "ResponseTimeoutError",
+    "ServerGoneError",
+    "SessionEndedError",
     "StaleMemoryLayoutError",
     "get_event_history",
     "get_runtime_state",

@@ -11,6 +11,61 @@ class GMSConnectionError(GMSError):
     """No server at the socket, or the connection broke."""
 
 
+class ResponseTimeoutError(GMSConnectionError, TimeoutError):
+    """The server did not answer within the call's deadline (a hung or overloaded
+    server).  The connection is closed: a manager is left disconnected and can
+    ``connect()`` again."""
+
+
+class ServerGoneError(GMSConnectionError):
+    """The connection broke with no notice from the server (EOF, reset, broken
+    pipe): the server went away.  From a manager that held a reader's lock:
+    no server took it back within ``reconnect_timeout_s`` (or riding through
+    is off)."""
+
+
+class SessionEndedError(GMSConnectionError):
+    """The server ended the session on purpose and said so (``SessionEnded``);
+    ``reason`` says why.  Never reconnected by the client."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (self.reason, str(self)))
+
+
+class LockRevokedError(SessionEndedError):
+    """An admin revoked this session's lock (``gms revoke``): its connection is
+    closed and stays closed; a writer's uncommitted build is gone."""
+
+
+class BuildLostError(GMSConnectionError):
+    """A writer's connection broke before it committed (its server went away):
+    the build is gone with it.  The manager is disconnected and reusable; its
+    mappings are kept (their memory stays alive while mapped), so
+    ``unmap_all_vas``, ``connect(RW)``, ``reallocate_all_handles`` and
+    ``remap_all_vas`` rebuild at the same addresses."""
+
+
+class RequestTooLargeError(GMSError, ValueError):
+    """The request would be a frame over the server's cap: refused before
+    sending; nothing changed, the session goes on."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+    def __reduce__(self):
+        return (_rebuild_too_large, (str(self), self.size, self.limit))
+
+
+def _rebuild_too_large(message: str, size: int, limit: int) -> RequestTooLargeError:
+    return RequestTooLargeError(message, size=size, limit=limit)
+
+
 class GMSProtocolError(GMSError):
     """The server sent something this client cannot understand."""
 
@@ -54,7 +109,10 @@ class LockTimeoutError(GMSError, TimeoutError):
 
 
 class StaleMemoryLayoutError(GMSError):
-    """The committed layout changed since this client mapped it: re-import."""
+    """The committed layout changed (or is gone) since this client mapped it:
+    re-import.  Raised by ``remap_all_vas``, by ``connect(RO)`` of a manager
+    holding mappings of a committed layout, and by a reader riding through a
+    server restart; the server's code for it is ``STALE_LAYOUT``."""
 
 
 class GMSUsageError(GMSError):

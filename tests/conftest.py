@@ -43,8 +43,8 @@ def start_server(tmp_path, backend):
     """Start real servers (subprocesses) on the parametrized backend."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, backend_override: str | None = None) -> ServerProcess:
-        server = ServerProcess(tmp_path, *args, backend=backend_override or backend)
+    def start(*args: str, backend_override: str | None = None, socket_path: str | None = None) -> ServerProcess:
+        server = ServerProcess(tmp_path, *args, backend=backend_override or backend, socket_path=socket_path)
         started.append(server)
         return server
 

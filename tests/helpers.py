@@ -37,9 +37,12 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01, what: s
 class ServerProcess:
     """``python -m gms serve`` on a private socket; stderr goes to a log file."""
 
-    def __init__(self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None
+    ) -> None:
+        """``socket_path``: a path of its own (a new server in a dead one's place, say)."""
         n = next(_counter)
-        self.socket = str(tmp_path / f"gms-{n}.sock")
+        self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
         self.backend = backend
         self._log = open(self.log_path, "wb")
@@ -160,8 +163,11 @@ class RawConn:
         return response
 
     def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        """Did the server close the connection (after, at most, a SessionEnded notice)?"""
         try:
             response, _ = self.recv(timeout)
+            if isinstance(response, m.SessionEnded):
+                response, _ = self.recv(timeout)
         except (TimeoutError, ConnectionResetError):
             return False
         return response is None
@@ -221,3 +227,45 @@ def build_layout(conn: RawConn, sizes=(3 * MiB, 5 * MiB), tag: str = "weights") 
         assert put == m.MetadataPutResponse(True)
         out.append(allocation)
     return out
+
+
+class LayoutCopy:
+    """A committed layout read whole (structure and bytes) from one server, to
+    publish on another: what a restarted server's keeper will bring back by
+    itself.  The same structure hashes the same, so readers of the original
+    ride through to the copy."""
+
+    def __init__(self, socket_path: str, layout: str = "weights") -> None:
+        from gms import GMSClientMemoryManager, RequestedLockType
+
+        reader = GMSClientMemoryManager(socket_path, layout=layout)
+        try:
+            reader.connect(RequestedLockType.RO)
+            self.layout = layout
+            self.layout_hash = reader.get_memory_layout_hash()
+            self.allocations = reader.list_handles()  # in slot order
+            vas = reader.create_mappings([a.allocation_id for a in self.allocations])
+            self.contents = [reader.read(va, a.size) for va, a in zip(vas, self.allocations)]
+            self.metadata = reader.metadata_scan()
+        finally:
+            reader.close()
+
+    def publish(self, socket_path: str) -> str:
+        from gms import GMSClientMemoryManager, RequestedLockType
+
+        writer = GMSClientMemoryManager(socket_path, layout=self.layout)
+        try:
+            writer.connect(RequestedLockType.RW)
+            new_ids = {}
+            for allocation, content in zip(self.allocations, self.contents):
+                va = writer.create_mapping(size=allocation.size, tag=allocation.tag)
+                writer.write(va, content)
+                new_ids[allocation.allocation_id] = next(mp.allocation_id for mp in writer.mappings if mp.va == va)
+            writer.metadata_put_many(
+                (key, new_ids[old], offset, value) for key, (old, offset, value) in self.metadata.items()
+            )
+            writer.commit()
+            assert writer.get_memory_layout_hash() == self.layout_hash, "the copy hashes as the original"
+            return self.layout_hash
+        finally:
+            writer.close()

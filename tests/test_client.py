@@ -22,7 +22,9 @@ from gms import (
     StaleMemoryLayoutError,
 )
 
-from .helpers import MiB, wait_until
+from gms.wire import messages as m
+
+from .helpers import MiB, RawConn, build_layout, wait_until
 
 PROC = str(Path(__file__).with_name("proc_client.py"))
 PAYLOAD = bytes(range(256)) * 16  # 4 KiB, no two neighbouring bytes alike
@@ -129,14 +131,39 @@ def test_sleep_and_wake_keep_addresses_and_bytes(server):
     mgr.close()
 
 
-def test_a_new_layout_in_between_makes_remap_stale(server):
+def test_a_new_layout_in_between_makes_the_wake_stale(server):
     publish(server.socket, {"t0": PAYLOAD})
     mgr = asleep_reader(server.socket)
     publish(server.socket, {"t0": PAYLOAD, "extra": b"x" * 10})
-    mgr.connect(RequestedLockType.RO)
+    with pytest.raises(StaleMemoryLayoutError):
+        mgr.connect(RequestedLockType.RO)  # the wake asks for the layout it mapped: refused at once
+    assert not mgr.is_connected and mgr.is_unmapped, "nothing was mapped over the preserved addresses"
+    assert server.layout().readers == 0
+    mgr.close()
+
+
+def test_a_layout_replaced_while_the_wake_waits_makes_remap_stale(server):
+    """The server checks expect_hash when the handshake arrives; a layout rebuilt
+    while the handshake waits behind a writer is granted, and remap says stale."""
+    publish(server.socket, {"t0": PAYLOAD})
+    mgr = asleep_reader(server.socket)
+    holder = GMSClientMemoryManager(server.socket)
+    holder.connect(RequestedLockType.RO)
+    writer = RawConn(server.socket)
+    writer.send(m.HandshakeRequest("RW"))  # waits for the reader; readers after it wait too
+    wait_until(lambda: server.layout().waiting_writers == 1, what="writer queued")
+    woke = threading.Thread(target=mgr.connect, args=(RequestedLockType.RO,))
+    woke.start()
+    wait_until(lambda: server.layout().waiting_readers == 1, what="wake queued behind the writer")
+    holder.close()
+    assert writer.recv()[0].success
+    build_layout(writer, sizes=(MiB,))
+    assert isinstance(writer.call(m.CommitRequest()), m.CommitResponse)
+    woke.join(30)
+    assert mgr.granted_lock_type is GrantedLockType.RO
     with pytest.raises(StaleMemoryLayoutError):
         mgr.remap_all_vas()
-    assert mgr.is_unmapped, "nothing was mapped over the preserved addresses"
+    assert mgr.is_unmapped
     mgr.close()
 
 
@@ -368,17 +395,17 @@ def test_connect_twice_and_writes_without_rw_are_refused(server):
     mgr.close()
 
 
-def test_server_restart_makes_remap_stale(start_server):
+def test_a_restarted_server_makes_the_wake_stale_at_once(start_server):
     first = start_server()
     publish(first.socket, {"t0": PAYLOAD})
     mgr = asleep_reader(first.socket)
     assert first.stop() == 0
     second = start_server()
     mgr.socket_path = second.socket
-    with pytest.raises(LockTimeoutError):
-        mgr.connect(RequestedLockType.RO, timeout_ms=100)  # nothing committed yet
-    publish(second.socket, {"other": PAYLOAD * 2})
-    mgr.connect(RequestedLockType.RO)
     with pytest.raises(StaleMemoryLayoutError):
-        mgr.remap_all_vas()
+        mgr.connect(RequestedLockType.RO)  # nothing committed: stale at once, never a wait for a commit
+    publish(second.socket, {"other": PAYLOAD * 2})
+    with pytest.raises(StaleMemoryLayoutError):
+        mgr.connect(RequestedLockType.RO)
+    assert mgr.is_unmapped and not mgr.is_connected
     mgr.close()

@@ -40,7 +40,7 @@ from .engine_helpers import (  # noqa: E402
     tiny_model,
     wait_http,
 )
-from .helpers import RawConn, build_layout, wait_until  # noqa: E402
+from .helpers import LayoutCopy, RawConn, build_layout, wait_until  # noqa: E402
 
 
 class Cluster:
@@ -135,7 +135,7 @@ class World:
         self.servers = self.process = self.cluster = None
         try:
             model = tiny_model(tmp_path_factory)
-            folder = tmp_path_factory.mktemp("engine")
+            folder = self.folder = tmp_path_factory.mktemp("engine")
             self.servers = RankServers(folder, "rank0")
             self.process = EngineProcess(model, self.servers.socket, folder / "engine.log", "primary")
             self.cluster = Cluster(tmp_path_factory.mktemp("failover"), model, tmp_path_factory)
@@ -145,6 +145,13 @@ class World:
             self.close()  # nothing left running when start-up fails
             raise
         self.engine = (self.process, self.servers, PROMPT, self.cluster.reference)
+
+    def restart_servers(self) -> RankServers:
+        """SIGKILL the standalone engine's gms server; a new, empty one on its socket."""
+        self.servers.stop()
+        self.servers = RankServers(self.folder, "rank0")
+        self.engine = (self.process, self.servers, *self.engine[2:])
+        return self.servers
 
     def close(self) -> None:
         for part, stop in ((self.process, "kill"), (self.servers, "stop"), (self.cluster, "close")):
@@ -224,6 +231,44 @@ def test_engine_sleep_releases_gms_memory_and_wake_restores_the_same_addresses(w
     assert httpx.post(f"{e.url}/wake_up", timeout=30).status_code == 200  # already awake: a no-op
 
 
+def test_engine_serves_through_a_gms_server_restart_and_takes_its_locks_back(world):
+    """SIGKILL the engine's gms server and start another on its socket: the engine
+    serves on from the memory it mapped; its canary takes the locks back: the
+    weights ride through when the new server holds the same layout (as a
+    restarted server's keeper will bring it back; the test publishes a copy),
+    the KV cache is rebuilt; a server without the weights leaves them stale."""
+    e, servers, prompt, reference = world.engine
+    weights = LayoutCopy(servers.socket)
+    for outcome in ("rode through", "stale"):
+        servers = world.restart_servers()
+        assert complete(e.url, prompt, 6, ignore_eos=True).json()["choices"][0]["token_ids"] == reference
+        if outcome == "rode through":
+            weights.publish(servers.socket)
+        body = health(e.url)
+        assert body.status_code == 200, body.text
+        notes = body.json()["gms"]
+        assert notes["weights"].startswith(outcome) and notes["kv_cache"] == "rebuilt", notes
+        assert servers.state("kv_cache").writer and servers.state("kv_cache").allocation_count > 0
+        assert servers.state("weights").readers == (1 if outcome == "rode through" else 0)
+        assert complete(e.url, prompt, 6, ignore_eos=True).json()["choices"][0]["token_ids"] == reference
+        if outcome == "rode through":  # and sleeps and wakes on the new server, at the same addresses
+            before = httpx.get(f"{e.url}/state", timeout=5).json()
+            assert httpx.post(f"{e.url}/sleep", timeout=10).status_code == 200
+            assert httpx.post(f"{e.url}/wake_up", timeout=30).status_code == 200
+            after = httpx.get(f"{e.url}/state", timeout=5).json()
+            assert (after["weights_addresses"], after["kv_addresses"]) == (before["weights_addresses"],
+                                                                         before["kv_addresses"])
+            assert "gms" not in health(e.url).json(), "a wake starts a clean slate"
+    # Asleep on stale weights: not a standby a wake could use as it is.
+    assert httpx.post(f"{e.url}/sleep", timeout=10).status_code == 200
+    asleep = health(e.url)
+    assert (asleep.status_code, asleep.json()["status"]) == (503, "asleep") and "gone" in asleep.json()["error"]
+    weights.publish(servers.socket)  # the layout back: a healthy standby again, and awake for the tests after
+    assert health(e.url).json() == {"status": "asleep"}
+    assert httpx.post(f"{e.url}/wake_up", timeout=30).status_code == 200
+    assert complete(e.url, prompt, 6, ignore_eos=True).json()["choices"][0]["token_ids"] == reference
+
+
 # -- failover --------------------------------------------------------------------
 
 
@@ -253,6 +298,30 @@ def test_primary_serves_and_shadow_sleeps(cluster):
     assert shadow["mode"] == "shadow" and shadow["kv_addresses"] == [] and shadow["phase"] == "asleep"
     assert primary["mode"] == "primary" and primary["kv_addresses"]
     assert shadow["loaded_from_disk"] != primary["loaded_from_disk"]  # one loaded, the other imported
+
+
+def test_a_gms_server_restart_is_no_failover(cluster):
+    """The rank's server is replaced by one already holding the same weights (as a
+    keeper brings a restarted server back; here a copy is published on a server
+    started beside it, whose socket is then moved into place): the serving engine
+    rides through, reports it, and nothing fails over."""
+    serving, standby = cluster.serving()
+    before = len(cluster.events())
+    old = cluster.servers
+    new = RankServers(cluster.folder, "next")
+    LayoutCopy(old.socket).publish(new.socket)
+    old.stop()
+    os.rename(new.socket, old.socket)
+    new.socket = old.socket
+    cluster.servers = new
+    url = cluster.url(serving)
+    event = cluster.wait_event(lambda e: e["event"] == "gms" and e["url"] == url, 20, "the gms report", before)
+    assert event["gms"] == {"weights": "rode through", "kv_cache": "rebuilt"}, event
+    response = complete(url, cluster.prompt, 6, ignore_eos=True)
+    assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == cluster.reference
+    assert httpx.get(f"{cluster.url(standby)}/health", timeout=5).json() == {"status": "asleep"}
+    assert new.state("weights").readers == 1 and new.state("kv_cache").writer
+    assert not [e for e in cluster.events()[before:] if e["event"] in ("failover", "standby_failed")]
 
 
 def test_sigkill_of_the_serving_engine_fails_over_to_the_shadow(cluster):

@@ -10,7 +10,7 @@ pytest.importorskip("httpx")
 
 from gms.failover import config as cfg  # noqa: E402
 from gms.failover.coordinator import Failover, make_lock  # noqa: E402
-from gms.failover.health import Probe, Watch, observe  # noqa: E402
+from gms.failover.health import Probe, Watch, gms_reports, observe  # noqa: E402
 from gms.failover.lock import FileServingLock  # noqa: E402
 from gms.failover.sets import pod_running, pods_by_rank  # noqa: E402
 
@@ -26,6 +26,21 @@ def test_a_set_fails_after_enough_bad_rounds_in_a_row_and_one_bad_rank_spoils_a_
     assert (watch.streak, watch.first_bad, failed) == (2, 5.0, True)  # detection counts from the first
     watch, failed = observe(Watch(1, 3.0), [probe(True), probe(True)], failures=2)
     assert (watch, failed) == (Watch(), False)  # a good round forgives
+
+
+def test_what_ranks_say_of_their_gms_connections_makes_an_event_when_it_changes():
+    def said(url, notes):
+        return Probe(url, True, "serving", "", 0.0, 0.01, notes)
+
+    restart = {"weights": "rode through", "kv_cache": "rebuilt"}
+    seen, news = gms_reports({}, [said("a", {}), said("b", restart)])
+    assert [p.url for p in news] == ["b"]  # silence is no news
+    seen, news = gms_reports(seen, [said("a", {}), said("b", restart)])
+    assert news == []  # said once is enough
+    seen, news = gms_reports(seen, [said("a", {}), said("b", {})])
+    assert news == [] and seen["b"] == {}  # back to nothing to say (a wake): no line
+    _, news = gms_reports(seen, [said("b", {"weights": "stale: gone"})])
+    assert [p.gms for p in news] == [{"weights": "stale: gone"}]
 
 
 def test_failover_phases_add_up():

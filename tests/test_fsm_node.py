@@ -118,6 +118,34 @@ def test_what_a_tenant_may_do_with_a_layout(requested, may_read, may_write, outc
         assert event.lock_type == outcome
 
 
+def test_expect_hash_asks_for_exactly_one_committed_layout_and_never_waits():
+    from gms.fsm import StaleLayout
+
+    def ask(state, requested, expect):
+        events = decide_session(
+            state, 9, "m", requested, tenant="default", may_read=True, may_write=True,
+            uid=1, gid=1, pid=1, limit_bytes=None, expect_hash=expect,
+        )
+        fold_all(events, state)  # the rules judge it when the shell appends it
+        return events
+
+    empty = fold_all([started({"default": None})])
+    with pytest.raises(StaleLayout) as refused:
+        ask(empty, RO, "a" * 64)  # nothing committed: refused now, not waited for
+    assert refused.value.code == "STALE_LAYOUT"
+    state = build(empty, 1, "m", [2])
+    current = state.layout("m").layout_hash
+    with pytest.raises(StaleLayout, match=current[:12]):
+        ask(state, AUTO, "b" * 64)
+    with pytest.raises(InvalidArgument, match="readers"):
+        ask(state, RW, current)
+    assert ask(state, RO, current)[0].lock_type == "RO"
+    assert ask(state, AUTO, current)[0].lock_type == "RW_OR_RO"  # granted RO: it is committed
+    building = fold_all(writer(2, "m"), state)  # a writer cleared the layout to rebuild it
+    with pytest.raises(StaleLayout):
+        ask(building, RO, current)
+
+
 @pytest.mark.parametrize("name", ["", "a" * 129, "../etc", "bad name", "x\x00y", "é", "-lead", 7])
 def test_odd_layout_names_are_refused(name):
     with pytest.raises(InvalidArgument):

@@ -31,7 +31,8 @@ def test_every_transition_of_the_state_table(server):
 
     writer = RawConn(server.socket)
     assert writer.handshake("RW") == m.HandshakeResponse(
-        True, False, "RW", server.backend, 0, writer_uuid(server), "", "weights", "default"
+        True, False, "RW", server.backend, 0, writer_uuid(server), "", "weights", "default",
+        max_frame_bytes=16 << 20,  # the server's frame cap: the client refuses bigger requests itself
     )
     assert server.layout().state == "RW"  # EMPTY -> RW
     build_layout(writer)

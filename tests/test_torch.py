@@ -22,6 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import gms.torch as gt  # noqa: E402
+import gms  # noqa: E402
 from gms import GMSClientMemoryManager, RequestedLockType  # noqa: E402
 from gms.client.transport import RpcTransport  # noqa: E402
 from gms.cuda.host import HostBackend, HostMapper  # noqa: E402
@@ -194,7 +195,7 @@ def test_import_costs_a_bounded_number_of_round_trips(server, monkeypatch):
     reader.connect(RequestedLockType.RO)
     calls = []
     original = RpcTransport.call
-    monkeypatch.setattr(RpcTransport, "call", lambda self, req, exp: calls.append(type(req).__name__) or original(self, req, exp))
+    monkeypatch.setattr(RpcTransport, "call", lambda self, req, *rest: calls.append(type(req).__name__) or original(self, req, *rest))
     imported = gt.import_tensors(reader, "many/")
     assert len(imported) == 600
     assert calls.count("MetadataScanRequest") == 1
@@ -221,3 +222,50 @@ def test_shape_mismatch_is_refused(server):
     with pytest.raises(KeyError, match="not published"):
         gt.materialize_module(model, reader, prefix="nothing/")
     reader.close()
+
+
+def logits(model) -> list[float]:
+    """The model's logits, on whatever device its parameters live."""
+    with torch.no_grad():
+        return model(INPUT.to(next(model.parameters()).device)).float().cpu().flatten().tolist()
+
+
+def test_tensors_outlive_a_server_restart_and_wake_on_the_same_layout(start_server):
+    """Imported tensors keep working while their server is gone; the reader rides
+    through to a server holding the same layout, sleeps and wakes on it; a KV
+    cache is rebuilt at its addresses; a server without the layout makes the
+    next wake stale at once."""
+    model = tiny(seed=3)
+    first = start_server()
+    gt.publish_module(model, publisher := writer(first), prefix="t/")
+    publisher.commit()
+    reader = GMSClientMemoryManager(first.socket)
+    reader.connect(RequestedLockType.RO)
+    with gt.empty_parameters():
+        copy = Tiny()
+    gt.materialize_module(copy, reader, prefix="t/")
+    kv = GMSClientMemoryManager(first.socket, layout="kv")
+    kv.connect(RequestedLockType.RW)
+    kv_va = kv.create_mapping(size=1 << 20, tag="kv_cache")
+    first.kill()
+    assert logits(copy) == pytest.approx(expected_logits(model))
+
+    second = start_server(socket_path=first.socket)
+    gt.publish_module(model, again := writer(second), prefix="t/")  # the same layout, published anew
+    again.commit()
+    assert reader.ensure_connected() is True  # rode through
+    gt.sleep(reader)
+    gt.wake_weights(reader)
+    assert logits(copy) == pytest.approx(expected_logits(model))
+    with pytest.raises(gms.BuildLostError):
+        kv.ensure_connected()
+    gt.rebuild_kv_cache(kv, "kv_cache")
+    assert [mp.va for mp in kv.mappings] == [kv_va] and second.layout("kv").allocation_count == 1
+
+    gt.sleep(reader)
+    second.kill()
+    start_server(socket_path=first.socket)  # empty
+    with pytest.raises(gms.StaleMemoryLayoutError):
+        gt.wake_weights(reader)
+    for mgr in (reader, kv, publisher, again):
+        mgr.close()

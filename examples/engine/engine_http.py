@@ -115,6 +115,8 @@ def build_app(engine: Engine) -> Starlette:
             return _error(409, str(exc), "conflict")
         except gms.LockTimeoutError as exc:
             return _error(503, f"wake timed out waiting for a lock: {exc}", "unavailable")
+        except gms.GMSError as exc:  # no server, a stale layout it could not import again, ...
+            return _error(503, f"wake failed: {exc}", "unavailable")
         seconds = time.perf_counter() - started
         log.info("awake in %.1f ms %s", seconds * 1e3, phases)
         return JSONResponse({"is_sleeping": False, "wake_s": seconds, **revoked, **phases})
@@ -123,19 +125,32 @@ def build_app(engine: Engine) -> Starlette:
         return JSONResponse({"is_sleeping": engine.phase == "asleep"})
 
     async def health(request: Request) -> JSONResponse:
+        """Serving: the canary, after taking back any gms lock a server restart
+        broke (``gms`` in the body says what happened; a revoked lock is not
+        healthy, a server not back yet is: the engine serves from what it has
+        mapped).  Asleep: the weights' addresses are held and their layout is
+        still on the server (else the next wake would import again)."""
         phase = engine.phase
+        gms_timeout = min(1.0, engine.options.canary_timeout_s / 4)
         if phase == "asleep":
-            if engine.weights_held():
-                return JSONResponse({"status": "asleep"})
-            return JSONResponse({"status": "asleep", "error": "weights' address space not held"},
-                                status_code=503)
+            if not engine.weights_held():
+                return JSONResponse({"status": "asleep", "error": "weights' address space not held"},
+                                    status_code=503)
+            stale = await anyio.to_thread.run_sync(engine.weights_current, gms_timeout)
+            if stale is not None:
+                return JSONResponse({"status": "asleep", "error": stale}, status_code=503)
+            return JSONResponse({"status": "asleep"})
         if phase != "serving":
             return JSONResponse({"status": phase}, status_code=503)
+
+        def check():
+            notes = engine.check_gms(gms_timeout)
+            return notes, engine.canary()
+
         try:
             with anyio.fail_after(engine.options.canary_timeout_s):
                 # abandon_on_cancel: a hung forward must not hang the probe too
-                seconds = await anyio.to_thread.run_sync(engine.canary, limiter=worker,
-                                                         abandon_on_cancel=True)
+                notes, seconds = await anyio.to_thread.run_sync(check, limiter=worker, abandon_on_cancel=True)
         except TimeoutError:
             return JSONResponse({"status": "serving", "error": "canary timed out"}, status_code=503)
         except EngineError:  # went to sleep meanwhile
@@ -143,7 +158,11 @@ def build_app(engine: Engine) -> Starlette:
         except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
             log.exception("canary failed")
             return JSONResponse({"status": "serving", "error": repr(exc)}, status_code=503)
-        return JSONResponse({"status": "serving", "canary_s": seconds})
+        body = {"status": "serving", "canary_s": seconds, **({"gms": notes} if notes else {})}
+        revoked = [layout for layout, note in notes.items() if note.startswith("revoked")]
+        if revoked:
+            return JSONResponse({**body, "error": f"gms lock revoked: {', '.join(revoked)}"}, status_code=503)
+        return JSONResponse(body)
 
     async def state(request: Request) -> JSONResponse:
         return JSONResponse(engine.state())

@@ -10,6 +10,12 @@ published tensors without touching the checkpoint.
 Phases: starting -> serving | asleep; serving -> sleeping -> asleep;
 asleep -> waking -> serving.  ``GMS_MODE=shadow`` ends its start asleep, with
 no KV cache: the cache is made on its first wake.
+
+A restart of the gms server under a serving engine breaks nothing it is
+using: the memory it mapped stays alive.  ``check_gms`` (the canary runs it)
+takes its locks back: the weights ride through to the same layout, the KV
+cache gets fresh memory at its addresses.  Until then, or if the weights'
+layout is gone, the engine serves from the memory it has and says so.
 """
 
 from __future__ import annotations
@@ -24,7 +30,17 @@ from engine_options import EngineOptions
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, StaticCache
 
 import gms.torch
-from gms import GMSClientMemoryManager, GrantedLockType, RequestedLockType, StaleMemoryLayoutError
+from gms import (
+    BuildLostError,
+    GMSClientMemoryManager,
+    GMSError,
+    GMSUsageError,
+    GrantedLockType,
+    RequestedLockType,
+    SessionEndedError,
+    StaleMemoryLayoutError,
+)
+from gms.client.probes import get_runtime_state
 
 log = logging.getLogger("engine")
 PREFIX = "model/"
@@ -54,6 +70,8 @@ class Engine:
         self.tokenizer = None
         self.loaded_from_disk = False
         self.timings: dict[str, float] = {}
+        # Per layout, what happened to its gms connection since the last wake (none: nothing).
+        self.gms_notes: dict[str, str] = {}
 
     # -- start --------------------------------------------------------------
 
@@ -166,7 +184,77 @@ class Engine:
             self._back_to_sleep()
             raise
         self.phase = "serving"
+        self.gms_notes = {}
         return {"weights_s": t1 - t0, "kv_s": t2 - t1}
+
+    # -- the gms connections (a server restart) --------------------------------
+
+    def check_gms(self, timeout_s: float) -> dict[str, str]:
+        """Serving: take back a gms lock the server's restart broke, within
+        ``timeout_s`` each.  Returns the notes: ``rode through`` (the weights,
+        the same layout), ``rebuilt`` (the KV cache, fresh memory at its
+        addresses), ``reconnecting: ...`` (no server yet: serving from the
+        memory mapped, tried again next time), ``stale: ...`` (the weights'
+        layout is gone or replaced: served as mapped, imported again at the
+        next wake), ``revoked: ...`` (an admin took the lock: not healthy)."""
+        if self.phase == "serving":
+            self._check_weights(timeout_s)
+            if self.kv is not None:
+                self._check_kv(timeout_s)
+        return dict(self.gms_notes)
+
+    def _check_weights(self, timeout_s: float) -> None:
+        note = self.gms_notes.get("weights", "")
+        if self.weights.is_connected or note.startswith(("stale", "revoked")):
+            return
+        try:
+            if self.weights.ensure_connected(timeout_s):
+                self.gms_notes["weights"] = "rode through"
+                log.warning("rank %d: the weights rode through a gms server restart", self.options.rank)
+        except StaleMemoryLayoutError as exc:
+            self.gms_notes["weights"] = f"stale: {exc}"
+            log.warning("rank %d: weights stale after a gms restart (%s): serving as mapped",
+                        self.options.rank, exc)
+        except SessionEndedError as exc:
+            self.gms_notes["weights"] = f"revoked: {exc}"
+        except GMSError as exc:
+            self.gms_notes["weights"] = f"reconnecting: {exc}"
+
+    def _check_kv(self, timeout_s: float) -> None:
+        note = self.gms_notes.get("kv_cache", "")
+        if self.kv_mgr.is_connected or note.startswith("revoked"):
+            return
+        try:
+            self.kv_mgr.ensure_connected(timeout_s)
+            return  # nothing was lost
+        except BuildLostError:
+            pass  # the build went with its server: make it again
+        except SessionEndedError as exc:
+            self.gms_notes["kv_cache"] = f"revoked: {exc}"
+            return
+        except GMSUsageError:
+            pass  # lost before, not rebuilt yet
+        try:
+            gms.torch.rebuild_kv_cache(self.kv_mgr, "kv_cache", int(timeout_s * 1000))
+        except GMSError as exc:
+            self.gms_notes["kv_cache"] = f"reconnecting: {exc}"  # the old memory is still mapped
+            return
+        self.kv.zero()
+        self.gms_notes["kv_cache"] = "rebuilt"
+        log.warning("rank %d: KV cache rebuilt after a gms server restart", self.options.rank)
+
+    def weights_current(self, timeout_s: float) -> str | None:
+        """Asleep: is the layout these weights wake on still committed on the
+        server?  None if so (or if the server cannot be asked now: a wake
+        would tell); otherwise why not (the next wake imports again)."""
+        mine = self.weights.get_memory_layout_hash()
+        try:
+            row = get_runtime_state(self.options.gms_socket, timeout=timeout_s).layout("weights")
+        except GMSError:
+            return None
+        if row.memory_layout_hash != mine:
+            return f"the weights' layout on gms is {row.memory_layout_hash[:12] or 'gone'}, not {mine[:12]}"
+        return None
 
     def _back_to_sleep(self) -> None:
         """A failed wake leaves nothing mapped and no lock held."""

@@ -7,7 +7,7 @@ import sys
 
 from ..errors import GMSError
 from ..units import format_bytes
-from .common import socket_of, target_args
+from .common import client_error, socket_of, target_args
 
 
 def register(sub) -> None:
@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace, verb: str, action) -> int:
     try:
         print(action(socket_of(args)))
     except GMSError as exc:
-        print(f"gms {verb}: {exc}", file=sys.stderr)
+        print(client_error(verb, exc), file=sys.stderr)
         return 1
     return 0
 
@@ -40,14 +40,17 @@ def _run(args: argparse.Namespace, verb: str, action) -> int:
 def cmd_revoke(args: argparse.Namespace) -> int:
     from ..client.admin import revoke
 
-    return _run(args, "revoke", lambda path: f"{args.layout}: {revoke(path, args.layout)} sessions revoked")
+    def action(path: str) -> str:
+        return f"{args.layout}: {revoke(path, args.layout, timeout=args.timeout)} sessions revoked"
+
+    return _run(args, "revoke", action)
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
     from ..client.admin import evict
 
     def action(path: str) -> str:
-        done = evict(path, args.layout)
+        done = evict(path, args.layout, timeout=args.timeout)
         where = "dropped (unpinned)" if done.tier == "none" else f"now on tier {done.tier}"
         return f"{args.layout}: {format_bytes(done.freed_bytes)} of GPU memory released, {where}"
 
@@ -57,4 +60,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 def cmd_pin(args: argparse.Namespace) -> int:
     from ..client.admin import pin
 
-    return _run(args, "pin", lambda path: f"{args.layout}: residency {pin(path, args.layout, args.residency)}")
+    def action(path: str) -> str:
+        return f"{args.layout}: residency {pin(path, args.layout, args.residency, timeout=args.timeout)}"
+
+    return _run(args, "pin", action)

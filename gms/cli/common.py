@@ -1,4 +1,4 @@
-"""What every client command shares: finding the server's socket."""
+"""What every client command shares: finding the server's socket, and a deadline."""
 
 from __future__ import annotations
 
@@ -8,9 +8,25 @@ from .. import paths
 
 
 def target_args(parser: argparse.ArgumentParser) -> None:
+    from ..client.probes import DEFAULT_TIMEOUT_S
+
     parser.add_argument("--socket", help="socket path (default: derived from --device)")
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    parser.add_argument(
+        "--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        help=f"give up on a server that does not answer in this long (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("the timeout must be more than 0 seconds")
+    return value
 
 
 def socket_of(args: argparse.Namespace) -> str:
@@ -29,3 +45,11 @@ def byte_count(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def client_error(command: str, exc: Exception) -> str:
+    """The line a client command prints when the server call failed."""
+    from ..errors import ResponseTimeoutError
+
+    hint = " (is the server hung? --timeout waits longer)" if isinstance(exc, ResponseTimeoutError) else ""
+    return f"gms {command}: {exc}{hint}"

@@ -17,7 +17,7 @@ import attrs
 from ..errors import GMSError
 from ..units import format_bytes
 from ..wire import messages as m
-from .common import socket_of, target_args
+from .common import client_error, socket_of, target_args
 
 EXIT_REPLAY_FAILED = 2
 
@@ -111,9 +111,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     path = socket_of(args)
     try:
-        state = get_runtime_state(path)
+        state = get_runtime_state(path, timeout=args.timeout)
     except GMSError as exc:
-        print(f"gms status: {exc}", file=sys.stderr)
+        print(client_error("status", exc), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"socket": path, **attrs.asdict(state)}))
@@ -132,11 +132,12 @@ def cmd_history(args: argparse.Namespace) -> int:
     path = socket_of(args)
     try:
         if args.limit is None:
-            events = list(iter_event_history(path, args.since, layout=args.layout))
+            events = list(iter_event_history(path, args.since, layout=args.layout, timeout=args.timeout))
         else:
-            events = get_event_history(path, args.since, args.limit, layout=args.layout).events
+            page = get_event_history(path, args.since, args.limit, layout=args.layout, timeout=args.timeout)
+            events = page.events
     except GMSError as exc:
-        print(f"gms history: {exc}", file=sys.stderr)
+        print(client_error("history", exc), file=sys.stderr)
         return 1
     for e in events:
         if args.json:

@@ -1,28 +1,33 @@
 """Admin verbs: one request, answered, then the connection closes; no lock is taken.
 
 The server allows them to its own uid, root, and tenants its policy makes
-admins, judged by the peer credentials the kernel gives it.
+admins, judged by the peer credentials the kernel gives it.  ``timeout``
+(seconds) bounds each verb, its answer included: ResponseTimeoutError after it.
 """
 
 from __future__ import annotations
 
 from ..wire import messages as m
-from .probes import one_shot
+from .probes import DEFAULT_TIMEOUT_S, one_shot
 
 
-def revoke(socket_path: str, layout: str, *, timeout: float = 10.0) -> int:
+def revoke(socket_path: str, layout: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> int:
     """Take every lock on ``layout`` away (the seed's "dump KV cache"): a writer's
     uncommitted allocations are released, readers are dropped, the next waiter
     is granted.  Returns how many sessions lost their lock."""
     return one_shot(socket_path, m.RevokeRequest(layout), m.RevokeResponse, timeout).sessions
 
 
-def evict(socket_path: str, layout: str, *, timeout: float = 10.0) -> m.EvictResponse:
+def evict(
+    socket_path: str, layout: str, *, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> m.EvictResponse:
     """Release an idle committed layout's GPU memory now (a ``system`` layout keeps
     its host copy; an ``unpinned`` one is dropped)."""
     return one_shot(socket_path, m.EvictRequest(layout), m.EvictResponse, timeout)
 
 
-def pin(socket_path: str, layout: str, residency: str = "device", *, timeout: float = 10.0) -> str:
+def pin(
+    socket_path: str, layout: str, residency: str = "device", *, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> str:
     """Set a committed layout's residency (``device``: never evicted)."""
     return one_shot(socket_path, m.PinRequest(layout, residency), m.PinResponse, timeout).residency

@@ -8,6 +8,15 @@ the same layout back at the same addresses, so pointers into it (tensors)
 stay valid.  Mapping goes through the adapter of whatever backend the server
 runs (``gms.cuda``), which the handshake names: user code is the same on a
 laptop and on a GPU host.
+
+Every reply has a deadline (``call_timeout_s``; memory waits and untimed lock
+waits excepted, see the constructor).  A connection that ends without the
+manager's doing is remembered with the reason: a reader whose server went
+away (EOF, reset: no ``SessionEnded`` notice) rides through, taking its lock
+back from whatever server answers on the socket within
+``reconnect_timeout_s``, on the very layout it mapped (``expect_hash``);
+its mappings stay mapped all the while.  A writer's build is gone with its
+server (BuildLostError); a revoked session stays ended (LockRevokedError).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -22,10 +32,15 @@ import attrs
 
 from ..cuda import Mapper, align_up, open_mapper
 from ..errors import (
+    BuildLostError,
+    GMSConnectionError,
     GMSError,
     GMSProtocolError,
     GMSUsageError,
     LockTimeoutError,
+    ResponseTimeoutError,
+    ServerGoneError,
+    SessionEndedError,
     StaleMemoryLayoutError,
 )
 from ..fds import reserve_fd_slots
@@ -38,6 +53,25 @@ from .transport import RpcTransport, _close_all
 log = logging.getLogger("gms.client")
 
 HandleInfo = m.GetAllocationResponse
+
+DEFAULT_CALL_TIMEOUT_S = 60.0
+DEFAULT_RECONNECT_TIMEOUT_S = 30.0
+# Requests that may wait for memory on the server (its --alloc-retry-timeout
+# decides how long): bounded by ``memory_timeout_s``, not ``call_timeout_s``.
+_MEMORY_WAITS = (m.AllocateRequest, m.ExportHostCopiesRequest)
+_FIRST_PAUSE_S = 0.01  # riding through: the first retry, doubling up to _MAX_PAUSE_S
+_MAX_PAUSE_S = 0.5
+_RIDE_REPLY_MARGIN_S = 1.0  # past the reconnect deadline, for the handshake's answer
+_DEFAULT = object()
+
+
+@attrs.frozen
+class _Lost:
+    """A connection the server ended: the lock it held, and how it ended
+    (ServerGoneError: the server went away; SessionEndedError: on purpose)."""
+
+    lock: GrantedLockType
+    error: GMSConnectionError
 
 
 @attrs.define
@@ -106,13 +140,32 @@ class GMSClientMemoryManager:
     request/response pair and the mapping table change together.
     """
 
-    def __init__(self, socket_path: str, *, device: int = 0, layout: str = "weights") -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        device: int = 0,
+        layout: str = "weights",
+        call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S,
+        memory_timeout_s: float | None = None,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S,
+    ) -> None:
+        """``call_timeout_s``: the deadline of every reply (None: none), except an
+        allocation's or a host copy's, which may wait for memory as long as the
+        server keeps trying (``memory_timeout_s``, default None), and a lock
+        wait (``connect``).  ``reconnect_timeout_s``: how long a reader whose
+        server went away keeps trying to take its lock back (0: never)."""
         self.socket_path = socket_path
         self.device = device
         self.layout = layout
+        self.call_timeout_s = call_timeout_s
+        self.memory_timeout_s = memory_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.reconnects = 0  # rides through a server restart so far
         self._lock = threading.RLock()
         self._res = _Resources()
         self._granted: GrantedLockType | None = None
+        self._lost: _Lost | None = None  # the connection the server ended, until connect/abort/close
         self._backend: str | None = None
         self._layout_hash: str | None = None  # of the layout the mappings came from
         self._server_hash = ""  # the committed hash the last handshake saw
@@ -126,12 +179,14 @@ class GMSClientMemoryManager:
 
     @property
     def granted_lock_type(self) -> GrantedLockType | None:
-        return self._granted
+        return self._granted if self.is_connected else None
 
     @property
     def is_connected(self) -> bool:
+        """True while the connection is up; the kernel is asked, so a server that
+        died (or revoked the lock) while the manager was idle shows at once."""
         transport = self._res.transport
-        return transport is not None and not transport.closed
+        return transport is not None and not transport.hung_up()
 
     @property
     def is_unmapped(self) -> bool:
@@ -165,11 +220,16 @@ class GMSClientMemoryManager:
 
         ``limit_bytes`` narrows this session's byte limit below its tenant's
         quota (allocating past it raises QuotaExceededError).  On timeout
-        raises LockTimeoutError and stays reusable.  A layout evicted to the
-        host tier is restored here first, if this reader is the one asked to.
+        raises LockTimeoutError and stays reusable; the answer itself must
+        come within ``timeout_ms`` plus ``call_timeout_s`` (else
+        ResponseTimeoutError).  A reader whose mappings came from a committed
+        layout (a wake) asks for exactly that layout: if the server holds
+        another, or none, StaleMemoryLayoutError at once.  A layout evicted to
+        the host tier is restored here first, if this reader is the one asked to.
         """
         with self._lock:
-            if self.is_connected:
+            self._settle()
+            if self._res.transport is not None:
                 raise GMSUsageError("already connected; abort() or close() first")
             if layout is not None and layout != self.layout:
                 if self._res.mappings:
@@ -178,25 +238,45 @@ class GMSClientMemoryManager:
                     )
                 self.layout = layout
             lock = RequestedLockType(lock_type)
-            transport = RpcTransport(self.socket_path)
-            try:
-                response, _ = transport.call(
-                    m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes), m.HandshakeResponse
+            expect = ""
+            if lock is RequestedLockType.RO and self._res.mappings and self._layout_hash:
+                expect = self._layout_hash
+            self._lost = None
+            reply = None
+            if timeout_ms is not None and self.call_timeout_s is not None:
+                reply = timeout_ms / 1000 + self.call_timeout_s
+            self._open(lock, timeout_ms, reply, limit_bytes=limit_bytes, expect_hash=expect)
+
+    def _open(
+        self,
+        lock: RequestedLockType,
+        timeout_ms: int | None,
+        reply_timeout: float | None,
+        *,
+        limit_bytes: int | None = None,
+        expect_hash: str = "",
+    ) -> None:
+        connect_timeout = 10.0 if reply_timeout is None else min(10.0, reply_timeout)
+        transport = RpcTransport(self.socket_path, connect_timeout=connect_timeout, timeout=self.call_timeout_s)
+        try:
+            request = m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes, expect_hash)
+            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout)
+            if not response.success:
+                raise LockTimeoutError(
+                    f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "
+                    f"not granted in {timeout_ms} ms"
                 )
-                if not response.success:
-                    raise LockTimeoutError(
-                        f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "
-                        f"not granted in {timeout_ms} ms"
-                    )
-                self._attach_mapper(response)
-                if response.restore:
-                    tiering.restore(transport.call, self._res.mapper)
-            except BaseException:
-                transport.close()
-                raise
-            self._res.transport = transport
-            self._granted = GrantedLockType(response.granted_lock_type)
-            self._server_hash = response.memory_layout_hash
+            if response.max_frame_bytes > 0:
+                transport.max_request_bytes = response.max_frame_bytes
+            self._attach_mapper(response)
+            if response.restore:
+                tiering.restore(transport.call, self._res.mapper)
+        except BaseException:
+            transport.close()
+            raise
+        self._res.transport = transport
+        self._granted = GrantedLockType(response.granted_lock_type)
+        self._server_hash = response.memory_layout_hash
 
     def _attach_mapper(self, response: m.HandshakeResponse) -> None:
         if self._backend is None:
@@ -216,20 +296,177 @@ class GMSClientMemoryManager:
     def abort(self) -> None:
         """Close the connection (releasing the lock); mappings are kept.  Idempotent."""
         with self._lock:
-            if self._res.transport is not None:
-                self._res.transport.close()
-                self._res.transport = None
-            self._granted = None
+            self._drop()
+            self._lost = None
 
-    def _call(self, request: object, expect: type):
+    def ensure_connected(self, timeout_s: float | None = None) -> bool:
+        """Make sure the lock this manager held is held now: nothing to do while
+        connected (False); a reader whose server went away rides through now,
+        within ``timeout_s`` (default ``reconnect_timeout_s``) (True).  Raises
+        what a call would: StaleMemoryLayoutError, ServerGoneError,
+        LockRevokedError, BuildLostError, or GMSUsageError if the manager was
+        never connected or disconnected itself (commit, abort)."""
+        with self._lock:
+            self._settle()
+            if self._res.transport is not None:
+                return False
+            self._resume("ensure_connected", timeout_s)
+            return True
+
+    # -- the connection's life (under self._lock) ---------------------------------
+
+    def _drop(self) -> None:
+        """Forget the connection, closing it: the manager's own doing."""
+        transport, self._res.transport = self._res.transport, None
+        if transport is not None:
+            transport.close()
+        self._granted = None
+
+    def _lose(self, error: GMSConnectionError) -> None:
+        """The server ended the connection: forget it, remember why and what lock it held."""
+        granted = self._granted
+        self._drop()
+        if granted is not None:
+            self._lost = _Lost(granted, error)
+
+    def _settle(self) -> None:
+        """Notice a connection the server ended while the manager was idle."""
         transport = self._res.transport
-        if transport is None or transport.closed:
-            raise GMSUsageError("not connected: call connect() first")
-        return transport.call(request, expect)
+        if transport is not None and transport.hung_up():
+            self._lose(transport.ended())
+
+    def _resume(self, action: str, timeout_s: float | None = None) -> None:
+        """No connection: ride a reader through its server's restart, or raise
+        why there is none."""
+        lost = self._lost
+        if lost is None:
+            raise GMSUsageError(f"{action} needs a connection: call connect() first")
+        error = lost.error
+        if isinstance(error, SessionEndedError):
+            raise type(error)(error.reason, f"{error} (earlier; connect() again)")
+        if lost.lock is GrantedLockType.RW:
+            raise BuildLostError(
+                f"the gms server at {self.socket_path} went away while this writer built layout "
+                f"{self.layout!r}: the build is gone ({error}); connect(RW) to build again"
+            ) from error
+        budget = self.reconnect_timeout_s if timeout_s is None else timeout_s
+        if budget <= 0:
+            raise ServerGoneError(f"{error} (riding through is off: reconnect_timeout_s=0)") from error
+        self._ride_through(budget)
+
+    def _ride_through(self, budget: float) -> None:
+        """Take the reader's lock back from whatever server answers on the socket,
+        on the very layout it held (``expect_hash``), retrying with backoff
+        until ``budget`` seconds pass.  The mappings are never touched: their
+        memory lives as long as they are mapped, whatever the server does."""
+        expect = self._server_hash
+        started = time.monotonic()
+        deadline = started + budget
+        pause = _FIRST_PAUSE_S
+        last: Exception = self._lost.error
+        log.warning(
+            "gms server at %s went away (%s): taking the RO lock on %r (hash %s) back, for up to %.1f s",
+            self.socket_path, last, self.layout, expect[:12], budget,
+        )
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerGoneError(
+                    f"the gms server at {self.socket_path} went away and no server gave the RO lock on "
+                    f"layout {self.layout!r} back within {budget} s (last: {last})"
+                ) from last
+            try:
+                self._open(
+                    RequestedLockType.RO, max(1, int(left * 1000)), left + _RIDE_REPLY_MARGIN_S,
+                    expect_hash=expect,
+                )
+                self._rebind_mappings()
+                break
+            except (LockTimeoutError, ResponseTimeoutError):
+                self._drop()
+                raise  # a server is there but did not grant in time: the next call tries again
+            except GMSConnectionError as exc:
+                self._drop()
+                if isinstance(exc, SessionEndedError):
+                    self._lost = None
+                    raise
+                last = exc  # no server yet, or it went away again
+            except BaseException:
+                self._drop()
+                self._lost = None  # stale, refused, or a bug: nothing left to take back
+                raise
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, _MAX_PAUSE_S)
+        self._lost = None
+        self.reconnects += 1
+        log.warning(
+            "rode through to the gms server at %s in %.2f s: RO on %r, same layout",
+            self.socket_path, time.monotonic() - started, self.layout,
+        )
+
+    def _rebind_mappings(self) -> None:
+        """A server that rebuilt the same layout (same hash) may have given its
+        allocations new ids: find each mapping's by slot, size and tag."""
+        if self._res.mappings:
+            response, _ = self._res.transport.call(m.ListAllocationsRequest(), m.ListAllocationsResponse)
+            self._match_by_shape(list(self._res.mappings.values()), [_info(a) for a in response.allocations])
+
+    @staticmethod
+    def _match_by_shape(mappings: list[Mapping], allocations: list[HandleInfo]) -> None:
+        by_shape = {(a.layout_slot, a.size, a.tag): a for a in allocations}
+        for mapping in mappings:
+            found = by_shape.get((mapping.layout_slot, mapping.alloc_size, mapping.tag))
+            if found is None or found.aligned_size != mapping.size:
+                raise StaleMemoryLayoutError(
+                    f"no allocation of slot {mapping.layout_slot}, {mapping.alloc_size} bytes, "
+                    f"tag {mapping.tag!r} in the committed layout"
+                )
+        for mapping in mappings:
+            mapping.allocation_id = by_shape[(mapping.layout_slot, mapping.alloc_size, mapping.tag)].allocation_id
+
+    def _transport(self, action: str) -> RpcTransport:
+        if self._res.transport is None:
+            self._resume(action)
+        return self._res.transport
+
+    def _call(self, request: object, expect: type, timeout=_DEFAULT):
+        if timeout is _DEFAULT:
+            timeout = self.memory_timeout_s if isinstance(request, _MEMORY_WAITS) else self.call_timeout_s
+        action = type(request).__name__
+        transport = self._transport(action)
+        try:
+            return transport.call(request, expect, timeout)
+        except GMSError as exc:
+            self._after_failure(transport, exc)
+            lost = self._lost
+            if not (isinstance(exc, ServerGoneError) and lost is not None):
+                raise
+            if lost.lock is GrantedLockType.RW and isinstance(request, m.CommitRequest):
+                self._lost = None
+                raise BuildLostError(
+                    f"the gms server at {self.socket_path} went away during commit: whether layout "
+                    f"{self.layout!r} was published is unknown (gms status shows it)"
+                ) from exc
+        # The server went away under this manager: ride through (a reader) or
+        # raise why not, then ask once more.
+        transport = self._transport(action)
+        try:
+            return transport.call(request, expect, timeout)
+        except GMSError as exc:
+            self._after_failure(transport, exc)
+            raise
+
+    def _after_failure(self, transport: RpcTransport, exc: GMSError) -> None:
+        """A call that failed may have closed its transport: say whose doing it was."""
+        if not transport.closed or self._res.transport is not transport:
+            return
+        if isinstance(exc, ServerGoneError | SessionEndedError):
+            self._lose(exc)
+        else:
+            self._drop()  # a deadline passed, or an unreadable frame: ours to end
 
     def _require(self, lock: GrantedLockType, action: str) -> None:
-        if not self.is_connected:
-            raise GMSUsageError(f"{action} needs a connection: call connect() first")
+        self._transport(action)
         if lock is GrantedLockType.RW and self._granted is not GrantedLockType.RW:
             raise GMSUsageError(f"{action} needs the RW lock; this manager holds {self._granted.value}")
 
@@ -293,8 +530,13 @@ class GMSClientMemoryManager:
             return [_info(a) for a in response.allocations]
 
     def get_memory_layout_hash(self) -> str:
-        """The server's committed layout hash ("" when none is visible)."""
+        """Connected: the server's committed hash of this layout ("" while a writer
+        builds).  Disconnected: the hash of the committed layout this manager's
+        mappings belong to (after ``commit()``, the one it published), "" when
+        none; no round trip."""
         with self._lock:
+            if self._res.transport is None and self._lost is None:
+                return self._layout_hash or ""
             return self._call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
 
     def commit(self, residency: str | None = None) -> bool:
@@ -491,8 +733,8 @@ class GMSClientMemoryManager:
             if not pending:
                 self._unmapped = False
                 return
+            self._transport("remap_all_vas")  # a reader whose server went away rides through here
             writable = self._granted is GrantedLockType.RW
-            self._require(GrantedLockType.RO if not writable else GrantedLockType.RW, "remap_all_vas")
             if not writable:
                 # What the handshake saw is current: nothing commits while we hold RO.
                 current = self._server_hash
@@ -501,15 +743,7 @@ class GMSClientMemoryManager:
                         f"layout changed since mapping (saved {self._layout_hash or 'none'}, "
                         f"server {current or 'none'}): re-import"
                     )
-                by_shape = {(a.layout_slot, a.size, a.tag): a for a in self.list_handles()}
-                for mapping in pending:
-                    found = by_shape.get((mapping.layout_slot, mapping.alloc_size, mapping.tag))
-                    if found is None or found.aligned_size != mapping.size:
-                        raise StaleMemoryLayoutError(
-                            f"no allocation of slot {mapping.layout_slot}, {mapping.alloc_size} bytes, "
-                            f"tag {mapping.tag!r} in the committed layout"
-                        )
-                    mapping.allocation_id = found.allocation_id
+                self._match_by_shape(pending, self.list_handles())
             exported = self.export_handles([mp.allocation_id for mp in pending])
             items = [(fd, mp.va, mp.size) for mp, (_, fd) in zip(pending, exported)]
             handles = self._mapper.map_many(items, writable)  # consumes the fds
@@ -562,6 +796,7 @@ class GMSClientMemoryManager:
                 self._res.mapper.synchronize()
             self._res.release()
             self._granted = None
+            self._lost = None
             self._unmapped = False
 
     def __enter__(self) -> GMSClientMemoryManager:

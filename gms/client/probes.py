@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import attrs
@@ -46,18 +47,26 @@ class EventHistory:
     scanned_seq: int = 0
 
 
-def one_shot(socket_path: str, request: object, expect: type, timeout: float):
-    """Send one probe or admin request on a connection of its own; the server closes it."""
+DEFAULT_TIMEOUT_S = 10.0  # probes and admin verbs: a server that does not answer in this is hung
+
+
+def one_shot(socket_path: str, request: object, expect: type, timeout: float | None):
+    """Send one probe or admin request on a connection of its own; the server closes it.
+
+    ``timeout`` bounds the whole exchange, connecting included: a server that
+    accepts but never answers raises ResponseTimeoutError after it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     transport = RpcTransport(socket_path, connect_timeout=timeout)
     try:
-        response, fds = transport.call(request, expect)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        response, fds = transport.call(request, expect, left)
     finally:
         transport.close()
     assert not fds
     return response
 
 
-def get_runtime_state(socket_path: str, *, timeout: float = 10.0) -> RuntimeState:
+def get_runtime_state(socket_path: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> RuntimeState:
     """The server's state: devices, budgets, every layout and tenant the caller may see."""
     return one_shot(socket_path, m.GetRuntimeStateRequest(), m.GetRuntimeStateResponse, timeout)
 
@@ -68,7 +77,7 @@ def get_event_history(
     limit: int | None = None,
     *,
     layout: str | None = None,
-    timeout: float = 10.0,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> EventHistory:
     """One page of the log: events after ``since_seq`` (of ``layout`` only, if given), at most ``limit``."""
     response = one_shot(
@@ -79,9 +88,14 @@ def get_event_history(
 
 
 def iter_event_history(
-    socket_path: str, since_seq: int = 0, *, layout: str | None = None, timeout: float = 10.0
+    socket_path: str,
+    since_seq: int = 0,
+    *,
+    layout: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> Iterator[HistoryEvent]:
-    """Every kept event after ``since_seq``, paging until the log's end at call time."""
+    """Every kept event after ``since_seq``, paging until the log's end at call time
+    (``timeout`` bounds each page)."""
     end = None
     while True:
         page = get_event_history(socket_path, since_seq, layout=layout, timeout=timeout)

@@ -3,23 +3,53 @@
 Each call sends a frame and reads exactly one response frame, collecting any
 fds that ride with it.  A lock makes a request/response pair atomic, so the
 transport may be shared by threads.
+
+Every call has a deadline (``timeout``, seconds; None waits as long as it
+takes) covering the send and the whole reply.  A call that cannot finish
+closes the transport, so a broken or abandoned stream is never read again:
+
+* no reply in time: ``ResponseTimeoutError``;
+* EOF, reset or broken pipe: ``LockRevokedError`` (or ``SessionEndedError``)
+  if the server left a ``SessionEnded`` notice first, else ``ServerGoneError``;
+* an unreadable frame: ``GMSProtocolError``.
+
+A request over the server's frame cap is refused before anything is sent
+(``RequestTooLargeError``) and the transport stays open.
 """
 
 from __future__ import annotations
 
 import array
+import math
 import os
+import select
 import socket
 import threading
 import time
 from typing import TypeVar
 
-from ..errors import GMSConnectionError, GMSProtocolError, GMSServerError, QuotaExceededError
-from ..wire import FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
+from ..errors import (
+    GMSConnectionError,
+    GMSError,
+    GMSProtocolError,
+    GMSServerError,
+    LockRevokedError,
+    QuotaExceededError,
+    RequestTooLargeError,
+    ResponseTimeoutError,
+    ServerGoneError,
+    SessionEndedError,
+    StaleMemoryLayoutError,
+)
+from ..wire import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
 from ..wire import messages as m
+from ..wire.codec import HEADER
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 
 T = TypeVar("T")
+_DEFAULT = object()  # "the transport's own timeout"
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 
 _RECV_BYTES = 256 * 1024
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
@@ -73,12 +103,24 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def server_error(response: m.ErrorResponse) -> GMSServerError:
+def server_error(response: m.ErrorResponse) -> GMSError:
     if response.code == "QUOTA_EXCEEDED" and None not in (response.used, response.asked, response.quota):
         return QuotaExceededError(
             response.error, scope=response.scope, used=response.used, asked=response.asked, quota=response.quota
         )
+    if response.code == "STALE_LAYOUT":
+        return StaleMemoryLayoutError(response.error)
     return GMSServerError(response.code, response.error)
+
+
+def session_ended_error(notice: m.SessionEnded, where: str) -> SessionEndedError:
+    if notice.reason == "revoked":
+        return LockRevokedError(notice.reason, f"an admin revoked this session's lock at {where}")
+    return SessionEndedError(notice.reason, f"the server at {where} ended the session: {notice.reason}")
+
+
+class _Deadline(Exception):
+    """Internal: the call's deadline passed."""
 
 
 class RpcTransport:
@@ -87,6 +129,7 @@ class RpcTransport:
         socket_path: str,
         *,
         connect_timeout: float | None = 10.0,
+        timeout: float | None = None,
         spin_us: float | None = None,
     ) -> None:
         self.socket_path = socket_path
@@ -96,6 +139,13 @@ class RpcTransport:
         # recvmsg() would allocate (and for big sizes mmap) a buffer per call.
         self._buffer = bytearray(_RECV_BYTES)
         self._lock = threading.Lock()
+        self.timeout = timeout  # the default deadline of a call, seconds
+        # The server's frame cap; the handshake names it (0 there: the default).
+        self.max_request_bytes = DEFAULT_MAX_FRAME_BYTES
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
+        self._writable = select.poll()
+        self._writable.register(sock.fileno(), select.POLLOUT)
         if spin_us is None:
             spin_us = float(os.environ.get("GMS_CLIENT_SPIN_US", DEFAULT_SPIN_US))
         self._spin_s = spin_us / 1e6
@@ -104,31 +154,81 @@ class RpcTransport:
     def closed(self) -> bool:
         return self._sock is None
 
+    def hung_up(self) -> bool:
+        """Has the server closed (or reset) the connection?  The kernel knows
+        (POLLHUP, POLLRDHUP) even while nothing is being read; asking reads nothing."""
+        sock = self._sock
+        fd = -1 if sock is None else sock.fileno()
+        if fd < 0:  # closed (maybe by another thread just now)
+            return True
+        poller = select.poll()
+        poller.register(fd, _HUNG_UP)
+        return bool(poller.poll(0))
+
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            self._close()
 
-    def call(self, request: object, expect: type[T]) -> tuple[T, list[int]]:
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def ended(self) -> GMSConnectionError:
+        """Close a connection the server hung up on; the error that says why
+        (a ``SessionEnded`` notice it left, or none: the server went away)."""
+        with self._lock:
+            return self._broken(None)
+
+    def call(self, request: object, expect: type[T], timeout=_DEFAULT) -> tuple[T, list[int]]:
         """Send ``request``; return the ``expect`` response and the fds that came with it.
 
+        ``timeout`` (seconds, None: no deadline) defaults to the transport's.
         The caller owns (and must close) the returned fds.
         """
+        frame = encode(request)
+        size = len(frame) - HEADER.size
+        if size > self.max_request_bytes:
+            raise RequestTooLargeError(
+                f"{type(request).__name__} of {size} bytes is over the server's frame cap of "
+                f"{self.max_request_bytes} bytes: not sent",
+                size=size, limit=self.max_request_bytes,
+            )
+        if timeout is _DEFAULT:
+            timeout = self.timeout
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise GMSConnectionError("the connection is closed")
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                sock.sendall(encode(request))
-                body, fds = self._read_frame(sock, time.perf_counter(), type(request))
+                self._send(sock, frame, deadline)
+                body, fds = self._read_frame(sock, time.perf_counter(), type(request), deadline)
+            except _Deadline:
+                self._close()  # the reply may still come: this stream cannot be trusted again
+                raise ResponseTimeoutError(
+                    f"no answer from the gms server at {self.socket_path} to {type(request).__name__} "
+                    f"within {timeout} s"
+                ) from None
             except OSError as exc:
-                raise GMSConnectionError(f"connection to {self.socket_path} failed: {exc}") from exc
+                raise self._broken(exc) from exc
+            except ProtocolError as exc:
+                self._close()
+                raise GMSProtocolError(f"unreadable frame from {self.socket_path}: {exc}") from exc
+            except GMSProtocolError:
+                self._close()
+                raise
+            if body is None:
+                raise self._broken(None)
         try:
             response = decode(body)
         except (ProtocolError, UnknownMessageType) as exc:
             _close_all(fds)
             raise GMSProtocolError(f"undecodable response: {exc}") from exc
+        if isinstance(response, m.SessionEnded):  # in place of the response: the end is deliberate
+            _close_all(fds)
+            self.close()
+            raise session_ended_error(response, self.socket_path)
         if isinstance(response, m.ErrorResponse):
             _close_all(fds)
             raise server_error(response)
@@ -137,11 +237,64 @@ class RpcTransport:
             raise GMSProtocolError(f"expected {expect.__name__}, got {type(response).__name__}")
         return response, fds
 
-    def _receive(self, sock: socket.socket, sent_at: float | None, kind: type) -> tuple[int, list, int]:
+    def _broken(self, exc: OSError | None) -> GMSConnectionError:
+        """The connection broke (under the lock): read what the server left
+        behind it, close, and say why."""
+        notice = self._notice_left()
+        self._close()
+        if notice is not None:
+            return session_ended_error(notice, self.socket_path)
+        why = f": {exc}" if exc is not None else ""
+        return ServerGoneError(f"the gms server at {self.socket_path} closed the connection{why}")
+
+    def _notice_left(self) -> m.SessionEnded | None:
+        """A ``SessionEnded`` among the bytes still readable (the kernel keeps
+        what the server sent before it closed), or None."""
+        sock = self._sock
+        if sock is None:
+            return None
+        try:
+            while True:
+                data = sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
+                if not data:
+                    break
+                self._decoder.feed(data)
+        except OSError:
+            pass
+        try:
+            while (body := self._decoder.next_frame()) is not None:
+                message = decode(body)
+                if isinstance(message, m.SessionEnded):
+                    return message
+        except (ProtocolError, UnknownMessageType):
+            pass
+        return None
+
+    def _send(self, sock: socket.socket, frame: bytes, deadline: float | None) -> None:
+        """The whole frame, never blocking past the deadline (a server that does
+        not read fills the socket's buffer)."""
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[sock.send(view, _SEND_FLAGS) :]
+            except BlockingIOError:
+                self._wait(self._writable, deadline)
+
+    def _wait(self, poller: select.poll, deadline: float | None) -> None:
+        if deadline is None:
+            poller.poll()
+            return
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(math.ceil(left * 1000)):
+            raise _Deadline
+
+    def _receive(
+        self, sock: socket.socket, sent_at: float | None, kind: type, deadline: float | None
+    ) -> tuple[int, list, int]:
         """One recvmsg; the first of a response may poll before it blocks."""
         if sent_at is not None and _response_times.get(kind, 0.0) < self._spin_s / 2:
-            deadline = sent_at + self._spin_s
-            while time.perf_counter() < deadline:
+            spin_until = sent_at + self._spin_s
+            while time.perf_counter() < spin_until:
                 try:
                     n, ancillary, flags, _ = sock.recvmsg_into(
                         [self._buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
@@ -150,28 +303,34 @@ class RpcTransport:
                     continue
                 _observe(kind, sent_at)
                 return n, ancillary, flags
+        if deadline is not None:
+            self._wait(self._readable, deadline)  # one poll(2) more than a plain blocking read: ~1 µs
         n, ancillary, flags, _ = sock.recvmsg_into([self._buffer], _ANCILLARY_BYTES)
         if sent_at is not None:
             _observe(kind, sent_at)
         return n, ancillary, flags
 
-    def _read_frame(self, sock: socket.socket, sent_at: float, kind: type) -> tuple[bytes, list[int]]:
+    def _read_frame(
+        self, sock: socket.socket, sent_at: float, kind: type, deadline: float | None
+    ) -> tuple[bytes | None, list[int]]:
+        """The next frame's body and its fds; None at EOF (between frames or inside one)."""
         fds: list[int] = []
         try:
             while True:
                 body = self._decoder.next_frame()
                 if body is not None:
                     return body, fds
-                n, ancillary, flags = self._receive(sock, sent_at, kind)
+                n, ancillary, flags = self._receive(sock, sent_at, kind, deadline)
                 sent_at = None  # only the first read of a response polls
-                for level, kind, payload in ancillary:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for level, kind_, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind_ == socket.SCM_RIGHTS:
                         usable = len(payload) - len(payload) % array.array("i").itemsize
                         fds.extend(array.array("i", payload[:usable]))
                 if flags & socket.MSG_CTRUNC:
                     raise GMSProtocolError("file descriptors were truncated in transit")
                 if not n:
-                    raise GMSConnectionError(f"the server at {self.socket_path} closed the connection")
+                    _close_all(fds)
+                    return None, []
                 self._decoder.feed(memoryview(self._buffer)[:n])
         except BaseException:
             _close_all(fds)

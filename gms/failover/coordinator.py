@@ -18,6 +18,14 @@ the serving set's canary must answer ``serving`` on every rank, the shadow's
 Every decision is logged with a timestamp; every event is also a JSON line
 (on stdout, and in ``events`` if configured); the failover's line carries the
 seconds of each phase: detect, revoke, lock, wake, first token.
+
+A restart of a rank's gms server is no failover: the engines keep serving
+from the memory they mapped and their canary takes their locks back (a
+``gms`` event line says what each rank reports: rode through, rebuilt,
+reconnecting, stale).  What a restart can break shows as failed canaries
+and is handled as any other: a shadow whose weights' layout is gone fails
+its canary and is restarted (it loads the weights again), a serving engine
+whose lock was revoked fails its canary and is failed over.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import logging
 import sys
 import time
+from functools import partial
 
 import attrs
 import httpx
@@ -34,7 +43,7 @@ import trio
 from ..client import admin
 from . import probes
 from .config import CoordinatorConfig, KubernetesSetConfig
-from .health import Watch, observe
+from .health import Watch, gms_reports, observe
 from .lock import FileServingLock, ServingLock
 from .sets import EngineSet, KubernetesPodSet, LocalProcessSet
 
@@ -115,6 +124,7 @@ class Coordinator:
         self._wakeup = trio.Event()
         self._probing: trio.CancelScope | None = None  # the monitor's round of probes, while in flight
         self.failovers = 0
+        self._gms_notes: dict[str, dict] = {}  # url -> what its engine last said of gms
 
     def _make_set(self, s) -> EngineSet:
         if isinstance(s, KubernetesSetConfig):
@@ -198,7 +208,15 @@ class Coordinator:
         async with trio.open_nursery() as nursery:
             for i, url in enumerate(urls):
                 nursery.start_soon(one, i, url)
+        self._note_gms(name, results)
         return results
+
+    def _note_gms(self, name: str, round_) -> None:
+        """An event line whenever a rank's word on its gms connections changes."""
+        self._gms_notes, news = gms_reports(self._gms_notes, round_)
+        for p in news:
+            log.warning("set %s: %s reports its gms connections: %s", name, p.url, p.gms)
+            self.events.emit("gms", set=name, url=p.url, gms=p.gms)
 
     # -- watching ---------------------------------------------------------------
 
@@ -306,7 +324,10 @@ class Coordinator:
 
         async def one(socket: str) -> None:
             try:
-                out[socket] = await trio.to_thread.run_sync(admin.revoke, socket, KV_LAYOUT)
+                # Bounded: a hung server must not hold the failover up.
+                out[socket] = await trio.to_thread.run_sync(
+                    partial(admin.revoke, socket, KV_LAYOUT, timeout=self.config.canary_timeout_s)
+                )
             except Exception as exc:  # noqa: BLE001 - a dead server must not stop the failover
                 out[socket] = f"error: {exc}"
 

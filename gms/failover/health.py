@@ -15,6 +15,9 @@ class Probe:
     detail: str
     started: float  # monotonic
     seconds: float
+    # What the engine says of its gms connections, if anything happened to them
+    # (a server restart: "rode through", "rebuilt", "reconnecting: ...", "stale: ...").
+    gms: dict = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -35,3 +38,16 @@ def observe(watch: Watch, probes: list[Probe], failures: int) -> tuple[Watch, bo
     started = min(p.started for p in probes if not p.ok)
     watch = Watch(watch.streak + 1, watch.first_bad if watch.first_bad is not None else started)
     return watch, watch.streak >= failures
+
+
+def gms_reports(seen: dict[str, dict], probes: list[Probe]) -> tuple[dict[str, dict], list[Probe]]:
+    """Fold in what each rank says of its gms connections: the new record (by
+    URL), and the probes whose word changed to something worth an event line."""
+    seen = dict(seen)
+    news = []
+    for p in probes:
+        if p.gms != seen.get(p.url, {}):
+            seen[p.url] = p.gms
+            if p.gms:
+                news.append(p)
+    return seen, news

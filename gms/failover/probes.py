@@ -14,7 +14,7 @@ CANARY_PROMPT = [0]  # one token id that every vocabulary has
 
 async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float) -> Probe:
     started = time.monotonic()
-    status, detail, ok = None, "", False
+    status, detail, ok, notes = None, "", False, {}
     with trio.move_on_after(timeout) as scope:  # a stopped engine accepts and never answers
         try:
             response = await client.get(f"{url}/health", timeout=timeout)
@@ -22,11 +22,12 @@ async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float)
             status = body.get("status")
             ok = response.status_code == 200 and status == want
             detail = f"{response.status_code} {body}"
+            notes = body.get("gms") if isinstance(body.get("gms"), dict) else {}
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
     if scope.cancelled_caught:
         detail = f"no answer in {timeout} s"
-    return Probe(url, ok, status, detail, started, time.monotonic() - started)
+    return Probe(url, ok, status, detail, started, time.monotonic() - started, notes)
 
 
 async def post(client: httpx.AsyncClient, url: str, path: str, timeout: float, body: dict | None = None):

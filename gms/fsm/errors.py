@@ -66,6 +66,15 @@ class UnknownLayout(Rejection):
     code = "UNKNOWN_LAYOUT"
 
 
+class StaleLayout(Rejection):
+    """A reader asked for the committed layout of one hash (``expect_hash``) and
+    the layout is not committed, or has another hash: answered at once, never
+    waited for (a client riding through a restart, or waking, must not wait for
+    a commit that may never come)."""
+
+    code = "STALE_LAYOUT"
+
+
 class QuotaExceeded(Rejection):
     """The allocation would take a tenant (or a session) past its byte limit.
 

@@ -59,6 +59,9 @@ class SessionOpened(Event):
     pid: int
     lock_type: str
     limit_bytes: int | None = None
+    # A reader asking for exactly this committed layout back (a wake, a client
+    # riding through a server restart): anything else is refused at once.
+    expect_hash: str = ""
 
 
 @attrs.frozen

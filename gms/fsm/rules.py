@@ -42,6 +42,7 @@ from .errors import (
     PermissionDenied,
     QuotaExceeded,
     Rejection,
+    StaleLayout,
     StateViolation,
     UnknownAllocation,
 )
@@ -331,9 +332,26 @@ def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> Non
                 f"limit_bytes {e.limit_bytes} exceeds tenant {e.tenant!r}'s quota of "
                 f"{tenant.quota_bytes} bytes: a session may narrow its limit, never widen it"
             )
+    if e.expect_hash:
+        _expected_layout(node, e)
     cap = node.limits.max_layouts
     if e.lock_type != "RO" and e.layout not in node.layouts and len(node.layouts) >= cap:
         raise LimitExceeded(f"the server already holds {cap} layouts")
+
+
+def _expected_layout(node, e: SessionOpened) -> None:
+    """Checked when the handshake arrives; a layout that changes while the
+    handshake waits behind a writer is granted with its new hash, which the
+    client compares."""
+    if e.lock_type == "RW":
+        raise InvalidArgument("expect_hash is for readers (RO or RW_OR_RO), not RW")
+    layout = node.layouts.get(e.layout)
+    if layout is None or not layout.committed:
+        raise StaleLayout(f"layout {e.layout!r} holds no committed layout (expected {e.expect_hash[:12]})")
+    if layout.layout_hash != e.expect_hash:
+        raise StaleLayout(
+            f"layout {e.layout!r} is committed with hash {layout.layout_hash[:12]}, not {e.expect_hash[:12]}"
+        )
 
 
 def _session_ends(node, layout: LayoutState, e: SessionClosed) -> None:

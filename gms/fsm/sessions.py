@@ -38,11 +38,13 @@ def decide_session(
     gid: int,
     pid: int,
     limit_bytes: int | None,
+    expect_hash: str = "",
 ) -> list[Event]:
     """Open a session; the event's ``lock_type`` is what the connection will wait for.
 
     A tenant that may read a layout but not write it gets RO for RW_OR_RO: it
-    can never be the one that (re)builds the layout.
+    can never be the one that (re)builds the layout.  ``expect_hash`` (readers
+    only) asks for exactly that committed layout: anything else is StaleLayout.
     """
     if requested is RequestedLockType.RW_OR_RO and not may_write:
         requested = RequestedLockType.RO
@@ -50,7 +52,9 @@ def decide_session(
         raise PermissionDenied(f"tenant {tenant!r} may not write layout {layout!r}")
     if requested is RequestedLockType.RO and not (may_read or may_write):
         raise PermissionDenied(f"tenant {tenant!r} may not read layout {layout!r}")
-    return [SessionOpened(conn, tenant, uid, gid, pid, requested.value, limit_bytes, layout=layout)]
+    return [
+        SessionOpened(conn, tenant, uid, gid, pid, requested.value, limit_bytes, expect_hash, layout=layout)
+    ]
 
 
 def decide_disconnect(node: NodeState, conn: int) -> list[Event]:

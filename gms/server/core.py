@@ -148,6 +148,7 @@ class ServiceCore:
                 may_write=tenant.may_write(layout),
                 uid=peer.uid, gid=peer.gid, pid=peer.pid,
                 limit_bytes=request.limit_bytes,
+                expect_hash=request.expect_hash,
             )
         except PermissionDenied as refused:
             self.ledger.record([SessionRefused(conn, peer.uid, peer.gid, peer.pid, refused.message, layout="")])

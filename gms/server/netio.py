@@ -10,6 +10,7 @@ shell reasons about peers, not errnos.
 from __future__ import annotations
 
 import array
+import os
 import select
 import socket
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ class Channel:
         self.peer: Peer = peer_of(sock)  # OSError: the peer left before we asked (the caller drops it)
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._view = memoryview(self._buffer)
+        self._sending = False
 
     async def receive(self) -> memoryview:
         """The next bytes; empty when the peer closed (a reset counts as a close)."""
@@ -47,6 +49,7 @@ class Channel:
     async def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
         """Send a whole frame; ``fds`` ride with its first byte (SCM_RIGHTS)."""
         view = memoryview(frame)
+        self._sending = True
         try:
             if fds:
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -55,6 +58,20 @@ class Channel:
                 view = view[await self.sock.send(view) :]
         except OSError as exc:
             raise SendFailed(str(exc) or type(exc).__name__) from exc
+        finally:
+            self._sending = False
+
+    def send_nowait(self, frame: bytes) -> bool:
+        """Best effort, never waits: write a small frame if the socket takes it now
+        and no answer is half sent.  For notices just before a close
+        (``SessionEnded``): a client whose receive buffer is full, or who is
+        gone, simply does not get it."""
+        if self._sending:
+            return False
+        try:
+            return os.write(self.sock.fileno(), frame) == len(frame)
+        except OSError:
+            return False
 
     def hung_up(self) -> bool:
         """Has the peer closed (or half-closed, or reset) the connection?  The

@@ -60,7 +60,10 @@ class Session:
         self._revoked = False
 
     def _revoke(self) -> None:
+        """An admin took the lock: say so (best effort: the client then knows not to
+        ride through, as it would a server that went away), then end the task."""
         self._revoked = True
+        self.channel.send_nowait(self.protocol.notice(m.SessionEnded("revoked")))
         self._scope.cancel()
 
     async def run(self) -> None:
@@ -109,6 +112,8 @@ class Session:
                 return
             reply = await self._answer(request)
             try:
+                if protocol.closing:
+                    return  # revoked while it was served: the notice went in its place
                 await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
             finally:
                 for fd in reply.fds:  # the client has its own copies now, or never will
@@ -201,6 +206,7 @@ class Session:
             layout=layout.name if layout else "",
             tenant=session.tenant if session else "",
             restore=grant is not None and grant.restore,
+            max_frame_bytes=self.config.max_frame_bytes,
         )
 
     async def _allocate(self, request: m.AllocateRequest) -> Reply:

@@ -4,7 +4,8 @@
 * ``publish_module`` / ``publish_tensors``: describe a model's tensors (RW).
 * ``materialize_module`` / ``import_tensors``: zero-copy tensors in a reader.
 * ``load_safetensors``: a checkpoint straight from disk into gms (RW).
-* ``sleep`` / ``wake_weights`` / ``wake_kv_cache``: the shadow-engine pattern.
+* ``sleep`` / ``wake_weights`` / ``wake_kv_cache``: the shadow-engine pattern;
+  ``rebuild_kv_cache`` after the KV cache's server went away.
 
 On the host backend the same calls yield CPU tensors.
 """
@@ -21,7 +22,7 @@ from .modules import (
     publish_tensors,
 )
 from .packing import plan_packs
-from .sleep import sleep, wake_kv_cache, wake_weights
+from .sleep import rebuild_kv_cache, sleep, wake_kv_cache, wake_weights
 
 __all__ = [
     "CheckpointError",
@@ -40,6 +41,7 @@ __all__ = [
     "publish_module",
     "publish_tensors",
     "read_header",
+    "rebuild_kv_cache",
     "sleep",
     "use_memory",
     "wake_kv_cache",

@@ -156,6 +156,12 @@ class ServerConnection:
         self._serving = None
         return encode(response)
 
+    def notice(self, message: object) -> bytes:
+        """Encode an unsolicited last frame (``SessionEnded``): nothing is read or answered after it."""
+        self.state = ConnectionState.CLOSING
+        self._serving = None
+        return encode(message)
+
     @property
     def closing(self) -> bool:
         return self.state is ConnectionState.CLOSING

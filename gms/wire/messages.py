@@ -16,12 +16,15 @@ import attrs
 @attrs.frozen
 class HandshakeRequest:
     """``layout`` names the layout to lock; ``limit_bytes`` narrows this session's
-    own byte limit below its tenant's quota (a scheduler's grant, say)."""
+    own byte limit below its tenant's quota (a scheduler's grant, say).
+    ``expect_hash`` (readers): grant only the committed layout of exactly this
+    hash; otherwise the answer is ``STALE_LAYOUT`` at once, never a wait."""
 
     lock_type: str
     timeout_ms: int | None = None
     layout: str = "weights"
     limit_bytes: int | None = None
+    expect_hash: str = ""
 
 
 @attrs.frozen
@@ -41,6 +44,9 @@ class HandshakeResponse:
     # The layout was evicted and this reader restores it: copy every allocation's
     # host copy into its GPU memory, then send RestoreDoneRequest.
     restore: bool = False
+    # The largest frame body this server reads (0: unknown, assume 16 MiB): the
+    # client refuses a bigger request before sending it.
+    max_frame_bytes: int = 0
 
 
 # -- allocations --------------------------------------------------------------
@@ -429,6 +435,18 @@ class ErrorResponse:
     quota: int | None = None
 
 
+# -- notices (server to client, unsolicited) ----------------------------------
+
+
+@attrs.frozen
+class SessionEnded:
+    """The server is ending this connection on purpose (best effort, sent just
+    before it closes): ``reason`` is ``revoked`` for an admin's revoke.  A
+    connection that ends without one ended because the server went away."""
+
+    reason: str
+
+
 REQUESTS: tuple[type, ...] = (
     HandshakeRequest,
     AllocateRequest,
@@ -478,7 +496,8 @@ RESPONSES: tuple[type, ...] = (
     PinResponse,
     ErrorResponse,
 )
-REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES}
+NOTICES: tuple[type, ...] = (SessionEnded,)
+REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES + NOTICES}
 PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
 ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)
 ONE_SHOT: tuple[type, ...] = PROBES + ADMIN  # answered, then the connection closes

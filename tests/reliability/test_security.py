@@ -19,7 +19,7 @@ import pytest
 
 from gms import GMSClientMemoryManager
 from gms.client import admin
-from gms.errors import GMSConnectionError, GMSServerError
+from gms.errors import GMSServerError, RequestTooLargeError
 from gms.wire import messages as m
 
 from ..helpers import RawConn, ServerProcess, wait_until
@@ -203,8 +203,10 @@ def test_caps_are_enforced_with_clear_errors(servers):
     assert "exceeds 65536" in drops[-1].fields["reason"]
     with GMSClientMemoryManager(server.socket, layout="capped2") as writer:
         writer.connect("RW")
-        with pytest.raises(GMSConnectionError):
+        with pytest.raises(RequestTooLargeError) as too_large:  # the handshake named the cap
             writer.metadata_list("p" * (64 << 10))
+        assert too_large.value.limit == 64 << 10
+        assert writer.is_connected and writer.metadata_list() == [], "refused before sending: the session goes on"
     record("security", "caps with clear errors", checked=checked + 2, errors=0)
 
 
