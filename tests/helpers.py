@@ -38,9 +38,13 @@ class ServerProcess:
     """``python -m gms serve`` on a private socket; stderr goes to a log file."""
 
     def __init__(
-        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None
+        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None,
+        keeper: bool = False,
     ) -> None:
-        """``socket_path``: a path of its own (a new server in a dead one's place, say)."""
+        """``socket_path``: a path of its own (a new server in a dead one's place, say).
+        ``keeper``: under its keeper, as ``gms serve`` runs by default (``proc`` is
+        then the keeper; :meth:`server_pid` the server).  Without, the server alone
+        (``--no-keeper``): what most tests are about."""
         n = next(_counter)
         self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
@@ -48,7 +52,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gms", "serve", "--backend", backend, "--device", str(device),
-             "--socket", self.socket, "--log-level", "warning", *args],
+             "--socket", self.socket, "--log-level", "warning", *([] if keeper else ["--no-keeper"]), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -71,6 +75,10 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def server_pid(self) -> int:
+        """The serving process's pid (the keeper's child, under a keeper)."""
+        return get_runtime_state(self.socket).pid
 
     def state(self) -> m.GetRuntimeStateResponse:
         return get_runtime_state(self.socket)

@@ -275,7 +275,8 @@ def test_signal_stops_cleanly(server, sig):
 
 
 def test_a_broken_invariant_stops_the_server_loudly(tmp_path, backend):
-    """Plant a fold bug in a real server process: it must exit non-zero, naming it."""
+    """Plant a fold bug in a real server process: it must exit non-zero, naming it.
+    (The server alone: a keeper would start a fresh process, without the plant.)"""
     path = str(tmp_path / "doomed.sock")
     script = textwrap.dedent(
         f"""
@@ -287,7 +288,7 @@ def test_a_broken_invariant_stops_the_server_loudly(tmp_path, backend):
             raise InvariantViolation("planted: RW_ABORT cannot be folded")
         folding.LAYOUT_STEPS[RwAbort] = broken
         from gms.cli import main
-        sys.exit(main(["serve", "--backend", "{backend}", "--socket", "{path}"]))
+        sys.exit(main(["serve", "--no-keeper", "--backend", "{backend}", "--socket", "{path}"]))
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)

@@ -1,6 +1,7 @@
 """``gms``: the command line.  One module per family of commands:
 
-    gms serve      run a GPU's server (``serve``), or one per GPU (``--devices``)
+    gms serve      run a GPU's server under its keeper (``serve``), or one per GPU (``--devices``)
+    gms keeper     a keeper for servers in other containers (``keeper``)
     gms status     the runtime state: layouts, tenants, budgets (``inspect``)
     gms history    the event log (``inspect``)
     gms replay     rebuild the state from a saved log, offline (``inspect``)
@@ -14,19 +15,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import admin, failover, inspect, ray, serve
+from . import admin, failover, inspect, keeper, ray, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, inspect, admin, failover, ray):
+    for module in (serve, keeper, inspect, admin, failover, ray):
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)  # a keeper starts its server with the same words
     return args.handler(args)
 
 

@@ -54,6 +54,37 @@ def register(sub) -> None:
     serve.add_argument("--max-layouts", type=int, default=4096)
     serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
     serve.add_argument("--log-level", default="info")
+    restarts = serve.add_argument_group(
+        "restarts and take-overs",
+        "By default the server runs under a keeper, a small process without CUDA that holds every "
+        "allocation's fd, the listening socket and the event log, and starts a new server with all of "
+        "them if it dies (docs/operations.md, 'Restarts').",
+    )
+    restarts.add_argument(
+        "--no-keeper", action="store_true", help="run the server alone: if it dies, every layout is lost",
+    )
+    restarts.add_argument(
+        "--keeper-socket", metavar="PATH",
+        help="use the keeper listening on PATH (`gms keeper`, another container of the pod) instead of one's own",
+    )
+    restarts.add_argument("--keeper-fd", type=int, help=argparse.SUPPRESS)  # a keeper's own child
+    restarts.add_argument(
+        "--take-over", action="store_true",
+        help="take the place of the server live on this socket (its layouts, sessions and clients; none "
+        "notices); start as usual if none is",
+    )
+    restarts.add_argument(
+        "--handover-timeout", type=_positive_float, default=30.0, metavar="S",
+        help="longest wait for a quiet point, or for the other server of a take-over (default 30)",
+    )
+    restarts.add_argument(
+        "--state-dir", metavar="DIR",
+        help="where a handed state that does not rebuild is saved for `gms replay` (default: the socket's folder)",
+    )
+    restarts.add_argument(
+        "--ready-dir", metavar="DIR",
+        help="the server writes DIR/device-N.ready once it serves and removes it when it stops (for probes)",
+    )
     serve.set_defaults(handler=cmd_serve)
 
 
@@ -86,6 +117,12 @@ def server_config(args: argparse.Namespace):
         event_log_retain=args.event_log_retain,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        keeper_fd=args.keeper_fd,
+        keeper_socket=args.keeper_socket,
+        take_over=args.take_over,
+        handover_timeout=args.handover_timeout,
+        state_dir=args.state_dir,
+        ready_file=None if args.ready_dir is None else f"{args.ready_dir}/device-{args.device}.ready",
     )
 
 
@@ -105,6 +142,16 @@ def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _keep(args: argparse.Namespace) -> int:
+    """This process is the keeper; the server is its child, started with the same options."""
+    import trio
+
+    from ..keeper.run import keep_spawning
+
+    argv = [sys.executable, "-m", "gms", *getattr(args, "argv", ["serve"])]
+    return trio.run(keep_spawning, argv)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,6 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..supervisor import supervise
 
         return supervise(args)
+    if not (args.no_keeper or args.keeper_fd is not None or args.keeper_socket):
+        return _keep(args)
     reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
 
     import trio

@@ -21,9 +21,10 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 
-from .interface import BackendError, DeviceInfo, Held, OutOfMemory
+from .interface import BackendError, DeviceInfo, Held, MemoryLost, OutOfMemory
 
 DEFAULT_GRANULARITY = 2 << 20
 
@@ -100,6 +101,19 @@ class HostBackend:
             if exc.errno == errno.ENOMEM:
                 raise OutOfMemory(str(exc)) from exc
             raise BackendError(f"preparing memfd failed: {exc}") from exc
+        self._live_bytes += aligned_size
+        return Held(None, fd, aligned_size)
+
+    def adopt(self, fd: int, aligned_size: int) -> Held:
+        """A memfd is its memory: valid while it is a file of the size it was made.
+        Its OFD lock (capacity counting) came with the fd: SCM_RIGHTS keeps the
+        open file description, which owns the lock."""
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise MemoryLost(f"not an open fd: {exc}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != aligned_size:
+            raise MemoryLost(f"not a memfd of {aligned_size} bytes (mode {st.st_mode:o}, {st.st_size} bytes)")
         self._live_bytes += aligned_size
         return Held(None, fd, aligned_size)
 

@@ -24,6 +24,11 @@ class BackendError(Exception):
     """A memory call failed for a reason other than out-of-memory: fatal."""
 
 
+class MemoryLost(Exception):
+    """An fd handed to a restarted server is no longer the memory it was (on CUDA:
+    it does not import, as after a GPU reset): its layout is dropped."""
+
+
 @attrs.frozen
 class DeviceInfo:
     backend: str
@@ -81,6 +86,11 @@ class MemoryBackend(Protocol):
 
     def release(self, held: Held) -> None:
         """Close the fd and drop the handle (importers keep theirs)."""
+
+    def adopt(self, fd: int, aligned_size: int) -> Held:
+        """Take over memory another server made (its fd, kept alive by a keeper
+        or handed over): check it is still that memory, without a context, and
+        return it as if made here.  Raises MemoryLost (the caller closes ``fd``)."""
 
     def device_info(self) -> DeviceInfo: ...
 

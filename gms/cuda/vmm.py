@@ -27,7 +27,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .interface import BackendError, DeviceInfo, Held, OutOfMemory, contiguous_runs
+from .interface import BackendError, DeviceInfo, Held, MemoryLost, OutOfMemory, contiguous_runs
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
@@ -183,6 +183,35 @@ class VmmBackend:
             cu.cuMemRelease(handle)
             raise
         return Held(handle, int(fd), aligned_size)
+
+    def adopt(self, fd: int, aligned_size: int) -> Held:
+        """Import the fd (no context needed, like cuMemCreate) and check what the
+        driver says it is: pinned memory of this tier on this device, exportable
+        as an fd.  An fd whose memory a GPU reset took no longer imports, or no
+        longer says so: MemoryLost.  The driver cannot tell an allocation's size
+        from its handle; the state's size is trusted (a client maps no more)."""
+        err, handle = cu.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+        if err != _SUCCESS:
+            raise MemoryLost(f"cuMemImportFromShareableHandle: {CudaError('import', err)}")
+        try:
+            err, prop = cu.cuMemGetAllocationPropertiesFromHandle(handle)
+            if err != _SUCCESS:
+                raise MemoryLost(f"cuMemGetAllocationPropertiesFromHandle: {CudaError('properties', err)}")
+            expected = self._prop
+            if (
+                prop.type != expected.type
+                or prop.location.type != expected.location.type
+                or int(prop.location.id) != int(expected.location.id)
+                or not int(prop.requestedHandleTypes) & int(_POSIX_FD)
+            ):
+                raise MemoryLost(
+                    f"the fd is memory of another kind or place (type {prop.type}, location "
+                    f"{prop.location.type} {prop.location.id})"
+                )
+        except BaseException:
+            cu.cuMemRelease(handle)
+            raise
+        return Held(handle, fd, aligned_size)
 
     def release(self, held: Held) -> None:
         os.close(held.fd)

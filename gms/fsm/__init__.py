@@ -67,6 +67,7 @@ from .residency import (
     plan_evictions,
     why_not_evictable,
 )
+from .resume import decide_resume, held_memory
 from .rules import RULES, Rule, Who, parse_residency
 from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
@@ -130,12 +131,14 @@ __all__ = [
     "decide_pin",
     "decide_restore_finished",
     "decide_restore_loading",
+    "decide_resume",
     "decide_session",
     "eviction_candidates",
     "fold",
     "fold_all",
     "fold_layout",
     "grant_for",
+    "held_memory",
     "holders",
     "layout_problems",
     "lock_state",

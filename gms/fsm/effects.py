@@ -19,6 +19,7 @@ from .events import (
     AllocationFreed,
     Event,
     LayoutEvicted,
+    LayoutLost,
     ResidencySet,
     RestoreAborted,
     RestoreFinished,
@@ -58,6 +59,8 @@ def released_memory(before: NodeState, event: Event) -> list[Release]:
         return out
     if isinstance(event, LayoutEvicted):
         return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
+    if isinstance(event, LayoutLost):
+        return _all(layout, gpu=gpu, host=True)
     if isinstance(event, RestoreAborted):
         return _all(layout, gpu=layout.tier is Tier.RESTORING, host=False)
     return []

@@ -49,6 +49,35 @@ class ServerStarted(Event):
 
 
 @attrs.frozen
+class ServerResumed(Event):
+    """A new server took the node over with its state: from a live server
+    (``mode`` ``take-over``: the sessions are handed over too and go on) or
+    from the keeper after the server before it died (``restart``: the dead
+    server's sessions are closed by the events that follow).  ``old_pid`` and
+    ``reason`` say who it took over from and why; ``state_version`` the
+    hand-over format it read.  The rest is the new server's configuration,
+    which replaces the old one's (tenants the new policy no longer names keep
+    their quota: they may still own layouts)."""
+
+    KIND: ClassVar[str] = "SERVER_RESUMED"
+    mode: str
+    old_pid: int
+    reason: str
+    state_version: int
+    capacity_bytes: int | None
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    quotas: dict
+    limits: dict = attrs.field(factory=dict)
+    backend: str = ""
+    device: int = 0
+    device_uuid: str = ""
+
+
+RESUME_MODES = ("restart", "take-over")
+
+
+@attrs.frozen
 class SessionOpened(Event):
     """A handshake was accepted for ``layout``: identity from the kernel, tenant from the policy."""
 
@@ -197,6 +226,18 @@ class RestoreAborted(Event):
     KIND: ClassVar[str] = "RESTORE_ABORTED"
 
 
+@attrs.frozen
+class LayoutLost(Event):
+    """A restarted server found memory of this layout gone (on CUDA: the fd of
+    an allocation or host copy no longer imports, as after a GPU reset): the
+    whole layout is dropped, whatever its residency.  Its next user rebuilds it."""
+
+    KIND: ClassVar[str] = "LAYOUT_LOST"
+    reason: str
+    allocation_id: str
+    tier: str
+
+
 # -- observations (no state change) -------------------------------------------
 
 
@@ -257,7 +298,19 @@ class ConnectionDropped(Event):
     reason: str
 
 
-NODE_EVENTS: tuple[type[Event], ...] = (ServerStarted, SessionOpened, SessionClosed)
+@attrs.frozen
+class StateDiscarded(Event):
+    """A restarted server could not rebuild the state it was handed (it did not
+    decode or replay, or broke an invariant): it was saved to ``saved_to`` for
+    ``gms replay``, its memory released, and the server started empty."""
+
+    KIND: ClassVar[str] = "STATE_DISCARDED"
+    reason: str
+    saved_to: str
+    old_pid: int
+
+
+NODE_EVENTS: tuple[type[Event], ...] = (ServerStarted, ServerResumed, SessionOpened, SessionClosed)
 LOCK_EVENTS: tuple[type[Event], ...] = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect)
 LAYOUT_EVENTS: tuple[type[Event], ...] = (
     AllocationCreated,
@@ -273,6 +326,7 @@ RESIDENCY_EVENTS: tuple[type[Event], ...] = (
     RestoreLoading,
     RestoreFinished,
     RestoreAborted,
+    LayoutLost,
 )
 OBSERVATIONS: tuple[type[Event], ...] = (
     AllocationOomWait,
@@ -281,6 +335,7 @@ OBSERVATIONS: tuple[type[Event], ...] = (
     SessionRefused,
     LayoutRevoked,
     ConnectionDropped,
+    StateDiscarded,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls

@@ -23,6 +23,7 @@ from .events import (
     Event,
     HostCopyCreated,
     LayoutEvicted,
+    LayoutLost,
     LockTimeout,
     MetadataDeleted,
     MetadataPut,
@@ -180,6 +181,10 @@ def _restore_aborted(state: LayoutState, event: RestoreAborted) -> LayoutState:
     return replace(state, tier=Tier.HOST, restorer=None)
 
 
+def _layout_lost(state: LayoutState, event: LayoutLost) -> LayoutState:
+    return state.fresh()
+
+
 def _unchanged(state: LayoutState, event: Event) -> LayoutState:
     return state
 
@@ -201,6 +206,7 @@ LAYOUT_STEPS: dict[type[Event], Callable[[LayoutState, Event], LayoutState]] = {
     RestoreLoading: _restore_loading,
     RestoreFinished: _restore_finished,
     RestoreAborted: _restore_aborted,
+    LayoutLost: _layout_lost,
     AllocationOomWait: _unchanged,
     AllocationOomGaveUp: _unchanged,
     LockTimeout: _unchanged,

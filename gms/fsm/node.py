@@ -44,6 +44,8 @@ from .events import (
     SessionClosed,
     SessionOpened,
     SessionRefused,
+    ServerResumed,
+    StateDiscarded,
 )
 from .folding import fold_layout
 from .limits import Limits
@@ -118,6 +120,23 @@ def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     )
 
 
+def _server_resumed(node: NodeState, event: ServerResumed) -> NodeState:
+    """The new server's configuration replaces the old one's; a tenant the new
+    policy does not name keeps its quota (it may own layouts: they stay charged)."""
+    tenants = node.tenants
+    for name, quota in event.quotas.items():
+        tenant = tenants.get(name)
+        tenants = tenants.set(name, TenantState(name, quota) if tenant is None else replace(tenant, quota_bytes=quota))
+    return replace(
+        node,
+        capacity_bytes=event.capacity_bytes,
+        budget_bytes=event.budget_bytes,
+        host_budget_bytes=event.host_budget_bytes,
+        limits=Limits.from_dict(event.limits),
+        tenants=tenants,
+    )
+
+
 def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
     tenant = node.tenants[event.tenant]
     session = SessionInfo(
@@ -145,6 +164,8 @@ def _observation(node: NodeState, event: Event) -> NodeState:
 
 
 _NODE_STEPS: dict[type[Event], Callable[[NodeState, Event], NodeState]] = {
+    ServerResumed: _server_resumed,
+    StateDiscarded: _observation,
     SessionOpened: _session_opened,
     SessionClosed: _session_closed,
     SessionRefused: _observation,

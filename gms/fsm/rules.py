@@ -55,6 +55,7 @@ from .events import (
     Event,
     HostCopyCreated,
     LayoutEvicted,
+    LayoutLost,
     LayoutRevoked,
     LockTimeout,
     MetadataDeleted,
@@ -69,10 +70,13 @@ from .events import (
     RwAbort,
     RwCommit,
     RwConnect,
+    RESUME_MODES,
+    ServerResumed,
     ServerStarted,
     SessionClosed,
     SessionOpened,
     SessionRefused,
+    StateDiscarded,
 )
 from .state import LayoutState, LockState, Residency, Tier
 
@@ -362,6 +366,31 @@ def _session_ends(node, layout: LayoutState, e: SessionClosed) -> None:
         raise StateViolation("the session still holds a lock")
 
 
+def _resumable(node, layout: LayoutState | None, e: ServerResumed) -> None:
+    """What a new server cannot take over is refused here, before it serves."""
+    if e.mode not in RESUME_MODES:
+        raise InvalidArgument(f"unknown resume mode {e.mode!r}")
+    if e.host_budget_bytes == 0 and node.host_bytes:
+        raise StateViolation(
+            f"the node keeps {node.host_bytes} bytes of host copies and the new server keeps no host tier"
+        )
+    # A bound lowered under what the node holds would break an invariant at once:
+    # the new server must be started with room for what it takes over.
+    if e.budget_bytes is not None and node.gpu_bytes > e.budget_bytes:
+        raise BudgetExceeded(
+            f"the node holds {node.gpu_bytes} bytes on the GPU, more than the new GPU budget of {e.budget_bytes}"
+        )
+    if e.host_budget_bytes is not None and node.host_bytes > e.host_budget_bytes:
+        raise HostBudgetExceeded(
+            f"the node holds {node.host_bytes} bytes of host copies, more than the new host budget of "
+            f"{e.host_budget_bytes}"
+        )
+    for name, quota in e.quotas.items():
+        tenant = node.tenants.get(name)
+        if tenant is not None and quota is not None and tenant.used_bytes > quota:
+            raise StateViolation(f"tenant {name!r} owns {tenant.used_bytes} bytes, more than its new quota of {quota}")
+
+
 # -- the table ------------------------------------------------------------------------------
 
 ANY_LOCK = stays(*LockState)
@@ -407,6 +436,13 @@ RULES: dict[type[Event], Rule] = {
     ),
     RestoreFinished: Rule(Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),)),
     RestoreAborted: Rule(Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES),
+    # a restarted server found the layout's memory gone: dropped whole, once nobody holds it
+    LayoutLost: Rule(
+        Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")),
+    ),
+    # a new server with the node's state
+    ServerResumed: Rule(Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False),
     # sessions
     SessionOpened: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False),
     SessionClosed: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_ends,)),
@@ -417,6 +453,7 @@ RULES: dict[type[Event], Rule] = {
     SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
     LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK),
     ConnectionDropped: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
+    StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event
 

@@ -29,3 +29,10 @@ class ServerConfig:
     history_max_bytes: int = 8 << 20
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Restarts and take-overs (gms.keeper, gms.server.takeover):
+    keeper_fd: int | None = None  # the channel to the keeper that started this server
+    keeper_socket: str | None = None  # or the socket of a keeper in another container
+    take_over: bool = False  # take the place of a server live on socket_path (else start as usual)
+    handover_timeout: float = 30.0  # for a quiet point, and for the other side of a take-over
+    state_dir: str | None = None  # where a state that does not rebuild is saved (default: the socket's folder)
+    ready_file: str | None = None  # created once serving, removed on exit (a readiness probe's)

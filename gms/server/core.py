@@ -83,16 +83,15 @@ class ServiceCore:
         self.ledger = Ledger(
             log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released
         )
-        self.ledger.record(
-            [
-                ServerStarted(
-                    0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
-                    policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
-                    device_uuid=device.uuid, layout="",
-                )
-            ],
-            by_server=True,
+        # What this server runs with: the log's first event, or (a log handed
+        # over from another server) what SERVER_RESUMED carries (gms.server.resume).
+        self.started_event = ServerStarted(
+            0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
+            policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
+            device_uuid=device.uuid, layout="",
         )
+        if not self.ledger.state.started:
+            self.ledger.record([self.started_event], by_server=True)
         self.requests = Requests(self.ledger, gpu)
         self.placement = Placement(
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
@@ -122,6 +121,15 @@ class ServiceCore:
         conn = self._next_conn
         self._next_conn += 1
         return conn
+
+    def continue_conns(self, next_conn: int) -> None:
+        """Number connections after another server's (a take-over, a restart): conn
+        numbers in the log and the sessions stay unique."""
+        self._next_conn = max(self._next_conn, next_conn)
+
+    @property
+    def next_conn(self) -> int:
+        return self._next_conn
 
     # -- sessions and locks -------------------------------------------------------
 

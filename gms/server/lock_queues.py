@@ -65,6 +65,10 @@ class LockQueues:
         self._refresh(layout.name)
         return taken
 
+    def order(self) -> list[tuple[str, list[int]]]:
+        """Every layout's waiting connections, in arrival order (for a hand-over)."""
+        return [(layout, list(queue)) for layout, queue in self._queues.items()]
+
     def busy(self) -> set[str]:
         """Layouts someone waits for: never evicted under them."""
         return set(self._queues)

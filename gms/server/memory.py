@@ -14,7 +14,7 @@ import errno
 import os
 from collections.abc import Iterable
 
-from ..cuda import DeviceInfo, Held, MemoryBackend
+from ..cuda import DeviceInfo, Held, MemoryBackend, MemoryLost
 from ..fsm.errors import Rejection
 from .lanes import Lane
 
@@ -39,6 +39,18 @@ def _create_all(backend: MemoryBackend, items: list[tuple[str, int]]) -> list[He
     return made
 
 
+def _adopt_all(backend: MemoryBackend, items: list[tuple[str, int, int]]):
+    """On the lane: each (id, fd, size) checked; the lost ones' fds closed."""
+    adopted, lost = [], []
+    for allocation_id, fd, size in items:
+        try:
+            adopted.append((allocation_id, backend.adopt(fd, size)))
+        except MemoryLost as exc:
+            os.close(fd)
+            lost.append((allocation_id, str(exc)))
+    return adopted, lost
+
+
 def _release_all(backend: MemoryBackend, held: Iterable[Held]) -> None:
     for one in held:
         backend.release(one)
@@ -53,6 +65,9 @@ class Memory:
         self._held: dict[str, Held] = {}
         self._bytes = 0
         self.released = 0  # allocations released since the start
+        # Told of every fd made or let go (the keeper link, where there is one):
+        # ``held(tier, [(id, fd)])``, ``released(tier, [id])``; the tier is the lane's name.
+        self.observer = None
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """Make memory for each (id, aligned size), in one lane call; all or nothing.
@@ -61,6 +76,21 @@ class Memory:
         for (allocation_id, _), held in zip(items, made):
             self._held[allocation_id] = held
             self._bytes += held.size
+        if self.observer is not None:
+            self.observer.held(self.lane.name, [(i, held.fd) for (i, _), held in zip(items, made)])
+
+    async def adopt(self, items: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
+        """Memory another server made, by (id, fd, aligned size), checked on the lane
+        and held here from now on; returns (id, why) for each found lost."""
+        adopted, lost = await self.lane.call(_adopt_all, self.backend, items)
+        for allocation_id, held in adopted:
+            self._held[allocation_id] = held
+            self._bytes += held.size
+        return lost
+
+    def held_fds(self) -> list[tuple[str, int]]:
+        """(id, fd) of everything held: what a take-over hands on (the fds stay open here)."""
+        return [(allocation_id, held.fd) for allocation_id, held in self._held.items()]
 
     def export(self, allocation_id: str) -> int:
         """A new fd for an allocation (the caller closes it).  Running out of fds (a
@@ -88,7 +118,10 @@ class Memory:
 
     def release(self, allocation_ids: Iterable[str]) -> None:
         """Forget them here at once; the lane closes and frees them after what it has queued."""
+        allocation_ids = list(allocation_ids)
         gone = [self._held.pop(allocation_id) for allocation_id in allocation_ids]
+        if gone and self.observer is not None:
+            self.observer.released(self.lane.name, allocation_ids)
         if gone:
             self._bytes -= sum(held.size for held in gone)
             self.released += len(gone)

@@ -17,9 +17,10 @@ released, a retry timer fires, the client hangs up or the retry timeout ends.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import ContextManager, TypeVar
 
 import trio
 
@@ -133,13 +134,15 @@ class Placement:
         size: int,
         tag: str,
         until_gone: Callable[[], Awaitable[None]],
+        interruptible: Callable[[], ContextManager[None]] = contextlib.nullcontext,
     ) -> T:
         """Run ``attempt`` until it finds memory.  Out-of-memory is transient:
         retry when the server releases memory, and on a timer that starts at a
         millisecond and backs off to ``--alloc-retry-interval`` (other processes
         free memory the server cannot see).  OutOfMemoryTimeout once
         ``--alloc-retry-timeout`` passes; PeerGone once ``until_gone()`` returns
-        (the client hung up)."""
+        (the client hung up).  Only the wait between attempts is
+        ``interruptible()`` (a take-over may stop it there: the attempt made nothing)."""
         started = None
         pause = _FIRST_RETRY_S
         while True:
@@ -160,7 +163,7 @@ class Placement:
                 raise OutOfMemoryTimeout(f"out of memory: no {size} bytes after waiting {waited:.1f} s")
             wait = pause if timeout is None else min(pause, timeout - waited)
             pause = min(pause * 2, self.retry_interval)
-            with trio.move_on_after(wait):
+            with trio.move_on_after(wait), interruptible():
                 if await wait_or_hangup(released.wait, until_gone):
                     waited_ms = int((trio.current_time() - started) * 1000)
                     self.ledger.record([AllocationOomGaveUp(conn, size, tag, "disconnect", waited_ms, layout=layout)])

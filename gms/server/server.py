@@ -1,15 +1,20 @@
 """The listener: one Unix socket per GPU, one nursery, one task per connection.
 
-``Server.serve`` binds, reports itself started, and accepts (Trio's own
-accept loop) until cancelled; on the way out every connection task is
-cancelled (each unwinds its lock), the memory is released on its lanes and
-the socket file removed.  ``run_server`` is the
-process entry, stopped by SIGTERM or SIGINT.
+``Server.serve`` binds (or takes the socket and the node from its keeper, or
+from a server it takes over: ``gms.server.startup``), reports itself
+started, and accepts (Trio's own accept loop) until cancelled; on the way out
+every connection task is cancelled (each unwinds its lock), the memory is
+released on its lanes and the socket file removed.  Two ways out leave
+everything as it is instead: a take-over that committed (another server
+holds the node now) and, under a keeper, a signal (the keeper holds the node
+and starts the next server).  ``run_server`` is the process entry, stopped
+by SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -19,6 +24,7 @@ import attrs
 import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
+from ..fsm.events import StateDiscarded
 from ..store import EventLog
 from ..units import parse_budget
 from .config import ServerConfig
@@ -27,8 +33,12 @@ from .lanes import Lane
 from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
+from .mirror import LISTENER, MirroredLog, memory_key
 from .netio import Channel
+from .quiesce import Quiesce
+from .resume import Handed, TakeOverRefused, resume_core
 from .session import Session
+from .startup import Start, open_link, prepare
 
 log = logging.getLogger("gms.server")
 
@@ -129,13 +139,23 @@ class Server:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.core: ServiceCore | None = None
+        self.quiesce = Quiesce()
+        self.listener = None
+        self.link = None
+        # How serving ended without releasing anything: "taken-over" (another
+        # server holds the node) or "left" (a signal: the keeper holds it).
+        self.left_as: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._accepting: trio.CancelScope | None = None
+        self._accept_again = trio.Event()
 
-    async def _open_core(self) -> ServiceCore:
+    async def _open_core(self, gpu: Memory, log: EventLog | None = None) -> ServiceCore:
         config = self.config
-        gpu = Memory(self.backend, Lane("gpu"))
         host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
+        if log is None:
+            log = (MirroredLog if self.link is not None else EventLog)(retain=config.event_log_retain)
         self.core = ServiceCore(
             gpu,
             host,
@@ -144,7 +164,7 @@ class Server:
             on_event=self.metrics.observe,
             policy=config.policy,
             limits=effective_limits(config, capacity),
-            log=EventLog(retain=config.event_log_retain),
+            log=log,
             budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
             host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,
@@ -154,38 +174,228 @@ class Server:
             alloc_retry_timeout=config.alloc_retry_timeout,
         )
         self.metrics.watch(self.core)
+        if self.link is not None:  # it sends nothing before it is attached (_take_the_node)
+            log.link = self.link
+            for memory in self.core.ledger.tiers.values():
+                memory.observer = self.link
         return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.config.socket_path
         core = None
+        gpu = Memory(self.backend, Lane("gpu"))
         try:
-            listener, inode = await bind_listener(path, self.config.socket_mode)
+            self.link = open_link(self.config)
+            try:
+                # Blocking: nothing is served yet.  The device asked on its lane, like every backend call.
+                start = prepare(self.config, self.link, await gpu.device_info())
+            except TakeOverRefused:
+                self._refused()
+                raise
+            if start.retired:
+                gpu.lane.stop()
+                self._close_backends()
+                return await self._retired(task_status)
+            if start.listener is None:
+                listener, inode = await bind_listener(path, self.config.socket_mode)
+            else:
+                listener, inode = trio.socket.from_stdlib_socket(start.listener), _inode(path)
         except BaseException:
+            gpu.lane.stop()
             self._close_backends()
             raise
+        self.listener = listener
         try:
-            core = await self._open_core()
+            core = await self._open_core(gpu, start.handed.log if start.handed else None)
+            await self._take_the_node(core, start)
             if self.config.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+                self.metrics_port = await _serve_metrics(self.metrics, self.config)
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for tier in core.ledger.tiers.values():
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
+                if self.link is not None:
+                    nursery.start_soon(self._watch_keeper)
+                if start.handed is not None and start.handed.conn_fds:
+                    self._spawn_handed(start.handed)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,
                 )
+                _ready_file(self.config.ready_file, True)
+                if self.link is not None:
+                    self.link.ready()
                 task_status.started(self)
-                # Trio's own accept loop: it ignores ECONNABORTED/EPROTO and backs off on EMFILE.
-                await trio.serve_listeners(self._handle, [trio.SocketListener(listener)], handler_nursery=nursery)
+                await self._accept_until_cancelled(listener)
         finally:
-            listener.close()
-            _remove_if_ours(path, inode)
-            if core is not None:
-                with trio.CancelScope(shield=True):
-                    await core.aclose()
+            _ready_file(self.config.ready_file, False)
             self.metrics.close()
+            if self.left_as is None:
+                listener.close()
+                _remove_if_ours(path, inode)
+                if core is not None:
+                    with trio.CancelScope(shield=True):
+                        await core.aclose()
+                if self.link is not None:
+                    self.link.stopping("shutdown")
+            else:
+                listener.close()  # another process holds the socket: nothing is released
+                if core is not None:
+                    for tier in core.ledger.tiers.values():
+                        tier.lane.stop()
+                if self.link is not None:
+                    self.link.stopping(self.left_as)
             self._close_backends()
+
+    async def _take_the_node(self, core: ServiceCore, start: Start) -> None:
+        """A handed node adopted and resumed (a take-over committed), or a
+        discarded one said so; then the keeper is given what it must keep."""
+        handed, offer = start.handed, start.offer
+        if handed is not None:
+            try:
+                await resume_core(core, handed)
+            except TakeOverRefused as refused:
+                if offer is None:
+                    raise  # a restart that cannot resume: the keeper starts the next one over
+                from .takeover import abort
+
+                abort(offer.sock, str(refused))
+                handed.close_conn_fds()
+                self._refused()
+                raise
+        if start.discarded is not None:
+            d = start.discarded
+            core.ledger.record([StateDiscarded(0, d.reason, d.saved_to, d.old_pid, layout="")], by_server=True)
+        if self.link is not None:
+            self.link.attach(self._image, self._held_fds(), provisional=offer.old_pid if offer else None)
+        if offer is not None:
+            from .takeover import commit
+
+            try:
+                commit(offer, self.config.handover_timeout)
+            except TakeOverRefused:
+                self._refused()
+                raise
+            if self.link is not None:
+                self.link.confirm()
+            log.info("took over from pid %d (state version %d)", offer.old_pid, offer.image.version)
+
+    def _refused(self) -> None:
+        """A take-over that did not happen: hold nothing of the old server's."""
+        self.left_as = "refused"
+        if self.link is not None:
+            self.link.stopping("refused")
+            self.link = None
+
+    def _image(self):
+        from .takeover import node_image
+
+        return node_image(self, {}, sessions=False)
+
+    def _held_fds(self) -> list[tuple[str, int]]:
+        held = [(LISTENER, self.listener.fileno())]
+        for tier, memory in self.core.ledger.tiers.items():
+            held += [(memory_key(tier.value, i), fd) for i, fd in memory.held_fds()]
+        return held
+
+    async def _accept_until_cancelled(self, listener) -> None:
+        """Trio's own accept loop (it ignores ECONNABORTED/EPROTO and backs off on
+        EMFILE), stopped by a take-over's pause and started again if it aborts."""
+        while True:
+            self._accepting = trio.CancelScope()
+            with self._accepting:
+                await trio.serve_listeners(
+                    self._handle, [trio.SocketListener(listener)], handler_nursery=self._nursery
+                )
+            self._accept_again = trio.Event()
+            await self._accept_again.wait()
+
+    def stop_accepting(self) -> None:
+        """New connections wait in the socket's backlog (for whoever serves next)."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+
+    def resume_serving(self) -> None:
+        """A take-over that did not happen: every parked session goes on, and accepting."""
+        parked = self.quiesce.resume()
+        from .takeover import session_image
+
+        now = trio.current_time()
+        images = [(session_image(session, now), session.channel) for session in parked.values()]
+        order = self.core.queues.order()
+        for layout, conns in order:
+            for conn in conns:
+                self.core.queues.remove(layout, conn)
+        self._spawn(images, order)
+        self._accept_again.set()
+
+    def handed_over(self) -> None:
+        """Another server holds the node now: stop, letting go of nothing."""
+        self.left_as = "taken-over"
+        self._nursery.cancel_scope.cancel()
+
+    def _spawn_handed(self, handed: Handed) -> None:
+        images = []
+        for conn_image in handed.image.conns:
+            fd = handed.conn_fds.pop(conn_image.conn)
+            try:
+                channel = Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+            except OSError as exc:  # the client left during the hand-over
+                log.info("conn %d left during the take-over: %s", conn_image.conn, exc)
+                self.core.disconnect(conn_image.conn)
+                continue
+            images.append((conn_image, channel))
+        for fd in handed.conn_fds.values():
+            os.close(fd)
+        self._spawn(images, [(layout, list(conns)) for layout, conns in handed.image.queues])
+
+    def _spawn(self, images, order) -> None:
+        """Sessions going on from images: the lock queues rebuilt in their order
+        (all at once, then granted: a partial queue could grant out of turn)."""
+        from ..wire.connection import ServerConnection
+        from .session import granted_as
+
+        sessions = {}
+        for image, channel in images:
+            p = image.protocol
+            protocol = ServerConnection.thaw(self.config.max_frame_bytes, attrs.asdict(p))
+            session = Session(self.core, self.config, channel, self.metrics, self.quiesce, conn=image.conn,
+                              protocol=protocol)
+            pending = image.pending
+            if pending is not None:
+                granted = None
+                if pending.granted:
+                    layout = self.core.state.sessions[image.conn].layout
+                    granted = granted_as(image.conn, layout, pending.granted, pending.restore)
+                left = math.inf if pending.timeout_left_ms is None else pending.timeout_left_ms / 1000
+                session.go_on(pending.kind, requested=pending.requested, timeout_left=left, granted=granted)
+            sessions[image.conn] = session
+        from .lock_queues import Waiter
+        from ..fsm import RequestedLockType
+
+        for layout, conns in order:
+            for conn in conns:
+                session = sessions.get(conn)
+                if session is None or session.lock_wait is None:
+                    continue
+                self.core.queues.add(layout, conn, Waiter(session.lock_wait.requested, session.on_grant, session.alive))
+        for layout, _ in order:
+            self.core.ledger.grant(layout)
+        for session in sessions.values():
+            self._nursery.start_soon(session.run)
+
+    async def _watch_keeper(self) -> None:
+        """The keeper asks for a clean stop (``stop``) or goes away (serve on without it)."""
+        link = self.link
+        why = await link.wait_for_stop()
+        if why == "stop":
+            log.info("the keeper asks this server to stop")
+            self._nursery.cancel_scope.cancel()
+
+    async def _retired(self, task_status) -> None:
+        log.info("this keeper's server was taken over by another: serving nothing until stopped")
+        task_status.started(self)
+        await trio.sleep_forever()
 
     def _close_backends(self) -> None:
         for backend in (self.backend, self.host_tier):
@@ -198,18 +408,71 @@ class Server:
         except OSError as exc:  # the peer left before we asked who it was
             log.info("dropping a connection: %s", exc)
             return
-        await Session(self.core, self.config, channel, self.metrics).run()
+        await Session(
+            self.core, self.config, channel, self.metrics, self.quiesce, on_take_over=self._taken_over_by
+        ).run()
+
+    def _taken_over_by(self, channel: Channel, protocol, request) -> None:
+        """A connection asked for this server's place: the conversation is the take-over's."""
+        from .takeover import hand_over
+
+        self._nursery.start_soon(hand_over, self, channel, protocol, request)
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _ready_file(path: str | None, ready: bool) -> None:
+    if path is None:
+        return
+    if ready:
+        with open(path, "w") as out:
+            out.write(f"{os.getpid()}\n")
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+async def _serve_metrics(metrics: Metrics, config: ServerConfig) -> int:
+    """After a take-over the old server may hold the port a moment longer: retry."""
+    for attempt in range(50):
+        try:
+            return metrics.serve(config.metrics_port, config.metrics_host)
+        except OSError as exc:
+            if attempt == 49:
+                raise
+            log.info("metrics port busy (%s): retrying", exc)
+            await trio.sleep(0.1)
+    raise AssertionError("unreachable")
 
 
 async def run_server(config: ServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT; then stop cleanly."""
+    """Serve until SIGTERM or SIGINT; then stop cleanly, or under a keeper leave
+    the node to it (it starts the next server with everything)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(Server(config).serve)
+
+            async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                # It may end on its own: its keeper asked, or another server took over.
+                await Server(config).serve(task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            server = await nursery.start(serve)
 
             async def stop_on_signal() -> None:
                 async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    name = signal.Signals(signum).name
+                    if server.link is not None and server.link.alive and server.core is not None:
+                        log.info("%s: leaving the node to the keeper", name)
+                        server.left_as = "left"
+                    else:
+                        log.info("%s: shutting down", name)
                     nursery.cancel_scope.cancel()
                     return
 

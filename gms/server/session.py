@@ -19,14 +19,16 @@ decided again after it (in the core), never trusted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import trio
 
-from ..fsm import Grant, Rejection
-from ..fsm.events import ConnectionDropped, LockTimeout
+from ..fsm import Grant, GrantedLockType, Rejection, RequestedLockType
+from ..fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
 from ..wire import ProtocolError, UnknownMessageType
 from ..wire import messages as m
 from ..wire.connection import NEED_DATA, PEER_CLOSED, Refused, ServerConnection
@@ -35,6 +37,7 @@ from .core import ServiceCore
 from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
+from .quiesce import Quiesce, only_parked
 from .reply import Reply, error_reply
 
 log = logging.getLogger("gms.server")
@@ -47,17 +50,53 @@ def is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+class _TakeOver(Exception):
+    def __init__(self, request: m.TakeOverRequest) -> None:
+        self.request = request
+
+
+class LockWait:
+    """A handshake waiting for its lock (kept on the session: a take-over hands it on)."""
+
+    def __init__(self, request: m.HandshakeRequest, requested: RequestedLockType, deadline: float) -> None:
+        self.request = request
+        self.requested = requested
+        self.deadline = deadline  # trio time; inf: no limit
+        self.asked_at = trio.current_time()
+
+
 class Session:
-    def __init__(self, core: ServiceCore, config: ServerConfig, channel: Channel, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        core: ServiceCore,
+        config: ServerConfig,
+        channel: Channel,
+        metrics: Metrics,
+        quiesce: Quiesce | None = None,
+        *,
+        conn: int | None = None,
+        protocol: ServerConnection | None = None,
+        on_take_over: Callable[[Channel, ServerConnection, m.TakeOverRequest], None] | None = None,
+    ) -> None:
+        """``conn`` and ``protocol``: a connection handed over (or handed back),
+        going on where it stopped (see :meth:`go_on`)."""
         self.core = core
         self.config = config
         self.channel = channel
         self.metrics = metrics
+        self.quiesce = quiesce if quiesce is not None else Quiesce()
         self.peer = channel.peer
-        self.conn = core.new_conn()
-        self.protocol = ServerConnection(config.max_frame_bytes)
+        self.conn = core.new_conn() if conn is None else conn
+        self.protocol = protocol if protocol is not None else ServerConnection(config.max_frame_bytes)
         self._scope = trio.CancelScope()
         self._revoked = False
+        self._on_take_over = on_take_over
+        # What a quiet point finds the session waiting on (for the hand-over):
+        self.lock_wait: LockWait | None = None
+        self.grant: Grant | None = None  # set by the ledger's grant, also while parked
+        self._granted = trio.Event()
+        self.waiting_for: str | None = None  # "restore" or "allocate": memory
+        self._pending: object = None  # what go_on must finish first
 
     def _revoke(self) -> None:
         """An admin took the lock: say so (best effort: the client then knows not to
@@ -66,17 +105,55 @@ class Session:
         self.channel.send_nowait(self.protocol.notice(m.SessionEnded("revoked")))
         self._scope.cancel()
 
+    def go_on(
+        self, kind: str, *, requested: str = "", timeout_left: float = math.inf, granted: Grant | None = None
+    ) -> None:
+        """Before :meth:`run`: this connection was handed over waiting on the
+        request it is serving (``lock``: for ``requested``, ``timeout_left``
+        seconds more; ``restore`` or ``allocate``: for memory): finish that first.
+        ``granted``: the lock was granted while the server paused."""
+        self._pending = kind
+        if kind == "lock":
+            self.lock_wait = LockWait(
+                self.protocol.serving, RequestedLockType(requested), trio.current_time() + timeout_left
+            )
+        if granted is not None:
+            self.on_grant(granted)
+
+    @contextlib.contextmanager
+    def _waiting_for(self, what: str):
+        """Mark a memory wait; a take-over stopping it leaves the mark for the hand-over."""
+        self.waiting_for = what
+        try:
+            yield
+        except BaseException as exc:
+            if not only_parked(exc):
+                self.waiting_for = None
+            raise
+        self.waiting_for = None
+
     async def run(self) -> None:
-        unwind = True
+        unwind = close = True
         self.core.on_revoke(self.conn, self._revoke)
+        self.quiesce.started(self)
         try:
             with self._scope:
+                if self._pending is not None:
+                    await self._finish_pending()
                 await self._serve()
             if self._revoked:
                 log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
         except (ProtocolError, PeerGone, SendFailed) as exc:
             self._dropped(exc)
+        except _TakeOver as asked:  # the connection is the take-over's now (no session: a one-shot)
+            close = False
+            self.quiesce.ended(self)
+            self._on_take_over(self.channel, self.protocol, asked.request)
         except BaseException as exc:
+            if only_parked(exc):  # a take-over: the connection goes on, here or elsewhere
+                unwind = close = False
+                self.quiesce.park(self.conn, self)
+                return
             # Server shutdown cancels us: unwind below.  Anything else is fatal:
             # leave the state as it is for the post-mortem.
             unwind = is_cancellation(exc)
@@ -84,7 +161,9 @@ class Session:
         finally:
             if unwind:
                 self.core.disconnect(self.conn)
-            self.channel.close()
+            if close:
+                self.channel.close()
+                self.quiesce.ended(self)
 
     def _dropped(self, exc: Exception) -> None:
         if isinstance(exc, PeerGone) and not self.protocol.overflowed:
@@ -103,21 +182,42 @@ class Session:
 
     async def _serve(self) -> None:
         protocol = self.protocol
+        quiesce = self.quiesce
         while not protocol.closing:
+            quiesce.check()  # a take-over: stop before the next request, not inside it
             request = protocol.next_request()
             if request is NEED_DATA:
-                protocol.receive_data(await self.channel.receive())
+                with quiesce.interruptible():
+                    data = await self.channel.receive()
+                protocol.receive_data(data)
                 continue
             if request is PEER_CLOSED:
                 return
-            reply = await self._answer(request)
-            try:
-                if protocol.closing:
-                    return  # revoked while it was served: the notice went in its place
-                await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
-            finally:
-                for fd in reply.fds:  # the client has its own copies now, or never will
-                    os.close(fd)
+            await self._send(await self._answer(request))
+
+    async def _send(self, reply: Reply) -> None:
+        protocol = self.protocol
+        try:
+            if protocol.closing:
+                return  # revoked while it was served: the notice went in its place
+            await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
+        finally:
+            for fd in reply.fds:  # the client has its own copies now, or never will
+                os.close(fd)
+
+    async def _finish_pending(self) -> None:
+        kind, self._pending = self._pending, None
+        request = self.protocol.serving
+        try:
+            if kind == "lock":
+                reply = await self._wait_for_lock()
+            elif kind == "restore":
+                reply = await self._after_grant(request, self.grant)
+            else:
+                reply = await self._allocate(request)
+        except Rejection as rejection:
+            reply = error_reply(rejection)
+        await self._send(reply)
 
     async def _until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
@@ -137,6 +237,8 @@ class Session:
         if isinstance(request, UnknownMessageType):
             return Reply(m.ErrorResponse(str(request), "UNKNOWN_MESSAGE"))
         try:
+            if isinstance(request, m.TakeOverRequest) and self._on_take_over is not None:
+                raise _TakeOver(request)
             if isinstance(request, m.PROBES):
                 return Reply(await self.core.probes.answer(request, self.peer))
             if isinstance(request, m.ADMIN):
@@ -153,24 +255,30 @@ class Session:
         except Rejection as rejection:
             return error_reply(rejection)
 
+    def on_grant(self, grant: Grant) -> None:
+        """The ledger granted this session's lock (maybe while a take-over paused it)."""
+        self.grant = grant
+        self._granted.set()
+
+    def alive(self) -> bool:
+        return not self.channel.hung_up()
+
     async def _handshake(self, request: m.HandshakeRequest) -> Reply:
         requested = self.core.open_session(self.conn, request, self.peer)
-        grant: Grant | None = None
-        done = trio.Event()
+        timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
+        self.lock_wait = LockWait(request, requested, trio.current_time() + timeout)
+        self.core.request_lock(self.conn, requested, self.on_grant, self.alive)
+        return await self._wait_for_lock()
 
-        def on_grant(g: Grant) -> None:
-            nonlocal grant
-            grant = g
-            done.set()
-
-        asked_at = trio.current_time()
-        self.core.request_lock(self.conn, requested, on_grant, lambda: not self.channel.hung_up())
-        if grant is None:
+    async def _wait_for_lock(self) -> Reply:
+        wait = self.lock_wait
+        request, requested = wait.request, wait.requested
+        if self.grant is None:
             hung_up = False
-            timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
-            with trio.move_on_after(timeout):
-                hung_up = await wait_or_hangup(done.wait, self._until_gone)
-            if grant is None:
+            with trio.move_on_at(wait.deadline), self.quiesce.interruptible():
+                hung_up = await wait_or_hangup(self._granted.wait, self._until_gone)
+            if self.grant is None:
+                self.lock_wait = None
                 self.core.cancel_lock_request(self.conn)
                 if hung_up:
                     raise PeerGone("hung up while waiting for the lock")
@@ -178,14 +286,19 @@ class Session:
                     [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
                 )
                 return Reply(self._handshake_response(None))
-        self.metrics.lock_wait_seconds.labels(requested.value).observe(trio.current_time() - asked_at)
+        self.lock_wait = None
+        self.metrics.lock_wait_seconds.labels(requested.value).observe(trio.current_time() - wait.asked_at)
+        return await self._after_grant(request, self.grant)
+
+    async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
         if grant.restore:
             layout = self.core.state.layout(request.layout)
             try:
-                await self.core.placement.with_memory(
-                    self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
-                    self._until_gone,
-                )
+                with self._waiting_for("restore"):
+                    await self.core.placement.with_memory(
+                        self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
+                        self._until_gone, self.quiesce.interruptible,
+                    )
             except OutOfMemoryTimeout as exc:
                 return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
         return Reply(self._handshake_response(grant))
@@ -211,10 +324,16 @@ class Session:
 
     async def _allocate(self, request: m.AllocateRequest) -> Reply:
         placement = self.core.placement
-        with self.metrics.allocate_seconds.time():
+        with self._waiting_for("allocate"), self.metrics.allocate_seconds.time():
             response = await placement.with_memory(
                 self.conn, lambda: placement.allocate(self.conn, request.size, request.tag),
-                request.size, request.tag, self._until_gone,
+                request.size, request.tag, self._until_gone, self.quiesce.interruptible,
             )
         return Reply(response)
+
+
+def granted_as(conn: int, layout: str, granted: str, restore: bool) -> Grant:
+    """A grant described by a hand-over (the event was recorded by the server before)."""
+    event = RestoreClaimed(conn, layout=layout) if restore else RoConnect(conn, layout=layout)
+    return Grant(conn, GrantedLockType(granted), event)
 

@@ -66,6 +66,38 @@ class EventLog:
         self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_NODE)])
         self._kept = 0
 
+    @classmethod
+    def resumed(
+        cls, snapshot: Snapshot, entries: Iterable[LogEntry] = (), *, retain: int | None = 1_000_000,
+        chunk_size: int = 4096,
+    ) -> EventLog:
+        """A log that goes on from another server's: its snapshot is ``snapshot``
+        (the state after event ``last_seq``), then ``entries`` (the events after
+        it, folded again, keeping their numbers and times: a gap or a refusal
+        raises); the next event appended is numbered after the last of them."""
+        log = cls(retain=retain, chunk_size=chunk_size)
+        log._state = snapshot.state
+        log._next_seq = snapshot.last_seq + 1
+        log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
+        for entry in entries:
+            if entry.seq != log._next_seq:
+                raise ValueError(f"event {entry.seq} cannot follow event {log._next_seq - 1}")
+            before = log._state
+            log._state = fold(before, entry.event)
+            log._store(entry, before)
+        if retain is not None:
+            log._trim()
+        return log
+
+    def _store(self, entry: LogEntry, before: NodeState) -> None:
+        chunk = self._chunks[-1]
+        if len(chunk.entries) == self._chunk_size:
+            chunk = _Chunk(entry.seq, before)
+            self._chunks.append(chunk)
+        chunk.entries.append(entry)
+        self._next_seq = entry.seq + 1
+        self._kept += 1
+
     # -- writing -----------------------------------------------------------
 
     def append(self, event: Event) -> LogEntry:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 
 from . import messages as m
-from .codec import HEADER, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
+from .codec import HEADER, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode, encode_body
 
 
 class ConnectionState(enum.Enum):
@@ -165,3 +165,38 @@ class ServerConnection:
     @property
     def closing(self) -> bool:
         return self.state is ConnectionState.CLOSING
+
+    # -- hand-over --------------------------------------------------------------------
+
+    def freeze(self) -> dict:
+        """Everything this object knows, as plain values, for a server taking over:
+        the request being served goes as its wire body, the bytes read ahead as they are."""
+        serving = self._serving
+        return {
+            "state": self.state.value,
+            "handshaken": self.handshaken,
+            "requests": self.requests,
+            "buffered": bytes(self._decoder._buffer),
+            "eof": self._eof,
+            "one_shot": self._one_shot,
+            "serving": encode_body(serving) if serving is not None else b"",
+        }
+
+    @classmethod
+    def thaw(cls, max_frame_bytes: int, frozen: dict) -> ServerConnection:
+        """The object :meth:`freeze` described, going on under ``max_frame_bytes``."""
+        connection = cls(max_frame_bytes)
+        connection.state = ConnectionState(frozen["state"])
+        connection.handshaken = frozen["handshaken"]
+        connection.requests = frozen["requests"]
+        connection._decoder.feed(frozen["buffered"])
+        connection._eof = frozen["eof"]
+        connection._one_shot = frozen["one_shot"]
+        if frozen["serving"]:
+            connection._serving = decode(frozen["serving"])
+        return connection
+
+    @property
+    def serving(self) -> object:
+        """The request being served (None between requests)."""
+        return self._serving

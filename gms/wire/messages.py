@@ -424,6 +424,29 @@ class PinResponse:
     residency: str
 
 
+# -- take-over (a new server replacing this one; the server's uid or root only) -------
+
+
+@attrs.frozen
+class TakeOverRequest:
+    """A new server asks to take this one's place.  ``readable_versions``: the
+    state hand-over formats it reads; ``pid``: who asks (for the logs).  The
+    answer is a ``TakeOverResponse`` and the hand-over frames on this
+    connection (docs/protocol.md, "Take-over"), or an ``ErrorResponse``: refused,
+    and this server serves on."""
+
+    readable_versions: list[int]
+    pid: int = 0
+
+
+@attrs.frozen
+class TakeOverResponse:
+    """Accepted: the server is quiet and writes its state in ``state_version``."""
+
+    state_version: int
+    pid: int
+
+
 @attrs.frozen
 class ErrorResponse:
     error: str
@@ -470,6 +493,7 @@ REQUESTS: tuple[type, ...] = (
     RevokeRequest,
     EvictRequest,
     PinRequest,
+    TakeOverRequest,
 )
 RESPONSES: tuple[type, ...] = (
     HandshakeResponse,
@@ -494,11 +518,12 @@ RESPONSES: tuple[type, ...] = (
     RevokeResponse,
     EvictResponse,
     PinResponse,
+    TakeOverResponse,
     ErrorResponse,
 )
 NOTICES: tuple[type, ...] = (SessionEnded,)
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES + NOTICES}
 PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
 ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)
-ONE_SHOT: tuple[type, ...] = PROBES + ADMIN  # answered, then the connection closes
+ONE_SHOT: tuple[type, ...] = PROBES + ADMIN + (TakeOverRequest,)  # answered, then the connection closes
 MAX_FDS_PER_MESSAGE = 253  # the kernel's SCM_MAX_FD

@@ -1,0 +1,155 @@
+"""Frames with fds: how a server, its keeper and a server taking over talk.
+
+A frame is a header (the body's length, 4 bytes, and how many fds ride with
+it, 2 bytes; big-endian) and a msgpack map with a string ``"t"`` (its kind).
+Its fds (at most 253, the kernel's ``SCM_MAX_FD``) are attached to its first
+byte with ``SCM_RIGHTS``; more fds take more frames.  On a Unix stream socket
+the kernel hands a frame's fds over with the bytes they were sent with, so a
+reader that keeps received fds in arrival order and gives each frame as many
+as its header says gets each frame exactly its own.
+
+:class:`FrameReader` is sans-IO (bytes and fds in, frames out).  The helpers
+below it do blocking I/O on a plain socket; the Trio side of the server and
+the keeper use :func:`encode_frame` and the reader the same way.  Nothing
+here imports the core or CUDA: the keeper holds frames it never parses.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from collections import deque
+
+import attrs
+import msgpack
+
+HEADER = struct.Struct(">IH")
+MAX_FDS = 253  # SCM_MAX_FD
+ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
+RECV_BYTES = 1 << 20
+
+
+class FrameError(Exception):
+    """The other side broke the framing (or the kernel dropped fds): the channel is done."""
+
+
+class ChannelClosed(FrameError):
+    """The other side closed the channel (between frames)."""
+
+
+@attrs.frozen
+class Frame:
+    kind: str
+    body: dict
+    fds: tuple[int, ...] = ()
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def encode_frame(kind: str, body: dict | None = None, nfds: int = 0) -> bytes:
+    if nfds > MAX_FDS:
+        raise ValueError(f"at most {MAX_FDS} fds per frame, not {nfds}")
+    payload = msgpack.packb({**(body or {}), "t": kind}, use_bin_type=True)
+    return HEADER.pack(len(payload), nfds) + payload
+
+
+class FrameReader:
+    """Feed what the socket gave (bytes, fds); take whole frames with their fds."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._fds: deque[int] = deque()
+        self.eof = False
+
+    def feed(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+        if not data and not fds:
+            self.eof = True
+        self._buffer += data
+        self._fds.extend(fds)
+
+    def next_frame(self) -> Frame | None:
+        """The next whole frame, or None; raises ChannelClosed at a clean end and
+        FrameError inside a frame or for a frame without its fds."""
+        buffer = self._buffer
+        if len(buffer) >= HEADER.size:
+            length, nfds = HEADER.unpack_from(buffer)
+            end = HEADER.size + length
+            if len(buffer) >= end:
+                if len(self._fds) < nfds:
+                    raise FrameError(f"a frame announced {nfds} fds and {len(self._fds)} came")
+                try:
+                    body = msgpack.unpackb(bytes(buffer[HEADER.size : end]), raw=False, strict_map_key=False)
+                    kind = body.pop("t")
+                except Exception as exc:  # the peer is ours, but a broken frame ends the channel
+                    raise FrameError(f"an undecodable frame: {exc!r}") from None
+                del buffer[:end]
+                fds = tuple(self._fds.popleft() for _ in range(nfds))
+                return Frame(kind, body, fds)
+        if self.eof:
+            if buffer:
+                raise FrameError(f"the channel closed inside a frame ({len(buffer)} bytes)")
+            raise ChannelClosed("the other side closed the channel")
+        return None
+
+    def close(self) -> None:
+        """Close fds received for frames never read."""
+        while self._fds:
+            os.close(self._fds.popleft())
+
+
+def received_fds(ancillary) -> list[int]:
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+    return fds
+
+
+def check_flags(flags: int, fds: list[int]) -> None:
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise FrameError("the kernel dropped fds (ancillary data truncated)")
+
+
+def ancillary_for(fds) -> list:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+# -- blocking I/O --------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, kind: str, body: dict | None = None, fds=()) -> None:
+    """Send one frame, its fds (at most 253) with its first byte."""
+    data = memoryview(encode_frame(kind, body, len(fds)))
+    sent = sock.sendmsg([data], ancillary_for(fds))
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def send_fds(sock: socket.socket, kind: str, keyed: list[tuple[str, int]], body: dict | None = None) -> None:
+    """Send (key, fd) pairs in frames of at most 253 fds, each frame naming its keys."""
+    for start in range(0, len(keyed), MAX_FDS):
+        batch = keyed[start : start + MAX_FDS]
+        send_frame(sock, kind, {**(body or {}), "keys": [k for k, _ in batch]}, [fd for _, fd in batch])
+
+
+def recv_into(sock: socket.socket, reader: FrameReader) -> None:
+    """One receive; blocks (or times out, as the socket is set)."""
+    data, ancillary, flags, _ = sock.recvmsg(RECV_BYTES, ANCILLARY_BYTES)
+    fds = received_fds(ancillary)
+    check_flags(flags, fds)
+    reader.feed(data, fds)
+
+
+def recv_frame(sock: socket.socket, reader: FrameReader) -> Frame:
+    """The next frame, receiving as needed; ChannelClosed at a clean end."""
+    while True:
+        frame = reader.next_frame()
+        if frame is not None:
+            return frame
+        recv_into(sock, reader)

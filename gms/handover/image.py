@@ -1,0 +1,378 @@
+"""The state a server hands over: what it is, and its encoding, in one place.
+
+A :class:`StateImage` is everything a new server needs besides the fds: the
+node's state (``NodeState``), where the event log stands (``last_seq``) and
+how connections are numbered (``next_conn``), who wrote it (``ServerInfo``)
+and, for a live take-over, every connection's session (``ConnImage``: its
+protocol object, a request it waits on) and the lock queues' order.  The
+keeper's copy (its *base*) has no connections: a crash closes them.
+
+The encoding is versioned.  ``encode_image`` writes
+``[b"gms-state", version, body]`` (msgpack; the body msgpack again), so a
+reader learns the version before it parses anything else, reads every
+version in ``READABLE_VERSIONS`` and refuses the others with
+:class:`UnsupportedVersion`, naming both.  Version 1's body is spelled out
+below field by field (not derived from the classes, so a change to a state
+class cannot change the format behind the version's back):
+``tests/fixtures/state_v1.bin`` is a frozen version-1 image that every later
+server must still read.
+
+Log entries travel to the keeper in the same terms (``encode_entries``): the
+event's kind and its fields by name, so a reader fills defaults for fields
+it has and an older writer did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import msgpack
+from immutables import Map
+
+from ..fsm import EVENT_TYPES, Limits, NodeState, SessionInfo, TenantState
+from ..fsm.state import Allocation, LayoutState, MetadataEntry, Residency, Tier
+from ..store import LogEntry
+
+MAGIC = b"gms-state"
+STATE_VERSION = 1  # what this server writes
+READABLE_VERSIONS = (1,)  # what it reads
+
+
+class ImageError(ValueError):
+    """Bytes that are not a state image this server can read."""
+
+
+class UnsupportedVersion(ImageError):
+    def __init__(self, version: object) -> None:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        super().__init__(
+            f"the state is in hand-over format version {version!r}; this server reads version(s) {readable}"
+        )
+        self.version = version
+
+
+@attrs.frozen
+class ServerInfo:
+    """Who wrote the image: a server of which device, on which backend."""
+
+    pid: int
+    backend: str
+    device: int
+    device_uuid: str
+    host_tier: bool
+
+
+@attrs.frozen
+class ProtocolImage:
+    """A :class:`gms.wire.connection.ServerConnection` at a quiet point: its
+    state, and the bytes read ahead that no request has been made of yet."""
+
+    state: str
+    handshaken: bool
+    requests: int
+    buffered: bytes
+    eof: bool
+    one_shot: bool
+    serving: bytes = b""  # the request being served, as its wire body ("" when none)
+
+
+@attrs.frozen
+class PendingImage:
+    """A request a connection waits on at the quiet point (the new server goes on with it).
+
+    ``lock``: a handshake waiting for ``requested`` with ``timeout_left_ms``
+    left (None: no limit); if it was granted while the server paused,
+    ``granted`` (``RW``/``RO``) and ``restore`` say what.  ``restore``: a
+    granted restore waiting for GPU memory.  ``allocate``: an allocation
+    waiting for memory (made again from the start: nothing was created)."""
+
+    kind: str
+    requested: str = ""
+    timeout_left_ms: int | None = None
+    granted: str = ""
+    restore: bool = False
+
+
+PENDING_KINDS = ("lock", "restore", "allocate")
+
+
+@attrs.frozen
+class ConnImage:
+    conn: int
+    protocol: ProtocolImage
+    pending: PendingImage | None = None
+
+
+@attrs.frozen
+class StateImage:
+    version: int
+    server: ServerInfo
+    last_seq: int
+    next_conn: int
+    state: NodeState
+    conns: tuple[ConnImage, ...] = ()
+    queues: tuple[tuple[str, tuple[int, ...]], ...] = ()  # per layout, the waiting conns in order
+
+
+# -- version 1 ------------------------------------------------------------------
+
+
+def _limits_v1(limits: Limits) -> dict:
+    return limits.as_dict()
+
+
+def _layout_v1(layout: LayoutState) -> dict:
+    return {
+        "name": layout.name,
+        "writer": layout.writer,
+        "readers": sorted(layout.readers),
+        "committed": layout.committed,
+        "allocations": [
+            [a.allocation_id, a.size, a.aligned_size, a.tag, a.layout_slot] for a in layout.allocations.values()
+        ],
+        "metadata": [[e.key, e.allocation_id, e.offset_bytes, e.value] for e in layout.metadata.values()],
+        "metadata_bytes": layout.metadata_bytes,
+        "layout_hash": layout.layout_hash,
+        "next_layout_slot": layout.next_layout_slot,
+        "held_bytes": layout.held_bytes,
+        "owner": layout.owner,
+        "residency": layout.residency.value,
+        "tier": layout.tier.value,
+        "restorer": layout.restorer,
+        "host_copies": [[k, v] for k, v in layout.host_copies.items()],
+        "host_bytes": layout.host_bytes,
+        "last_use": layout.last_use,
+        "loads": layout.loads,
+        "restores": layout.restores,
+        "evictions": layout.evictions,
+    }
+
+
+def _node_v1(node: NodeState) -> dict:
+    return {
+        "started": node.started,
+        "capacity_bytes": node.capacity_bytes,
+        "budget_bytes": node.budget_bytes,
+        "host_budget_bytes": node.host_budget_bytes,
+        "limits": _limits_v1(node.limits),
+        "layouts": [_layout_v1(layout) for layout in node.layouts.values()],
+        "sessions": [
+            [conn, s.layout, s.tenant, s.uid, s.gid, s.pid, s.lock_type, s.limit_bytes]
+            for conn, s in node.sessions.items()
+        ],
+        "tenants": [[t.name, t.quota_bytes, t.used_bytes, t.sessions] for t in node.tenants.values()],
+        "gpu_bytes": node.gpu_bytes,
+        "host_bytes": node.host_bytes,
+        "tick": node.tick,
+    }
+
+
+def _conn_v1(conn: ConnImage) -> dict:
+    p = conn.protocol
+    out = {
+        "conn": conn.conn,
+        "protocol": [p.state, p.handshaken, p.requests, p.buffered, p.eof, p.one_shot, p.serving],
+        "pending": None,
+    }
+    if conn.pending is not None:
+        w = conn.pending
+        out["pending"] = [w.kind, w.requested, w.timeout_left_ms, w.granted, w.restore]
+    return out
+
+
+def _body_v1(image: StateImage) -> dict:
+    s = image.server
+    return {
+        "server": [s.pid, s.backend, s.device, s.device_uuid, s.host_tier],
+        "last_seq": image.last_seq,
+        "next_conn": image.next_conn,
+        "node": _node_v1(image.state),
+        "conns": [_conn_v1(c) for c in image.conns],
+        "queues": [[layout, list(conns)] for layout, conns in image.queues],
+    }
+
+
+def _read_layout_v1(d: dict) -> LayoutState:
+    allocations = Map({
+        i: Allocation(allocation_id=i, size=size, aligned_size=aligned, tag=tag, layout_slot=slot)
+        for i, size, aligned, tag, slot in d["allocations"]
+    })
+    metadata = Map({
+        key: MetadataEntry(key=key, allocation_id=i, offset_bytes=offset, value=value)
+        for key, i, offset, value in d["metadata"]
+    })
+    keys: dict[str, dict[str, None]] = {}
+    for entry in metadata.values():
+        keys.setdefault(entry.allocation_id, {})[entry.key] = None
+    return LayoutState(
+        name=d["name"],
+        writer=d["writer"],
+        readers=frozenset(d["readers"]),
+        committed=d["committed"],
+        allocations=allocations,
+        metadata=metadata,
+        keys_by_allocation=Map({k: Map(v) for k, v in keys.items()}),
+        metadata_bytes=d["metadata_bytes"],
+        layout_hash=d["layout_hash"],
+        next_layout_slot=d["next_layout_slot"],
+        held_bytes=d["held_bytes"],
+        owner=d["owner"],
+        residency=Residency(d["residency"]),
+        tier=Tier(d["tier"]),
+        restorer=d["restorer"],
+        host_copies=Map({k: v for k, v in d["host_copies"]}),
+        host_bytes=d["host_bytes"],
+        last_use=d["last_use"],
+        loads=d["loads"],
+        restores=d["restores"],
+        evictions=d["evictions"],
+    )
+
+
+def _read_node_v1(d: dict) -> NodeState:
+    layouts = [_read_layout_v1(layout) for layout in d["layouts"]]
+    return NodeState(
+        started=d["started"],
+        capacity_bytes=d["capacity_bytes"],
+        budget_bytes=d["budget_bytes"],
+        host_budget_bytes=d["host_budget_bytes"],
+        limits=Limits.from_dict(d["limits"]),
+        layouts=Map({layout.name: layout for layout in layouts}),
+        sessions=Map({
+            conn: SessionInfo(
+                layout=layout, tenant=tenant, uid=uid, gid=gid, pid=pid, lock_type=lock, limit_bytes=limit
+            )
+            for conn, layout, tenant, uid, gid, pid, lock, limit in d["sessions"]
+        }),
+        tenants=Map({
+            name: TenantState(name=name, quota_bytes=quota, used_bytes=used, sessions=sessions)
+            for name, quota, used, sessions in d["tenants"]
+        }),
+        gpu_bytes=d["gpu_bytes"],
+        host_bytes=d["host_bytes"],
+        tick=d["tick"],
+    )
+
+
+def _read_conn_v1(d: dict) -> ConnImage:
+    state, handshaken, requests, buffered, eof, one_shot, serving = d["protocol"]
+    protocol = ProtocolImage(
+        state=state, handshaken=handshaken, requests=requests, buffered=buffered, eof=eof,
+        one_shot=one_shot, serving=serving,
+    )
+    pending = None
+    if d["pending"] is not None:
+        kind, requested, left, granted, restore = d["pending"]
+        if kind not in PENDING_KINDS:
+            raise ImageError(f"a connection waits on {kind!r}, which this server does not know")
+        pending = PendingImage(
+            kind=kind, requested=requested, timeout_left_ms=left, granted=granted, restore=restore
+        )
+    return ConnImage(conn=d["conn"], protocol=protocol, pending=pending)
+
+
+def _read_server_v1(row: list) -> ServerInfo:
+    pid, backend, device, device_uuid, host_tier = row
+    return ServerInfo(pid=pid, backend=backend, device=device, device_uuid=device_uuid, host_tier=host_tier)
+
+
+def _read_v1(body: dict) -> StateImage:
+    return StateImage(
+        version=1,
+        server=_read_server_v1(body["server"]),
+        last_seq=body["last_seq"],
+        next_conn=body["next_conn"],
+        state=_read_node_v1(body["node"]),
+        conns=tuple(_read_conn_v1(c) for c in body["conns"]),
+        queues=tuple((layout, tuple(conns)) for layout, conns in body["queues"]),
+    )
+
+
+_WRITERS = {1: _body_v1}
+_READERS = {1: _read_v1}
+
+
+# -- the envelope --------------------------------------------------------------------
+
+
+def _pack(value: object) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> object:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def encode_image(image: StateImage, version: int = STATE_VERSION) -> bytes:
+    writer = _WRITERS.get(version)
+    if writer is None:
+        raise UnsupportedVersion(version)
+    return _pack([MAGIC, version, _pack(writer(image))])
+
+
+def image_version(data: bytes) -> int:
+    """The version of an image, read before anything else of it."""
+    try:
+        magic, version, _ = _unpack(data)
+    except Exception as exc:  # any failure to parse: not an image
+        raise ImageError(f"not a gms state image: {exc}") from None
+    if magic != MAGIC or not isinstance(version, int):
+        raise ImageError("not a gms state image (no magic, or no version)")
+    return version
+
+
+def decode_image(data: bytes) -> StateImage:
+    """Raises UnsupportedVersion for a version this server does not read,
+    ImageError for anything else it cannot parse."""
+    version = image_version(data)
+    reader = _READERS.get(version)
+    if reader is None:
+        raise UnsupportedVersion(version)
+    try:
+        return reader(_unpack(_unpack(data)[2]))
+    except ImageError:
+        raise
+    except Exception as exc:  # a malformed body of a known version
+        raise ImageError(f"a version-{version} state image that does not parse: {exc!r}") from None
+
+
+# -- log entries ---------------------------------------------------------------------------
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+    return names
+
+
+def entry_row(entry: LogEntry) -> list:
+    event = entry.event
+    fields = {name: getattr(event, name) for name in _fields(type(event))}
+    return [entry.seq, entry.mono_ns, entry.wall_ns, event.KIND, fields]
+
+
+def encode_entries(entries: Iterable[LogEntry]) -> bytes:
+    return _pack([entry_row(entry) for entry in entries])
+
+
+def decode_entries(data: bytes) -> list[LogEntry]:
+    """Raises ImageError for an entry that is not an event this server knows."""
+    out = []
+    try:
+        rows = _unpack(data)
+    except Exception as exc:
+        raise ImageError(f"log entries that do not parse: {exc}") from None
+    for row in rows:
+        try:
+            seq, mono_ns, wall_ns, kind, fields = row
+            cls = EVENT_TYPES[kind]
+            names = set(_fields(cls))
+            event = cls(**{k: v for k, v in fields.items() if k in names})
+        except Exception as exc:
+            raise ImageError(f"a log entry this server cannot read ({exc!r}): {row!r:.200}") from None
+        out.append(LogEntry(seq, mono_ns, wall_ns, event))
+    return out

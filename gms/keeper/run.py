@@ -1,0 +1,359 @@
+"""The keeper process: holds what must outlive a server, and starts the next one.
+
+Two ways to run it:
+
+* **spawn** (``gms serve``, the default): the keeper starts the server as its
+  child, with one end of a socketpair (``--keeper-fd``), and starts the next
+  one when it dies: at once the first time (and after a server that left on a
+  signal), then after a backoff that doubles from half a second to 30 s,
+  reset once a server has served a minute.  SIGTERM/SIGINT ask the server to
+  stop cleanly (it releases every layout) and then the keeper exits.
+* **listen** (``gms keeper --keeper-socket PATH``): servers in another
+  container connect to it (Kubernetes: a pod's keeper and server containers
+  share the folder); one store per device, one server per device at a time.
+
+The conversation (``gms.server.mirror`` has the server's side): the server
+says hello, the keeper hands back what it holds, the server mirrors every
+change until it goes (EOF).  The keeper never parses a state: it needs no
+core and no CUDA, so nothing a server does can crash it.  Under systemd it
+also pushes everything into systemd's fd store (``gms.keeper.systemd``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+
+import attrs
+import trio
+
+from .. import sdnotify
+from ..handover import frames
+from .store import Store
+from .systemd import SystemdMirror, restore
+
+log = logging.getLogger("gms.keeper")
+
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 60.0
+STOP_GRACE_S = 30.0
+EXIT_CONFIG = 78
+EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
+
+
+@attrs.define
+class Outcome:
+    """How one server's conversation ended."""
+
+    why: str | None = None  # what the server said before it went ("shutdown", "taken-over", ...)
+    ready: bool = False
+    pid: int = 0
+
+
+# -- the conversation --------------------------------------------------------------
+
+
+async def _send(sock: trio.socket.SocketType, kind: str, body: dict | None = None, fds=()) -> None:
+    data = memoryview(frames.encode_frame(kind, body, len(fds)))
+    sent = await sock.sendmsg([data], frames.ancillary_for(fds))
+    while sent < len(data):
+        sent += await sock.send(data[sent:])
+
+
+async def _recv(sock: trio.socket.SocketType, reader: frames.FrameReader) -> frames.Frame:
+    while True:
+        frame = reader.next_frame()
+        if frame is not None:
+            return frame
+        data, ancillary, flags, _ = await sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
+        fds = frames.received_fds(ancillary)
+        frames.check_flags(flags, fds)
+        reader.feed(data, fds)
+
+
+async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Frame) -> None:
+    body, keyed = store.handback()
+    await _send(sock, "handback", body)
+    for start in range(0, len(keyed), frames.MAX_FDS):
+        batch = keyed[start : start + frames.MAX_FDS]
+        await _send(sock, "fds", {"keys": [k for k, _ in batch]}, [fd for _, fd in batch])
+    await _send(sock, "end")
+
+
+async def converse(
+    sock: trio.socket.SocketType, store: Store, pid: int, on_ready=lambda: None,
+    reader: frames.FrameReader | None = None, hello: frames.Frame | None = None,
+) -> Outcome:
+    """One server, hello to EOF (``hello``: read already, with ``reader``)."""
+    outcome = Outcome(pid=pid)
+    reader = reader or frames.FrameReader()
+    try:
+        if hello is None:
+            hello = await _recv(sock, reader)
+        if hello.kind != "hello":
+            raise frames.FrameError(f"a server began with {hello.kind!r}, not hello")
+        outcome.pid = hello.body.get("pid", pid)
+        await hand_back(sock, store, hello)
+        while True:
+            said = store.apply(await _recv(sock, reader))
+            if said == "ready":
+                outcome.ready = True
+                on_ready()
+            elif said is not None and said.startswith("stopping:"):
+                outcome.why = said.split(":", 1)[1]
+    except frames.ChannelClosed:
+        pass
+    except (OSError, frames.FrameError, ValueError) as exc:
+        log.warning("the conversation with server pid %d broke: %s", outcome.pid, exc)
+    finally:
+        reader.close()
+    return outcome
+
+
+def settle(store: Store, outcome: Outcome, reason: str) -> None:
+    """What the keeper keeps after a server went, by how it went."""
+    why = outcome.why
+    if why == "taken-over":
+        store.drop_node(keep_listener=False)
+        store.retired = True
+    elif why in ("shutdown", "refused"):
+        store.drop_node(keep_listener=False)
+    else:
+        if not outcome.ready and store.base is not None:
+            store.failed_resumes += 1
+        store.old_pid, store.reason = outcome.pid, reason
+
+
+def describe(code: int | None) -> str:
+    if code is None:
+        return "its connection to the keeper closed"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+# -- systemd ---------------------------------------------------------------------------
+
+
+def open_store() -> tuple[Store, SystemdMirror | None]:
+    """A store, given back by systemd if it kept one, mirrored into its fd store if it runs us."""
+    if not sdnotify.enabled():
+        return Store(), None
+    store, mirror = restore(sdnotify.listen_fds())
+    mirror.attach(store)
+    if store.fds or store.base is not None:
+        log.info("systemd handed back %d fds and %s", len(store.fds),
+                 "a journal" if store.base is not None else "no journal")
+    return store, mirror
+
+
+def _notify(state: str) -> None:
+    try:
+        sdnotify.notify(state)
+    except OSError as exc:
+        log.warning("sd_notify: %s", exc)
+
+
+# -- spawn -----------------------------------------------------------------------------
+
+
+async def keep_spawning(server_argv: list[str]) -> int:
+    """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code."""
+    store, _ = open_store()
+    stopping = trio.Event()
+    backoff = 0.0
+    notified_ready = False
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    log.info("%s: stopping the server (it releases every layout), then the keeper",
+                             signal.Signals(signum).name)
+                    _notify("STOPPING=1")
+                    stopping.set()
+                    return
+
+            nursery.start_soon(on_signal)
+            code = 0
+            while True:
+                here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                argv = [*server_argv, "--keeper-fd", str(there.fileno())]
+                started = trio.current_time()
+                try:
+                    proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
+                finally:
+                    there.close()
+                sock = trio.socket.from_stdlib_socket(here)
+
+                def on_ready() -> None:
+                    nonlocal notified_ready
+                    if not notified_ready:
+                        notified_ready = True
+                        _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
+                    else:
+                        _notify(f"STATUS=serving (server pid {proc.pid})")
+
+                async with trio.open_nursery() as inner:
+
+                    async def ask_to_stop() -> None:
+                        await stopping.wait()
+                        try:
+                            await _send(sock, "stop")
+                        except OSError:
+                            pass
+                        with trio.move_on_after(STOP_GRACE_S):
+                            await proc.wait()
+                        if proc.returncode is None:
+                            log.error("the server ignored the stop; killing it")
+                            proc.kill()
+
+                    inner.start_soon(ask_to_stop)
+                    outcome = await converse(sock, store, proc.pid, on_ready)
+                    code = await proc.wait()
+                    inner.cancel_scope.cancel()
+                sock.close()
+                reason = describe(code)
+                settle(store, outcome, reason)
+                if stopping.is_set() or outcome.why == "shutdown":
+                    store.close()
+                    nursery.cancel_scope.cancel()
+                    return 0 if stopping.is_set() else code
+                if outcome.why == "taken-over":
+                    log.info("the server was taken over by another (its keeper holds the node now): done")
+                    store.close()
+                    nursery.cancel_scope.cancel()
+                    return 0
+                if outcome.why == "refused":
+                    log.error("the take-over did not happen; the old server serves on")
+                    store.close()
+                    nursery.cancel_scope.cancel()
+                    return EXIT_REFUSED
+                if code == EXIT_CONFIG or (code == 1 and not outcome.ready):
+                    # The same options would fail again (a socket another server holds, say).
+                    log.error("the server could not start (%s); not starting another", reason)
+                    store.close()
+                    nursery.cancel_scope.cancel()
+                    return code
+                if trio.current_time() - started >= HEALTHY_AFTER_S:
+                    backoff = 0.0
+                delay = 0.0 if outcome.why == "left" else backoff
+                log.error(
+                    "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
+                    outcome.pid, reason, f", {outcome.why}" if outcome.why else "",
+                    "now" if delay == 0 else f"in {delay:.1f} s", len(store.fds),
+                )
+                _notify(f"STATUS=restarting the server ({reason})")
+                if outcome.why != "left":
+                    backoff = FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S)
+                with trio.move_on_after(delay):
+                    await stopping.wait()
+                if stopping.is_set():
+                    store.close()
+                    nursery.cancel_scope.cancel()
+                    return 0
+
+
+# -- listen ----------------------------------------------------------------------------
+
+
+def bind_keeper_socket(path: str) -> socket.socket:
+    """The keeper's own socket: mode 0600, a dead keeper's file replaced, a live one refused."""
+    from ..server.server import clear_stale_socket, make_socket_dir
+
+    make_socket_dir(os.path.dirname(os.path.abspath(path)))
+    clear_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+async def keep_listening(path: str) -> int:
+    """Serve servers that connect to ``path``; one store per device they name."""
+    stores: dict[str, Store] = {}
+    locks: dict[str, trio.Lock] = {}
+    conversations: dict[str, trio.socket.SocketType] = {}
+    listener = trio.socket.from_stdlib_socket(bind_keeper_socket(path))
+    inode = os.stat(path).st_ino
+    uid = os.getuid()
+    log.info("keeping for servers that connect to %s", path)
+    _notify("READY=1\nSTATUS=waiting for servers")
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def one(sock: trio.socket.SocketType) -> None:
+                    from ..server.peer import peer_of
+
+                    try:
+                        peer = peer_of(sock)
+                    except OSError:
+                        sock.close()
+                        return
+                    if peer.uid not in (0, uid):
+                        log.warning("refusing a server of uid %d (this keeper's uid is %d)", peer.uid, uid)
+                        sock.close()
+                        return
+                    reader = frames.FrameReader()
+                    try:
+                        with trio.fail_after(30):
+                            hello = await _recv(sock, reader)
+                    except (OSError, frames.FrameError, trio.TooSlowError):
+                        hello = None
+                    if hello is None or hello.kind != "hello":
+                        reader.close()
+                        sock.close()
+                        return
+                    device = str(hello.body.get("device", ""))
+                    lock = locks.setdefault(device, trio.Lock())
+                    async with lock:
+                        store = stores.setdefault(device, Store())
+                        conversations[device] = sock
+                        outcome = await converse(sock, store, peer.pid, reader=reader, hello=hello)
+                        conversations.pop(device, None)
+                        sock.close()
+                        settle(store, outcome, "its connection to the keeper closed")
+                        log.info("server pid %d of device %s went (%s)", outcome.pid, device or "?",
+                                 outcome.why or "no word: its state is kept for the next one")
+
+                async def accept() -> None:
+                    while True:
+                        sock, _ = await listener.accept()
+                        nursery.start_soon(one, sock)
+
+                nursery.start_soon(accept)
+                async for signum in signals:
+                    log.info("%s: asking %d servers to stop, then stopping", signal.Signals(signum).name,
+                             len(conversations))
+                    for sock in list(conversations.values()):
+                        try:
+                            await _send(sock, "stop")
+                        except OSError:
+                            pass
+                    with trio.move_on_after(STOP_GRACE_S):
+                        while conversations:
+                            await trio.sleep(0.05)
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        listener.close()
+        try:
+            if os.stat(path).st_ino == inode and stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        for store in stores.values():
+            store.close()
+    return 0

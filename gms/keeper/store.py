@@ -1,0 +1,126 @@
+"""What a keeper holds for one device: fds by key, and the journal (a base image and the events after it).
+
+The keeper never reads what it keeps: images and log entries are opaque
+bytes, fds are numbers under keys the server chose (``listener``,
+``gpu:<id>``, ``host:<id>``).  :meth:`Store.apply` takes the server's frames
+(``gms.server.mirror`` says what each means) in the order they came; the
+hand-back is what the next server gets.  An fd is kept until the server
+releases it, a base leaves it out, or the node is dropped; the journal is
+replaced by each base.  Pure but for closing fds, and tested without
+processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ..handover.frames import Frame
+
+LISTENER = "listener"
+
+
+class Store:
+    def __init__(self, on_fd: Callable[[str, int | None], None] | None = None) -> None:
+        """``on_fd(key, fd)`` is told of every fd kept (``fd``) or let go (None):
+        systemd's fd store mirrors the keeper's (``gms.keeper.systemd``)."""
+        self.fds: dict[str, int] = {}
+        self.base: bytes | None = None
+        self.tails: list[bytes] = []
+        self.provisional: int | None = None  # a take-over's node, not committed: the old server's pid
+        self.failed_resumes = 0
+        self.retired = False
+        self.old_pid = 0
+        self.reason = ""
+        self._on_fd = on_fd or (lambda key, fd: None)
+        # Told of the journal as it changes: ("base", bytes) or ("events", bytes).
+        self.on_journal: Callable[[str, bytes], None] = lambda kind, data: None
+
+    # -- holding --------------------------------------------------------------------
+
+    def hold(self, key: str, fd: int) -> None:
+        old = self.fds.get(key)
+        if old is not None and old != fd:
+            os.close(old)
+        self.fds[key] = fd
+        self._on_fd(key, fd)
+
+    def release(self, key: str) -> None:
+        fd = self.fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+            self._on_fd(key, None)
+
+    def keep_only(self, keys: set[str]) -> None:
+        for key in [k for k in self.fds if k not in keys]:
+            self.release(key)
+
+    def drop_node(self, *, keep_listener: bool) -> None:
+        """Forget the node: its memory's fds and journal (and the listener unless kept)."""
+        self.keep_only({LISTENER} if keep_listener else set())
+        self.base, self.tails, self.provisional, self.failed_resumes = None, [], None, 0
+        self.on_journal("base", b"")
+
+    # -- the server's frames ----------------------------------------------------------
+
+    def apply(self, frame: Frame) -> str | None:
+        """Take one frame from the server; returns its kind when it ends or
+        changes the conversation (``ready``, ``stopping:<why>``), else None."""
+        kind, body = frame.kind, frame.body
+        if kind == "hold":
+            keys = body.get("keys", [])
+            if len(keys) != len(frame.fds):
+                frame.close_fds()
+                raise ValueError(f"hold with {len(keys)} keys and {len(frame.fds)} fds")
+            for key, fd in zip(keys, frame.fds):
+                self.hold(key, fd)
+            return None
+        frame.close_fds()  # only holds carry fds
+        if kind == "release":
+            for key in body.get("keys", []):
+                self.release(key)
+        elif kind == "events":
+            self.tails.append(body["entries"])
+            self.on_journal("events", body["entries"])
+        elif kind == "base":
+            self.base, self.tails = body["image"], []
+            self.on_journal("base", body["image"])
+            if "keys" in body:
+                self.keep_only(set(body["keys"]))
+            if "provisional" in body:
+                self.provisional = body["provisional"]
+        elif kind == "confirm":
+            self.provisional = None
+        elif kind == "ready":
+            self.failed_resumes = 0
+            return "ready"
+        elif kind == "stopping":
+            return f"stopping:{body.get('why', '')}"
+        return None
+
+    # -- the next server --------------------------------------------------------------
+
+    def handback(self) -> tuple[dict, list[tuple[str, int]]]:
+        """(the hand-back frame's body, the (key, fd) pairs to send with it):
+        ``retired`` (taken over by another server: serve nothing), ``fresh`` (an
+        empty node; the listener if the keeper holds one, else the server binds
+        or takes over) or ``resume`` (the last server's journal and fds)."""
+        if self.retired:
+            return {"mode": "retired"}, []
+        if self.base is None:
+            return {"mode": "fresh"}, self._listener()
+        body = {
+            "mode": "resume", "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
+            "reason": self.reason, "failed_resumes": self.failed_resumes,
+        }
+        if self.provisional is not None:
+            body["provisional"] = self.provisional
+        return body, sorted(self.fds.items())
+
+    def _listener(self) -> list[tuple[str, int]]:
+        fd = self.fds.get(LISTENER)
+        return [] if fd is None else [(LISTENER, fd)]
+
+    def close(self) -> None:
+        for key in list(self.fds):
+            os.close(self.fds.pop(key))

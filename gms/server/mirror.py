@@ -1,0 +1,240 @@
+"""The server's side of its keeper: everything that must outlive the server, sent as it happens.
+
+A server under a keeper (``gms/keeper``) starts by saying hello on the keeper
+channel and reading what the keeper hands back (:meth:`KeeperLink.hello`):
+the listening socket, and after a crash the last server's state and memory.
+Once it serves it *attaches* (:meth:`KeeperLink.attach`): it sends the fds
+the keeper lacks and a *base* (a state image, with the keys of every fd that
+state holds; the keeper closes any other).  From then on, in the order they
+happen on the event loop:
+
+* ``hold``: memory made (an allocation, a host copy), its fd, before the
+  event that records it (a server that dies between the two leaves an fd no
+  event names: the next server closes it);
+* ``events``: log entries as they are appended (``MirroredLog``), before the
+  memory they released is let go and before any answer goes out;
+* ``release``: memory let go, after its event;
+* ``base``: a new image once the events sent since the last one outweigh it
+  (so the keeper's journal stays within about twice the state, and encoding
+  images costs at most a byte per byte of events);
+* ``ready`` once serving, ``stopping`` before a deliberate exit.
+
+Sends are synchronous and on the event loop: a frame the kernel took is in
+the keeper's receive queue and outlives this process, so whatever a client
+was answered survives a SIGKILL a microsecond later.  A keeper that went away
+costs the server nothing but its safety net: the link logs it once and is
+dropped (:attr:`KeeperLink.alive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from ..handover import frames
+from ..handover.image import STATE_VERSION, StateImage, encode_entries, encode_image
+from ..store import EventLog, LogEntry
+
+log = logging.getLogger("gms.server")
+
+MIN_TAIL_BYTES = 1 << 20  # a new base no sooner than this many bytes of events
+LISTENER = "listener"
+
+
+def memory_key(tier: str, allocation_id: str) -> str:
+    return f"{tier}:{allocation_id}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    tier, _, allocation_id = key.partition(":")
+    return tier, allocation_id
+
+
+@attrs.frozen
+class Handback:
+    """What the keeper handed a new server.
+
+    ``mode``: ``fresh`` (an empty node, on ``listener`` if the keeper holds
+    one, else the server binds or takes over), ``resume`` (the last server
+    died: ``base`` and ``tails`` are its journal, ``fds`` its memory),
+    ``retired`` (this keeper's server was taken over by another: serve nothing)."""
+
+    mode: str
+    listener: int | None = None
+    base: bytes | None = None
+    tails: tuple[bytes, ...] = ()
+    fds: dict = attrs.field(factory=dict)  # key -> fd
+    old_pid: int = 0
+    reason: str = ""
+    provisional: int | None = None  # the journal is a take-over's, not committed: the old server's pid
+    failed_resumes: int = 0  # servers that died resuming this journal before serving
+
+
+class KeeperGone(Exception):
+    """The keeper channel broke."""
+
+
+class KeeperLink:
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self.alive = True
+        self._keeper_keys: set[str] = set()
+        self._attached = False
+        self._image: Callable[[], StateImage] | None = None
+        self._base_bytes = 0
+        self._tail_bytes = 0
+
+    # -- the start ---------------------------------------------------------------
+
+    def hello(self, device: str, *, timeout: float | None = 60.0) -> Handback:
+        """Say who we are (and for which device: a keeper may keep for several);
+        read the keeper's hand-back (blocking: before serving)."""
+        self.sock.settimeout(timeout)
+        try:
+            frames.send_frame(self.sock, "hello", {"pid": os.getpid(), "device": device, "version": STATE_VERSION})
+            reader = frames.FrameReader()
+            head = frames.recv_frame(self.sock, reader)
+            if head.kind != "handback":
+                raise KeeperGone(f"the keeper answered {head.kind!r}, not a hand-back")
+            fds: dict[str, int] = {}
+            listener = None
+            while True:
+                frame = frames.recv_frame(self.sock, reader)
+                if frame.kind == "end":
+                    break
+                if frame.kind != "fds" or len(frame.body["keys"]) != len(frame.fds):
+                    frame.close_fds()
+                    raise KeeperGone(f"the keeper sent {frame.kind!r} inside a hand-back")
+                for key, fd in zip(frame.body["keys"], frame.fds):
+                    if key == LISTENER:
+                        listener = fd
+                    else:
+                        fds[key] = fd
+        except (OSError, frames.FrameError) as exc:
+            raise KeeperGone(f"the keeper channel broke during the hand-back: {exc}") from exc
+        finally:
+            self.sock.settimeout(None)
+        body = head.body
+        self._keeper_keys = set(fds) | ({LISTENER} if listener is not None else set())
+        return Handback(
+            mode=body["mode"], listener=listener, base=body.get("base"), tails=tuple(body.get("tails", ())),
+            fds=fds, old_pid=body.get("old_pid", 0), reason=body.get("reason", ""),
+            provisional=body.get("provisional"), failed_resumes=body.get("failed_resumes", 0),
+        )
+
+    def attach(
+        self, image: Callable[[], StateImage], held: Iterable[tuple[str, int]], *, provisional: int | None = None
+    ) -> None:
+        """Serving from now on: send what the keeper lacks of ``held`` ((key, fd)
+        of every fd the state needs kept, the listener included), then a base;
+        the keeper closes whatever else it holds.  ``provisional``: the node is
+        a take-over's from that pid, not committed yet (:meth:`confirm` once it is):
+        should this server die first, the next one asks whether the old one
+        still serves before it resumes anything."""
+        self._image = image
+        held = list(held)
+        missing = [(key, fd) for key, fd in held if key not in self._keeper_keys]
+        self._send(lambda: frames.send_fds(self.sock, "hold", missing))
+        self._attached = True
+        self._send_base([key for key, _ in held], provisional)
+
+    def confirm(self) -> None:
+        """The take-over committed: the node is this server's."""
+        self._send(lambda: frames.send_frame(self.sock, "confirm"))
+
+    # -- as it happens --------------------------------------------------------------
+
+    def held(self, tier: str, items: list[tuple[str, int]]) -> None:
+        if self._attached:
+            self._send(lambda: frames.send_fds(self.sock, "hold", [(memory_key(tier, i), fd) for i, fd in items]))
+
+    def released(self, tier: str, allocation_ids: list[str]) -> None:
+        if self._attached:
+            keys = [memory_key(tier, i) for i in allocation_ids]
+            self._send(lambda: frames.send_frame(self.sock, "release", {"keys": keys}))
+
+    def logged(self, entries: list[LogEntry]) -> None:
+        if not self._attached:
+            return
+        blob = encode_entries(entries)
+        self._send(lambda: frames.send_frame(self.sock, "events", {"entries": blob}))
+        self._tail_bytes += len(blob)
+        if self._tail_bytes >= max(MIN_TAIL_BYTES, self._base_bytes):
+            self._send_base(None)
+
+    def ready(self, **info) -> None:
+        self._send(lambda: frames.send_frame(self.sock, "ready", {"pid": os.getpid(), **info}))
+
+    def stopping(self, why: str) -> None:
+        """A deliberate end (``shutdown``: every fd released already; ``taken-over``:
+        another server holds it all now): the keeper does not start another."""
+        self._send(lambda: frames.send_frame(self.sock, "stopping", {"why": why}))
+
+    def close(self) -> None:
+        self.alive = False
+        self.sock.close()
+
+    async def wait_for_stop(self) -> str:
+        """Read what the keeper says (in Trio): ``stop`` (stop cleanly), or
+        ``gone`` when the channel ends (the server serves on without a keeper)."""
+        import trio
+
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=os.dup(self.sock.fileno())))
+        reader = frames.FrameReader()
+        try:
+            while True:
+                frame = reader.next_frame()
+                if frame is not None:
+                    frame.close_fds()
+                    if frame.kind == "stop":
+                        return "stop"
+                    continue
+                data, ancillary, flags, _ = await sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
+                fds = frames.received_fds(ancillary)
+                frames.check_flags(flags, fds)
+                reader.feed(data, fds)
+        except (OSError, frames.FrameError):
+            if self.alive:
+                log.error("the keeper went away: serving on without one; a crash now loses the node")
+            self.alive = False
+            return "gone"
+        finally:
+            reader.close()
+            sock.close()
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _send_base(self, keys: list[str] | None, provisional: int | None = None) -> None:
+        blob = encode_image(self._image())
+        body = {"image": blob} if keys is None else {"image": blob, "keys": keys}
+        if provisional is not None:
+            body["provisional"] = provisional
+        self._send(lambda: frames.send_frame(self.sock, "base", body))
+        self._base_bytes, self._tail_bytes = len(blob), 0
+
+    def _send(self, send: Callable[[], None]) -> None:
+        if not self.alive:
+            return
+        try:
+            send()
+        except OSError as exc:
+            log.error("the keeper went away (%s): serving on without one; a crash now loses the node", exc)
+            self.alive = False
+            self.sock.close()
+
+
+class MirroredLog(EventLog):
+    """An event log that sends what it appends to the keeper (when it has one)."""
+
+    link: KeeperLink | None = None
+
+    def extend(self, events, observe=None) -> list[LogEntry]:
+        entries = super().extend(events, observe)
+        if self.link is not None and entries:
+            self.link.logged(entries)
+        return entries

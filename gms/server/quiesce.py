@@ -1,0 +1,105 @@
+"""The quiet point: every connection between requests or waiting, none half-served.
+
+A take-over needs the server still: no request half-decided, no backend
+call in flight, no answer half-sent.  :meth:`Quiesce.pause` asks for it.
+Each session marks the awaits it may be stopped in (``interruptible``):
+reading the next request, waiting for a lock, waiting for memory.  Stopped
+there, it raises :class:`Parked` and its task ends, leaving the connection
+open and its state for the hand-over (the session's ``image()``).  Anywhere
+else (a lane call, a send) it is busy and runs on until its next
+interruptible await, where it parks at once.  :meth:`Quiesce.until_quiet`
+returns when every session has parked or ended.
+
+Nothing is lost by stopping an interruptible await: a receive that is
+cancelled has read nothing; a lock waiter stays in its queue (a grant made
+while paused is kept by the session and goes with it); a memory wait is made
+again from the start (it had made nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import trio
+
+
+class Parked(Exception):
+    """A session stopped at a quiet point for a hand-over."""
+
+
+def only_parked(exc: BaseException) -> bool:
+    """Parked, or a group (from an inner nursery) of nothing but Parked and Cancelled."""
+    if isinstance(exc, BaseExceptionGroup):
+        rest = exc.split((Parked, trio.Cancelled))[1]
+        return rest is None and exc.split(Parked)[0] is not None
+    return isinstance(exc, Parked)
+
+
+class Quiesce:
+    def __init__(self) -> None:
+        self.requested = False
+        self._scopes: set[trio.CancelScope] = set()
+        self._live: set[object] = set()  # sessions whose tasks run
+        self.parked: dict[int, object] = {}  # conn -> parked session
+        self._changed = trio.Event()
+
+    # -- the sessions' side ----------------------------------------------------------
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Around an await a pause may stop: raises Parked if it does (or did)."""
+        if self.requested:
+            raise Parked
+        scope = trio.CancelScope()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._scopes.discard(scope)
+        if scope.cancelled_caught:
+            raise Parked
+
+    def check(self) -> None:
+        """At the top of a session's loop: park rather than start a request."""
+        if self.requested:
+            raise Parked
+
+    def started(self, session: object) -> None:
+        self._live.add(session)
+        self._poke()
+
+    def park(self, conn: int, session: object) -> None:
+        self._live.discard(session)
+        self.parked[conn] = session
+        self._poke()
+
+    def ended(self, session: object) -> None:
+        self._live.discard(session)
+        self._poke()
+
+    # -- the take-over's side ---------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop every interruptible await now, and every later one at once."""
+        self.requested = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    async def until_quiet(self) -> None:
+        """Return once no session task runs (each parked or ended)."""
+        while self._live:
+            changed = self._changed
+            await changed.wait()
+
+    def resume(self) -> dict[int, object]:
+        """A take-over that did not happen: serving goes on; returns the parked
+        sessions (their owner starts them again) and forgets them."""
+        self.requested = False
+        parked, self.parked = self.parked, {}
+        return parked
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()

@@ -1,0 +1,187 @@
+"""A server that starts from another's node: the state rebuilt, the memory adopted, the resume recorded.
+
+Two ways in, one way through:
+
+* ``restart``: the keeper hands back the dead server's journal (a base image
+  and the log entries after it) and every fd it kept.  :func:`rebuild` folds
+  the entries over the image with the pure core, keeping their numbers, and
+  checks every invariant; a journal that does not rebuild is
+  :class:`Unreplayable` (the caller saves it with :func:`save_journal` and
+  starts empty, saying so).
+* ``take-over``: a live server hands over its image (state, sessions, queues)
+  and fds; the log goes on from the image.
+
+Then :func:`resume_core` adopts the memory (each fd checked by its backend,
+without a CUDA context; the state's allocations with no fd, or whose fd no
+longer imports, are *lost*; fds the state does not name are closed) and
+records what the pure core decides (``gms.fsm.resume``): ``SERVER_RESUMED``,
+the dead sessions' disconnects after a crash, ``LAYOUT_LOST`` for layouts
+with memory gone.  A take-over that finds memory lost is refused instead:
+the old server still serves it whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from collections.abc import Iterable
+
+import attrs
+
+from ..cuda import DeviceInfo, align_up
+from ..fsm import InvariantViolation, Rejection, check_invariants, decide_resume, held_memory
+from ..fsm.events import ServerResumed
+from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries, decode_image
+from ..postmortem import event_row
+from ..store import EventLog, Snapshot
+from .core import ServiceCore
+from .mirror import memory_key
+
+log = logging.getLogger("gms.server")
+
+
+class Unreplayable(Exception):
+    """A handed journal that does not rebuild into a valid state."""
+
+
+class TakeOverRefused(Exception):
+    """This server will not take the running one's place (it serves on)."""
+
+
+@attrs.frozen
+class Handed:
+    """A node to go on with: its image and log, its memory's fds by key
+    (``gpu:<id>``, ``host:<id>``) and, for a take-over, each connection's socket."""
+
+    mode: str  # "restart" or "take-over"
+    image: StateImage
+    log: EventLog
+    next_conn: int
+    fds: dict  # key -> fd
+    old_pid: int
+    reason: str
+    conn_fds: dict = attrs.field(factory=dict)  # conn -> socket fd
+
+    def close_conn_fds(self) -> None:
+        """The clients' sockets not handed to sessions (a take-over refused late)."""
+        for fd in self.conn_fds.values():
+            os.close(fd)
+        self.conn_fds.clear()
+
+
+def rebuild(
+    base: bytes, tails: Iterable[bytes], *, retain: int | None, log_class: type[EventLog] = EventLog
+) -> tuple[StateImage, EventLog, int]:
+    """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
+    try:
+        image = decode_image(base)
+        entries = [entry for tail in tails for entry in decode_entries(tail)]
+        log_ = log_class.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain)
+        check_invariants(log_.state)
+    except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
+        raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc
+    next_conn = max([image.next_conn] + [entry.event.conn + 1 for entry in entries])
+    return image, log_, next_conn
+
+
+def save_journal(folder: str, label: str, base: bytes | None, tails: Iterable[bytes], reason: str) -> str:
+    """Write a journal that did not rebuild where ``gms replay`` reads it: one
+    JSON line per event, after a first line with the base image (hex) when
+    there is one; what does not decode is kept as hex too.  Returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(folder, f"gms-unreplayable-{label}-{stamp}-{os.getpid()}.jsonl")
+    with open(path, "w") as out:
+        out.write(json.dumps({"kind": "GMS_JOURNAL", "reason": reason}) + "\n")
+        if base is not None:
+            try:
+                last_seq = decode_image(base).last_seq
+            except ImageError:
+                last_seq = None
+            out.write(json.dumps({"kind": "STATE_IMAGE", "seq": last_seq, "image": base.hex()}) + "\n")
+        for tail in tails:
+            try:
+                entries = decode_entries(tail)
+            except ImageError:
+                out.write(json.dumps({"kind": "RAW_ENTRIES", "data": tail.hex()}) + "\n")
+                continue
+            for entry in entries:
+                out.write(json.dumps(event_row(entry.seq, entry.wall_ns / 1e9, entry.event), default=_plain) + "\n")
+    return path
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot write {type(value).__name__}")
+
+
+def check_compatible(server: ServerInfo, device: DeviceInfo) -> None:
+    """Memory is only ever taken over by a server of the same device and backend."""
+    if (server.backend, server.device_uuid) != (device.backend, device.uuid):
+        raise TakeOverRefused(
+            f"the state is of {server.backend} device {server.device_uuid}; this server serves "
+            f"{device.backend} device {device.uuid}"
+        )
+
+
+async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str, str]]:
+    """Hold every fd the state names (checked by its tier's backend); close the
+    others.  Returns (tier, allocation id, why) for each allocation lost."""
+    fds = dict(handed.fds)
+    tiers = core.ledger.tiers
+    lost: list[tuple[str, str, str]] = []
+    wanted: dict[str, list[tuple[str, int, int]]] = {}
+    for (tier, allocation_id), size in held_memory(handed.log.state).items():
+        fd = fds.pop(memory_key(tier, allocation_id), None)
+        memory = tiers.get(_tier(tier))
+        if fd is None or memory is None:
+            lost.append((tier, allocation_id, "no fd was kept for it" if fd is None else f"no {tier} tier here"))
+            if fd is not None:
+                os.close(fd)
+            continue
+        wanted.setdefault(tier, []).append((allocation_id, fd, align_up(size, memory.granularity)))
+    for key, fd in fds.items():  # made, but no event names it: the server died in between
+        log.info("closing %s: no event of the handed state names it", key)
+        os.close(fd)
+    for tier, items in wanted.items():
+        for allocation_id, why in await tiers[_tier(tier)].adopt(items):
+            lost.append((tier, allocation_id, why))
+    return lost
+
+
+def _tier(name: str):
+    from ..fsm import MemoryTier
+
+    return MemoryTier(name)
+
+
+def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:
+    started = core.started_event
+    return ServerResumed(
+        0, handed.mode, handed.old_pid, handed.reason, handed.image.version,
+        started.capacity_bytes, started.budget_bytes, started.host_budget_bytes, started.quotas, started.limits,
+        backend=started.backend, device=started.device, device_uuid=started.device_uuid, layout="",
+    )
+
+
+async def resume_core(core: ServiceCore, handed: Handed) -> None:
+    """Adopt the memory and record the resume; raises TakeOverRefused for a take-over
+    that cannot go on (memory lost, the new configuration refused)."""
+    check_compatible(handed.image.server, core.device)
+    lost = await adopt_memory(core, handed)
+    for tier, allocation_id, why in lost:
+        log.error("%s memory of allocation %s is lost: %s", tier, allocation_id, why)
+    if lost and handed.mode == "take-over":
+        raise TakeOverRefused(f"{len(lost)} allocations did not adopt (first: {lost[0][2]})")
+    events = decide_resume(
+        core.state, resumed_event(core, handed), [(t, i) for t, i, _ in lost],
+        reason=lost[0][2] if lost else "",
+    )
+    try:
+        core.ledger.record(events)
+    except Rejection as refused:  # the new configuration cannot hold the node
+        raise TakeOverRefused(refused.message) from None
+    core.continue_conns(handed.next_conn)

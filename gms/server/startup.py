@@ -1,0 +1,177 @@
+"""Where a starting server's socket and node come from.
+
+* No keeper (``--no-keeper``): it binds the socket itself; with
+  ``--take-over``, it first asks a server live on the socket for its place.
+* Under a keeper: the keeper's hand-back decides (``gms.server.mirror``):
+  ``fresh`` (an empty node, on the keeper's listening socket if it holds one,
+  else as without a keeper), ``resume`` (the socket, and the dead server's
+  journal and memory) or ``retired`` (this keeper's server was taken over by
+  another: serve nothing).
+
+A journal that does not rebuild is saved for ``gms replay`` and the server
+starts empty, saying so (a ``STATE_DISCARDED`` event after its
+``SERVER_STARTED``).  Everything here happens before the server serves, so it
+may block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import attrs
+
+from ..cuda import DeviceInfo
+from ..paths import device_id
+from .config import ServerConfig
+from .mirror import LISTENER, KeeperLink, MirroredLog
+from .resume import Handed, TakeOverRefused, Unreplayable, check_compatible, rebuild, save_journal
+from .takeover import Offer, abort, request_take_over
+
+MAX_FAILED_RESUMES = 2  # servers that died resuming a journal before it is given up
+
+log = logging.getLogger("gms.server")
+
+
+@attrs.frozen
+class Discarded:
+    reason: str
+    saved_to: str
+    old_pid: int
+
+
+@attrs.frozen
+class Start:
+    listener: socket.socket | None  # None: bind it
+    handed: Handed | None = None
+    offer: Offer | None = None  # a take-over to commit once the node is ours
+    discarded: Discarded | None = None
+    link: KeeperLink | None = None
+    keeper_keys: frozenset = frozenset()
+    retired: bool = False
+
+
+def _listener(fd: int) -> socket.socket:
+    return socket.socket(fileno=fd)
+
+
+def from_offer(offer: Offer, config: ServerConfig) -> Handed:
+    image = offer.image
+    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain)
+    return Handed("take-over", image, log_, image.next_conn, dict(offer.fds), offer.old_pid, "take-over",
+                  dict(offer.conn_fds))
+
+
+def _snapshot(image):
+    from ..store import Snapshot
+
+    return Snapshot(image.last_seq, image.state)
+
+
+def take_over(config: ServerConfig, device: DeviceInfo, link: KeeperLink | None = None) -> Start:
+    offer = request_take_over(config.socket_path, config.handover_timeout)
+    if offer is None:
+        log.info("no server is live on %s: starting as usual", config.socket_path)
+        return Start(None, link=link)
+    try:
+        check_compatible(offer.image.server, device)
+    except TakeOverRefused as refused:
+        abort(offer.sock, str(refused))
+        offer.close_fds()
+        raise
+    log.info("pid %d is handing its node over (state version %d)", offer.old_pid, offer.image.version)
+    return Start(_listener(offer.listener), handed=from_offer(offer, config), offer=offer, link=link)
+
+
+def open_link(config: ServerConfig) -> KeeperLink | None:
+    """The channel to this server's keeper, if it runs under one."""
+    if config.keeper_fd is not None:
+        return KeeperLink(socket.socket(fileno=config.keeper_fd))
+    if config.keeper_socket is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(config.keeper_socket)
+        except OSError:
+            sock.close()
+            raise
+        return KeeperLink(sock)
+    return None
+
+
+def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -> Start:
+    """Decide (and fetch) what the server starts from.  Raises TakeOverRefused."""
+    if link is None:
+        return take_over(config, device) if config.take_over else Start(None)
+    handback = link.hello(device.uuid)
+    keys = frozenset(handback.fds) | ({LISTENER} if handback.listener is not None else frozenset())
+    if handback.mode == "retired":
+        return Start(None, link=link, retired=True)
+    listener = _listener(handback.listener) if handback.listener is not None else None
+    if handback.mode != "resume" or handback.base is None:
+        for fd in handback.fds.values():
+            os.close(fd)
+        if listener is None and config.take_over:
+            return attrs.evolve(take_over(config, device, link), keeper_keys=keys)
+        return Start(listener, link=link, keeper_keys=keys)
+    why_not = None
+    if handback.provisional and old_server_serves(config.socket_path, handback.provisional):
+        # A take-over that never committed: the old server serves this node.
+        log.warning("the keeper's state is of a take-over that did not happen: taking over again")
+        for fd in handback.fds.values():
+            os.close(fd)
+        if listener is not None:
+            listener.close()
+        return attrs.evolve(take_over(config, device, link), keeper_keys=keys)
+    if handback.failed_resumes >= MAX_FAILED_RESUMES:
+        why_not = f"the last {handback.failed_resumes} servers died resuming it"
+    try:
+        if why_not is not None:
+            raise Unreplayable(why_not)
+        image, log_, next_conn = rebuild(
+            handback.base, handback.tails, retain=config.event_log_retain, log_class=MirroredLog
+        )
+        check_compatible(image.server, device)
+    except (Unreplayable, TakeOverRefused) as exc:
+        folder = config.state_dir or os.path.dirname(os.path.abspath(config.socket_path))
+        saved = save_journal(folder, _label(config), handback.base, handback.tails, str(exc))
+        log.error(
+            "the state handed back by the keeper cannot be resumed (%s): saved to %s for `gms replay`; "
+            "its memory is released and this server starts EMPTY", exc, saved,
+        )
+        for fd in handback.fds.values():
+            os.close(fd)
+        return Start(listener, discarded=Discarded(str(exc), saved, handback.old_pid), link=link, keeper_keys=keys)
+    old_pid = handback.old_pid or image.server.pid
+    handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown")
+    return Start(listener, handed=handed, link=link, keeper_keys=keys)
+
+
+def old_server_serves(path: str, pid: int) -> bool:
+    """Does the server a take-over was taking the place of still serve?  Gone
+    (a pid this process can see, dead) or silent: no."""
+    if pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+    from ..client.probes import get_runtime_state
+    from ..errors import GMSError
+
+    try:
+        get_runtime_state(path, timeout=2.0)
+    except (GMSError, OSError):
+        return False
+    return True
+
+
+def _label(config: ServerConfig) -> str:
+    try:
+        return device_id(config.device, config.backend)
+    except Exception:  # noqa: BLE001 - a name for a file: the device number will do
+        return f"device-{config.device}"
+
+
+__all__ = ["Discarded", "Start", "TakeOverRefused", "open_link", "prepare", "take_over"]

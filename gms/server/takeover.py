@@ -1,0 +1,343 @@
+"""Live take-over: a new server takes a running one's place, nothing lost, no client told.
+
+The conversation, on one connection to the running server's own socket::
+
+    new                                       old
+    TakeOverRequest(readable_versions) ──►    (the server's uid or root; a version both know)
+                                              stops accepting; pauses every session at a
+                                              quiet point (gms.server.quiesce), within
+                                              --handover-timeout, else refuses and serves on
+                                 ◄──────────  TakeOverResponse(state_version)
+                                 ◄──────────  frame "image": the state image (versioned)
+                                 ◄──────────  frames "fds": memory, host copies, the
+                                              listening socket, every client's socket,
+                                              at most 253 fds a frame, each named by key
+                                 ◄──────────  frame "end"
+    decodes, adopts, takes the node;
+    hands its keeper everything
+    frame "commit" ──────────────────────►    tells its keeper it was taken over
+                                 ◄──────────  frame "bye"; exits without releasing
+                                              anything or removing the socket
+    serves (accepts, and every
+    handed connection goes on)
+
+Anything the new server cannot take (a version it does not read, another
+device, memory that does not adopt, a configuration that cannot hold the
+node) it answers with frame "abort" and a reason; the old server, which has
+let go of nothing, resumes every session where it stopped and serves on.  So
+does an old server whose new one goes silent or away before "commit".
+Before the commit the old server holds everything; after it, the new one:
+neither ever lets go first.
+
+Images and frames are encoded in ``gms.handover``; this module is the
+shell's two sides of the conversation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+
+import attrs
+import trio
+
+from ..handover import frames
+from ..handover.image import (
+    READABLE_VERSIONS,
+    STATE_VERSION,
+    ConnImage,
+    ImageError,
+    PendingImage,
+    ProtocolImage,
+    ServerInfo,
+    StateImage,
+    UnsupportedVersion,
+    decode_image,
+    encode_image,
+)
+from ..wire import FrameDecoder, ProtocolError, decode, encode
+from ..wire import messages as m
+from .mirror import LISTENER, memory_key, split_key
+from .netio import Channel
+from .resume import TakeOverRefused
+
+log = logging.getLogger("gms.server")
+
+CONN_PREFIX = "conn:"
+
+
+# -- the old server's side ---------------------------------------------------------------
+
+
+def session_image(session, now: float) -> ConnImage:
+    """A parked session as data (its socket travels beside it)."""
+    protocol = ProtocolImage(**session.protocol.freeze())
+    pending = None
+    grant = session.grant
+    if session.waiting_for is not None:
+        pending = PendingImage(
+            session.waiting_for, granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore)
+        )
+    elif session.lock_wait is not None:
+        wait = session.lock_wait
+        left = None if math.isinf(wait.deadline) else max(0, int((wait.deadline - now) * 1000))
+        pending = PendingImage(
+            "lock", requested=wait.requested.value, timeout_left_ms=left,
+            granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore),
+        )
+    return ConnImage(session.conn, protocol, pending)
+
+
+def server_info(server) -> ServerInfo:
+    device = server.core.device
+    return ServerInfo(os.getpid(), device.backend, device.device, device.uuid, server.host_tier is not None)
+
+
+def node_image(server, parked: dict, *, sessions: bool = True) -> StateImage:
+    """The node as data: with the parked sessions and the lock queues for a
+    take-over, without them for the keeper (a crash closes every connection)."""
+    core = server.core
+    now = trio.current_time()
+    conns = tuple(session_image(parked[conn], now) for conn in sorted(parked))
+    queues = tuple((layout, tuple(waiting)) for layout, waiting in core.queues.order()) if sessions else ()
+    return StateImage(STATE_VERSION, server_info(server), core.log.last_seq, core.next_conn, core.state, conns, queues)
+
+
+def handover_fds(server, parked: dict) -> list[tuple[str, int]]:
+    """(key, fd) of everything a take-over hands on: memory, the listener, the clients."""
+    keyed = [
+        (memory_key(tier.value, i), fd)
+        for tier, memory in server.core.ledger.tiers.items()
+        for i, fd in memory.held_fds()
+    ]
+    keyed.append((LISTENER, server.listener.fileno()))
+    keyed += [(f"{CONN_PREFIX}{conn}", parked[conn].channel.sock.fileno()) for conn in sorted(parked)]
+    return keyed
+
+
+def _hand_over_blocking(sock: socket.socket, first: bytes, image: bytes, keyed, timeout: float) -> str:
+    """Send the answer, the image and the fds; return the new server's verdict
+    (``commit`` or why not)."""
+    sock.settimeout(timeout)
+    sock.sendall(first)
+    frames.send_frame(sock, "image", {"image": image})
+    frames.send_fds(sock, "fds", keyed)
+    frames.send_frame(sock, "end")
+    reader = frames.FrameReader()
+    try:
+        frame = frames.recv_frame(sock, reader)
+    finally:
+        reader.close()
+    if frame.kind == "commit":
+        frames.send_frame(sock, "bye")
+        return "commit"
+    return f"{frame.kind}: {frame.body.get('reason', '')}"
+
+
+async def hand_over(server, channel: Channel, protocol, request: m.TakeOverRequest) -> None:
+    """Answer a TakeOverRequest on ``channel`` (the connection is ours now)."""
+    core, config = server.core, server.config
+    peer = channel.peer
+
+    async def refuse(message: str, code: str = "STATE_VIOLATION") -> None:
+        log.warning("take-over by pid %d refused: %s", peer.pid, message)
+        try:
+            await channel.send(protocol.send(m.ErrorResponse(message, code)))
+        except Exception:  # noqa: BLE001 - it is gone: nothing to tell it
+            pass
+        channel.close()
+
+    if peer.uid not in (0, core.server_uid):
+        return await refuse(f"uid {peer.uid} may not take this server over (its uid {core.server_uid} or root)",
+                            "PERMISSION_DENIED")
+    if STATE_VERSION not in request.readable_versions:
+        return await refuse(
+            f"this server hands over state version {STATE_VERSION}; the new one reads "
+            f"{sorted(request.readable_versions)}: upgrade through a version both know"
+        )
+    if server.quiesce.requested:
+        return await refuse("a take-over is already under way")
+    log.info("take-over by pid %d: pausing at a quiet point", peer.pid)
+    started = trio.current_time()
+    server.stop_accepting()
+    server.quiesce.pause()
+    with trio.move_on_after(config.handover_timeout) as waited:
+        await server.quiesce.until_quiet()
+    if waited.cancelled_caught:
+        server.resume_serving()
+        return await refuse(f"no quiet point within {config.handover_timeout} s (a client not reading its answers?)")
+    image = node_image(server, server.quiesce.parked)
+    keyed = handover_fds(server, server.quiesce.parked)
+    first = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid()))
+    sock = socket.socket(fileno=os.dup(channel.sock.fileno()))
+    try:
+        verdict = await trio.to_thread.run_sync(
+            _hand_over_blocking, sock, first, encode_image(image), keyed, config.handover_timeout
+        )
+    except (OSError, frames.FrameError) as exc:
+        verdict = f"the new server went away: {exc}"
+    finally:
+        sock.close()
+        channel.close()
+    paused_ms = (trio.current_time() - started) * 1000
+    if verdict == "commit":
+        log.info("taken over by pid %d after a pause of %.1f ms: exiting", peer.pid, paused_ms)
+        server.handed_over()
+        return
+    log.warning("take-over by pid %d did not happen (%s): serving on after a pause of %.1f ms",
+                peer.pid, verdict, paused_ms)
+    server.resume_serving()
+
+
+# -- the new server's side ----------------------------------------------------------------
+
+
+@attrs.frozen
+class Offer:
+    """What a running server handed over, before this server commits to it."""
+
+    sock: socket.socket
+    image: StateImage
+    listener: int
+    fds: dict  # memory key -> fd
+    conn_fds: dict  # conn -> socket fd
+    old_pid: int
+
+    def close_fds(self) -> None:
+        for fd in [self.listener, *self.fds.values(), *self.conn_fds.values()]:
+            os.close(fd)
+
+
+def _connect(path: str, timeout: float) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        sock.close()
+        return None
+    return sock
+
+
+def _answer(sock: socket.socket, reader: frames.FrameReader):
+    """The server's (wire-framed) answer; bytes and fds after it go to ``reader``."""
+    decoder = FrameDecoder()
+    fds: list[int] = []
+    while True:
+        body = decoder.next_frame()
+        if body is not None:
+            reader.feed(bytes(decoder._buffer), fds)
+            return decode(body)
+        data, ancillary, flags, _ = sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
+        got = frames.received_fds(ancillary)
+        frames.check_flags(flags, got)
+        fds += got
+        if not data:
+            raise TakeOverRefused("the running server closed the connection without answering")
+        decoder.feed(data)
+
+
+def request_take_over(path: str, timeout: float) -> Offer | None:
+    """Ask the server on ``path`` for its place; None when nothing listens there.
+    Raises TakeOverRefused (the old server serves on)."""
+    sock = _connect(path, timeout)
+    if sock is None:
+        return None
+    reader = frames.FrameReader()
+    try:
+        sock.sendall(encode(m.TakeOverRequest(list(READABLE_VERSIONS), os.getpid())))
+        try:
+            answer = _answer(sock, reader)
+        except (ProtocolError, OSError) as exc:
+            raise TakeOverRefused(f"the running server did not answer: {exc}") from None
+        if isinstance(answer, m.ErrorResponse):
+            if answer.code == "UNKNOWN_MESSAGE":
+                raise TakeOverRefused("the running server is too old to be taken over (it has no take-over)")
+            raise TakeOverRefused(f"the running server refused: {answer.error}")
+        if not isinstance(answer, m.TakeOverResponse):
+            raise TakeOverRefused(f"the running server answered {type(answer).__name__}")
+        try:
+            image_frame = frames.recv_frame(sock, reader)
+            keyed: dict[str, int] = {}
+            while True:
+                frame = frames.recv_frame(sock, reader)
+                if frame.kind == "end":
+                    break
+                keyed.update(zip(frame.body["keys"], frame.fds))
+        except (OSError, frames.FrameError) as exc:
+            raise TakeOverRefused(f"the hand-over broke off: {exc}") from None
+        listener = keyed.pop(LISTENER, None)
+        conn_fds = {int(k[len(CONN_PREFIX):]): keyed.pop(k) for k in list(keyed) if k.startswith(CONN_PREFIX)}
+        offer_fds = {k: fd for k, fd in keyed.items() if split_key(k)[0] in ("gpu", "host")}
+        for k in set(keyed) - set(offer_fds):
+            os.close(keyed[k])
+        try:
+            image = decode_image(image_frame.body["image"])
+        except ImageError as exc:
+            for fd in [listener, *offer_fds.values(), *conn_fds.values()]:
+                if fd is not None:
+                    os.close(fd)
+            abort(sock, str(exc))
+            raise TakeOverRefused(str(exc)) from None
+        if listener is None:
+            raise TakeOverRefused("the running server handed over no listening socket")
+        return Offer(sock, image, listener, offer_fds, conn_fds, answer.pid)
+    except BaseException:
+        reader.close()
+        sock.close()
+        raise
+
+
+def abort(sock: socket.socket, reason: str) -> None:
+    """Tell the old server to serve on (best effort: silence tells it too)."""
+    try:
+        frames.send_frame(sock, "abort", {"reason": reason})
+    except OSError:
+        pass
+    sock.close()
+
+
+def commit(offer: Offer, timeout: float) -> None:
+    """Take the place: the old server stops; raises TakeOverRefused if it serves on."""
+    sock = offer.sock
+    sock.settimeout(timeout)
+    reader = frames.FrameReader()
+    try:
+        frames.send_frame(sock, "commit")
+        frame = frames.recv_frame(sock, reader)
+    except (OSError, frames.FrameError) as exc:
+        # Silence: it either took our commit and died, or never got it.  Only a
+        # live old server can be serving: check that it is gone.
+        if _alive(offer.old_pid):
+            raise TakeOverRefused(f"the old server (pid {offer.old_pid}) did not confirm: {exc}") from None
+        return
+    finally:
+        reader.close()
+        sock.close()
+    if frame.kind != "bye":
+        raise TakeOverRefused(f"the old server answered the commit with {frame.kind!r}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = [
+    "Offer",
+    "TakeOverRefused",
+    "UnsupportedVersion",
+    "abort",
+    "commit",
+    "hand_over",
+    "node_image",
+    "request_take_over",
+    "session_image",
+]
