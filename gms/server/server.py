@@ -304,8 +304,10 @@ class Server:
         while True:
             self._accepting = trio.CancelScope()
             with self._accepting:
+                # A dup: serve_listeners closes its listener when stopped, and the
+                # socket must stay open (its backlog is the next server's).
                 await trio.serve_listeners(
-                    self._handle, [trio.SocketListener(listener)], handler_nursery=self._nursery
+                    self._handle, [trio.SocketListener(listener.dup())], handler_nursery=self._nursery
                 )
             self._accept_again = trio.Event()
             await self._accept_again.wait()
@@ -404,7 +406,9 @@ class Server:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
-            channel = Channel(stream.socket)
+            # A socket of the session's own: trio closes the stream's when this
+            # returns, and a session parked for a take-over outlives its task.
+            channel = Channel(stream.socket.dup())
         except OSError as exc:  # the peer left before we asked who it was
             log.info("dropping a connection: %s", exc)
             return

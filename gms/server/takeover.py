@@ -228,7 +228,9 @@ def _answer(sock: socket.socket, reader: frames.FrameReader):
     while True:
         body = decoder.next_frame()
         if body is not None:
-            reader.feed(bytes(decoder._buffer), fds)
+            rest = bytes(decoder._buffer)
+            if rest or fds:  # the hand-over's first frames, read with the answer
+                reader.feed(rest, fds)
             return decode(body)
         data, ancillary, flags, _ = sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
         got = frames.received_fds(ancillary)
