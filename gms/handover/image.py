@@ -7,7 +7,8 @@ and, for a live take-over, every connection's session (``ConnImage``: its
 protocol object, a request it waits on) and the lock queues' order.  The
 keeper's copy (its *base*) has no connections: a crash closes them.
 
-The encoding is versioned.  ``encode_image`` writes
+The encoding is versioned and deterministic (tables in sorted order: the same
+state encodes to the same bytes in any process).  ``encode_image`` writes
 ``[b"gms-state", version, body]`` (msgpack; the body msgpack again), so a
 reader learns the version before it parses anything else, reads every
 version in ``READABLE_VERSIONS`` and refuses the others with
@@ -129,9 +130,10 @@ def _layout_v1(layout: LayoutState) -> dict:
         "readers": sorted(layout.readers),
         "committed": layout.committed,
         "allocations": [
-            [a.allocation_id, a.size, a.aligned_size, a.tag, a.layout_slot] for a in layout.allocations.values()
+            [a.allocation_id, a.size, a.aligned_size, a.tag, a.layout_slot]
+            for a in sorted(layout.allocations.values(), key=lambda a: a.layout_slot)
         ],
-        "metadata": [[e.key, e.allocation_id, e.offset_bytes, e.value] for e in layout.metadata.values()],
+        "metadata": [[e.key, e.allocation_id, e.offset_bytes, e.value] for _, e in sorted(layout.metadata.items())],
         "metadata_bytes": layout.metadata_bytes,
         "layout_hash": layout.layout_hash,
         "next_layout_slot": layout.next_layout_slot,
@@ -140,7 +142,7 @@ def _layout_v1(layout: LayoutState) -> dict:
         "residency": layout.residency.value,
         "tier": layout.tier.value,
         "restorer": layout.restorer,
-        "host_copies": [[k, v] for k, v in layout.host_copies.items()],
+        "host_copies": sorted([k, v] for k, v in layout.host_copies.items()),
         "host_bytes": layout.host_bytes,
         "last_use": layout.last_use,
         "loads": layout.loads,
@@ -156,12 +158,12 @@ def _node_v1(node: NodeState) -> dict:
         "budget_bytes": node.budget_bytes,
         "host_budget_bytes": node.host_budget_bytes,
         "limits": _limits_v1(node.limits),
-        "layouts": [_layout_v1(layout) for layout in node.layouts.values()],
+        "layouts": [_layout_v1(layout) for _, layout in sorted(node.layouts.items())],
         "sessions": [
             [conn, s.layout, s.tenant, s.uid, s.gid, s.pid, s.lock_type, s.limit_bytes]
-            for conn, s in node.sessions.items()
+            for conn, s in sorted(node.sessions.items())
         ],
-        "tenants": [[t.name, t.quota_bytes, t.used_bytes, t.sessions] for t in node.tenants.values()],
+        "tenants": [[t.name, t.quota_bytes, t.used_bytes, t.sessions] for _, t in sorted(node.tenants.items())],
         "gpu_bytes": node.gpu_bytes,
         "host_bytes": node.host_bytes,
         "tick": node.tick,

@@ -1,0 +1,128 @@
+"""A node in every state a hand-over must carry, built by folding events; and its version-1 image.
+
+``python -m tests.handover_fixtures`` wrote ``tests/fixtures/state_v1.bin``
+once, with version 1 of the hand-over format; it is frozen: every later
+server must read it back to exactly this node (``test_handover.py``).  Do not
+regenerate it when the format changes: add a version, and a reader for the
+old one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from gms.fsm import compute_layout_hash
+from gms.fsm.events import (
+    AllocationCreated,
+    HostCopyCreated,
+    LayoutEvicted,
+    MetadataPut,
+    RestoreClaimed,
+    RestoreLoading,
+    RoConnect,
+    RwCommit,
+    RwConnect,
+    ServerStarted,
+    SessionOpened,
+)
+from gms.handover.image import ConnImage, PendingImage, ProtocolImage, ServerInfo, StateImage
+from gms.store import EventLog
+from gms.wire.codec import encode_body
+from gms.wire import messages as m
+
+MiB = 1 << 20
+FIXTURE = Path(__file__).parent / "fixtures" / "state_v1.bin"
+# The allocations of the fixture's node: (layout, id, size, aligned).
+ALLOCATIONS = [
+    ("weights", "w0", 3 * MiB, 4 * MiB),
+    ("weights", "w1", 1 * MiB, 2 * MiB),
+    ("cold", "c0", 2 * MiB, 2 * MiB),
+    ("warm", "h0", 2 * MiB, 2 * MiB),
+    ("kv", "k0", 5 * MiB, 6 * MiB),
+]
+
+
+def _publish(log: EventLog, conn: int, name: str, tenant: str, residency: str, host_copies: bool) -> None:
+    log.extend([SessionOpened(conn, tenant, 1000, 1000, 100 + conn, "RW", layout=name), RwConnect(conn, layout=name)])
+    for slot, (layout, allocation_id, size, aligned) in enumerate(a for a in ALLOCATIONS if a[0] == name):
+        log.extend([
+            AllocationCreated(conn, allocation_id, size, aligned, "weights", slot, layout=name),
+            MetadataPut(conn, f"{allocation_id}.t", allocation_id, 0, b"meta-" + allocation_id.encode(), layout=name),
+        ])
+        if host_copies:
+            log.append(HostCopyCreated(conn, allocation_id, layout=name))
+    state = log.state.layout(name)
+    digest = compute_layout_hash(state.allocations.values(), state.metadata.values())
+    log.extend([RwCommit(conn, digest, residency, layout=name)])
+    from gms.fsm.events import SessionClosed
+
+    log.append(SessionClosed(conn, layout=name))
+
+
+def rich_log() -> EventLog:
+    """Every kind of layout and session a take-over meets."""
+    log = EventLog(retain=None)
+    log.append(ServerStarted(0, 64 * MiB, 48 * MiB, 32 * MiB, {"default": None, "team": 40 * MiB},
+                             {"max_layouts": 16}, backend="host", device=0, device_uuid="host-0", layout=""))
+    _publish(log, 1, "weights", "default", "device", host_copies=False)
+    _publish(log, 2, "cold", "team", "system", host_copies=True)
+    _publish(log, 3, "warm", "team", "system", host_copies=True)
+    log.extend([LayoutEvicted(0, "admin", layout="cold"), LayoutEvicted(0, "budget", layout="warm")])
+    # A reader of weights; a restorer half-way through warm; a writer building kv;
+    # a writer queued behind the reader; a reader queued behind the restore.
+    log.extend([SessionOpened(4, "default", 1000, 1000, 104, "RO", layout="weights"), RoConnect(4, layout="weights")])
+    log.extend([
+        SessionOpened(5, "team", 1000, 1000, 105, "RO", layout="warm"), RestoreClaimed(5, layout="warm"),
+        RestoreLoading(5, layout="warm"),
+    ])
+    log.extend([
+        SessionOpened(6, "default", 1000, 1000, 106, "RW", layout="kv", limit_bytes=32 * MiB),
+        RwConnect(6, layout="kv"),
+        AllocationCreated(6, "k0", 5 * MiB, 6 * MiB, "kv", 0, layout="kv"),
+    ])
+    log.append(SessionOpened(7, "default", 1000, 1000, 107, "RW", layout="weights"))
+    log.append(SessionOpened(8, "team", 1000, 1000, 108, "RO", layout="warm"))
+    return log
+
+
+def _protocol(state: str, serving: object = None, buffered: bytes = b"", requests: int = 1) -> ProtocolImage:
+    return ProtocolImage(
+        state=state, handshaken=state == "IDLE", requests=requests, buffered=buffered, eof=False, one_shot=False,
+        serving=encode_body(serving) if serving is not None else b"",
+    )
+
+
+def rich_image() -> StateImage:
+    log = rich_log()
+    half_frame = bytes.fromhex("0000002a") + b"\x83"  # a client's next request, 5 bytes of it
+    conns = (
+        ConnImage(4, _protocol("IDLE", buffered=half_frame, requests=3)),
+        ConnImage(5, _protocol("IDLE", requests=2)),
+        ConnImage(6, _protocol("SERVING", m.AllocateRequest(64 * MiB, "kv"), requests=4),
+                  PendingImage("allocate")),
+        ConnImage(7, _protocol("SERVING", m.HandshakeRequest("RW", 30_000, "weights")),
+                  PendingImage("lock", requested="RW", timeout_left_ms=12_345)),
+        ConnImage(8, _protocol("SERVING", m.HandshakeRequest("RO", None, "warm")),
+                  PendingImage("lock", requested="RO")),
+        ConnImage(9, _protocol("IDLE", requests=0)),
+    )
+    return StateImage(
+        version=1,
+        server=ServerInfo(pid=4242, backend="host", device=0, device_uuid="host-0", host_tier=True),
+        last_seq=log.last_seq,
+        next_conn=10,
+        state=log.state,
+        conns=conns,
+        queues=(("weights", (7,)), ("warm", (8,))),
+    )
+
+
+if __name__ == "__main__":
+    from gms.handover.image import encode_image
+
+    if FIXTURE.exists() and "--force" not in sys.argv:
+        raise SystemExit(f"{FIXTURE} is frozen: a new format is a new version, not a new fixture")
+    FIXTURE.parent.mkdir(exist_ok=True)
+    FIXTURE.write_bytes(encode_image(rich_image(), 1))
+    print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)")

@@ -1,0 +1,121 @@
+"""A server killed at any event: the pure half of the keeper path, under the core machine.
+
+After every step of the core's stateful machine (``FsmMachine``: three
+tenants, two layouts, crashes, evictions, restores, ...), the server is
+killed right there, on paper, and restarted as the keeper would restart it:
+
+* the keeper's journal (the log's snapshot as a base image, its entries as
+  one batch, both encoded as they travel) rebuilds exactly the live state;
+* the restarted node is the live one minus the dead sessions: the reference
+  model (``reference.py``, dicts and sets) has every session disconnected, in
+  connection order, and must agree on every layout (locks, tables, hash,
+  residency, tier, owner) and each tenant's charge; every invariant holds;
+* what the restart releases is exactly the unfinished work: every
+  uncommitted build and every half-restored layout's GPU memory, nothing of
+  a committed layout;
+* a layout whose memory is found lost is dropped whole, and nothing else.
+
+The real-process version (a keeper SIGKILLing real servers) is
+``test_kept_server_machine.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis.stateful import invariant, run_state_machine_as_test
+
+from gms.fsm import check_invariants, decide_resume, fold_all, released_memory
+from gms.fsm.events import ServerResumed
+from gms.handover.image import (
+    STATE_VERSION,
+    ServerInfo,
+    StateImage,
+    decode_entries,
+    decode_image,
+    encode_entries,
+    encode_image,
+)
+from gms.store import EventLog, Snapshot
+
+from .fsm_machine import TENANTS, FsmMachine
+
+INFO = ServerInfo(1, "host", 0, "host-0", True)
+
+
+def resumed_by(state, mode: str = "restart") -> ServerResumed:
+    return ServerResumed(
+        0, mode, 1, "SIGKILL", STATE_VERSION, state.capacity_bytes, state.budget_bytes, state.host_budget_bytes,
+        {name: TENANTS[name][0] for name in TENANTS}, state.limits.as_dict(), layout="",
+    )
+
+
+class KilledAnywhereMachine(FsmMachine):
+    @invariant()
+    def a_server_killed_here_comes_back_with_every_committed_layout(self):
+        state = self.log.state
+        snapshot = self.log.snapshot
+        base = encode_image(StateImage(STATE_VERSION, INFO, snapshot.last_seq, self.next_conn, snapshot.state))
+        tail = encode_entries(list(self.log.entries()))
+        image = decode_image(base)
+        journal = EventLog.resumed(Snapshot(image.last_seq, image.state), decode_entries(tail), retain=None)
+        assert journal.state == state and journal.last_seq == self.log.last_seq
+
+        events = decide_resume(state, resumed_by(state))
+        after = fold_all(events, state)
+        check_invariants(after)
+        assert not after.sessions
+
+        refs = copy.deepcopy(self.refs)
+        for conn in sorted(self.sessions):
+            refs[self.sessions[conn][0]].disconnect(conn, lambda: 0)
+        for name, ref in refs.items():
+            layout = after.layout(name)
+            assert (name in after.layouts) == ref.committed
+            assert layout.lock_state.value == ref.state_name() == ("COMMITTED" if ref.committed else "EMPTY")
+            assert {k: (a.size, a.aligned_size, a.tag, a.layout_slot) for k, a in layout.allocations.items()} == (
+                ref.allocs if ref.committed else {}
+            )
+            assert {k: (m.allocation_id, m.offset_bytes, m.value) for k, m in layout.metadata.items()} == (
+                ref.meta if ref.committed else {}
+            )
+            assert layout.layout_hash == (ref.layout_hash if ref.committed else None)
+            if ref.committed:
+                assert (layout.residency.value, layout.tier.value, set(layout.host_copies), layout.owner) == (
+                    ref.residency, ref.tier, ref.host, ref.owner,
+                )
+        for tenant in TENANTS:
+            owned = sum(ref.bytes() for ref in refs.values() if ref.owner == tenant and ref.committed)
+            assert (after.tenants[tenant].used_bytes, after.tenants[tenant].sessions) == (owned, 0)
+
+        released = set()
+        before = state
+        for event in events:
+            released |= {(r.tier.value, r.allocation_id) for r in released_memory(before, event)}
+            before = fold_all([event], before)
+        expected = set()
+        for name, layout in state.layouts.items():
+            if not layout.committed:
+                expected |= {("gpu", i) for i in layout.allocations} | {("host", i) for i in layout.host_copies}
+            elif layout.tier.value == "restoring":
+                expected |= {("gpu", i) for i in layout.allocations}
+        assert released == expected, "a restart releases the unfinished work and nothing committed"
+
+        committed = sorted(name for name, layout in after.layouts.items() if layout.committed)
+        if committed:
+            doomed = after.layouts[committed[0]]
+            lost = sorted(doomed.allocations)[:1] or sorted(doomed.host_copies)[:1]
+            if lost:
+                tier = "gpu" if doomed.tier.value != "host" and lost[0] in doomed.allocations else "host"
+                dropped = fold_all(decide_resume(state, resumed_by(state), [(tier, lost[0])]), state)
+                check_invariants(dropped)
+                assert doomed.name not in dropped.layouts
+                assert all(dropped.layouts[n] == after.layouts[n] for n in committed[1:]), "only that layout"
+
+        took_over = fold_all(decide_resume(state, resumed_by(state, "take-over")), state)
+        check_invariants(took_over)
+        assert took_over.sessions == state.sessions and took_over.layouts == state.layouts
+
+
+def test_a_server_killed_at_any_event_restarts_with_the_node_minus_its_sessions():
+    run_state_machine_as_test(KilledAnywhereMachine)

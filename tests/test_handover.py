@@ -1,0 +1,294 @@
+"""The hand-over as data, without servers: the state image and its versions, the
+fd frames, a connection frozen and thawed, the keeper's store, a log that
+goes on from another's, and what a resume records."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import msgpack
+import pytest
+
+from gms.fsm import (
+    BudgetExceeded,
+    InvariantViolation,
+    StateViolation,
+    check_invariants,
+    decide_resume,
+    fold_all,
+    released_memory,
+)
+from gms.fsm.events import LayoutLost, RwAbort, ServerResumed
+from gms.handover import frames
+from gms.handover.image import (
+    READABLE_VERSIONS,
+    STATE_VERSION,
+    ImageError,
+    UnsupportedVersion,
+    decode_entries,
+    decode_image,
+    encode_entries,
+    encode_image,
+    image_version,
+)
+from gms.keeper.store import Store
+from gms.store import EventLog, Snapshot
+from gms.wire import messages as m
+from gms.wire.codec import encode
+from gms.wire.connection import NEED_DATA, ServerConnection
+
+from .handover_fixtures import FIXTURE, rich_image, rich_log
+
+MiB = 1 << 20
+
+
+# -- the image and its versions -------------------------------------------------------
+
+
+def test_the_image_round_trips_every_kind_of_layout_session_and_wait():
+    image = rich_image()
+    again = decode_image(encode_image(image))
+    assert again == image
+    check_invariants(again.state)
+    assert encode_image(again) == encode_image(image), "the encoding is deterministic"
+
+
+def test_a_frozen_version_1_image_still_reads_back_to_its_node():
+    """tests/fixtures/state_v1.bin was written by version 1 and never again: whatever
+    the current version, a server reads it (the previous state version's test)."""
+    data = FIXTURE.read_bytes()
+    assert image_version(data) == 1 and 1 in READABLE_VERSIONS
+    image = decode_image(data)
+    assert image == rich_image()
+    check_invariants(image.state)
+    weights = image.state.layout("weights")
+    assert (sorted(weights.allocations), weights.readers, weights.committed) == (["w0", "w1"], {4}, True)
+    assert image.state.layout("warm").restorer == 5 and image.state.layout("kv").writer == 6
+    assert [c.pending.kind if c.pending else None for c in image.conns] == [None, None, "allocate", "lock", "lock", None]
+    if STATE_VERSION == 1:
+        assert encode_image(image) == data, "version 1 writes today what it wrote then"
+
+
+def test_a_version_this_server_does_not_read_is_refused_naming_both():
+    body = msgpack.packb([b"gms-state", 99, b"whatever"])
+    with pytest.raises(UnsupportedVersion, match=r"version 99.*reads version\(s\) 1"):
+        decode_image(body)
+    with pytest.raises(UnsupportedVersion):
+        encode_image(rich_image(), 99)
+
+
+def test_bytes_that_are_no_image_or_a_broken_one_are_refused():
+    for junk in (b"", b"\x00\x01", msgpack.packb([b"other", 1, b""]), msgpack.packb({"a": 1})):
+        with pytest.raises(ImageError):
+            decode_image(junk)
+    broken = msgpack.packb([b"gms-state", 1, msgpack.packb({"server": [1]})])
+    with pytest.raises(ImageError, match="version-1 state image that does not parse"):
+        decode_image(broken)
+
+
+def test_log_entries_travel_with_their_numbers_times_and_every_field():
+    log = rich_log()
+    entries = list(log.entries())
+    assert decode_entries(encode_entries(entries)) == entries
+    with pytest.raises(ImageError, match="cannot read"):
+        decode_entries(msgpack.packb([[1, 0, 0, "NO_SUCH_EVENT", {}]]))
+
+
+# -- a log that goes on ---------------------------------------------------------------
+
+
+def test_a_resumed_log_goes_on_with_the_next_number_and_replays():
+    log = rich_log()
+    entries = list(log.entries())
+    cut = 20
+    snapshot_state = fold_all(e.event for e in entries[:cut])
+    resumed = EventLog.resumed(Snapshot(cut, snapshot_state), entries[cut:], retain=None)
+    assert resumed.state == log.state and resumed.first_seq == cut + 1 and resumed.last_seq == log.last_seq
+    assert resumed.entry(cut + 1) == entries[cut], "numbers and times kept"
+    (appended,) = resumed.extend([RwAbort(6, layout="kv")])
+    assert appended.seq == log.last_seq + 1
+    assert resumed.replay() == resumed.state
+    with pytest.raises(ValueError, match="cannot follow"):
+        EventLog.resumed(Snapshot(cut, snapshot_state), entries[cut + 1 :])
+
+
+# -- what a resume records -------------------------------------------------------------
+
+
+def _resumed(state, mode="restart", **changes) -> ServerResumed:
+    config = dict(
+        capacity_bytes=state.capacity_bytes, budget_bytes=state.budget_bytes,
+        host_budget_bytes=state.host_budget_bytes, quotas={"default": None, "team": 40 * MiB},
+        limits=state.limits.as_dict(),
+    )
+    config.update(changes)
+    return ServerResumed(0, mode, 4242, "SIGKILL", 1, layout="", **config)
+
+
+def test_a_restart_disconnects_every_dead_session_in_order_and_keeps_the_committed_node():
+    state = rich_log().state
+    events = decide_resume(state, _resumed(state))
+    kinds = [(e.KIND, e.conn) for e in events]
+    assert kinds == [
+        ("SERVER_RESUMED", 0), ("RO_DISCONNECT", 4), ("SESSION_CLOSED", 4), ("RESTORE_ABORTED", 5),
+        ("SESSION_CLOSED", 5), ("RW_ABORT", 6), ("SESSION_CLOSED", 6), ("SESSION_CLOSED", 7), ("SESSION_CLOSED", 8),
+    ]
+    after = fold_all(events, state)
+    check_invariants(after)
+    assert sorted(after.layouts) == ["cold", "warm", "weights"], "the build is dropped"
+    assert after.layout("warm").tier.value == "host", "a half-done restore goes back to the host tier"
+    for name in ("cold", "warm", "weights"):
+        before, now = state.layout(name), after.layout(name)
+        assert (now.allocations, now.metadata, now.layout_hash, now.residency) == (
+            before.allocations, before.metadata, before.layout_hash, before.residency,
+        )
+
+
+def test_a_take_over_keeps_every_session_and_lock():
+    state = rich_log().state
+    (event,) = decide_resume(state, _resumed(state, "take-over"))
+    after = fold_all([event], state)
+    assert (after.sessions, after.layouts) == (state.sessions, state.layouts)
+
+
+def test_memory_found_lost_drops_its_whole_layout_whatever_its_residency():
+    state = rich_log().state
+    events = decide_resume(state, _resumed(state), [("gpu", "w1"), ("host", "c0"), ("gpu", "k0")], "reset")
+    lost = [e for e in events if isinstance(e, LayoutLost)]
+    assert [(e.layout, e.allocation_id, e.tier) for e in lost] == [("weights", "w1", "gpu"), ("cold", "c0", "host")]
+    after = fold_all(events, state)
+    check_invariants(after)
+    assert sorted(after.layouts) == ["warm"]
+    released = {(r.tier.value, r.allocation_id) for e in lost for r in released_memory(
+        fold_all(events[: events.index(e)], state), e)}
+    assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0")}, "a pinned layout too, and its host copies"
+
+
+def test_a_new_configuration_that_cannot_hold_the_node_is_refused():
+    state = rich_log().state
+    with pytest.raises(BudgetExceeded, match="more than the new GPU budget"):
+        fold_all(decide_resume(state, _resumed(state, budget_bytes=MiB)), state)
+    with pytest.raises(StateViolation, match="keeps no host tier"):
+        fold_all(decide_resume(state, _resumed(state, host_budget_bytes=0)), state)
+    with pytest.raises(StateViolation, match="more than its new quota"):
+        fold_all(decide_resume(state, _resumed(state, quotas={"team": MiB})), state)
+    grown = fold_all(decide_resume(state, _resumed(state, quotas={"new": 5, "team": None}, budget_bytes=None)), state)
+    assert grown.tenants["new"].quota_bytes == 5 and grown.tenants["team"].quota_bytes is None
+    assert grown.tenants["default"].quota_bytes is None, "a tenant the new policy drops keeps its entry"
+    with pytest.raises(InvariantViolation):
+        fold_all([_resumed(state)])  # never the first event
+
+
+# -- the connection object -------------------------------------------------------------
+
+
+def test_a_connection_frozen_mid_wait_goes_on_where_it_stopped():
+    conn = ServerConnection(1 << 20)
+    conn.receive_data(encode(m.HandshakeRequest("RO", 500, "weights")))
+    request = conn.next_request()
+    nxt = encode(m.MetadataGetRequest("t0"))
+    conn.receive_data(nxt[:7])  # read ahead while it waits: part of the next request
+    frozen = conn.freeze()
+    thawed = ServerConnection.thaw(1 << 20, frozen)
+    assert thawed.serving == request and thawed.next_request() is NEED_DATA
+    thawed.send(m.HandshakeResponse(True, True, "RO"))
+    thawed.receive_data(nxt[7:])
+    assert thawed.next_request() == m.MetadataGetRequest("t0")
+    assert thawed.handshaken and thawed.requests == 2
+    idle = ServerConnection.thaw(1 << 20, ServerConnection(1 << 20).freeze())
+    assert idle.next_request() is NEED_DATA and idle.serving is None
+
+
+# -- frames with fds ----------------------------------------------------------------------
+
+
+def test_fds_ride_with_their_own_frame_in_batches_of_at_most_253():
+    here, there = socket.socketpair()
+    made = [os.memfd_create(f"t{i}") for i in range(600)]
+    try:
+        for i, fd in enumerate(made):
+            os.ftruncate(fd, i + 1)
+        def send() -> None:  # more than the socket buffers: a thread writes while we read
+            frames.send_frame(here, "image", {"image": b"x" * 300_000})
+            frames.send_fds(here, "fds", [(f"gpu:{i}", fd) for i, fd in enumerate(made)])
+            frames.send_frame(here, "end")
+            here.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        reader = frames.FrameReader()
+        got = [frames.recv_frame(there, reader) for _ in range(5)]
+        sender.join()
+        assert [f.kind for f in got] == ["image", "fds", "fds", "fds", "end"]
+        assert [len(f.fds) for f in got] == [0, 253, 253, 94, 0]
+        keyed = dict(zip((k for f in got for k in f.body.get("keys", [])), (fd for f in got for fd in f.fds)))
+        assert [os.fstat(keyed[f"gpu:{i}"]).st_size for i in range(600)] == list(range(1, 601))
+        with pytest.raises(frames.ChannelClosed):
+            frames.recv_frame(there, reader)
+        for f in got:
+            f.close_fds()
+    finally:
+        for fd in made:
+            os.close(fd)
+        here.close()
+        there.close()
+
+
+def test_a_frame_cut_short_or_without_its_fds_breaks_the_channel():
+    reader = frames.FrameReader()
+    data = frames.encode_frame("hold", {"keys": ["a"]}, nfds=1)
+    reader.feed(data)  # the fd never came
+    with pytest.raises(frames.FrameError, match="announced 1 fds"):
+        reader.next_frame()
+    cut = frames.FrameReader()
+    cut.feed(frames.encode_frame("events", {"entries": b"abc"})[:-2])
+    assert cut.next_frame() is None
+    cut.feed(b"")
+    with pytest.raises(frames.FrameError, match="inside a frame"):
+        cut.next_frame()
+
+
+# -- the keeper's store ----------------------------------------------------------------------
+
+
+def _memfd() -> int:
+    return os.memfd_create("keeper-test")
+
+
+def test_the_keeper_keeps_what_the_server_says_and_hands_it_back():
+    told = []
+    store = Store(on_fd=lambda key, fd: told.append((key, fd is not None)))
+    listener, a, b = _memfd(), _memfd(), _memfd()
+    body, fds = store.handback()
+    assert (body, fds) == ({"mode": "fresh"}, [])
+    store.apply(frames.Frame("hold", {"keys": ["listener", "gpu:a", "gpu:b"]}, (listener, a, b)))
+    store.apply(frames.Frame("base", {"image": b"IMG", "keys": ["listener", "gpu:a", "gpu:b"]}))
+    store.apply(frames.Frame("events", {"entries": b"E1"}))
+    store.apply(frames.Frame("release", {"keys": ["gpu:b"]}))
+    store.apply(frames.Frame("events", {"entries": b"E2"}))
+    with pytest.raises(OSError):
+        os.fstat(b)  # the keeper closed its copy
+    assert store.apply(frames.Frame("ready", {})) == "ready"
+    body, fds = store.handback()
+    assert body["mode"] == "resume" and body["base"] == b"IMG" and body["tails"] == [b"E1", b"E2"]
+    assert [k for k, _ in fds] == ["gpu:a", "listener"]
+    store.apply(frames.Frame("base", {"image": b"IMG2", "keys": ["listener"]}))  # a base drops the rest
+    assert sorted(store.fds) == ["listener"] and store.tails == []
+    assert ("gpu:b", False) in told and ("gpu:a", False) in told
+    assert store.apply(frames.Frame("stopping", {"why": "taken-over"})) == "stopping:taken-over"
+    store.drop_node(keep_listener=False)
+    store.retired = True
+    assert store.handback() == ({"mode": "retired"}, []) and not store.fds
+
+
+def test_a_take_over_s_node_stays_provisional_until_confirmed():
+    store = Store()
+    fd = _memfd()
+    store.apply(frames.Frame("hold", {"keys": ["gpu:a"]}, (fd,)))
+    store.apply(frames.Frame("base", {"image": b"IMG", "keys": ["gpu:a"], "provisional": 77}))
+    assert store.handback()[0]["provisional"] == 77
+    store.apply(frames.Frame("confirm", {}))
+    assert "provisional" not in store.handback()[0]
+    store.close()
