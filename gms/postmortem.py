@@ -7,6 +7,12 @@ server's own pure core from the empty state and checks every invariant.  A
 log is replayable only whole: where retention dropped its beginning (the
 first event is not ``SERVER_STARTED`` at sequence 1) or a filter left gaps,
 it says so instead of guessing.
+
+A journal a restarted server could not rebuild (``gms.server.resume.save_journal``)
+is such a file too: its first rows say why it was saved (``GMS_JOURNAL``) and
+hold the state the events start from (``STATE_IMAGE``, the keeper's base image
+in hex), so replay starts there instead of at ``SERVER_STARTED``; entries the
+server could not decode are kept as ``RAW_ENTRIES`` and replay stops at them.
 """
 
 from __future__ import annotations
@@ -91,26 +97,55 @@ class Replayed:
         )
 
 
+def _image_row(row: dict):
+    """The state a saved journal starts from, and its sequence number."""
+    from .handover.image import ImageError, decode_image
+
+    try:
+        image = decode_image(bytes.fromhex(row["image"]))
+    except (ImageError, ValueError, KeyError, TypeError) as exc:
+        raise LogFileError(f"the journal's state image cannot be read: {exc}") from None
+    return image
+
+
 def replay_rows(lines: Iterable[str]) -> Replayed:
     """Fold a saved log; raises LogFileError (not replayable) or InvariantViolation."""
     state = EMPTY_NODE
     started = None
     count = last_seq = 0
+    from_image = False
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            seq = row["seq"]
-        except (ValueError, KeyError, TypeError) as exc:
+            kind = row.get("kind")
+        except (ValueError, AttributeError) as exc:
             raise LogFileError(f"line {number}: not an event row: {exc}") from None
-        if count == 0 and seq != 1:
+        if kind == "GMS_JOURNAL":
+            continue
+        if kind == "RAW_ENTRIES":
+            raise LogFileError(f"line {number}: log entries the server could not decode; replay stops here")
+        if kind == "STATE_IMAGE" and count == 0 and not from_image:
+            image = _image_row(row)
+            state, last_seq, from_image = image.state, image.last_seq, True
+            info = image.server
+            started = ServerStarted(
+                0, state.capacity_bytes, state.budget_bytes, state.host_budget_bytes, {}, {},
+                backend=info.backend, device=info.device, device_uuid=info.device_uuid, layout="",
+            )
+            continue
+        try:
+            seq = row["seq"]
+        except (KeyError, TypeError) as exc:
+            raise LogFileError(f"line {number}: not an event row: {exc}") from None
+        if count == 0 and not from_image and seq != 1:
             raise LogFileError(
                 f"the log starts at event {seq}: events 1..{seq - 1} were dropped by the server's "
                 "retention (--event-log-retain) or not saved, and the state before them is not in "
                 "the file, so it cannot be rebuilt"
             )
-        if count and seq != last_seq + 1:
+        if (count or from_image) and seq != last_seq + 1:
             raise LogFileError(
                 f"line {number}: event {seq} follows {last_seq}: the file is filtered (--layout) "
                 "or incomplete"

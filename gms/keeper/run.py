@@ -125,6 +125,8 @@ def settle(store: Store, outcome: Outcome, reason: str) -> None:
     else:
         if not outcome.ready and store.base is not None:
             store.failed_resumes += 1
+        if why == "left":
+            reason = f"it left its node to the keeper on a signal ({reason})"
         store.old_pid, store.reason = outcome.pid, reason
 
 

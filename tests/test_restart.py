@@ -1,0 +1,392 @@
+"""Crash survival: a server SIGKILLed under its keeper comes back with every committed layout.
+
+Real processes on the host backend: ``gms serve`` (a keeper and its server),
+clients over real sockets, memory as memfds whose bytes are checked through
+real mappings.  What a restart keeps (committed layouts with their ids,
+slots, hashes, metadata, bytes, residency and tier), what it drops (the dead
+server's sessions: an unfinished build, a half-done restore, every lock),
+the listening socket held through the gap, the keeper holding exactly the
+live memory, a state that does not rebuild, and a keeper in another process
+(the Kubernetes layout).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gms import BuildLostError, GMSClientMemoryManager, RequestedLockType
+from gms.client.probes import get_runtime_state
+from gms.cuda import open_mapper
+from gms.errors import GMSError
+from gms.fsm import compute_layout_hash
+from gms.fsm.events import RoConnect
+from gms.handover import frames
+from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, encode_entries, encode_image
+from gms.keeper.store import Store
+from gms.store import LogEntry
+from gms.wire import messages as m
+
+from .handover_fixtures import rich_log
+from .helpers import MiB, RawConn, ServerProcess, build_layout, wait_until
+from .test_client import PAYLOAD, publish
+from .test_client_ride_through import mapped_reader
+
+
+def kept(tmp_path, *args: str) -> ServerProcess:
+    return ServerProcess(tmp_path, *args, keeper=True)
+
+
+def killed(server: ServerProcess, sig: int = signal.SIGKILL) -> int:
+    """Kill the serving process; return once the keeper's next one serves. Returns its pid."""
+    old = server.server_pid()
+    os.kill(old, sig)
+
+    def new_pid():
+        try:
+            pid = get_runtime_state(server.socket, timeout=1).pid
+        except GMSError:
+            return None
+        return pid if pid != old else None
+
+    return wait_until(new_pid, timeout=30, what="the keeper's next server")
+
+
+def pattern(n: int, size: int) -> bytes:
+    return (bytes([n + 1]) * 7 + b"gms")[: size] * (size // 10) + b"x" * (size % 10)
+
+
+def write_through(conn: RawConn, allocation_id: str, size: int, data: bytes, host: bool = False) -> None:
+    mapper = open_mapper("host", 0)
+    conn.send(m.ExportHostCopiesRequest([allocation_id]) if host else m.ExportAllocationRequest(allocation_id))
+    _, (fd,) = conn.recv()
+    va = mapper.reserve(size)
+    handle = mapper.map(fd, va, size, True)
+    mapper.write(va, data)
+    mapper.unmap(va, size, handle)
+    mapper.free(va, size)
+
+
+def read_through(conn: RawConn, allocation_id: str, size: int) -> bytes:
+    mapper = open_mapper("host", 0)
+    conn.send(m.ExportAllocationRequest(allocation_id))
+    _, (fd,) = conn.recv()
+    va = mapper.reserve(size)
+    handle = mapper.map(fd, va, size, False)
+    data = mapper.read(va, size)
+    mapper.unmap(va, size, handle)
+    mapper.free(va, size)
+    return data
+
+
+def publish_raw(path: str, layout: str, sizes, residency: str = "device") -> tuple[str, list[m.AllocateResponse]]:
+    """A committed layout whose allocations hold a known pattern (and host copies for system)."""
+    writer = RawConn(path)
+    assert writer.handshake("RW", layout=layout).success
+    allocations = build_layout(writer, sizes, tag=layout)
+    for n, a in enumerate(allocations):
+        write_through(writer, a.allocation_id, a.aligned_size, pattern(n, a.aligned_size))
+        if residency == "system":
+            write_through(writer, a.allocation_id, a.aligned_size, pattern(n, a.aligned_size), host=True)
+    commit = writer.call(m.CommitRequest(residency))
+    assert commit.success, commit
+    return commit.memory_layout_hash, allocations
+
+
+def listing(path: str, layout: str) -> list[tuple]:
+    reader = RawConn(path)
+    try:
+        assert reader.handshake("RO", layout=layout).success
+        rows = reader.call(m.ListAllocationsRequest()).allocations
+        return sorted((a.allocation_id, a.size, a.aligned_size, a.layout_slot) for a in rows)
+    finally:
+        reader.close()
+
+
+# -- crash survival ---------------------------------------------------------------------------
+
+
+def test_a_killed_server_comes_back_with_every_committed_layout_and_only_those(tmp_path):
+    server = kept(tmp_path)
+    weights_hash, weights = publish_raw(server.socket, "weights", (3 * MiB, 5 * MiB))
+    cold_hash, _ = publish_raw(server.socket, "cold", (2 * MiB,), "system")
+    warm_hash, _ = publish_raw(server.socket, "warm", (MiB,), "system")
+    scratch_hash, _ = publish_raw(server.socket, "scratch", (MiB,), "unpinned")
+    for name in ("cold", "warm"):
+        assert RawConn(server.socket).call(m.EvictRequest(name)).tier == "host"
+    before = {name: listing(server.socket, name) for name in ("weights", "scratch")}
+    reader = RawConn(server.socket)
+    assert reader.handshake("RO").success
+    restorer = RawConn(server.socket)
+    granted = restorer.handshake("RO", layout="warm")
+    assert granted.restore, "this reader restores warm: killed half-way"
+    builder = RawConn(server.socket)
+    assert builder.handshake("RW", layout="kv").success
+    build_layout(builder, (MiB,), tag="kv")
+    last_seq = server.state().last_event_seq
+    old_pid = server.server_pid()
+
+    new_pid = killed(server)
+    state = server.state()
+    assert state.pid == new_pid != old_pid
+    rows = {row.name: row for row in state.layouts}
+    assert sorted(rows) == ["cold", "scratch", "warm", "weights"], "the build went with its server"
+    assert [(rows[n].state, rows[n].tier, rows[n].memory_layout_hash) for n in sorted(rows)] == [
+        ("COMMITTED", "host", cold_hash), ("COMMITTED", "gpu", scratch_hash),
+        ("COMMITTED", "host", warm_hash), ("COMMITTED", "gpu", weights_hash),
+    ], "every lock released; the half-done restore back in the host tier"
+    assert state.sessions == 0 and state.server_handle_count == 3 and state.host_handle_count == 2
+    assert {name: listing(server.socket, name) for name in before} == before, "same ids, sizes and slots"
+    check = RawConn(server.socket)
+    assert check.handshake("RO").success
+    for n, a in enumerate(sorted(weights, key=lambda a: a.layout_slot)):
+        assert read_through(check, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
+    assert check.call(m.MetadataGetRequest("t1")).value == b"meta1"
+    for conn in (reader, restorer, builder):
+        assert conn.closed_by_peer(), "the dead server's connections are gone"
+
+    resumed = [e for e in server.events(last_seq) if e.kind != "SESSION_OPENED"]
+    first = resumed[0]
+    assert first.seq == last_seq + 1, "the log goes on with the next number"
+    assert (first.kind, first.fields["mode"], first.fields["old_pid"], first.fields["reason"]) == (
+        "SERVER_RESUMED", "restart", old_pid, "signal SIGKILL",
+    )
+    assert {e.kind for e in resumed[1:6]} >= {"RO_DISCONNECT", "RESTORE_ABORTED", "RW_ABORT", "SESSION_CLOSED"}
+
+    # The host tier's evicted layouts come back to the GPU afterwards, bytes and all.
+    for name, layout_hash in (("cold", cold_hash), ("warm", warm_hash)):
+        mgr = GMSClientMemoryManager(server.socket, layout=name)
+        mgr.connect(RequestedLockType.RO)
+        assert mgr.get_memory_layout_hash() == layout_hash
+        (allocation,) = mgr.list_handles()
+        va = mgr.create_mapping(allocation.allocation_id)
+        assert mgr.read(va, allocation.aligned_size) == pattern(0, allocation.aligned_size)
+        mgr.close()
+    assert server.layout("cold").tier == "gpu" and server.layout("warm").tier == "gpu"
+    assert server.stop() == 0
+
+
+def test_clients_that_connect_while_no_server_runs_wait_in_the_backlog(tmp_path):
+    server = kept(tmp_path)
+    publish_raw(server.socket, "weights", (MiB,))
+    os.kill(server.pid, signal.SIGSTOP)  # the keeper: it cannot start the next server yet
+    try:
+        old = server.server_pid()
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{old}/status") or "Z" in _proc_state(old), what="the kill")
+        waiting = RawConn(server.socket)  # no ECONNREFUSED: the keeper holds the socket
+        waiting.send(m.GetRuntimeStateRequest())
+        assert not waiting.readable(0.3), "nobody serves yet"
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    answer, _ = waiting.recv(timeout=30)
+    assert answer.pid not in (0, old) and answer.layout("weights").state == "COMMITTED"
+    server.stop()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(line for line in status if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "Z"
+
+
+def test_readers_ride_through_a_crash_with_their_mappings_and_no_reload(tmp_path):
+    server = kept(tmp_path)
+    layout_hash, _ = publish(server.socket, {"t0": PAYLOAD})
+    mgr, va = mapped_reader(server.socket)
+    writer = GMSClientMemoryManager(server.socket, layout="kv")
+    writer.connect(RequestedLockType.RW)
+    writer.create_mapping(size=MiB, tag="kv")
+    killed(server)
+    assert mgr.metadata_get("t0") is not None, "its next call succeeds, nothing published again"
+    assert (mgr.reconnects, mgr.get_memory_layout_hash()) == (1, layout_hash)
+    assert mgr.read(va, len(PAYLOAD)) == PAYLOAD
+    mgr.unmap_all_vas()
+    mgr.remap_all_vas()  # the same allocations (same ids) again
+    assert mgr.read(va, len(PAYLOAD)) == PAYLOAD
+    wait_until(lambda: not writer.is_connected, what="the writer's broken connection")
+    with pytest.raises(BuildLostError):
+        writer.ensure_connected()
+    mgr.close()
+    writer.close()
+    server.stop()
+
+
+def test_a_server_stopped_by_a_signal_leaves_its_node_to_the_keeper(tmp_path):
+    server = kept(tmp_path)
+    layout_hash, _ = publish_raw(server.socket, "weights", (MiB,))
+    killed(server, signal.SIGTERM)
+    assert server.layout("weights").memory_layout_hash == layout_hash
+    resumed = [e for e in server.events() if e.kind == "SERVER_RESUMED"][-1]
+    assert "left" in resumed.fields["reason"]
+
+
+def test_stopping_the_keeper_stops_its_server_cleanly(tmp_path):
+    server = kept(tmp_path)
+    publish_raw(server.socket, "weights", (MiB,))
+    child = server.server_pid()
+    assert server.stop() == 0
+    assert not os.path.exists(server.socket), "the socket is removed"
+    assert not os.path.exists(f"/proc/{child}"), "its server is gone too"
+
+
+def _memfds(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:gms-"):
+            found.add(target.split(" ")[0][len("/memfd:gms-"):])
+    return found
+
+
+def test_the_keeper_holds_exactly_the_live_memory(tmp_path):
+    server = kept(tmp_path)
+    _, kept_allocs = publish_raw(server.socket, "weights", (MiB, MiB))
+    _, gone = publish_raw(server.socket, "scratch", (MiB,), "unpinned")
+    builder = RawConn(server.socket)
+    assert builder.handshake("RW", layout="kv").success
+    built = build_layout(builder, (MiB,), tag="kv")
+    want = {a.allocation_id for a in kept_allocs + gone + built}
+    wait_until(lambda: _memfds(server.pid) == want, what="the keeper holding every allocation")
+    RawConn(server.socket).call(m.EvictRequest("scratch"))  # unpinned: dropped
+    builder.close()  # the build is aborted
+    want = {a.allocation_id for a in kept_allocs}
+    wait_until(lambda: _memfds(server.pid) == want, what="the keeper letting go of what was released")
+    killed(server)
+    assert _memfds(server.pid) == want
+    server.stop()
+
+
+def test_adopted_memory_counts_against_the_capacity(tmp_path):
+    server = kept(tmp_path, "--host-capacity", "16MiB", "--alloc-retry-timeout", "0.2")
+    publish_raw(server.socket, "weights", (12 * MiB,))
+    killed(server)
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW", layout="kv").success
+    refused = writer.call(m.AllocateRequest(8 * MiB, "kv"))
+    assert isinstance(refused, m.ErrorResponse) and refused.code == "OUT_OF_MEMORY", refused
+    assert isinstance(writer.call(m.AllocateRequest(4 * MiB, "kv")), m.AllocateResponse)
+    server.stop()
+
+
+# -- a keeper in another process (a pod's keeper container) ------------------------------
+
+
+def start_keeper(path: str, log) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gms", "keeper", "--keeper-socket", path, "--log-level", "info"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    wait_until(lambda: os.path.exists(path), what="the keeper's socket")
+    return proc
+
+
+def test_a_server_restarted_alone_resumes_from_a_keeper_in_another_process(tmp_path):
+    keeper_path = str(tmp_path / "keeper.sock")
+    with open(tmp_path / "keeper.log", "wb") as log:
+        keeper = start_keeper(keeper_path, log)
+        try:
+            first = ServerProcess(tmp_path, "--keeper-socket", keeper_path)
+            layout_hash, _ = publish_raw(first.socket, "weights", (2 * MiB,))
+            first.kill()  # SIGKILL, as a container's restart after a crash
+            second = ServerProcess(tmp_path, "--keeper-socket", keeper_path, socket_path=first.socket)
+            assert second.layout("weights").memory_layout_hash == layout_hash
+            assert [e for e in second.events() if e.kind == "SERVER_RESUMED"][-1].fields["old_pid"] == first.pid
+            keeper.send_signal(signal.SIGTERM)  # the pod goes: its keeper asks the server to stop
+            assert keeper.wait(30) == 0 and second.proc.wait(30) == 0
+            assert not os.path.exists(keeper_path)
+        finally:
+            keeper.kill()
+    assert "servers that connect to" in (tmp_path / "keeper.log").read_text()
+
+
+# -- a state that does not rebuild ------------------------------------------------------------
+
+
+def test_a_journal_that_does_not_rebuild_is_saved_and_the_server_starts_empty(tmp_path):
+    """A keeper hands back a journal whose last entry breaks a rule (a reader on a
+    layout nobody committed): the server saves it for `gms replay`, releases the
+    memory, starts empty and says so."""
+    log = rich_log()
+    state = log.state
+    info = ServerInfo(999_999, "host", 0, "host-0", True)
+    base = encode_image(StateImage(STATE_VERSION, info, log.last_seq, 20, state))
+    bad = encode_entries([LogEntry(log.last_seq + 1, 0, 0, RoConnect(8, layout="nothing"))])
+    keeper_path = str(tmp_path / "fake-keeper.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(keeper_path)
+    listener.listen(1)
+    memory = {f"gpu:{i}": os.memfd_create(f"gms-{i}") for i in ("w0", "w1", "k0", "h0")}
+    store = Store()
+    store.base, store.tails = base, [bad]
+    for key, fd in memory.items():
+        store.fds[key] = fd
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "gms.sock"),
+         "--keeper-socket", keeper_path, "--state-dir", str(tmp_path / "saved")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        conn, _ = listener.accept()
+        reader = frames.FrameReader()
+        hello = frames.recv_frame(conn, reader)
+        assert hello.kind == "hello" and hello.body["device"] == "host-0"
+        body, keyed = store.handback()
+        frames.send_frame(conn, "handback", body)
+        frames.send_fds(conn, "fds", keyed)
+        frames.send_frame(conn, "end")
+        while True:
+            frame = frames.recv_frame(conn, reader)
+            store.apply(frame)
+            if frame.kind == "ready":
+                break
+        assert set(store.fds) == {"listener"}, "it told its keeper to let the memory go, and gave it its socket"
+        state = get_runtime_state(str(tmp_path / "gms.sock"))
+        assert state.layouts == [] and state.server_handle_count == 0
+        events = [e for e in RawConn(str(tmp_path / "gms.sock")).call(m.GetEventHistoryRequest()).events]
+        assert [e["kind"] for e in events] == ["SERVER_STARTED", "STATE_DISCARDED"]
+        discarded = events[1]
+        assert "breaks a rule" in discarded["reason"] or "RO_CONNECT" in discarded["reason"]
+        saved = discarded["saved_to"]
+        assert saved.startswith(str(tmp_path / "saved"))
+        replay = subprocess.run([sys.executable, "-m", "gms", "replay", saved], capture_output=True, text=True)
+        assert replay.returncode == 2 and f"event {log.last_seq + 1} (RO_CONNECT)" in replay.stderr, replay
+        conn.close()
+    finally:
+        server.kill()
+        out = server.communicate()[0]
+        listener.close()
+        store.close()
+    assert "starts EMPTY" in out
+
+
+def test_the_saved_journal_of_a_good_state_replays(tmp_path):
+    """What `gms replay` reads from a saved journal: the base image, then the events."""
+    from gms.postmortem import replay_rows
+    from gms.server.resume import save_journal
+
+    log = rich_log()
+    entries = list(log.entries())
+    base_state = log.snapshot.state
+    info = ServerInfo(1, "host", 0, "host-0", True)
+    from gms.fsm import fold_all
+
+    cut = 10
+    base = encode_image(StateImage(STATE_VERSION, info, cut, 9, fold_all(e.event for e in entries[:cut])))
+    path = save_journal(str(tmp_path), "host-0", base, [encode_entries(entries[cut:])], "a test")
+    with open(path) as lines:
+        replayed = replay_rows(lines)
+    assert replayed.state == log.state and replayed.last_seq == log.last_seq and base_state is not None
+    assert replayed.runtime_state().layouts[-1].name == "weights"
+    assert compute_layout_hash  # the layouts' hashes were checked by the replay's invariants
