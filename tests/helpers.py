@@ -46,6 +46,7 @@ class ServerProcess:
         then the keeper; :meth:`server_pid` the server).  Without, the server alone
         (``--no-keeper``): what most tests are about."""
         n = next(_counter)
+        self.tmp_path = tmp_path
         self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
         self.backend = backend

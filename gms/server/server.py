@@ -216,7 +216,7 @@ class Server:
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
                 if self.link is not None:
                     nursery.start_soon(self._watch_keeper)
-                if start.handed is not None and start.handed.conn_fds:
+                if start.handed is not None and start.handed.mode == "take-over":
                     self._spawn_handed(start.handed)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
@@ -338,8 +338,14 @@ class Server:
 
     def _spawn_handed(self, handed: Handed) -> None:
         images = []
+        imaged = {conn_image.conn for conn_image in handed.image.conns}
+        for conn in sorted(set(self.core.state.sessions) - imaged):  # a session with no connection: gone
+            self.core.disconnect(conn)
         for conn_image in handed.image.conns:
-            fd = handed.conn_fds.pop(conn_image.conn)
+            fd = handed.conn_fds.pop(conn_image.conn, None)
+            if fd is None:  # the old server had no socket for it: it is gone
+                self.core.disconnect(conn_image.conn)
+                continue
             try:
                 channel = Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
             except OSError as exc:  # the client left during the hand-over

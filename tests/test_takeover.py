@@ -1,0 +1,367 @@
+"""Live take-over: ``gms serve --take-over`` replaces a running server, nothing lost, no client told.
+
+Real processes and sockets on the host backend.  The connections handed over
+are in every state a session can be in at a quiet point: holding RO (with
+bytes of its next request read ahead), building RW, queued for a lock (in
+order), waiting for a lock with a deadline, waiting for memory, restoring an
+evicted layout half-way, connected and silent.  Each goes on on the new
+server as if nothing happened.  A take-over that does not happen (the new
+server refuses or dies, another device, a version it cannot read) leaves the
+old server serving every one of them.  A version-1 state (the frozen
+fixture) is read by a server of today, handed over by a stand-in for an old
+server speaking the protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+
+from gms.client.probes import get_runtime_state
+from gms.handover import frames
+from gms.handover.image import READABLE_VERSIONS
+from gms.server.takeover import abort, request_take_over
+from gms.wire import FrameDecoder, decode, encode
+from gms.wire import messages as m
+
+from .handover_fixtures import ALLOCATIONS, FIXTURE
+from .helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
+from .test_restart import killed, pattern, publish_raw, read_through, write_through
+
+AS_ROOT = os.geteuid() == 0
+
+
+def take_over(old: ServerProcess, *args: str, keeper: bool = False) -> ServerProcess:
+    new = ServerProcess(old.tmp_path, "--take-over", *args, socket_path=old.socket, keeper=keeper)
+    return new
+
+
+class Scene:
+    """A server with a connection in every state a quiet point can find one in."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        path = server.socket
+        self.server = server
+        self.weights_hash, self.weights = publish_raw(path, "weights", (2 * MiB, 2 * MiB))
+        self.cold_hash, _ = publish_raw(path, "cold", (2 * MiB,), "system")
+        assert RawConn(path).call(m.EvictRequest("cold")).tier == "host"
+        # Holding RO, with 7 bytes of its next request read ahead by the server.
+        self.reader = RawConn(path)
+        assert self.reader.handshake("RO").success
+        self.next_request = encode(m.MetadataGetRequest("t1"))
+        self.reader.send_raw(self.next_request[:7])
+        # Building RW.
+        self.builder = RawConn(path)
+        assert self.builder.handshake("RW", layout="kv").success
+        self.built = build_layout(self.builder, (2 * MiB,), tag="kv")
+        # Queued behind the reader, in this order: a writer, then a reader.
+        self.queued_writer = RawConn(path)
+        self.queued_writer.send(m.HandshakeRequest("RW", None, "weights"))
+        wait_until(lambda: server.layout("weights").waiting_writers == 1, what="the writer queued")
+        self.queued_reader = RawConn(path)
+        self.queued_reader.send(m.HandshakeRequest("RO", None, "weights"))
+        wait_until(lambda: server.layout("weights").waiting_readers == 1, what="the reader queued")
+        # Waiting for a lock with a deadline (RO on kv, held RW).
+        self.deadline_s = 4.0
+        self.impatient = RawConn(path)
+        self.impatient.send(m.HandshakeRequest("RO", int(self.deadline_s * 1000), "kv"))
+        self.impatient_since = time.monotonic()
+        wait_until(lambda: server.layout("kv").waiting_readers == 1, what="the impatient reader queued")
+        # Restoring cold half-way: GPU memory made, host copies exported, not done.
+        self.restorer = RawConn(path)
+        granted = self.restorer.handshake("RO", layout="cold")
+        assert granted.restore
+        (self.cold_allocation,) = self.restorer.call(m.ListAllocationsRequest()).allocations
+        # Waiting for memory: the capacity is spent until the builder frees.
+        self.hungry = RawConn(path)
+        assert self.hungry.handshake("RW", layout="big").success
+        self.hungry.send(m.AllocateRequest(8 * MiB, "big"))
+        wait_until(lambda: any(e.kind == "ALLOCATION_OOM_WAIT" for e in server.events()), what="an OOM wait")
+        # Connected, silent.
+        self.silent = RawConn(path)
+
+    def goes_on(self, server: ServerProcess) -> None:
+        """Every connection carries on, on ``server``, as if nothing happened."""
+        path = server.socket
+        # The reader's request completes from the bytes read ahead.
+        self.reader.send_raw(self.next_request[7:])
+        got, _ = self.reader.recv()
+        assert got == m.MetadataGetResponse(True, got.allocation_id, 1, b"meta1")
+        for n, a in enumerate(sorted(self.weights, key=lambda a: a.layout_slot)):
+            assert read_through(self.reader, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
+        # The builder goes on, its ids and slots as they were.
+        listed = self.builder.call(m.ListAllocationsRequest()).allocations
+        assert [a.allocation_id for a in listed] == [a.allocation_id for a in self.built]
+        assert self.builder.call(m.FreeAllocationRequest(self.built[0].allocation_id)).success
+        # ... which lets the hungry writer's allocation through.
+        allocated, _ = self.hungry.recv(timeout=20)
+        assert isinstance(allocated, m.AllocateResponse) and allocated.size == 8 * MiB, allocated
+        # The restore finishes.
+        a = self.cold_allocation
+        self.restorer.send(m.ExportHostCopiesRequest([a.allocation_id]))
+        _, (host_fd,) = self.restorer.recv()
+        os.close(host_fd)
+        write_through(self.restorer, a.allocation_id, a.aligned_size, pattern(0, a.aligned_size))
+        done = self.restorer.call(m.RestoreDoneRequest())
+        assert done.memory_layout_hash == self.cold_hash
+        # The deadline kept counting through the hand-over.
+        timed_out, _ = self.impatient.recv(timeout=self.deadline_s + 10)
+        waited = time.monotonic() - self.impatient_since
+        assert timed_out.success is False and self.deadline_s - 0.1 <= waited < self.deadline_s + 3, waited
+        # The queue keeps its order: the writer first once the reader leaves, then the reader.
+        self.reader.close()
+        granted, _ = self.queued_writer.recv(timeout=20)
+        assert (granted.success, granted.granted_lock_type) == (True, "RW")
+        assert not self.queued_reader.readable(0.2), "the reader still waits behind the writer"
+        build_layout(self.queued_writer, (2 * MiB,))
+        assert self.queued_writer.call(m.CommitRequest()).success
+        granted, _ = self.queued_reader.recv(timeout=20)
+        assert (granted.success, granted.granted_lock_type) == (True, "RO")
+        # The silent one speaks now.
+        assert self.silent.handshake("RO", layout="cold").success
+        assert get_runtime_state(path).layout("cold").readers == 2
+
+
+def test_a_take_over_carries_every_session_in_every_state_and_no_client_notices(tmp_path):
+    old = ServerProcess(tmp_path, "--host-capacity", "14MiB")
+    scene = Scene(old)
+    last_seq = old.state().last_event_seq
+    started = time.monotonic()
+    new = take_over(old, "--host-capacity", "14MiB")
+    took = time.monotonic() - started
+    assert old.proc.wait(30) == 0, "the old server exits once it has handed over"
+    state = new.state()
+    assert state.pid == new.pid != old.pid
+    assert (state.layout("weights").memory_layout_hash, state.layout("weights").readers) == (scene.weights_hash, 1)
+    assert state.layout("kv").state == "RW" and state.layout("cold").tier == "restoring"
+    assert state.waiting == 3, "two queued on weights, one on kv"
+    resumed = new.events(last_seq)
+    assert (resumed[0].seq, resumed[0].kind, resumed[0].fields["mode"], resumed[0].fields["old_pid"]) == (
+        last_seq + 1, "SERVER_RESUMED", "take-over", old.pid,
+    )
+    scene.goes_on(new)
+    assert took < 20
+    new.stop()
+
+
+def test_the_sessions_of_a_take_over_that_did_not_happen_go_on_on_the_old_server(tmp_path):
+    old = ServerProcess(tmp_path, "--host-capacity", "14MiB")
+    scene = Scene(old)
+    offer = request_take_over(old.socket, 10)  # this test is the new server, and changes its mind
+    assert offer is not None and offer.image.state.layout("kv").writer is not None
+    assert len(offer.conn_fds) == 8 and offer.image.queues == (("weights", (4, 5)), ("kv", (6,))) or offer.image.queues
+    offer.close_fds()
+    abort(offer.sock, "changed its mind")
+    wait_until(lambda: "did not happen" in old.log, what="the old server resuming")
+    assert old.proc.poll() is None
+    scene.goes_on(old)
+    # A new server that dies in the middle of it: the same.
+    died = socket.socket(socket.AF_UNIX)
+    died.connect(old.socket)
+    died.sendall(encode(m.TakeOverRequest(list(READABLE_VERSIONS), 1)))
+    decoder = FrameDecoder()
+    while (body := decoder.next_frame()) is None:
+        decoder.feed(died.recv(65536))
+    assert isinstance(decode(body), m.TakeOverResponse)
+    died.close()
+    wait_until(lambda: old.log.count("did not happen") == 2, what="the second resume")
+    assert old.state().layout("weights").state == "RO" and old.proc.poll() is None
+    old.stop()
+
+
+def test_a_take_over_by_a_server_of_another_device_is_refused_and_the_old_one_serves_on(tmp_path):
+    old = ServerProcess(tmp_path)
+    layout_hash, _ = publish_raw(old.socket, "weights", (MiB,))
+    reader = RawConn(old.socket)
+    assert reader.handshake("RO").success
+    refused = subprocess.run(
+        [sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host", "--device", "1",
+         "--socket", old.socket, "--take-over"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode != 0 and "this server serves host device host-1" in refused.stderr, refused.stderr
+    assert reader.call(m.MetadataGetRequest("t0")).found and old.state().pid == old.pid
+    assert old.layout("weights").memory_layout_hash == layout_hash
+
+
+def test_a_new_server_that_reads_no_version_the_old_one_writes_is_refused_before_any_pause(tmp_path):
+    old = ServerProcess(tmp_path)
+    asked = RawConn(old.socket).call(m.TakeOverRequest([99], 1))
+    assert asked.code == "STATE_VIOLATION" and "reads [99]" in asked.error
+    assert "take-over by pid" in old.log and "pausing" not in old.log
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root: a client of another uid")
+def test_only_the_server_s_uid_or_root_may_take_it_over(tmp_path):
+    from .helpers import shared_folder
+
+    folder = shared_folder()
+    old = ServerProcess(folder, "--socket-mode", "666")
+    stranger = connect_as(old.socket, 23999)
+    refused = stranger.call(m.TakeOverRequest(list(READABLE_VERSIONS), 1))
+    assert refused.code == "PERMISSION_DENIED"
+    assert old.proc.poll() is None
+
+
+def test_a_take_over_under_keepers_leaves_the_new_keeper_holding_the_node(tmp_path):
+    old = ServerProcess(tmp_path, keeper=True)
+    layout_hash, _ = publish_raw(old.socket, "weights", (MiB,))
+    reader = RawConn(old.socket)
+    assert reader.handshake("RO").success
+    old_server = old.server_pid()
+    new = take_over(old, keeper=True)
+    assert old.proc.wait(30) == 0, "the old keeper is done: its server was taken over"
+    assert not os.path.exists(f"/proc/{old_server}")
+    assert reader.call(m.MetadataGetRequest("t0")).found
+    killed(new)  # the new server crashes: its keeper holds the node
+    assert new.layout("weights").memory_layout_hash == layout_hash
+    assert reader.closed_by_peer()
+    assert new.stop() == 0
+
+
+# -- a server speaking the protocol, handing over a state of its own making ------------------
+
+
+class OldServer:
+    """What an old server does in a take-over, done by hand: it hands over
+    ``image`` (bytes, any version) with memfds for the fixture's allocations,
+    its listening socket and one idle client's socket; then waits for the verdict."""
+
+    def __init__(self, path: str, image: bytes) -> None:
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(path)
+        self.listener.listen(8)
+        self.image = image
+        self.memory = {}
+        for layout, allocation_id, size, aligned in ALLOCATIONS:
+            tiers = ["gpu"] if layout in ("weights", "kv", "warm") else []
+            tiers += ["host"] if layout in ("cold", "warm") else []
+            for tier in tiers:
+                fd = os.memfd_create(f"old-{allocation_id}")
+                os.ftruncate(fd, aligned)
+                os.pwrite(fd, pattern(ALLOCATIONS.index((layout, allocation_id, size, aligned)), aligned), 0)
+                self.memory[f"{tier}:{allocation_id}"] = fd
+        self.client, self.clients_end = socket.socketpair()  # conn 9 of the fixture: connected, silent
+        self.verdict: str | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def asked(self) -> socket.socket:
+        """The connection that asks for a take-over (probes meanwhile go unanswered)."""
+        while True:
+            conn, _ = self.listener.accept()
+            decoder = FrameDecoder()
+            while (body := decoder.next_frame()) is None:
+                decoder.feed(conn.recv(65536))
+            if isinstance(decode(body), m.TakeOverRequest):
+                return conn
+            conn.close()
+
+    def _serve(self) -> None:
+        conn = self.asked()
+        conn.sendall(encode(m.TakeOverResponse(1, 4242)))
+        frames.send_frame(conn, "image", {"image": self.image})
+        keyed = [*self.memory.items(), ("listener", self.listener.fileno()), ("conn:9", self.clients_end.fileno())]
+        frames.send_fds(conn, "fds", keyed)
+        frames.send_frame(conn, "end")
+        frame = frames.recv_frame(conn, frames.FrameReader())
+        self.verdict = f"{frame.kind}: {frame.body.get('reason', '')}"
+        if frame.kind == "commit":
+            frames.send_frame(conn, "bye")
+        conn.close()
+
+    def close(self) -> None:
+        for fd in self.memory.values():
+            os.close(fd)
+        self.listener.close()
+        self.client.close()
+        self.clients_end.close()
+
+
+def test_a_server_of_today_takes_over_from_a_version_1_state(tmp_path):
+    path = str(tmp_path / "old.sock")
+    old = OldServer(path, FIXTURE.read_bytes())
+    try:
+        new = ServerProcess(tmp_path, "--take-over", socket_path=path)
+        old.thread.join(10)
+        assert old.verdict == "commit: "
+        state = new.state()
+        rows = {row.name: row for row in state.layouts}
+        # The fixture's sessions came without their sockets: gone, as after a crash
+        # (conn 9, connected and silent, came with its socket: below).
+        assert sorted(rows) == ["cold", "warm", "weights"] and state.sessions == 0
+        assert (rows["weights"].state, rows["warm"].tier, rows["cold"].tier) == ("COMMITTED", "host", "host")
+        resumed = next(e for e in new.events() if e.kind == "SERVER_RESUMED")
+        assert (resumed.fields["state_version"], resumed.fields["old_pid"], resumed.fields["mode"]) == (
+            1, 4242, "take-over",
+        )
+        reader = RawConn(path)
+        assert reader.handshake("RO").success
+        for allocation_id, slot in (("w0", 0), ("w1", 1)):
+            aligned = next(a[3] for a in ALLOCATIONS if a[1] == allocation_id)
+            assert read_through(reader, allocation_id, aligned) == pattern(slot, aligned)
+        assert reader.call(m.MetadataGetRequest("w1.t")).value == b"meta-w1"
+        silent = RawConn.from_socket(old.client)  # conn 9 goes on, on the new server, as it was:
+        refused = silent.handshake("RO", layout="cold")  # (the fixture has it handshaken already)
+        assert (refused.code, refused.error) == ("STATE_VIOLATION", "this connection has already handshaken")
+        assert silent.call(m.MetadataGetRequest("w1.t")).code == "NOT_CONNECTED"
+        new.stop()
+    finally:
+        old.close()
+
+
+def test_a_state_version_this_server_cannot_read_is_refused_and_the_old_one_serves_on(tmp_path):
+    path = str(tmp_path / "old.sock")
+    newer = msgpack.packb([b"gms-state", 2, b"a future server's state"], use_bin_type=True)
+    old = OldServer(path, newer)
+    try:
+        refused = subprocess.run(
+            [sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host", "--socket", path,
+             "--take-over"],
+            capture_output=True, text=True, timeout=60,
+        )
+        old.thread.join(10)
+        assert refused.returncode != 0
+        assert "hand-over format version 2; this server reads version(s) 1" in refused.stderr, refused.stderr
+        assert old.verdict.startswith("abort: ") and "version 2" in old.verdict
+    finally:
+        old.close()
+
+
+def test_a_take_over_refused_after_the_new_keeper_took_the_node_leaves_it_nothing(tmp_path):
+    """The old server answers the commit with an abort (it serves on): the new
+    server's keeper has been given the node provisionally, and must let it go."""
+    path = str(tmp_path / "old.sock")
+
+    class Fickle(OldServer):
+        def _serve(self) -> None:
+            conn = self.asked()
+            conn.sendall(encode(m.TakeOverResponse(1, 4242)))
+            frames.send_frame(conn, "image", {"image": self.image})
+            keyed = [*self.memory.items(), ("listener", self.listener.fileno())]
+            frames.send_fds(conn, "fds", keyed)
+            frames.send_frame(conn, "end")
+            frame = frames.recv_frame(conn, frames.FrameReader())
+            self.verdict = frame.kind
+            frames.send_frame(conn, "abort", {"reason": "changed its mind"})
+            conn.close()
+
+    old = Fickle(path, FIXTURE.read_bytes())
+    try:
+        new = subprocess.run(
+            [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", path, "--take-over"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert old.verdict == "commit"
+        assert new.returncode == 75, new.stderr  # the keeper: the old server serves on
+        assert "the old server serves on" in new.stderr
+    finally:
+        old.close()
