@@ -46,6 +46,7 @@ class ServerProcess:
         then the keeper; :meth:`server_pid` the server).  Without, the server alone
         (``--no-keeper``): what most tests are about."""
         n = next(_counter)
+        self.keeper = keeper
         self.tmp_path = tmp_path
         self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
@@ -111,10 +112,34 @@ class ServerProcess:
         return code
 
     def kill(self) -> None:
+        """SIGKILL it (under a keeper: the keeper, then the server it ran, so none is restarted)."""
+        children = descendants(self.proc.pid) if self.keeper else []
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (from /proc: children of each of its threads)."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                for child in children.read().split():
+                    found += [int(child), *descendants(int(child))]
+        except OSError:
+            continue
+    return found
 
 
 class RawConn:

@@ -50,7 +50,7 @@ def killed(server: ServerProcess, sig: int = signal.SIGKILL) -> int:
 
     def new_pid():
         try:
-            pid = get_runtime_state(server.socket, timeout=1).pid
+            pid = get_runtime_state(server.socket, timeout=30).pid
         except GMSError:
             return None
         return pid if pid != old else None

@@ -4,9 +4,9 @@ Two ways to run it:
 
 * **spawn** (``gms serve``, the default): the keeper starts the server as its
   child, with one end of a socketpair (``--keeper-fd``), and starts the next
-  one when it dies: at once the first time (and after a server that left on a
-  signal), then after a backoff that doubles from half a second to 30 s,
-  reset once a server has served a minute.  SIGTERM/SIGINT ask the server to
+  one when it dies: at once if it had served (or left on a signal); a server
+  that dies before it serves (a crash loop) waits for a backoff that doubles
+  from half a second to 30 s.  SIGTERM/SIGINT ask the server to
   stop cleanly (it releases every layout) and then the keeper exits.
 * **listen** (``gms keeper --keeper-socket PATH``): servers in another
   container connect to it (Kubernetes: a pod's keeper and server containers
@@ -244,8 +244,8 @@ async def keep_spawning(server_argv: list[str]) -> int:
                     store.close()
                     nursery.cancel_scope.cancel()
                     return code
-                if trio.current_time() - started >= HEALTHY_AFTER_S:
-                    backoff = 0.0
+                if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
+                    backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
                 delay = 0.0 if outcome.why == "left" else backoff
                 log.error(
                     "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",

@@ -116,6 +116,7 @@ class ServerMachine(RuleBasedStateMachine):
     # Set by the test: where servers are started, on which backend.
     tmp_path = None
     backend = "host"
+    keeper = False  # under a keeper (test_kept_server_machine.py kills the server)
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +127,7 @@ class ServerMachine(RuleBasedStateMachine):
             args += ["--policy", str(policy)]
         if self.backend == "host":
             args += ["--host-capacity", "64MiB"]
-        self.server = ServerProcess(self.tmp_path, *args, backend=self.backend)
+        self.server = ServerProcess(self.tmp_path, *args, backend=self.backend, keeper=self.keeper)
         self.expected = EventLog(retain=None)
         (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
         self.expected.append(started)

@@ -1,0 +1,81 @@
+"""A real server killed at any step of the server machine, restarted by its keeper.
+
+The server machine (``server_machine.py``: three tenants as real uids, two
+layouts, evictions, restores, bytes through real mappings, every step checked
+against the pure core) runs its server under a keeper and gains one rule: the
+server is SIGKILLed between any two steps.  The model's expected state becomes
+what the pure core says a restart leaves, the dead server's sessions
+disconnected (``gms.fsm.decide_resume``), and after the restart every check of
+the machine holds again: the server's history refolds to that state, the
+runtime probe and the memory the new server holds agree with it (the
+memory it adopted is exactly the committed layouts'), and readers see the
+bytes the writers wrote before the crash.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from hypothesis import settings
+from hypothesis.stateful import rule, run_state_machine_as_test
+
+from gms.client.probes import get_runtime_state
+from gms.errors import GMSError
+from gms.fsm import decide_disconnect
+from gms.postmortem import row_event
+
+from ..helpers import wait_until
+from .server_machine import ServerMachine
+
+EXAMPLES = int(os.environ.get("GMS_KEPT_MACHINE_EXAMPLES", "12"))
+
+
+class KeptServerMachine(ServerMachine):
+    keeper = True
+
+    @rule()
+    def kill_the_server(self):
+        self._sync()
+        old = self.server.server_pid()
+        os.kill(old, signal.SIGKILL)
+
+        def restarted():
+            try:
+                pid = get_runtime_state(self.server.socket, timeout=30).pid
+            except GMSError:
+                return None
+            return pid if pid != old else None
+
+        wait_until(restarted, timeout=30, what="the keeper's next server")
+        for conn in self.conns.values():
+            assert conn.closed_by_peer(), "a dead server's connection ends"
+            conn.close()
+        self.conns.clear()
+        self.waiting = {}
+        # The restart as the pure core decides it: the server's own SERVER_RESUMED
+        # (its pid and reason are the server's to know), then every session gone.
+        (resumed,) = [
+            row_event(e.fields | {"kind": e.kind, "conn": e.conn})
+            for e in self.server.events(self.expected.last_seq)
+            if e.kind == "SERVER_RESUMED"
+        ]
+        assert (resumed.mode, resumed.old_pid, resumed.reason) == ("restart", old, "signal SIGKILL")
+        self._record([resumed])
+        for conn in sorted(self.state.sessions):
+            self._record(decide_disconnect(self.state, conn))
+
+
+def test_a_server_killed_at_any_step_comes_back_as_the_core_says():
+    folder = tempfile.mkdtemp(prefix="gms-kept-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    try:
+        machine = type("Machine", (KeptServerMachine,), {"tmp_path": Path(folder), "backend": "host"})
+        run_state_machine_as_test(
+            machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
