@@ -58,6 +58,10 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--max-layouts": args.max_layouts,
         "--event-log-retain": args.event_log_retain,
         "--log-level": args.log_level,
+        "--keeper-socket": args.keeper_socket,
+        "--handover-timeout": args.handover_timeout,
+        "--state-dir": args.state_dir,
+        "--ready-dir": args.ready_dir,
     }
     if args.metrics_port is not None:
         # One port per GPU: the first GPU's server gets the given one, the next the one after.
@@ -68,6 +72,9 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
             argv += [flag, str(value)]
     if args.no_host_tier:
         argv.append("--no-host-tier")
+    for flag, on in (("--no-keeper", args.no_keeper), ("--take-over", args.take_over)):
+        if on:
+            argv.append(flag)
     return argv
 
 

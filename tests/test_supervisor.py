@@ -108,3 +108,57 @@ def test_a_bad_policy_stops_the_supervisor_before_any_server(tmp_path):
     )
     assert run.returncode == 78
     assert f"{bad}:4: quota" in run.stderr
+
+
+def test_each_device_s_server_comes_back_with_its_layouts_from_its_own_keeper(tmp_path):
+    proc = start(tmp_path, "host", "0,1")
+    try:
+        doomed, healthy = (socket_of(tmp_path, "host", d) for d in (0, 1))
+        for path in (doomed, healthy):
+            wait_until(lambda path=path: _alive(path), timeout=60, what=path)
+        writer = RawConn(doomed)
+        writer.handshake("RW")
+        build_layout(writer)
+        layout_hash = writer.call(m.CommitRequest()).memory_layout_hash
+        healthy_pid, doomed_pid = _pid(healthy), _pid(doomed)
+        os.kill(doomed_pid, signal.SIGKILL)
+        wait_until(lambda: _pid(doomed) not in (None, doomed_pid), timeout=30, what="restart")
+        assert get_runtime_state(doomed).layout("weights").memory_layout_hash == layout_hash
+        assert _pid(healthy) == healthy_pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_servers_of_every_device_keep_their_layouts_in_a_keeper_of_another_process(tmp_path):
+    """The Kubernetes pod's layout: `gms keeper` in one container, `gms serve
+    --devices all --keeper-socket` in another; a server restarted alone resumes."""
+    keeper_path = str(tmp_path / "keeper" / "keeper.sock")
+    keeper = subprocess.Popen([sys.executable, "-m", "gms", "keeper", "--keeper-socket", keeper_path])
+    env = {**os.environ, "GMS_SOCKET_DIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--devices", "0,1", "--backend", "host", "--log-level", "warning",
+         "--keeper-socket", keeper_path, "--ready-dir", str(tmp_path)],
+        env=env,
+    )
+    try:
+        paths = [socket_of(tmp_path, "host", d) for d in (0, 1)]
+        for path in paths:
+            wait_until(lambda path=path: _alive(path), timeout=60, what=path)
+        wait_until(lambda: sorted(p.name for p in tmp_path.glob("*.ready")) == ["device-0.ready", "device-1.ready"],
+                   what="both servers ready")
+        hashes = []
+        for path in paths:
+            writer = RawConn(path)
+            writer.handshake("RW")
+            build_layout(writer)
+            hashes.append(writer.call(m.CommitRequest()).memory_layout_hash)
+        doomed = _pid(paths[0])
+        os.kill(doomed, signal.SIGKILL)  # the supervisor starts it again; the keeper hands it back
+        wait_until(lambda: _pid(paths[0]) not in (None, doomed), timeout=30, what="restart")
+        assert [get_runtime_state(p).layout("weights").memory_layout_hash for p in paths] == hashes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(60) == 0
