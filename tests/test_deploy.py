@@ -13,8 +13,10 @@ import copy
 import functools
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -347,9 +349,11 @@ def test_coordinator_config_names_the_lease_the_role_grants(pattern):
 
 def test_the_gms_probe_script_runs_against_a_real_server(tmp_path):
     """The probes' shell, run as the kubelet would, on a real `gms serve` (host backend)."""
+    daemon_readiness = containers(pod_spec(one("DaemonSet", "gms-server")))["gms"]["readinessProbe"]
     scripts = {gms[probe]["exec"]["command"][2] for _, gms in gms_containers()
-               for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
-    (script,) = scripts  # one probe everywhere
+               for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+               if gms[probe] is not daemon_readiness}
+    (script,) = scripts  # one status probe everywhere (but the DaemonSet's readiness: below)
     bin_dir, sockets = tmp_path / "bin", tmp_path / "sockets"
     bin_dir.mkdir()
     sockets.mkdir()
@@ -362,8 +366,9 @@ def test_the_gms_probe_script_runs_against_a_real_server(tmp_path):
         return subprocess.run(["sh", "-c", script], env=env, capture_output=True, timeout=60).returncode
 
     assert probe() != 0  # no server yet
-    server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "host", "--log-level", "warning"],
-                              env=env)
+    # The server alone (a keeper would start another when it is killed below).
+    server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host",
+                               "--log-level", "warning"], env=env)
     try:
         wait_until(lambda: len(list(sockets.glob("gms_*.sock"))) == 1, timeout=30, what="the socket")
         wait_until(lambda: probe() == 0, timeout=30, what="the probe to pass")
@@ -371,3 +376,74 @@ def test_the_gms_probe_script_runs_against_a_real_server(tmp_path):
         server.kill()  # SIGKILL: the sockets stay behind, answered by nobody
         server.wait(30)
     assert list(sockets.glob("gms_*.sock")) and probe() != 0
+
+
+# -- rolling gms without losing a byte (docs/deploy.md, "Updates")
+
+
+def test_the_daemonset_starts_the_new_pod_before_the_old_one_goes():
+    daemon = one("DaemonSet", "gms-server")
+    assert daemon["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    spec = pod_spec(daemon)
+    for c in containers(spec).values():
+        assert all("hostPort" not in p for p in c.get("ports", [])), "a hostPort would keep the surge pod out"
+    socket_dir = containers(spec)["socket-dir"]
+    assert "rm " not in command(socket_dir)[-1], "the old pod serves on the sockets during a rollout"
+
+
+def test_keeper_and_server_are_separate_containers_sharing_only_the_keeper_socket():
+    spec = pod_spec(one("DaemonSet", "gms-server"))
+    cs = containers(spec)
+    keeper, gms = cs["keeper"], cs["gms"]
+    assert keeper["restartPolicy"] == "Always", "a native sidecar: up before the servers, down after them"
+    argv = command(keeper)
+    assert argv[:2] == ["gms", "keeper"]
+    keeper_socket = argv[argv.index("--keeper-socket") + 1]
+    serve = command(gms)
+    assert serve[serve.index("--keeper-socket") + 1] == keeper_socket and "--take-over" in serve
+    (shared,) = [v for v in mounts(keeper) if v in mounts(gms)]
+    assert "emptyDir" in volumes(spec)[shared] and mounts(keeper)[shared] == mounts(gms)[shared]
+    assert os.path.dirname(keeper_socket) == mounts(keeper)[shared]
+    assert not any("hostPath" in volumes(spec)[v] for v in mounts(keeper)), "the keeper sees no socket folder"
+    assert " -S " in " ".join(keeper["startupProbe"]["exec"]["command"]) or keeper["startupProbe"]["exec"][
+        "command"][:2] == ["test", "-S"]
+
+
+def test_the_readiness_probe_waits_for_this_pod_s_own_servers(tmp_path):
+    """During a rollout both pods' probes reach the same sockets: the new pod is
+    ready only once its own servers serve them (they took over), not while the
+    old pod's do."""
+    gms = containers(pod_spec(one("DaemonSet", "gms-server")))["gms"]
+    script = gms["readinessProbe"]["exec"]["command"][2]
+    serve = command(gms)
+    ready_dir = serve[serve.index("--ready-dir") + 1]
+    bin_dir, sockets, ready = tmp_path / "bin", tmp_path / "sockets", tmp_path / "ready"
+    bin_dir.mkdir()
+    sockets.mkdir()
+    shim = bin_dir / "gms"
+    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gms "$@"\n')
+    shim.chmod(0o755)
+    script = script.replace(ready_dir, str(ready))  # this "pod's" /tmp
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GMS_SOCKET_DIR": str(sockets)}
+
+    def probe() -> int:
+        return subprocess.run(["sh", "-c", script], env=env, capture_output=True, timeout=60).returncode
+
+    old = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "host", "--log-level", "warning"],
+                           env=env)
+    new = None
+    try:
+        wait_until(lambda: len(list(sockets.glob("gms_*.sock"))) == 1, timeout=30, what="the old pod's socket")
+        time.sleep(1)
+        assert probe() != 0, "the old pod's server serves: not ready"
+        new = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "host", "--log-level", "warning",
+                                "--take-over", "--ready-dir", str(ready)], env=env)
+        wait_until(lambda: probe() == 0, timeout=60, what="the new pod ready")
+        assert old.wait(30) == 0, "taken over: the old pod's keeper is done"
+    finally:
+        for proc in (new, old):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)

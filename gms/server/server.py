@@ -440,6 +440,7 @@ def _ready_file(path: str | None, ready: bool) -> None:
     if path is None:
         return
     if ready:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as out:
             out.write(f"{os.getpid()}\n")
     else:
