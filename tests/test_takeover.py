@@ -15,7 +15,6 @@ server speaking the protocol.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys

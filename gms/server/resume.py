@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import attrs
 
 from ..cuda import DeviceInfo, align_up
-from ..fsm import InvariantViolation, Rejection, check_invariants, decide_resume, held_memory
+from ..fsm import InvariantViolation, MemoryTier, Rejection, check_invariants, decide_resume, held_memory
 from ..fsm.events import ServerResumed
 from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries, decode_image
 from ..postmortem import event_row
@@ -152,9 +152,7 @@ async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str
     return lost
 
 
-def _tier(name: str):
-    from ..fsm import MemoryTier
-
+def _tier(name: str) -> MemoryTier:
     return MemoryTier(name)
 
 

@@ -243,7 +243,7 @@ class Server:
                 if core is not None:
                     for tier in core.ledger.tiers.values():
                         tier.lane.stop()
-                if self.link is not None:
+                if self.link is not None:  # (a take-over told it already)
                     self.link.stopping(self.left_as)
             self._close_backends()
 
@@ -379,7 +379,6 @@ class Server:
                 session.go_on(pending.kind, requested=pending.requested, timeout_left=left, granted=granted)
             sessions[image.conn] = session
         from .lock_queues import Waiter
-        from ..fsm import RequestedLockType
 
         for layout, conns in order:
             for conn in conns:

@@ -19,17 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import attrs
 
 from ..cuda import DeviceInfo
 from ..paths import device_id
 from .config import ServerConfig
-from .mirror import LISTENER, KeeperLink, MirroredLog
+from .mirror import KeeperLink, MirroredLog
 from .resume import Handed, TakeOverRefused, Unreplayable, check_compatible, rebuild, save_journal
 from .takeover import Offer, abort, request_take_over
 
 MAX_FAILED_RESUMES = 2  # servers that died resuming a journal before it is given up
+KEEPER_WAIT_S = 30.0  # for a keeper in another container to listen
 
 log = logging.getLogger("gms.server")
 
@@ -48,7 +50,6 @@ class Start:
     offer: Offer | None = None  # a take-over to commit once the node is ours
     discarded: Discarded | None = None
     link: KeeperLink | None = None
-    keeper_keys: frozenset = frozenset()
     retired: bool = False
 
 
@@ -89,13 +90,18 @@ def open_link(config: ServerConfig) -> KeeperLink | None:
     if config.keeper_fd is not None:
         return KeeperLink(socket.socket(fileno=config.keeper_fd))
     if config.keeper_socket is not None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(config.keeper_socket)
-        except OSError:
-            sock.close()
-            raise
-        return KeeperLink(sock)
+        # The keeper may be starting too (another container): give it a while.
+        deadline = time.monotonic() + KEEPER_WAIT_S
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(config.keeper_socket)
+                return KeeperLink(sock)
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     return None
 
 
@@ -104,7 +110,6 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
     if link is None:
         return take_over(config, device) if config.take_over else Start(None)
     handback = link.hello(device.uuid)
-    keys = frozenset(handback.fds) | ({LISTENER} if handback.listener is not None else frozenset())
     if handback.mode == "retired":
         return Start(None, link=link, retired=True)
     listener = _listener(handback.listener) if handback.listener is not None else None
@@ -112,8 +117,8 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         for fd in handback.fds.values():
             os.close(fd)
         if listener is None and config.take_over:
-            return attrs.evolve(take_over(config, device, link), keeper_keys=keys)
-        return Start(listener, link=link, keeper_keys=keys)
+            return take_over(config, device, link)
+        return Start(listener, link=link)
     why_not = None
     if handback.provisional and old_server_serves(config.socket_path, handback.provisional):
         # A take-over that never committed: the old server serves this node.
@@ -122,7 +127,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             os.close(fd)
         if listener is not None:
             listener.close()
-        return attrs.evolve(take_over(config, device, link), keeper_keys=keys)
+        return take_over(config, device, link)
     if handback.failed_resumes >= MAX_FAILED_RESUMES:
         why_not = f"the last {handback.failed_resumes} servers died resuming it"
     try:
@@ -141,10 +146,10 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         )
         for fd in handback.fds.values():
             os.close(fd)
-        return Start(listener, discarded=Discarded(str(exc), saved, handback.old_pid), link=link, keeper_keys=keys)
+        return Start(listener, discarded=Discarded(str(exc), saved, handback.old_pid), link=link)
     old_pid = handback.old_pid or image.server.pid
     handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown")
-    return Start(listener, handed=handed, link=link, keeper_keys=keys)
+    return Start(listener, handed=handed, link=link)
 
 
 def old_server_serves(path: str, pid: int) -> bool:

@@ -131,7 +131,6 @@ def _hand_over_blocking(sock: socket.socket, first: bytes, image: bytes, keyed, 
     finally:
         reader.close()
     if frame.kind == "commit":
-        frames.send_frame(sock, "bye")
         return "commit"
     return f"{frame.kind}: {frame.body.get('reason', '')}"
 
@@ -176,6 +175,16 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
         verdict = await trio.to_thread.run_sync(
             _hand_over_blocking, sock, first, encode_image(image), keyed, config.handover_timeout
         )
+        if verdict == "commit":
+            # The keeper first: were this process to die now, its keeper must not
+            # start a server of its own on a node another one serves.
+            if server.link is not None:
+                server.link.stopping("taken-over")
+                server.link = None
+            try:
+                frames.send_frame(sock, "bye")
+            except OSError:
+                pass  # it sees our silence, and that this process is gone
     except (OSError, frames.FrameError) as exc:
         verdict = f"the new server went away: {exc}"
     finally:
