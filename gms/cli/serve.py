@@ -14,6 +14,7 @@ from .common import byte_count
 
 EXIT_FATAL = 70  # EX_SOFTWARE: a broken invariant or a CUDA failure
 EXIT_CONFIG = 78  # EX_CONFIG: the policy file or an option cannot be used
+EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
 
 
 def _positive_float(text: str) -> float:
@@ -185,10 +186,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ..server import SocketPathError, run_server
 
+    from ..server.resume import TakeOverRefused
+
     try:
         trio.run(run_server, config)
     except BaseException as exc:  # noqa: BLE001 - sorted into exit codes below
         found = list(leaves(exc))
+        if all(isinstance(e, TakeOverRefused) for e in found):
+            for e in found:
+                print(f"gms serve: the take-over did not happen (the old server serves on): {e}", file=sys.stderr)
+            return EXIT_REFUSED
         if all(isinstance(e, SocketPathError | OSError | ValueError) for e in found):
             for e in found:
                 print(f"gms serve: {e}", file=sys.stderr)

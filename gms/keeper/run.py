@@ -233,7 +233,7 @@ async def keep_spawning(server_argv: list[str]) -> int:
                     store.close()
                     nursery.cancel_scope.cancel()
                     return 0
-                if outcome.why == "refused":
+                if outcome.why == "refused" or code == EXIT_REFUSED:
                     log.error("the take-over did not happen; the old server serves on")
                     store.close()
                     nursery.cancel_scope.cancel()

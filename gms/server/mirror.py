@@ -181,7 +181,7 @@ class KeeperLink:
 
     async def wait_for_stop(self) -> str:
         """Read what the keeper says (in Trio): ``stop`` (stop cleanly), or
-        ``gone`` when the channel ends (the server serves on without a keeper)."""
+        ``gone`` when the channel ends."""
         import trio
 
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=os.dup(self.sock.fileno())))
@@ -197,10 +197,10 @@ class KeeperLink:
                 data, ancillary, flags, _ = await sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
                 fds = frames.received_fds(ancillary)
                 frames.check_flags(flags, fds)
+                if not data and not fds:
+                    raise frames.ChannelClosed("the keeper closed the channel")
                 reader.feed(data, fds)
         except (OSError, frames.FrameError):
-            if self.alive:
-                log.error("the keeper went away: serving on without one; a crash now loses the node")
             self.alive = False
             return "gone"
         finally:
@@ -225,7 +225,6 @@ class KeeperLink:
         except OSError as exc:
             log.error("the keeper went away (%s): serving on without one; a crash now loses the node", exc)
             self.alive = False
-            self.sock.close()
 
 
 class MirroredLog(EventLog):

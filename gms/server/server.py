@@ -13,6 +13,7 @@ by SIGTERM or SIGINT.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -41,6 +42,9 @@ from .session import Session
 from .startup import Start, open_link, prepare
 
 log = logging.getLogger("gms.server")
+
+
+EXIT_KEEPER_GONE = 1
 
 
 class SocketPathError(Exception):
@@ -299,18 +303,31 @@ class Server:
         return held
 
     async def _accept_until_cancelled(self, listener) -> None:
-        """Trio's own accept loop (it ignores ECONNABORTED/EPROTO and backs off on
-        EMFILE), stopped by a take-over's pause and started again if it aborts."""
+        """Accept until cancelled; stopped by a take-over's pause (the socket stays
+        open: its backlog is the next server's) and started again if it aborts."""
         while True:
             self._accepting = trio.CancelScope()
             with self._accepting:
-                # A dup: serve_listeners closes its listener when stopped, and the
-                # socket must stay open (its backlog is the next server's).
-                await trio.serve_listeners(
-                    self._handle, [trio.SocketListener(listener.dup())], handler_nursery=self._nursery
-                )
+                await self._accept(listener)
             self._accept_again = trio.Event()
             await self._accept_again.wait()
+
+    async def _accept(self, listener) -> None:
+        """Trio's accept loop, less its stream wrapper (which closes the socket when
+        the handler returns: a session parked for a take-over outlives its task):
+        a peer that aborted is skipped; out of fds, wait and try again."""
+        while True:
+            try:
+                sock, _ = await listener.accept()
+            except OSError as exc:
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                    log.warning("accept: %s; retrying in 0.1 s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            self._nursery.start_soon(self._handle, sock)
 
     def stop_accepting(self) -> None:
         """New connections wait in the socket's backlog (for whoever serves next)."""
@@ -392,12 +409,21 @@ class Server:
             self._nursery.start_soon(session.run)
 
     async def _watch_keeper(self) -> None:
-        """The keeper asks for a clean stop (``stop``) or goes away (serve on without it)."""
+        """The keeper asks for a clean stop (``stop``) or goes away.  A keeper
+        that started this server is the service: killed, it takes its server
+        with it, at once (its memory goes with the process).  A keeper in another
+        container may come back: serve on without it meanwhile."""
         link = self.link
         why = await link.wait_for_stop()
         if why == "stop":
             log.info("the keeper asks this server to stop")
             self._nursery.cancel_scope.cancel()
+        elif self.config.keeper_fd is not None:
+            log.error("the keeper that started this server is gone: exiting with it")
+            logging.shutdown()
+            os._exit(EXIT_KEEPER_GONE)
+        else:
+            log.error("the keeper went away: serving on without one (a crash now loses the node)")
 
     async def _retired(self, task_status) -> None:
         log.info("this keeper's server was taken over by another: serving nothing until stopped")
@@ -409,13 +435,12 @@ class Server:
             if backend is not None:
                 backend.close()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, sock: trio.socket.SocketType) -> None:
         try:
-            # A socket of the session's own: trio closes the stream's when this
-            # returns, and a session parked for a take-over outlives its task.
-            channel = Channel(stream.socket.dup())
+            channel = Channel(sock)
         except OSError as exc:  # the peer left before we asked who it was
             log.info("dropping a connection: %s", exc)
+            sock.close()
             return
         await Session(
             self.core, self.config, channel, self.metrics, self.quiesce, on_take_over=self._taken_over_by

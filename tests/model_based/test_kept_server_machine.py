@@ -69,11 +69,11 @@ class KeptServerMachine(ServerMachine):
             self._record(decide_disconnect(self.state, conn))
 
 
-def test_a_server_killed_at_any_step_comes_back_as_the_core_says():
+def test_a_server_killed_at_any_step_comes_back_as_the_core_says(backend):
     folder = tempfile.mkdtemp(prefix="gms-kept-", dir="/tmp")
     os.chmod(folder, 0o755)
     try:
-        machine = type("Machine", (KeptServerMachine,), {"tmp_path": Path(folder), "backend": "host"})
+        machine = type("Machine", (KeptServerMachine,), {"tmp_path": Path(folder), "backend": backend})
         run_state_machine_as_test(
             machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
         )

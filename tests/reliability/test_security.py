@@ -224,6 +224,7 @@ JUSTIFIED = {
     ("torch/allocator.py", "ctypes.CDLL"): "loads that shim, built from gms's own source",
     ("failover/sets.py", "trio.lowlevel.open_process"): "starts the engine commands the operator configured",
     ("supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
+    ("keeper/run.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
     ("cuda/vmm.py", "ctypes.CDLL"): "libnvidia-ml, for device memory figures",
 }

@@ -1,0 +1,434 @@
+"""gms restarts without losing a byte: a live take-over and a SIGKILL, under load.
+
+An 8B model's weights published (one allocation per tensor of Llama-3-8B's
+shapes, bf16: 291 tensors, 16.1 GB; sentinel bytes at both ends of every
+tensor, written through real mappings), three engine-like reader processes
+holding RO with every tensor mapped and issuing steady requests (a gms round
+trip, ``metadata_get`` of a random tensor, then a read of that tensor's
+sentinel through its mapping: a device-to-host copy on CUDA), a KV cache held
+in an RW layout by a fourth process (allocating and writing as an engine's
+cache grows), and a ``system`` layout evicted to the host tier.  Then:
+
+1. **take-over**: ``gms serve --take-over`` on the same socket.  Reported:
+   requests failed (must be 0) and the p99 latency of requests made during
+   the hand-over against before it; the pause (the old server's own
+   measure, from its log); the card's used memory before and after (NVML:
+   unchanged, nothing copied); every layout's allocation ids and hash before
+   and after; the old server's and old keeper's pids gone.
+2. **SIGKILL** of the (new) server: seconds until a server serves the same
+   layouts; each reader's first successful request after the kill and its
+   latency (its mappings never touched: no disk read, nothing published
+   again), failures (0: readers ride through); the KV writer's build is gone
+   (BuildLostError, as documented) and how long it took to rebuild; the
+   evicted layout restores afterwards (seconds, bytes checked).
+
+One command:
+
+    python bench/restart.py --out /tmp/restart            # CUDA (the H100), full size
+    python bench/restart.py --backend host --scale 0.002 --out /tmp/restart-smoke
+
+``--scale`` multiplies every tensor's size (the structure, 291 tensors, is
+kept).  Writes restart_<backend>.json and restart_<backend>.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import cpu_name, percentile  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+SENTINEL = 4096
+
+# -- the model ------------------------------------------------------------------------
+
+
+def llama3_8b_tensors(scale: float) -> list[tuple[str, int]]:
+    """(name, bytes) of Llama-3-8B's tensors in bf16, each scaled (at least a page)."""
+    vocab, hidden, inter, layers, kv = 128256, 4096, 14336, 32, 1024
+    shapes = [("model.embed_tokens.weight", vocab * hidden)]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", hidden * hidden), (p + "self_attn.k_proj.weight", kv * hidden),
+            (p + "self_attn.v_proj.weight", kv * hidden), (p + "self_attn.o_proj.weight", hidden * hidden),
+            (p + "mlp.gate_proj.weight", inter * hidden), (p + "mlp.up_proj.weight", inter * hidden),
+            (p + "mlp.down_proj.weight", hidden * inter), (p + "input_layernorm.weight", hidden),
+            (p + "post_attention_layernorm.weight", hidden),
+        ]
+    shapes += [("model.norm.weight", hidden), ("lm_head.weight", vocab * hidden)]
+    return [(name, max(2 * SENTINEL, int(2 * elements * scale))) for name, elements in shapes]
+
+
+def sentinel(n: int) -> bytes:
+    return (n.to_bytes(4, "little") * (SENTINEL // 4))
+
+
+# -- processes of the bench --------------------------------------------------------------
+
+
+def publish(path: str, layout: str, tensors, residency: str = "device") -> dict:
+    from gms import GMSClientMemoryManager, RequestedLockType
+
+    writer = GMSClientMemoryManager(path, layout=layout)
+    writer.connect(RequestedLockType.RW)
+    started = time.monotonic()
+    for n, (name, size) in enumerate(tensors):
+        va = writer.create_mapping(size=size, tag=layout)
+        writer.write(va, sentinel(n))
+        writer.write(va + size - SENTINEL, sentinel(n))
+        allocation_id = next(mp.allocation_id for mp in writer.mappings if mp.va == va)
+        writer.metadata_put(name, allocation_id, 0, str(n).encode())
+    writer.commit(residency)
+    writer.close()
+    return {"layout": layout, "tensors": len(tensors), "bytes": sum(s for _, s in tensors),
+            "publish_s": time.monotonic() - started}
+
+
+def layouts(path: str) -> dict:
+    """name -> (hash, sorted allocation ids), through RO sessions."""
+    from gms import GMSClientMemoryManager, RequestedLockType, get_runtime_state
+
+    out = {}
+    for row in get_runtime_state(path).layouts:
+        if not row.committed or row.tier != "gpu":
+            out[row.name] = {"hash": row.memory_layout_hash, "tier": row.tier, "state": row.state}
+            continue
+        reader = GMSClientMemoryManager(path, layout=row.name)
+        reader.connect(RequestedLockType.RO)
+        out[row.name] = {"hash": reader.get_memory_layout_hash(), "tier": row.tier, "state": row.state,
+                         "ids": sorted(h.allocation_id for h in reader.list_handles())}
+        reader.close()
+    return out
+
+
+READER = r"""
+import json, os, random, sys, time
+from gms import GMSClientMemoryManager, RequestedLockType
+path, out, stop, pause = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+mgr = GMSClientMemoryManager(path, reconnect_timeout_s=120.0)
+mgr.connect(RequestedLockType.RO)
+handles = sorted(mgr.list_handles(), key=lambda h: h.layout_slot)
+vas = mgr.create_mappings([h.allocation_id for h in handles])
+keys = mgr.metadata_list()
+index = {k: int(mgr.metadata_get(k)[2]) for k in keys}
+rows = []
+with open(out, "w") as log:
+    print(json.dumps({"ready": time.time()}), file=log, flush=True)
+    while not os.path.exists(stop):
+        key = random.choice(keys)
+        n = index[key]
+        t0 = time.time()
+        try:
+            found = mgr.metadata_get(key)
+            data = mgr.read(vas[n], 4096)
+            ok = found is not None and data == n.to_bytes(4, "little") * 1024
+            err = "" if ok else "wrong bytes"
+        except Exception as exc:
+            ok, err = False, f"{type(exc).__name__}: {exc}"
+        rows.append([t0, time.time() - t0, ok, err, mgr.reconnects])
+        if len(rows) >= 200:
+            log.write("".join(json.dumps(r) + "\n" for r in rows)); log.flush(); rows = []
+        time.sleep(pause)
+    log.write("".join(json.dumps(r) + "\n" for r in rows))
+mgr.close()
+"""
+
+KV = r"""
+import json, os, sys, time
+from gms import GMSClientMemoryManager, RequestedLockType, BuildLostError
+path, out, stop, step, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+events = []
+def grow(mgr, made):
+    va = mgr.create_mapping(size=step, tag="kv")
+    mgr.write(va, b"k" * 4096)
+    return made + step
+mgr = GMSClientMemoryManager(path, layout="kv_cache")
+mgr.connect(RequestedLockType.RW)
+made = 0
+while made < total:
+    made = grow(mgr, made)
+events.append({"t": time.time(), "event": "built", "bytes": made})
+while not os.path.exists(stop):
+    t0 = time.time()
+    try:
+        mgr.metadata_put("step", mgr.mappings[0].allocation_id, 0, str(t0).encode())
+        events.append({"t": t0, "event": "ok", "latency_s": time.time() - t0})
+    except BuildLostError as exc:
+        events.append({"t": t0, "event": "build_lost", "error": str(exc)})
+        mgr.connect(RequestedLockType.RW)
+        made = 0
+        while made < total:
+            made = grow(mgr, made)
+        events.append({"t": time.time(), "event": "rebuilt", "bytes": made, "took_s": time.time() - t0})
+    except Exception as exc:
+        events.append({"t": t0, "event": "failed", "error": f"{type(exc).__name__}: {exc}"})
+    time.sleep(0.01)
+json.dump(events, open(out, "w"))
+mgr.close()
+"""
+
+
+def used_bytes(path: str) -> int | None:
+    """The card's used memory (NVML, through the server's probe); on the host
+    backend, the machine's shared memory (memfds), the nearest thing."""
+    from gms import get_runtime_state
+
+    state = get_runtime_state(path)
+    if state.backend == "cuda" and state.device_free_bytes is not None:
+        return state.capacity_bytes - state.device_free_bytes
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+
+
+def serve(path: str, backend: str, log: Path, *extra: str) -> subprocess.Popen:
+    from gms import get_runtime_state
+    from gms.errors import GMSError
+
+    proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend, "--socket", path,
+                             "--log-level", "info", *extra], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            get_runtime_state(path, timeout=5)
+            return proc
+        except GMSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"gms serve did not start:\n{log.read_text()[-2000:]}") from None
+            time.sleep(0.05)
+
+
+def read_rows(files) -> list[list]:
+    rows = []
+    for f in files:
+        for line in Path(f).read_text().splitlines():
+            row = json.loads(line)
+            if isinstance(row, list):
+                rows.append(row)
+    return rows
+
+
+def window(rows, start: float, end: float) -> dict:
+    inside = [r for r in rows if start <= r[0] <= end]
+    lat = [r[1] for r in inside]
+    return {
+        "requests": len(inside), "failed": sum(1 for r in inside if not r[2]),
+        "p50_ms": percentile(lat, 0.5) * 1e3 if lat else None,
+        "p99_ms": percentile(lat, 0.99) * 1e3 if lat else None,
+        "max_ms": max(lat) * 1e3 if lat else None,
+        "errors": sorted({r[3] for r in inside if not r[2]})[:5],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every tensor's size (1: 16.1 GB)")
+    parser.add_argument("--readers", type=int, default=3)
+    parser.add_argument("--kv-bytes", type=int, default=None, help="the KV cache (default 8 GiB x scale)")
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--settle-s", type=float, default=3.0)
+    parser.add_argument("--pause-s", type=float, default=0.002, help="between a reader's requests")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gms-restart-", dir="/tmp"))
+    path = str(work / "gms.sock")
+    tensors = llama3_8b_tensors(args.scale)
+    kv_total = args.kv_bytes or max(4 * MiB, int(8 * GiB * args.scale))
+    kv_step = max(2 * MiB, kv_total // 16)
+    results: dict = {
+        "backend": args.backend, "cpu": cpu_name(), "scale": args.scale, "readers": args.readers,
+        "model": {"tensors": len(tensors), "bytes": sum(s for _, s in tensors), "shapes": "Llama-3-8B, bf16"},
+        "kv_cache_bytes": kv_total,
+    }
+    procs: list[subprocess.Popen] = []
+    stop = work / "stop"
+    try:
+        old = serve(path, args.backend, work / "old.log")
+        procs.append(old)
+        results["publish"] = publish(path, "weights", tensors)
+        cold = [(f"cold.{n}", max(2 * SENTINEL, int(256 * MiB * args.scale))) for n in range(4)]
+        results["publish_cold"] = publish(path, "cold", cold, residency="system")
+        from gms.client import admin
+
+        admin.evict(path, "cold")
+        reader_logs = [work / f"reader{n}.jsonl" for n in range(args.readers)]
+        readers = [subprocess.Popen([sys.executable, "-c", READER, path, str(f), str(stop), str(args.pause_s)])
+                   for f in reader_logs]
+        kv_log = work / "kv.json"
+        kv = subprocess.Popen([sys.executable, "-c", KV, path, str(kv_log), str(stop), str(kv_step), str(kv_total)])
+        procs += readers + [kv]
+        while not all(f.exists() and f.read_text().startswith('{"ready"') for f in reader_logs):
+            time.sleep(0.1)
+        time.sleep(args.warmup_s)
+
+        # 1. take-over
+        from gms import get_runtime_state
+
+        before_layouts = layouts(path)
+        used_before = used_bytes(path)
+        old_server = get_runtime_state(path).pid
+        t0 = time.time()
+        new = serve(path, args.backend, work / "new.log", "--take-over")
+        procs.append(new)
+        while get_runtime_state(path).pid == old_server:
+            time.sleep(0.01)
+        t1 = time.time()
+        old.wait(120)
+        time.sleep(args.settle_s)
+        after_layouts = layouts(path)
+        pause = re.search(r"after a pause of ([0-9.]+) ms", (work / "old.log").read_text())
+        rows = read_rows(reader_logs)
+        results["take_over"] = {
+            "launch_to_serving_s": t1 - t0,
+            "pause_ms": float(pause.group(1)) if pause else None,
+            "before": window(rows, t0 - args.warmup_s, t0),
+            "during": window(rows, t0, t1 + 0.5),
+            "after": window(rows, t1 + 0.5, time.time()),
+            "used_bytes_before": used_before, "used_bytes_after": used_bytes(path),
+            "layouts_unchanged": before_layouts == after_layouts,
+            "old_server_pid_gone": not alive(old_server), "old_keeper_pid_gone": not alive(old.pid),
+            "old_keeper_exit": old.returncode,
+        }
+
+        # 2. SIGKILL
+        server = get_runtime_state(path).pid
+        kill_at = time.time()
+        os.kill(server, signal.SIGKILL)
+        while True:
+            try:
+                state = get_runtime_state(path, timeout=60)
+            except Exception:  # noqa: BLE001 - the gap
+                continue
+            if state.pid != server and state.layout("weights").memory_layout_hash == before_layouts["weights"]["hash"]:
+                break
+        serving_at = time.time()
+        time.sleep(args.settle_s)
+        rows = read_rows(reader_logs)
+        firsts = []
+        for f in reader_logs:
+            mine = [r for r in read_rows([f]) if r[0] >= kill_at]
+            ok = [r for r in mine if r[2]]
+            firsts.append({"first_ok_after_kill_s": ok[0][0] + ok[0][1] - kill_at if ok else None,
+                           "its_latency_s": ok[0][1] if ok else None, "reconnects": ok[0][4] if ok else None,
+                           "failed": sum(1 for r in mine if not r[2])})
+        restore_started = time.time()
+        from gms import GMSClientMemoryManager, RequestedLockType
+
+        restorer = GMSClientMemoryManager(path, layout="cold")
+        restorer.connect(RequestedLockType.RO)
+        handles = sorted(restorer.list_handles(), key=lambda h: h.layout_slot)
+        vas = restorer.create_mappings([h.allocation_id for h in handles])
+        restored_ok = all(restorer.read(va, SENTINEL) == sentinel(n) for n, va in enumerate(vas))
+        restore_s = time.time() - restore_started
+        restorer.close()
+        results["sigkill"] = {
+            "to_serving_same_layouts_s": serving_at - kill_at,
+            "readers": firsts,
+            "around_the_kill": window(rows, kill_at, serving_at + 1.0),
+            "layouts_unchanged": layouts(path) == {**after_layouts, "cold": layouts(path).get("cold")},
+            "host_tier_restore_s": restore_s, "host_tier_bytes_ok": restored_ok,
+        }
+        stop.touch()
+        for proc in readers + [kv]:
+            proc.wait(120)
+        kv_events = json.loads(kv_log.read_text())
+        results["kv_cache"] = {
+            "failed_during_take_over": sum(1 for e in kv_events if e["event"] == "failed" and t0 <= e["t"] <= t1 + 1),
+            "build_lost_after_kill": any(e["event"] == "build_lost" for e in kv_events),
+            "rebuilt_in_s": next((e["took_s"] for e in kv_events if e["event"] == "rebuilt"), None),
+        }
+    finally:
+        stop.touch()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    name = f"restart_{args.backend}"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"wrote {out / name}.json and .md")
+    ok = results["take_over"]["during"]["failed"] == 0 and results["take_over"]["layouts_unchanged"]
+    return 0 if ok else 1
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(r: dict) -> str:
+    t, k = r["take_over"], r["sigkill"]
+    used = ("-" if t["used_bytes_before"] is None else
+            f"{t['used_bytes_before'] / GiB:.2f} -> {t['used_bytes_after'] / GiB:.2f} GiB")
+    lines = [
+        f"# gms restart ({r['backend']}, {r['model']['tensors']} tensors, {r['model']['bytes'] / GiB:.2f} GiB,"
+        f" {r['readers']} readers, KV {r['kv_cache_bytes'] / GiB:.2f} GiB)",
+        "",
+        "| take-over | before | during | after |",
+        "| --- | --- | --- | --- |",
+        f"| requests | {t['before']['requests']} | {t['during']['requests']} | {t['after']['requests']} |",
+        f"| failed | {t['before']['failed']} | {t['during']['failed']} | {t['after']['failed']} |",
+        f"| p50 ms | {_ms(t['before']['p50_ms'])} | {_ms(t['during']['p50_ms'])} | {_ms(t['after']['p50_ms'])} |",
+        f"| p99 ms | {_ms(t['before']['p99_ms'])} | {_ms(t['during']['p99_ms'])} | {_ms(t['after']['p99_ms'])} |",
+        f"| max ms | {_ms(t['before']['max_ms'])} | {_ms(t['during']['max_ms'])} | {_ms(t['after']['max_ms'])} |",
+        "",
+        "| take-over | |",
+        "| --- | --- |",
+        f"| pause (old server's measure) | {_ms(t['pause_ms'])} ms |",
+        f"| launch to serving | {t['launch_to_serving_s']:.2f} s |",
+        f"| used memory | {used} |",
+        f"| ids and hashes unchanged | {t['layouts_unchanged']} |",
+        f"| old server / keeper gone | {t['old_server_pid_gone']} / {t['old_keeper_pid_gone']} |",
+        f"| KV writer failures | {r['kv_cache']['failed_during_take_over']} |",
+        "",
+        "| SIGKILL | |",
+        "| --- | --- |",
+        f"| to a server with the same layouts | {k['to_serving_same_layouts_s']:.2f} s |",
+        f"| readers' first request after (s, from the kill) | "
+        f"{', '.join(_ms(x['first_ok_after_kill_s']) for x in k['readers'])} |",
+        f"| readers' failed requests | {sum(x['failed'] for x in k['readers'])} |",
+        f"| max latency around the kill | {_ms(k['around_the_kill']['max_ms'])} ms |",
+        f"| layouts unchanged | {k['layouts_unchanged']} |",
+        f"| KV cache build lost, rebuilt in | {r['kv_cache']['build_lost_after_kill']}, "
+        f"{_ms(r['kv_cache']['rebuilt_in_s'])} s |",
+        f"| evicted layout restored afterwards | {k['host_tier_restore_s']:.2f} s, bytes ok: "
+        f"{k['host_tier_bytes_ok']} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
