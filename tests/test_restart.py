@@ -39,8 +39,25 @@ from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
 
 
+_started: list[ServerProcess] = []
+
+
+def server_process(*args, **options) -> ServerProcess:
+    """A server (or keeper) killed at the end of the test, whatever happens."""
+    server = ServerProcess(*args, **options)
+    _started.append(server)
+    return server
+
+
+@pytest.fixture(autouse=True)
+def _kill_servers():
+    yield
+    while _started:
+        _started.pop().kill()
+
+
 def kept(tmp_path, *args: str) -> ServerProcess:
-    return ServerProcess(tmp_path, *args, keeper=True)
+    return server_process(tmp_path, *args, keeper=True)
 
 
 def killed(server: ServerProcess, sig: int = signal.SIGKILL) -> int:
@@ -297,10 +314,10 @@ def test_a_server_restarted_alone_resumes_from_a_keeper_in_another_process(tmp_p
     with open(tmp_path / "keeper.log", "wb") as log:
         keeper = start_keeper(keeper_path, log)
         try:
-            first = ServerProcess(tmp_path, "--keeper-socket", keeper_path)
+            first = server_process(tmp_path, "--keeper-socket", keeper_path)
             layout_hash, _ = publish_raw(first.socket, "weights", (2 * MiB,))
             first.kill()  # SIGKILL, as a container's restart after a crash
-            second = ServerProcess(tmp_path, "--keeper-socket", keeper_path, socket_path=first.socket)
+            second = server_process(tmp_path, "--keeper-socket", keeper_path, socket_path=first.socket)
             assert second.layout("weights").memory_layout_hash == layout_hash
             assert [e for e in second.events() if e.kind == "SERVER_RESUMED"][-1].fields["old_pid"] == first.pid
             keeper.send_signal(signal.SIGTERM)  # the pod goes: its keeper asks the server to stop

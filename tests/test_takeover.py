@@ -38,8 +38,25 @@ from .test_restart import killed, pattern, publish_raw, read_through, write_thro
 AS_ROOT = os.geteuid() == 0
 
 
+_started: list[ServerProcess] = []
+
+
+def server_process(*args, **options) -> ServerProcess:
+    """A server (or keeper) killed at the end of the test, whatever happens."""
+    server = ServerProcess(*args, **options)
+    _started.append(server)
+    return server
+
+
+@pytest.fixture(autouse=True)
+def _kill_servers():
+    yield
+    while _started:
+        _started.pop().kill()
+
+
 def take_over(old: ServerProcess, *args: str, keeper: bool = False) -> ServerProcess:
-    new = ServerProcess(old.tmp_path, "--take-over", *args, socket_path=old.socket, keeper=keeper)
+    new = server_process(old.tmp_path, "--take-over", *args, socket_path=old.socket, keeper=keeper)
     return new
 
 
@@ -130,7 +147,7 @@ class Scene:
 
 
 def test_a_take_over_carries_every_session_in_every_state_and_no_client_notices(tmp_path):
-    old = ServerProcess(tmp_path, "--host-capacity", "14MiB")
+    old = server_process(tmp_path, "--host-capacity", "14MiB")
     scene = Scene(old)
     last_seq = old.state().last_event_seq
     started = time.monotonic()
@@ -152,7 +169,7 @@ def test_a_take_over_carries_every_session_in_every_state_and_no_client_notices(
 
 
 def test_the_sessions_of_a_take_over_that_did_not_happen_go_on_on_the_old_server(tmp_path):
-    old = ServerProcess(tmp_path, "--host-capacity", "14MiB")
+    old = server_process(tmp_path, "--host-capacity", "14MiB")
     scene = Scene(old)
     offer = request_take_over(old.socket, 10)  # this test is the new server, and changes its mind
     assert offer is not None and offer.image.state.layout("kv").writer is not None
@@ -177,7 +194,7 @@ def test_the_sessions_of_a_take_over_that_did_not_happen_go_on_on_the_old_server
 
 
 def test_a_take_over_by_a_server_of_another_device_is_refused_and_the_old_one_serves_on(tmp_path):
-    old = ServerProcess(tmp_path)
+    old = server_process(tmp_path)
     layout_hash, _ = publish_raw(old.socket, "weights", (MiB,))
     reader = RawConn(old.socket)
     assert reader.handshake("RO").success
@@ -193,7 +210,7 @@ def test_a_take_over_by_a_server_of_another_device_is_refused_and_the_old_one_se
 
 
 def test_a_new_server_that_reads_no_version_the_old_one_writes_is_refused_before_any_pause(tmp_path):
-    old = ServerProcess(tmp_path)
+    old = server_process(tmp_path)
     asked = RawConn(old.socket).call(m.TakeOverRequest([99], 1))
     assert asked.code == "STATE_VIOLATION" and "reads [99]" in asked.error
     assert "take-over by pid" in old.log and "pausing" not in old.log
@@ -204,7 +221,7 @@ def test_only_the_server_s_uid_or_root_may_take_it_over(tmp_path):
     from .helpers import shared_folder
 
     folder = shared_folder()
-    old = ServerProcess(folder, "--socket-mode", "666")
+    old = server_process(folder, "--socket-mode", "666")
     stranger = connect_as(old.socket, 23999)
     refused = stranger.call(m.TakeOverRequest(list(READABLE_VERSIONS), 1))
     assert refused.code == "PERMISSION_DENIED"
@@ -212,7 +229,7 @@ def test_only_the_server_s_uid_or_root_may_take_it_over(tmp_path):
 
 
 def test_a_take_over_under_keepers_leaves_the_new_keeper_holding_the_node(tmp_path):
-    old = ServerProcess(tmp_path, keeper=True)
+    old = server_process(tmp_path, keeper=True)
     layout_hash, _ = publish_raw(old.socket, "weights", (MiB,))
     reader = RawConn(old.socket)
     assert reader.handshake("RO").success
@@ -290,7 +307,7 @@ def test_a_server_of_today_takes_over_from_a_version_1_state(tmp_path):
     path = str(tmp_path / "old.sock")
     old = OldServer(path, FIXTURE.read_bytes())
     try:
-        new = ServerProcess(tmp_path, "--take-over", socket_path=path)
+        new = server_process(tmp_path, "--take-over", socket_path=path)
         old.thread.join(10)
         assert old.verdict == "commit: "
         state = new.state()
