@@ -181,18 +181,16 @@ mgr.close()
 """
 
 
-def used_bytes(path: str) -> int | None:
-    """The card's used memory (NVML, through the server's probe); on the host
-    backend, the machine's shared memory (memfds), the nearest thing."""
+def memory(path: str) -> dict:
+    """What the server holds (its own count: device and host tier) and, on CUDA,
+    the card's used memory (NVML, through the server's probe)."""
     from gms import get_runtime_state
 
     state = get_runtime_state(path)
+    used = None
     if state.backend == "cuda" and state.device_free_bytes is not None:
-        return state.capacity_bytes - state.device_free_bytes
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Shmem:"):
-            return int(line.split()[1]) * 1024
-    return None
+        used = state.capacity_bytes - state.device_free_bytes
+    return {"held_bytes": state.server_handle_bytes + state.host_handle_bytes, "device_used_bytes": used}
 
 
 def alive(pid: int) -> bool:
@@ -293,7 +291,7 @@ def main() -> int:
         from gms import get_runtime_state
 
         before_layouts = layouts(path)
-        used_before = used_bytes(path)
+        memory_before = memory(path)
         old_server = get_runtime_state(path).pid
         t0 = time.time()
         new = serve(path, args.backend, work / "new.log", "--take-over")
@@ -312,7 +310,7 @@ def main() -> int:
             "before": window(rows, t0 - args.warmup_s, t0),
             "during": window(rows, t0, t1 + 0.5),
             "after": window(rows, t1 + 0.5, time.time()),
-            "used_bytes_before": used_before, "used_bytes_after": used_bytes(path),
+            "memory_before": memory_before, "memory_after": memory(path),
             "layouts_unchanged": before_layouts == after_layouts,
             "old_server_pid_gone": not alive(old_server), "old_keeper_pid_gone": not alive(old.pid),
             "old_keeper_exit": old.returncode,
@@ -390,8 +388,10 @@ def _ms(value) -> str:
 
 def markdown(r: dict) -> str:
     t, k = r["take_over"], r["sigkill"]
-    used = ("-" if t["used_bytes_before"] is None else
-            f"{t['used_bytes_before'] / GiB:.2f} -> {t['used_bytes_after'] / GiB:.2f} GiB")
+    before, after = t["memory_before"], t["memory_after"]
+    held = f"{before['held_bytes'] / GiB:.3f} -> {after['held_bytes'] / GiB:.3f} GiB"
+    used = ("- (host backend)" if before["device_used_bytes"] is None else
+            f"{before['device_used_bytes'] / GiB:.2f} -> {after['device_used_bytes'] / GiB:.2f} GiB")
     lines = [
         f"# gms restart ({r['backend']}, {r['model']['tensors']} tensors, {r['model']['bytes'] / GiB:.2f} GiB,"
         f" {r['readers']} readers, KV {r['kv_cache_bytes'] / GiB:.2f} GiB)",
@@ -408,7 +408,8 @@ def markdown(r: dict) -> str:
         "| --- | --- |",
         f"| pause (old server's measure) | {_ms(t['pause_ms'])} ms |",
         f"| launch to serving | {t['launch_to_serving_s']:.2f} s |",
-        f"| used memory | {used} |",
+        f"| memory the server holds | {held} |",
+        f"| the card's used memory (NVML) | {used} |",
         f"| ids and hashes unchanged | {t['layouts_unchanged']} |",
         f"| old server / keeper gone | {t['old_server_pid_gone']} / {t['old_keeper_pid_gone']} |",
         f"| KV writer failures | {r['kv_cache']['failed_during_take_over']} |",

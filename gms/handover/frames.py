@@ -29,6 +29,7 @@ HEADER = struct.Struct(">IH")
 MAX_FDS = 253  # SCM_MAX_FD
 ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
 RECV_BYTES = 1 << 20
+SCRATCH_BYTES = 256 << 10
 
 
 class FrameError(Exception):
@@ -64,6 +65,14 @@ class FrameReader:
         self._buffer = bytearray()
         self._fds: deque[int] = deque()
         self.eof = False
+        self._scratch: bytearray | None = None
+
+    @property
+    def scratch(self) -> bytearray:
+        """A receive buffer for this channel's reads (made once)."""
+        if self._scratch is None:
+            self._scratch = bytearray(SCRATCH_BYTES)
+        return self._scratch
 
     def feed(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
         if not data and not fds:
@@ -140,10 +149,10 @@ def send_fds(sock: socket.socket, kind: str, keyed: list[tuple[str, int]], body:
 
 def recv_into(sock: socket.socket, reader: FrameReader) -> None:
     """One receive; blocks (or times out, as the socket is set)."""
-    data, ancillary, flags, _ = sock.recvmsg(RECV_BYTES, ANCILLARY_BYTES)
+    n, ancillary, flags, _ = sock.recvmsg_into([reader.scratch], ANCILLARY_BYTES)
     fds = received_fds(ancillary)
     check_flags(flags, fds)
-    reader.feed(data, fds)
+    reader.feed(memoryview(reader.scratch)[:n], fds)
 
 
 def recv_frame(sock: socket.socket, reader: FrameReader) -> Frame:

@@ -42,6 +42,7 @@ from ..store import EventLog, LogEntry
 log = logging.getLogger("gms.server")
 
 MIN_TAIL_BYTES = 1 << 20  # a new base no sooner than this many bytes of events
+SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 LISTENER = "listener"
 
 
@@ -81,6 +82,10 @@ class KeeperGone(Exception):
 class KeeperLink:
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(True)
+        try:  # room for frames the keeper has not read yet (it reads in batches)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError:
+            pass
         self.sock = sock
         self.alive = True
         self._keeper_keys: set[str] = set()
