@@ -28,9 +28,11 @@ dropped (:attr:`KeeperLink.alive`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -226,7 +228,19 @@ class KeeperLink:
         if not self.alive:
             return
         try:
-            send()
+            for attempt in range(1000):
+                try:
+                    send()
+                    break
+                except OSError as exc:
+                    # Too many fds in flight for this user (the keeper has not read
+                    # them yet): it reads within milliseconds.  Only frames with
+                    # fds meet this, and the one refused was not sent (its fds
+                    # ride its first byte); holds sent again are harmless (the
+                    # same key, the same memory).
+                    if exc.errno != errno.ETOOMANYREFS or attempt == 999:
+                        raise
+                    time.sleep(0.001)
         except OSError as exc:
             log.error("the keeper went away (%s): serving on without one; a crash now loses the node", exc)
             self.alive = False
