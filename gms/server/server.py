@@ -13,9 +13,7 @@ by SIGTERM or SIGINT.
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
 import os
 import signal
 import socket
@@ -25,7 +23,6 @@ import attrs
 import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
-from ..fsm.events import StateDiscarded
 from ..store import EventLog
 from ..units import parse_budget
 from .config import ServerConfig
@@ -34,17 +31,15 @@ from .lanes import Lane
 from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
-from .mirror import LISTENER, MirroredLog, memory_key
+from .mirror import MirroredLog
 from .netio import Channel
 from .quiesce import Quiesce
-from .resume import Handed, TakeOverRefused, resume_core
+from .resume import TakeOverRefused
 from .session import Session
-from .startup import Start, open_link, prepare
+from . import succession
+from .startup import open_link, prepare
 
 log = logging.getLogger("gms.server")
-
-
-EXIT_KEEPER_GONE = 1
 
 
 class SocketPathError(Exception):
@@ -178,7 +173,7 @@ class Server:
             alloc_retry_timeout=config.alloc_retry_timeout,
         )
         self.metrics.watch(self.core)
-        if self.link is not None:  # it sends nothing before it is attached (_take_the_node)
+        if self.link is not None:  # it sends nothing before it is attached (succession.take_the_node)
             log.link = self.link
             for memory in self.core.ledger.tiers.values():
                 memory.observer = self.link
@@ -199,11 +194,11 @@ class Server:
             if start.retired:
                 gpu.lane.stop()
                 self._close_backends()
-                return await self._retired(task_status)
+                return await succession.serve_retired(self, task_status)
             if start.listener is None:
                 listener, inode = await bind_listener(path, self.config.socket_mode)
             else:
-                listener, inode = trio.socket.from_stdlib_socket(start.listener), _inode(path)
+                listener, inode = trio.socket.from_stdlib_socket(start.listener), succession.inode(path)
         except BaseException:
             gpu.lane.stop()
             self._close_backends()
@@ -211,28 +206,28 @@ class Server:
         self.listener = listener
         try:
             core = await self._open_core(gpu, start.handed.log if start.handed else None)
-            await self._take_the_node(core, start)
+            await succession.take_the_node(self, core, start)
             if self.config.metrics_port is not None:
-                self.metrics_port = await _serve_metrics(self.metrics, self.config)
+                self.metrics_port = await succession.serve_metrics(self.metrics, self.config)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for tier in core.ledger.tiers.values():
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
                 if self.link is not None:
-                    nursery.start_soon(self._watch_keeper)
+                    nursery.start_soon(succession.watch_keeper, self)
                 if start.handed is not None and start.handed.mode == "take-over":
-                    self._spawn_handed(start.handed)
+                    succession.spawn_handed(self, start.handed)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,
                 )
-                _ready_file(self.config.ready_file, True)
+                succession.ready_file(self.config.ready_file, True)
                 if self.link is not None:
                     self.link.ready()
                 task_status.started(self)
                 await self._accept_until_cancelled(listener)
         finally:
-            _ready_file(self.config.ready_file, False)
+            succession.ready_file(self.config.ready_file, False)
             self.metrics.close()
             if self.left_as is None:
                 listener.close()
@@ -251,56 +246,8 @@ class Server:
                     self.link.stopping(self.left_as)
             self._close_backends()
 
-    async def _take_the_node(self, core: ServiceCore, start: Start) -> None:
-        """A handed node adopted and resumed (a take-over committed), or a
-        discarded one said so; then the keeper is given what it must keep."""
-        handed, offer = start.handed, start.offer
-        if handed is not None:
-            try:
-                await resume_core(core, handed)
-            except TakeOverRefused as refused:
-                if offer is None:
-                    raise  # a restart that cannot resume: the keeper starts the next one over
-                from .takeover import abort
-
-                abort(offer.sock, str(refused))
-                handed.close_conn_fds()
-                self._refused()
-                raise
-        if start.discarded is not None:
-            d = start.discarded
-            core.ledger.record([StateDiscarded(0, d.reason, d.saved_to, d.old_pid, layout="")], by_server=True)
-        if self.link is not None:
-            self.link.attach(self._image, self._held_fds(), provisional=offer.old_pid if offer else None)
-        if offer is not None:
-            from .takeover import commit
-
-            try:
-                commit(offer, self.config.handover_timeout)
-            except TakeOverRefused:
-                self._refused()
-                raise
-            if self.link is not None:
-                self.link.confirm()
-            log.info("took over from pid %d (state version %d)", offer.old_pid, offer.image.version)
-
     def _refused(self) -> None:
-        """A take-over that did not happen: hold nothing of the old server's."""
-        self.left_as = "refused"
-        if self.link is not None:
-            self.link.stopping("refused")
-            self.link = None
-
-    def _image(self):
-        from .takeover import node_image
-
-        return node_image(self, {}, sessions=False)
-
-    def _held_fds(self) -> list[tuple[str, int]]:
-        held = [(LISTENER, self.listener.fileno())]
-        for tier, memory in self.core.ledger.tiers.items():
-            held += [(memory_key(tier.value, i), fd) for i, fd in memory.held_fds()]
-        return held
+        succession.refused(self)
 
     async def _accept_until_cancelled(self, listener) -> None:
         """Accept until cancelled; stopped by a take-over's pause (the socket stays
@@ -308,26 +255,9 @@ class Server:
         while True:
             self._accepting = trio.CancelScope()
             with self._accepting:
-                await self._accept(listener)
+                await succession.accept(listener, self._nursery, self._handle)
             self._accept_again = trio.Event()
             await self._accept_again.wait()
-
-    async def _accept(self, listener) -> None:
-        """Trio's accept loop, less its stream wrapper (which closes the socket when
-        the handler returns: a session parked for a take-over outlives its task):
-        a peer that aborted is skipped; out of fds, wait and try again."""
-        while True:
-            try:
-                sock, _ = await listener.accept()
-            except OSError as exc:
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
-                    continue
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-                    log.warning("accept: %s; retrying in 0.1 s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                raise
-            self._nursery.start_soon(self._handle, sock)
 
     def stop_accepting(self) -> None:
         """New connections wait in the socket's backlog (for whoever serves next)."""
@@ -336,99 +266,13 @@ class Server:
 
     def resume_serving(self) -> None:
         """A take-over that did not happen: every parked session goes on, and accepting."""
-        parked = self.quiesce.resume()
-        from .takeover import session_image
-
-        now = trio.current_time()
-        images = [(session_image(session, now), session.channel) for session in parked.values()]
-        order = self.core.queues.order()
-        for layout, conns in order:
-            for conn in conns:
-                self.core.queues.remove(layout, conn)
-        self._spawn(images, order)
+        succession.resume_sessions(self)
         self._accept_again.set()
 
     def handed_over(self) -> None:
         """Another server holds the node now: stop, letting go of nothing."""
         self.left_as = "taken-over"
         self._nursery.cancel_scope.cancel()
-
-    def _spawn_handed(self, handed: Handed) -> None:
-        images = []
-        imaged = {conn_image.conn for conn_image in handed.image.conns}
-        for conn in sorted(set(self.core.state.sessions) - imaged):  # a session with no connection: gone
-            self.core.disconnect(conn)
-        for conn_image in handed.image.conns:
-            fd = handed.conn_fds.pop(conn_image.conn, None)
-            if fd is None:  # the old server had no socket for it: it is gone
-                self.core.disconnect(conn_image.conn)
-                continue
-            try:
-                channel = Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
-            except OSError as exc:  # the client left during the hand-over
-                log.info("conn %d left during the take-over: %s", conn_image.conn, exc)
-                self.core.disconnect(conn_image.conn)
-                continue
-            images.append((conn_image, channel))
-        for fd in handed.conn_fds.values():
-            os.close(fd)
-        self._spawn(images, [(layout, list(conns)) for layout, conns in handed.image.queues])
-
-    def _spawn(self, images, order) -> None:
-        """Sessions going on from images: the lock queues rebuilt in their order
-        (all at once, then granted: a partial queue could grant out of turn)."""
-        from ..wire.connection import ServerConnection
-        from .session import granted_as
-
-        sessions = {}
-        for image, channel in images:
-            p = image.protocol
-            protocol = ServerConnection.thaw(self.config.max_frame_bytes, attrs.asdict(p))
-            session = Session(self.core, self.config, channel, self.metrics, self.quiesce, conn=image.conn,
-                              protocol=protocol)
-            pending = image.pending
-            if pending is not None:
-                granted = None
-                if pending.granted:
-                    layout = self.core.state.sessions[image.conn].layout
-                    granted = granted_as(image.conn, layout, pending.granted, pending.restore)
-                left = math.inf if pending.timeout_left_ms is None else pending.timeout_left_ms / 1000
-                session.go_on(pending.kind, requested=pending.requested, timeout_left=left, granted=granted)
-            sessions[image.conn] = session
-        from .lock_queues import Waiter
-
-        for layout, conns in order:
-            for conn in conns:
-                session = sessions.get(conn)
-                if session is None or session.lock_wait is None:
-                    continue
-                self.core.queues.add(layout, conn, Waiter(session.lock_wait.requested, session.on_grant, session.alive))
-        for layout, _ in order:
-            self.core.ledger.grant(layout)
-        for session in sessions.values():
-            self._nursery.start_soon(session.run)
-
-    async def _watch_keeper(self) -> None:
-        """The keeper asks for a clean stop (``stop``) or goes away.  A keeper
-        that started this server is the service: killed, it takes its server
-        with it, at once (its memory goes with the process).  A keeper in another
-        container may come back: serve on without it meanwhile."""
-        link = self.link
-        why = await link.wait_for_stop()
-        if why == "stop":
-            log.info("the keeper asks this server to stop")
-            self._nursery.cancel_scope.cancel()
-        elif self.config.keeper_fd is not None:
-            log.error("the keeper that started this server is gone: exiting with it")
-            logging.shutdown()
-            os._exit(EXIT_KEEPER_GONE)
-        else:
-            log.error("the keeper went away: serving on without one (a crash now loses the node)")
-
-    async def _retired(self, task_status) -> None:
-        log.info("this keeper's server was taken over by another: serving nothing until stopped")
-        task_status.started(self)
-        await trio.sleep_forever()
 
     def _close_backends(self) -> None:
         for backend in (self.backend, self.host_tier):
@@ -451,40 +295,6 @@ class Server:
         from .takeover import hand_over
 
         self._nursery.start_soon(hand_over, self, channel, protocol, request)
-
-
-def _inode(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
-
-
-def _ready_file(path: str | None, ready: bool) -> None:
-    if path is None:
-        return
-    if ready:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as out:
-            out.write(f"{os.getpid()}\n")
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-async def _serve_metrics(metrics: Metrics, config: ServerConfig) -> int:
-    """After a take-over the old server may hold the port a moment longer: retry."""
-    for attempt in range(50):
-        try:
-            return metrics.serve(config.metrics_port, config.metrics_host)
-        except OSError as exc:
-            if attempt == 49:
-                raise
-            log.info("metrics port busy (%s): retrying", exc)
-            await trio.sleep(0.1)
-    raise AssertionError("unreachable")
 
 
 async def run_server(config: ServerConfig) -> None:

@@ -1,0 +1,237 @@
+"""How a server takes over a node, hands it on, and goes on after a take-over that did not happen.
+
+The parts of ``Server`` (``gms.server.server``) that only restarts and
+take-overs need, as functions of the server: taking a handed node (resume,
+say what was discarded, give the keeper what it must keep, commit a
+take-over), starting sessions from their images (a handed connection, or
+one of this server's own after a refused take-over), the accept loop (its
+own, so a parked session's socket outlives its task), watching the keeper,
+and the small things a restart needs (a ready file, a metrics port the old
+server may still hold).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import socket
+
+import attrs
+import trio
+
+from ..fsm.events import StateDiscarded
+from ..handover.image import StateImage
+from ..wire.connection import ServerConnection
+from .config import ServerConfig
+from .core import ServiceCore
+from .lock_queues import Waiter
+from .metrics import Metrics
+from .mirror import LISTENER, memory_key
+from .netio import Channel
+from .resume import Handed, TakeOverRefused, resume_core
+from .session import Session, granted_as
+from .startup import Start
+from .takeover import abort, commit, node_image, session_image
+
+log = logging.getLogger("gms.server")
+
+EXIT_KEEPER_GONE = 1
+
+
+async def take_the_node(server, core: ServiceCore, start: Start) -> None:
+    """A handed node adopted and resumed (a take-over committed), or a
+    discarded one said so; then the keeper is given what it must keep."""
+    handed, offer = start.handed, start.offer
+    if handed is not None:
+        try:
+            await resume_core(core, handed)
+        except TakeOverRefused as refusal:
+            if offer is None:
+                raise  # a restart that cannot resume: the keeper starts the next one over
+            abort(offer.sock, str(refusal))
+            handed.close_conn_fds()
+            refused(server)
+            raise
+    if start.discarded is not None:
+        d = start.discarded
+        core.ledger.record([StateDiscarded(0, d.reason, d.saved_to, d.old_pid, layout="")], by_server=True)
+    if server.link is not None:
+        server.link.attach(lambda: keeper_image(server), held_fds(server), provisional=offer.old_pid if offer else None)
+    if offer is not None:
+        try:
+            commit(offer, server.config.handover_timeout)
+        except TakeOverRefused:
+            refused(server)
+            raise
+        if server.link is not None:
+            server.link.confirm()
+        log.info("took over from pid %d (state version %d)", offer.old_pid, offer.image.version)
+
+
+def refused(server) -> None:
+    """A take-over that did not happen: hold nothing of the old server's."""
+    server.left_as = "refused"
+    if server.link is not None:
+        server.link.stopping("refused")
+        server.link = None
+
+
+def keeper_image(server) -> StateImage:
+    """The keeper's base: the node, without sessions (a crash closes them)."""
+    return node_image(server, {}, sessions=False)
+
+
+def held_fds(server) -> list[tuple[str, int]]:
+    """(key, fd) of everything the keeper must keep: the socket, every allocation and host copy."""
+    held = [(LISTENER, server.listener.fileno())]
+    for tier, memory in server.core.ledger.tiers.items():
+        held += [(memory_key(tier.value, i), fd) for i, fd in memory.held_fds()]
+    return held
+
+
+async def accept(listener, nursery: trio.Nursery, handle) -> None:
+    """Trio's accept loop, less its stream wrapper (which closes the socket when
+    the handler returns: a session parked for a take-over outlives its task):
+    a peer that aborted is skipped; out of fds, wait and try again."""
+    while True:
+        try:
+            sock, _ = await listener.accept()
+        except OSError as exc:
+            if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
+                continue
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
+                log.warning("accept: %s; retrying in 0.1 s", exc)
+                await trio.sleep(0.1)
+                continue
+            raise
+        nursery.start_soon(handle, sock)
+
+
+def resume_sessions(server) -> None:
+    """A take-over that did not happen: every parked session goes on where it stopped."""
+    parked = server.quiesce.resume()
+    now = trio.current_time()
+    images = [(session_image(session, now), session.channel) for session in parked.values()]
+    order = server.core.queues.order()
+    for layout, conns in order:
+        for conn in conns:
+            server.core.queues.remove(layout, conn)
+    spawn(server, images, order)
+
+
+def spawn_handed(server, handed: Handed) -> None:
+    """The handed connections' sessions go on here; a session whose socket did
+    not come (or whose client left meanwhile) is a disconnect."""
+    images = []
+    imaged = {conn_image.conn for conn_image in handed.image.conns}
+    for conn in sorted(set(server.core.state.sessions) - imaged):  # a session with no connection: gone
+        server.core.disconnect(conn)
+    for conn_image in handed.image.conns:
+        fd = handed.conn_fds.pop(conn_image.conn, None)
+        if fd is None:  # the old server had no socket for it: it is gone
+            server.core.disconnect(conn_image.conn)
+            continue
+        try:
+            channel = Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+        except OSError as exc:  # the client left during the hand-over
+            log.info("conn %d left during the take-over: %s", conn_image.conn, exc)
+            server.core.disconnect(conn_image.conn)
+            continue
+        images.append((conn_image, channel))
+    for fd in handed.conn_fds.values():
+        os.close(fd)
+    spawn(server, images, [(layout, list(conns)) for layout, conns in handed.image.queues])
+
+
+def spawn(server, images, order) -> None:
+    """Sessions going on from images: the lock queues rebuilt in their order
+    (all at once, then granted: a partial queue could grant out of turn)."""
+    sessions = {}
+    for image, channel in images:
+        p = image.protocol
+        protocol = ServerConnection.thaw(server.config.max_frame_bytes, attrs.asdict(p))
+        session = Session(server.core, server.config, channel, server.metrics, server.quiesce, conn=image.conn,
+                          protocol=protocol)
+        pending = image.pending
+        if pending is not None:
+            granted = None
+            if pending.granted:
+                layout = server.core.state.sessions[image.conn].layout
+                granted = granted_as(image.conn, layout, pending.granted, pending.restore)
+            left = math.inf if pending.timeout_left_ms is None else pending.timeout_left_ms / 1000
+            session.go_on(pending.kind, requested=pending.requested, timeout_left=left, granted=granted)
+        sessions[image.conn] = session
+    for layout, conns in order:
+        for conn in conns:
+            session = sessions.get(conn)
+            if session is None or session.lock_wait is None:
+                continue
+            server.core.queues.add(layout, conn, Waiter(session.lock_wait.requested, session.on_grant, session.alive))
+    for layout, _ in order:
+        server.core.ledger.grant(layout)
+    for session in sessions.values():
+        server._nursery.start_soon(session.run)
+
+
+async def watch_keeper(server) -> None:
+    """The keeper asks for a clean stop (``stop``) or goes away.  A keeper
+    that started this server is the service: killed, it takes its server
+    with it, at once (its memory goes with the process).  A keeper in another
+    container may come back: serve on without it meanwhile."""
+    link = server.link
+    why = await link.wait_for_stop()
+    if why == "stop":
+        log.info("the keeper asks this server to stop")
+        server._nursery.cancel_scope.cancel()
+    elif server.config.keeper_fd is not None:
+        log.error("the keeper that started this server is gone: exiting with it")
+        logging.shutdown()
+        os._exit(EXIT_KEEPER_GONE)
+    else:
+        log.error("the keeper went away: serving on without one (a crash now loses the node)")
+
+
+async def serve_retired(server, task_status) -> None:
+    """This keeper's node was taken over by another server's: serve nothing (a
+    container restarted in an old pod waits there for the pod to go)."""
+    log.info("this keeper's server was taken over by another: serving nothing until stopped")
+    task_status.started(server)
+    await trio.sleep_forever()
+
+
+def inode(path: str) -> int | None:
+    """The socket file's inode (a handed socket: it is removed at the end only if still ours)."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def ready_file(path: str | None, ready: bool) -> None:
+    """Created once serving (a probe tells this server's serving from another's), removed at the end."""
+    if path is None:
+        return
+    if ready:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as out:
+            out.write(f"{os.getpid()}\n")
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+async def serve_metrics(metrics: Metrics, config: ServerConfig) -> int:
+    """After a take-over the old server may hold the port a moment longer: retry."""
+    for attempt in range(50):
+        try:
+            return metrics.serve(config.metrics_port, config.metrics_host)
+        except OSError as exc:
+            if attempt == 49:
+                raise
+            log.info("metrics port busy (%s): retrying", exc)
+            await trio.sleep(0.1)
+    raise AssertionError("unreachable")
