@@ -2,7 +2,7 @@
 
 ``Server.serve`` binds (or takes the socket and the node from its keeper, or
 from a server it takes over: ``gms.server.startup``), reports itself
-started, and accepts (Trio's own accept loop) until cancelled; on the way out
+started, and accepts until cancelled; on the way out
 every connection task is cancelled (each unwinds its lock), the memory is
 released on its lanes and the socket file removed.  Two ways out leave
 everything as it is instead: a take-over that committed (another server
