@@ -25,6 +25,7 @@ cache grows), and a ``system`` layout evicted to the host tier.  Then:
 One command:
 
     python bench/restart.py --keeper-cost --out /tmp/restart            # CUDA (the H100), full size
+    scripts/gpu-suite.sh bench restart --keeper-cost                     # the same, into $OUT
     python bench/restart.py --backend host --scale 0.002 --keeper-cost --out /tmp/restart-smoke
 
 ``--scale`` multiplies every tensor's size (the structure, 291 tensors, is
@@ -287,10 +288,13 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--settle-s", type=float, default=3.0)
     parser.add_argument("--pause-s", type=float, default=0.002, help="between a reader's requests")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=os.environ.get("GMS_BENCH_OUT"),
+                        help="where the JSON and the table go (default $GMS_BENCH_OUT)")
     parser.add_argument("--keeper-cost", action="store_true",
                         help="also: what the keeper adds to a request that logs an event (and one that does not)")
     args = parser.parse_args()
+    if not args.out:
+        parser.error("--out (or $GMS_BENCH_OUT) is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gms-restart-", dir="/tmp"))
