@@ -152,28 +152,29 @@ import json, os, sys, time
 from gms import GMSClientMemoryManager, RequestedLockType, BuildLostError
 path, out, stop, step, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 events = []
-def grow(mgr, made):
-    va = mgr.create_mapping(size=step, tag="kv")
-    mgr.write(va, b"k" * 4096)
-    return made + step
+def build(mgr):
+    mgr.connect(RequestedLockType.RW)
+    made, first = 0, None
+    while made < total:
+        va = mgr.create_mapping(size=step, tag="kv")
+        mgr.write(va, b"k" * 4096)
+        first = first or next(mp.allocation_id for mp in mgr.mappings if mp.va == va)
+        made += step
+    return first
 mgr = GMSClientMemoryManager(path, layout="kv_cache")
-mgr.connect(RequestedLockType.RW)
-made = 0
-while made < total:
-    made = grow(mgr, made)
-events.append({"t": time.time(), "event": "built", "bytes": made})
+first = build(mgr)
+events.append({"t": time.time(), "event": "built", "bytes": total})
 while not os.path.exists(stop):
     t0 = time.time()
     try:
-        mgr.metadata_put("step", mgr.mappings[0].allocation_id, 0, str(t0).encode())
+        mgr.metadata_put("step", first, 0, str(t0).encode())
         events.append({"t": t0, "event": "ok", "latency_s": time.time() - t0})
     except BuildLostError as exc:
         events.append({"t": t0, "event": "build_lost", "error": str(exc)})
-        mgr.connect(RequestedLockType.RW)
-        made = 0
-        while made < total:
-            made = grow(mgr, made)
-        events.append({"t": time.time(), "event": "rebuilt", "bytes": made, "took_s": time.time() - t0})
+        mgr.close()
+        mgr = GMSClientMemoryManager(path, layout="kv_cache")
+        first = build(mgr)
+        events.append({"t": time.time(), "event": "rebuilt", "bytes": total, "took_s": time.time() - t0})
     except Exception as exc:
         events.append({"t": t0, "event": "failed", "error": f"{type(exc).__name__}: {exc}"})
     time.sleep(0.01)
@@ -401,6 +402,7 @@ def main() -> int:
         kv_events = json.loads(kv_log.read_text())
         results["kv_cache"] = {
             "failed_during_take_over": sum(1 for e in kv_events if e["event"] == "failed" and t0 <= e["t"] <= t1 + 1),
+            "failed_in_all": sum(1 for e in kv_events if e["event"] == "failed"),
             "build_lost_after_kill": any(e["event"] == "build_lost" for e in kv_events),
             "rebuilt_in_s": next((e["took_s"] for e in kv_events if e["event"] == "rebuilt"), None),
         }
