@@ -292,3 +292,26 @@ def test_a_take_over_s_node_stays_provisional_until_confirmed():
     store.apply(frames.Frame("confirm", {}))
     assert "provisional" not in store.handback()[0]
     store.close()
+
+
+def test_the_image_carries_every_field_of_the_state():
+    """A field added to a state class that the image does not carry would be
+    lost at every take-over and restart: extend the format (a new version, a
+    reader for this one) along with the class.  This test names what to do."""
+    import attrs
+
+    from gms.fsm import NodeState, SessionInfo, TenantState
+    from gms.fsm.state import Allocation, LayoutState, MetadataEntry
+    from gms.handover import image as codec
+
+    node = rich_image().state
+    body = codec._node_v1(node)
+    derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
+    assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
+    assert {f.name for f in attrs.fields(LayoutState)} - derived == set(body["layouts"][0])
+    assert [f.name for f in attrs.fields(TenantState)] == ["name", "quota_bytes", "used_bytes", "sessions"]
+    assert [f.name for f in attrs.fields(SessionInfo)] == [
+        "layout", "tenant", "uid", "gid", "pid", "lock_type", "limit_bytes",
+    ]
+    assert [f.name for f in attrs.fields(Allocation)] == ["allocation_id", "size", "aligned_size", "tag", "layout_slot"]
+    assert [f.name for f in attrs.fields(MetadataEntry)] == ["key", "allocation_id", "offset_bytes", "value"]
