@@ -153,7 +153,7 @@ def rpc_throughput(p: dict) -> dict:
         client = _client(p, "ro")
         return lambda: client.metadata_get("key.42")
 
-    return throughput(make_op, p["processes"], p["duration"])
+    return throughput(make_op, p["processes"], p["duration"], first_cpu=3 if p.get("pin") else None)
 
 
 # -- write rows (each ends without a commit: the server clears what it made) ---------------------

@@ -109,7 +109,7 @@ def rpc_throughput(p: dict) -> dict:
         mgr = _reader(p)
         return lambda: mgr.metadata_get("key.42")
 
-    return throughput(make_op, p["processes"], p["duration"])
+    return throughput(make_op, p["processes"], p["duration"], first_cpu=3 if p.get("pin") else None)
 
 
 # -- write rows (each ends without a commit: the server drops what it made) ---------------------

@@ -97,7 +97,9 @@ def fd_count(pid: int) -> int:
 # -- throughput: N client processes in a closed loop ------------------------------------------
 
 
-def _worker(make_op: Callable[[], Op], warmup: int, ready, go, start, duration: float, out) -> None:
+def _worker(make_op: Callable[[], Op], warmup: int, ready, go, start, duration: float, out, cpu) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, cpu)
     try:
         op = make_op()
         for _ in range(warmup):
@@ -118,14 +120,23 @@ def _worker(make_op: Callable[[], Op], warmup: int, ready, go, start, duration: 
     out.put(("ok", count))
 
 
-def throughput(make_op: Callable[[], Op], processes: int, duration: float, warmup: int = 50) -> dict:
+def throughput(make_op: Callable[[], Op], processes: int, duration: float, warmup: int = 50,
+               first_cpu: int | None = None) -> dict:
     """Each process builds its own client (``make_op``, in the child: CUDA and
     sockets are never shared across fork), warms up, then every process runs its
     loop over the same ``duration``; requests answered per second, all together."""
     ctx = multiprocessing.get_context("fork")
     ready, go, start, out = ctx.Semaphore(0), ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(make_op, warmup, ready, go, start, duration, out))
-             for _ in range(processes)]
+    # pinned: one CPU each from first_cpu up (this process itself may be pinned to
+    # CPU 0, and children inherit that); too few CPUs: all of them, unpinned
+    every = set(range(os.cpu_count() or 1))
+    if first_cpu is None:
+        cpus = [None]
+    else:
+        cpus = [{c} for c in sorted(every) if c >= first_cpu] or [every]
+    procs = [ctx.Process(target=_worker, args=(make_op, warmup, ready, go, start, duration, out,
+                                               cpus[i % len(cpus)]))
+             for i in range(processes)]
     for p in procs:
         p.start()
     for _ in procs:

@@ -64,6 +64,18 @@ ORDER = ["handshake", "raw_handshake", "allocate", "export", "allocate_export", 
          "metadata_put", "metadata_get", "throughput", "import", "import_batched"]
 
 
+# --pin: every client process on CPU 0, each server (all its threads) on a CPU of
+# its own, the throughput row's processes on CPUs 3 and up.  Where a client and
+# its server run decides what a wake-up costs (bench/rpc_profile.py --cpus), and
+# unpinned the scheduler decides differently from process to process.
+CLIENT_CPU, SERVER_CPUS = 0, {"gms": 1, "dynamo": 2}
+
+
+def pin_process(pid: int, cpu: int) -> None:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
 class Side:
     """One implementation: its server process and how to run a row against it."""
 
@@ -72,8 +84,9 @@ class Side:
 
     def run(self, row: str, params: dict) -> dict:
         params = {"socket": self.socket, "server_pid": self.pid, **params}
+        pin = (lambda: os.sched_setaffinity(0, {CLIENT_CPU})) if params.get("pin") else None
         out = subprocess.run([sys.executable, str(self.script), row, json.dumps(params)],
-                             capture_output=True, text=True, env=self.env, timeout=600)
+                             capture_output=True, text=True, env=self.env, timeout=600, preexec_fn=pin)
         if out.returncode != 0:
             return {"error": out.stderr[-2500:] or out.stdout[-2500:]}
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -209,6 +222,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="client processes per row and side (default 3; 1 quick/check)")
     parser.add_argument("--processes", type=int, default=8, help="client processes for the throughput row")
     parser.add_argument("--dynamo-log-level", default="WARNING", help="INFO: Dynamo's server as shipped")
+    parser.add_argument("--pin", action="store_true",
+                        help="clients on CPU 0, gms's server on CPU 1, Dynamo's on CPU 2, throughput processes on 3+")
     parser.add_argument("--out", default=None, help="folder for the JSON and the table (default bench/results)")
     args = parser.parse_args()
     level = 2 if args.check else 1 if args.quick else 0
@@ -225,6 +240,9 @@ def main() -> None:
     elif args.backend != "cuda":
         notes.append("Dynamo's server needs CUDA: gms only on the host backend.")
         peer = None
+    if args.pin and (os.cpu_count() or 1) < 4:
+        notes.append("--pin needs 4 CPUs or more: unpinned.")
+        args.pin = False
     for note in notes:
         print(note, flush=True)
 
@@ -235,7 +253,7 @@ def main() -> None:
         "mode": mode_name, "backend": args.backend, "repeats": repeats, "gpu": gpu_name(), "cpu": cpu_name(),
         "cores": os.cpu_count(), "python": sys.version.split()[0], "notes": notes,
         "versions": versions("torch", "cuda-bindings", "trio", "msgpack", "cattrs", "attrs", "msgspec", "uvloop"),
-        "dynamo_log_level": args.dynamo_log_level if peer else None, "rows": {},
+        "dynamo_log_level": args.dynamo_log_level if peer else None, "pinned": args.pin, "rows": {},
     }
     if peer is not None:
         source = peer / "SOURCE.json"
@@ -255,12 +273,15 @@ def main() -> None:
                     failures.append(str(exc))
                     print(exc, file=sys.stderr, flush=True)
             results["sides"] = [s.name for s in sides]
+            if args.pin:
+                for side in sides:
+                    pin_process(side.pid, SERVER_CPUS[side.name])
 
             def run_row(row: str, params: dict, key: str | None = None, only: list[Side] | None = None) -> None:
                 runs: dict[str, list] = {s.name: [] for s in only or sides}
                 for _ in range(repeats):
                     for side in only or sides:  # interleaved: drift hits both sides alike
-                        got = side.run(row, {**params, **side_params[side.name]})
+                        got = side.run(row, {**params, **side_params[side.name], "pin": args.pin})
                         runs[side.name].append(got)
                         if "error" in got:
                             failures.append(f"{side.name} {row}: {got['error']}")
@@ -302,6 +323,7 @@ def main() -> None:
     results["wall_s"] = time.monotonic() - started
     header = (f"Same run, {mode_name} mode, {repeats} repeat(s): {results['gpu']}; "
               f"{results['cores']} cores of {results['cpu']}; gms backend {args.backend}"
+              + ("; pinned (clients CPU 0, servers CPUs 1 and 2)" if args.pin else "")
               + (f"; Dynamo at {results['dynamo'].get('commit', '?')[:12]}, log level {args.dynamo_log_level}"
                  if peer else "; Dynamo not run"))
     print(f"\n{header}\n\n{results['table_md']}\n\ngms/Dynamo: times below 1 and throughput above 1 mean gms is ahead.")
