@@ -469,6 +469,52 @@ async def _trio_echo(path: str) -> None:
             nursery.start_soon(serve, sock)
 
 
+async def _trio_direct_echo(path: str) -> None:
+    """Trio, calling the socket first and waiting only when it would block: trio's
+    own socket methods yield to the scheduler after every call that succeeds."""
+    import trio
+
+    wait_readable, wait_writable = trio.lowlevel.wait_readable, trio.lowlevel.wait_writable
+
+    async def serve(sock) -> None:
+        with sock:
+            buffer, pending = bytearray(65536), bytearray()
+            while True:
+                try:
+                    n = sock.recv_into(buffer)
+                except BlockingIOError:
+                    await wait_readable(sock)
+                    continue
+                if not n:
+                    return
+                pending += memoryview(buffer)[:n]
+                while len(pending) >= 4:
+                    end = 4 + HEADER.unpack_from(pending)[0]
+                    if len(pending) < end:
+                        break
+                    view = memoryview(bytes(pending[:end]))
+                    del pending[:end]
+                    while view:
+                        try:
+                            view = view[sock.send(view):]
+                        except BlockingIOError:
+                            await wait_writable(sock)
+
+    listener = socket.socket(socket.AF_UNIX)
+    listener.setblocking(False)
+    listener.bind(path)
+    listener.listen(1024)
+    async with trio.open_nursery() as nursery:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                await wait_readable(listener)
+                continue
+            sock.setblocking(False)
+            nursery.start_soon(serve, sock)
+
+
 async def _asyncio_streams_echo(path: str) -> None:
     async def serve(reader, writer) -> None:  # readexactly + write + drain, as Dynamo's server
         try:
@@ -505,6 +551,7 @@ async def _asyncio_protocol_echo(path: str) -> None:
 
 ECHO = {
     "trio": lambda path: __import__("trio").run(_trio_echo, path),
+    "trio, direct socket calls": lambda path: __import__("trio").run(_trio_direct_echo, path),
     "asyncio streams, uvloop": lambda path: __import__("uvloop").run(_asyncio_streams_echo(path)),
     "asyncio protocol, uvloop": lambda path: __import__("uvloop").run(_asyncio_protocol_echo(path)),
     "asyncio streams": lambda path: asyncio.run(_asyncio_streams_echo(path)),

@@ -26,6 +26,8 @@ def start_server(directory: str, backend: str):
 def _manager(p: dict):
     from gms import GMSClientMemoryManager
 
+    if p.get("spin_us") is not None:  # read when a connection is made: 0 turns polling off
+        os.environ["GMS_CLIENT_SPIN_US"] = str(p["spin_us"])
     return GMSClientMemoryManager(p["socket"])
 
 
