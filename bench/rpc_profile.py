@@ -16,10 +16,16 @@
    recv; the same, polling for the answer the way gms's client does; and
    connect + round trip + close.
 
-    python bench/rpc_profile.py [--quick] [--server-path DIR] [--dynamo DIR] [--json PATH]
+    python bench/rpc_profile.py [--quick] [--cpus split|same|free] [--dynamo DIR] [--json PATH]
+    python bench/rpc_profile.py --compare /tmp/scratch --cpus same [--rounds 5]
 
-``--server-path`` runs the server from another gms tree (a scratch copy with a
-prototype change) so its effect can be measured against this one.
+``--cpus``: where the processes run.  ``split`` (client on CPU 0, servers on
+CPU 1) is a deployment's placement; ``same`` (all on CPU 0) makes every
+microsecond CPU work, without cross-CPU wake-ups, and is the steadiest on a
+small VM, so it is the one for A/B.  ``--server-path`` runs the server from
+another gms tree; ``--compare TREE`` runs this tree's server and client and
+TREE's (a scratch copy with a prototype change), interleaved, and prints the
+deltas.  docs/results/rpc_profile_*_2core.json hold a run on the 2-core host.
 """
 
 from __future__ import annotations
