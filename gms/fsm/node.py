@@ -97,7 +97,7 @@ class NodeState:
 EMPTY_NODE = NodeState()
 
 # Events after which a layout counts as used (LRU order).
-_USES = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished)
+_USES = frozenset({RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished})
 
 
 # -- node steps -----------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     )
 
 
-def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
+def _session_opened(node: NodeState, event: SessionOpened, tick: int) -> NodeState:
     tenant = node.tenants[event.tenant]
     session = SessionInfo(
         event.layout, event.tenant, event.uid, event.gid, event.pid, event.lock_type, event.limit_bytes
@@ -127,24 +127,26 @@ def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
         node,
         sessions=node.sessions.set(event.conn, session),
         tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions + 1)),
+        tick=tick,
     )
 
 
-def _session_closed(node: NodeState, event: SessionClosed) -> NodeState:
+def _session_closed(node: NodeState, event: SessionClosed, tick: int) -> NodeState:
     session = node.sessions[event.conn]
     tenant = node.tenants[session.tenant]
     return replace(
         node,
         sessions=node.sessions.delete(event.conn),
         tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions - 1)),
+        tick=tick,
     )
 
 
-def _observation(node: NodeState, event: Event) -> NodeState:
-    return node
+def _observation(node: NodeState, event: Event, tick: int) -> NodeState:
+    return replace(node, tick=tick)
 
 
-_NODE_STEPS: dict[type[Event], Callable[[NodeState, Event], NodeState]] = {
+_NODE_STEPS: dict[type[Event], Callable[[NodeState, Event, int], NodeState]] = {
     SessionOpened: _session_opened,
     SessionClosed: _session_closed,
     SessionRefused: _observation,
@@ -210,9 +212,10 @@ def _hold_bounds(node: NodeState, after: LayoutState, event: Event, tenants: Map
 def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
     before = node.layout(event.layout)
     after = fold_layout(before, event)
-    if isinstance(event, RwConnect):
+    kind = type(event)
+    if kind is RwConnect:
         after = replace(after, owner=node.sessions[event.conn].tenant, last_use=tick)
-    elif isinstance(event, _USES):
+    elif kind in _USES:
         after = replace(after, last_use=tick)
     return _settle(node, before, after, event, tick)
 
@@ -225,11 +228,10 @@ def fold(node: NodeState, event: Event) -> NodeState:
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
     rules.check(node, event)
-    tick = node.tick + 1
     step = _NODE_STEPS.get(type(event))
     if step is None:
-        return _layout_event(node, event, tick)
-    return replace(step(node, event), tick=tick)
+        return _layout_event(node, event, node.tick + 1)
+    return step(node, event, node.tick + 1)
 
 
 def fold_all(events: Iterable[Event], state: NodeState = EMPTY_NODE) -> NodeState:

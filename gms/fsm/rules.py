@@ -122,14 +122,14 @@ class Rule:
     action: str = ""  # the client's word for it, in refusals
     refusal: type[Rejection] = StateViolation  # when the lock state or tier does not allow it
     needs_layout: bool = True  # False: node events that may name no layout
+    # Where it may happen, derived once from the moves.  Tuples, not sets: a few
+    # members each, found by identity without hashing an enum on the hot path.
+    locks: tuple[LockState, ...] = attrs.field(init=False)
+    tiers: tuple[Tier, ...] = attrs.field(init=False)
 
-    @property
-    def locks(self) -> frozenset[LockState]:
-        return frozenset(move.before for move in self.moves)
-
-    @property
-    def tiers(self) -> frozenset[Tier]:
-        return frozenset(move.before for move in self.tier_moves)
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "locks", tuple(dict.fromkeys(move.before for move in self.moves)))
+        object.__setattr__(self, "tiers", tuple(dict.fromkeys(move.before for move in self.tier_moves)))
 
 
 # -- the roles --------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class EventLog:
             folded.append((event, state))
             state = after
         entries = []
+        mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
         for event, before in folded:
             if observe is not None:
                 observe(before, event)
@@ -94,7 +95,7 @@ class EventLog:
             if len(chunk.entries) == self._chunk_size:
                 chunk = _Chunk(self._next_seq, before)
                 self._chunks.append(chunk)
-            entry = LogEntry(self._next_seq, time.monotonic_ns(), time.time_ns(), event)
+            entry = LogEntry(self._next_seq, mono_ns, wall_ns, event)
             chunk.entries.append(entry)
             entries.append(entry)
             self._next_seq += 1
