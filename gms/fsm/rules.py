@@ -378,7 +378,7 @@ RULES: dict[type[Event], Rule] = {
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit",
     ),
     RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort"),
-    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO)), stays(GPU)),
+    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU)),
     RoDisconnect: Rule(Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last"))),
     # the writer's layout
     AllocationCreated: Rule(
