@@ -194,7 +194,7 @@ class Server:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
-            channel = Channel(stream.socket)
+            channel = Channel.adopt(stream.socket)
         except OSError as exc:  # the peer left before we asked who it was
             log.info("dropping a connection: %s", exc)
             return

@@ -178,7 +178,7 @@ class Session:
                     [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
                 )
                 return Reply(self._handshake_response(None))
-        self.metrics.lock_wait_seconds.labels(requested.value).observe(trio.current_time() - asked_at)
+        self.metrics.lock_waited(requested.value, trio.current_time() - asked_at)
         if grant.restore:
             layout = self.core.state.layout(request.layout)
             try:

@@ -80,25 +80,27 @@ class EventLog:
         leave, and if any is refused none is stored (a free and its cascade, a
         batch of metadata puts, land together or not at all).  ``observe(before,
         event)`` sees each stored event with the state it was folded on."""
-        folded: list[tuple[Event, NodeState]] = []
+        befores: list[NodeState] = []
         state = self._state
+        events = tuple(events)
         for event in events:
-            after = fold(state, event)  # raises before anything is stored
-            folded.append((event, state))
-            state = after
+            befores.append(state)
+            state = fold(state, event)  # raises before anything is stored
         entries = []
         mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
-        for event, before in folded:
+        seq = self._next_seq
+        for event, before in zip(events, befores):
             if observe is not None:
                 observe(before, event)
             chunk = self._chunks[-1]
             if len(chunk.entries) == self._chunk_size:
-                chunk = _Chunk(self._next_seq, before)
+                chunk = _Chunk(seq, before)
                 self._chunks.append(chunk)
-            entry = LogEntry(self._next_seq, mono_ns, wall_ns, event)
+            entry = LogEntry(seq, mono_ns, wall_ns, event)
             chunk.entries.append(entry)
             entries.append(entry)
-            self._next_seq += 1
+            seq += 1
+        self._next_seq = seq
         self._kept += len(entries)
         self._state = state
         if self._retain is not None:
