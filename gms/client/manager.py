@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ..cuda import Mapper, align_up, open_mapper
+from ..cuda import Mapper, align_up, open_mapper, preload_mapper
 from ..errors import (
     BuildLostError,
     GMSConnectionError,
@@ -174,6 +174,9 @@ class GMSClientMemoryManager:
         # A batch of exports arrives as up to 253 fds at once: make room for them
         # now, not in the middle of an import (see gms/fds.py).
         reserve_fd_slots(MAX_FDS_PER_MESSAGE)
+        # Loading the CUDA bindings costs 15-23 ms once per process: pay it here,
+        # at start-up, not inside the first connect() a user times.
+        preload_mapper()
 
     # -- properties -------------------------------------------------------------
 
