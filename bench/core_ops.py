@@ -125,7 +125,7 @@ def compare(before: str, runs: int, loops: int) -> dict:
         for label, tree in (("before", before), ("after", here)):
             out = subprocess.run(
                 [sys.executable, __file__, "--loops", str(loops), "--json", "-"],
-                env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, check=True,
             )
             results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
     medians = {

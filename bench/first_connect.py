@@ -67,7 +67,7 @@ print(json.dumps({"manager_s": manager_s, "connect_s": t1 - t0, "materialize_s":
 
 
 def reader(socket: str, tree: str | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])} if tree else None
     out = subprocess.run([sys.executable, "-c", READER, socket], env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"reader failed:\n{out.stderr[-3000:]}")

@@ -147,7 +147,7 @@ def compare(before: str, args) -> dict:
             out = subprocess.run(
                 [sys.executable, __file__, "--backend", args.backend, "--count", str(args.count),
                  "--size-mib", str(args.size_mib), "--json", "-"],
-                env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, check=True,
             )
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
     return runs

@@ -50,6 +50,7 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--host-capacity": args.host_capacity,
         "--alloc-retry-interval": args.alloc_retry_interval,
         "--alloc-retry-timeout": args.alloc_retry_timeout,
+        "--alloc-stock": args.alloc_stock,
         "--socket-mode": format(args.socket_mode, "o"),
         "--max-frame-bytes": args.max_frame_bytes,
         "--max-metadata-value-bytes": args.max_metadata_value_bytes,

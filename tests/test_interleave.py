@@ -76,7 +76,7 @@ async def serving(nursery, tmp_path, *args: str, host_budget: str | None = None,
     gpu, host = GatedBackend(HostBackend(capacity=64 * MiB)), GatedBackend(HostBackend())
     config = ServerConfig(
         socket_path=str(tmp_path / "gms.sock"), backend="host", gpu_budget=budget, host_budget=host_budget,
-        alloc_retry_timeout=None,
+        alloc_retry_timeout=None, alloc_stock_bytes=0,  # every create at the gate is a request's
     )
     server = Server(config, backend=gpu, host_tier=host)
     await nursery.start(server.serve)

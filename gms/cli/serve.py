@@ -45,6 +45,10 @@ def register(sub) -> None:
     serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S")
     serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S")
     serve.add_argument(
+        "--alloc-stock", type=byte_count, default=64 << 20, metavar="BYTES",
+        help="small allocations made ahead of need, outside the budget (default 64MiB; 0: none)",
+    )
+    serve.add_argument(
         "--socket-mode", type=lambda s: int(s, 8), default=0o600, help="octal, e.g. 660 (default 600)"
     )
     serve.add_argument("--max-frame-bytes", type=byte_count, default=16 << 20)
@@ -80,6 +84,7 @@ def server_config(args: argparse.Namespace):
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
         alloc_retry_interval=args.alloc_retry_interval,
         alloc_retry_timeout=args.alloc_retry_timeout,
+        alloc_stock_bytes=args.alloc_stock,
         socket_mode=args.socket_mode,
         max_frame_bytes=args.max_frame_bytes,
         limits=limits,

@@ -9,6 +9,9 @@ from ..policy import OPEN_POLICY, Policy
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 
 
+DEFAULT_STOCK_BYTES = 64 << 20
+
+
 @attrs.frozen
 class ServerConfig:
     socket_path: str
@@ -21,6 +24,7 @@ class ServerConfig:
     policy: Policy = OPEN_POLICY
     alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None
+    alloc_stock_bytes: int = DEFAULT_STOCK_BYTES  # small allocations made ahead of need (memory.Stock)
     socket_mode: int = 0o600
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     limits: Limits = Limits()

@@ -91,7 +91,7 @@ class Placement:
             try:
                 await self.gpu.create(items)
             except OutOfMemory:
-                if not self._evict_one():
+                if not self.gpu.drop_stock() and not self._evict_one():
                     raise
                 continue
             # The world may have changed during the await: decide again.

@@ -132,7 +132,7 @@ class Server:
 
     async def _open_core(self) -> ServiceCore:
         config = self.config
-        gpu = Memory(self.backend, Lane("gpu"))
+        gpu = Memory(self.backend, Lane("gpu"), config.alloc_stock_bytes)
         host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
