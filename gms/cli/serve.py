@@ -45,8 +45,9 @@ def register(sub) -> None:
     serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S")
     serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S")
     serve.add_argument(
-        "--alloc-stock", type=byte_count, default=64 << 20, metavar="BYTES",
-        help="small allocations made ahead of need, outside the budget (default 64MiB; 0: none)",
+        "--alloc-stock", type=byte_count, default=None, metavar="BYTES",
+        help="small allocations made ahead of need, outside the budget (default 64MiB on CUDA, "
+        "none on the host backend; 0: none)",
     )
     serve.add_argument(
         "--socket-mode", type=lambda s: int(s, 8), default=0o600, help="octal, e.g. 660 (default 600)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import os
 
@@ -80,7 +79,7 @@ def preload_mapper() -> None:
     if os.environ.get("GMS_BACKEND") == "host" or importlib.util.find_spec("cuda") is None:
         return
     try:
-        importlib.import_module("gms.cuda.vmm")
+        from . import vmm  # noqa: F401
     except ImportError:  # bindings without a driver library: the host mapper will do
         pass
 

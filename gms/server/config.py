@@ -24,7 +24,9 @@ class ServerConfig:
     policy: Policy = OPEN_POLICY
     alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None
-    alloc_stock_bytes: int = DEFAULT_STOCK_BYTES  # small allocations made ahead of need (memory.Stock)
+    # Small allocations made ahead of need (memory.Stock); None: 64 MiB on CUDA,
+    # none on the host backend, whose memfds are cheap and named by allocation.
+    alloc_stock_bytes: int | None = None
     socket_mode: int = 0o600
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     limits: Limits = Limits()

@@ -42,7 +42,6 @@ from ..fsm.queries import layout_of
 from ..policy import OPEN_POLICY, Policy
 from ..store import EventLog
 from ..wire import messages as m
-from .config import DEFAULT_STOCK_BYTES
 from .host_tier import HostTier
 from .lanes import Lane
 from .ledger import Ledger
@@ -228,7 +227,7 @@ class ServiceCore:
 
 async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
     """A core over these backends, each with its lane (inside Trio); the device is asked on its lane."""
-    gpu_memory = Memory(gpu, Lane("gpu"), options.pop("stock_bytes", DEFAULT_STOCK_BYTES))
+    gpu_memory = Memory(gpu, Lane("gpu"), options.pop("stock_bytes", 0))
     return ServiceCore(
         gpu_memory,
         Memory(host, Lane("host")) if host is not None else None,

@@ -21,7 +21,7 @@ import trio
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
-from .config import ServerConfig
+from .config import DEFAULT_STOCK_BYTES, ServerConfig
 from .core import ServiceCore
 from .lanes import Lane
 from .memory import Memory
@@ -132,7 +132,10 @@ class Server:
 
     async def _open_core(self) -> ServiceCore:
         config = self.config
-        gpu = Memory(self.backend, Lane("gpu"), config.alloc_stock_bytes)
+        stock = config.alloc_stock_bytes
+        if stock is None:
+            stock = DEFAULT_STOCK_BYTES if self.backend.name == "cuda" else 0
+        gpu = Memory(self.backend, Lane("gpu"), stock)
         host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
