@@ -347,3 +347,31 @@ def test_read_only_import_equals_vllms_own_load(tmp_path):
     assert found["granted"] == "RO" and found["names"] and found["unequal"] == []
     assert found["params"] > 0 and found["params_in_gms"] == found["params"]
     assert "dtype: 'float32', this engine 'bfloat16'" in found["refused"]
+
+
+@needs_vllm
+def test_the_bench_command_lines_parse(tmp_path):
+    """bench/vllm.py's and tests/test_vllm_gpu.py's ``vllm serve`` lines, through vLLM's parser."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from vllm_engines import serve_argv
+        from vllm_model import make_model
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    model = make_model(tmp_path / "model", "tiny", "float32")["folder"]
+    lines = {
+        "gms": serve_argv(model, 8001, extra={"gms_socket": "/tmp/x.sock", "gms_read_only": True}),
+        "baseline": serve_argv(model, 8002, load_format="safetensors", sleep_mode=True, kv_bytes=1 << 30),
+    }
+    for what, argv in lines.items():
+        serve = argv.index("serve")
+        out = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_probe.py"), "--argv",
+                              json.dumps(argv[serve + 1:])], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, f"{what}: {out.stderr[-3000:]}"
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+        if what == "gms":
+            assert found["load_format"] == "gms" and found["worker_cls"] == "gms.integrations.vllm.worker.GMSWorker"
+            assert found["extra"] == {"gms_socket": "/tmp/x.sock", "gms_read_only": True}
+        else:
+            assert found["load_format"] == "safetensors" and found["sleep_mode"] and found["kv_bytes"] == 1 << 30

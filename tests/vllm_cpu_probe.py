@@ -2,7 +2,9 @@
 
 Run by tests/test_vllm.py in a process of its own (it changes vLLM's global
 state): ``python tests/vllm_cpu_probe.py MODEL_DIR SOCKET``, where SOCKET is a
-host-backend gms server.  Prints one JSON line.
+host-backend gms server.  Prints one JSON line.  ``python
+tests/vllm_cpu_probe.py --argv JSON`` instead parses a ``vllm serve`` command
+line (JSON list, after ``serve``) as vLLM does and builds its engine config.
 
 vLLM's CUDA wheel has no CPU kernels and picks no platform on a machine
 without a GPU, so this probe (test scaffolding, nothing more) sets vLLM's
@@ -63,7 +65,29 @@ def engine_config(model: str, load_format: str):
                       max_model_len=128).create_engine_config()
 
 
+def parse_serve(argv: list[str]) -> dict:
+    """A ``vllm serve`` command line through vLLM's own parser and config checks."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # The CPU platform has no sleep mode; a GPU has: let the CPU say yes, for the checks alone.
+    CpuPlatform.is_sleep_mode_available = classmethod(lambda cls: True)
+    CpuPlatform.is_cumem_allocator_available = classmethod(lambda cls: True)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    args.model = args.model_tag or args.model  # as `vllm serve` does (vllm/entrypoints/cli/serve.py)
+    validate_parsed_serve_args(args)
+    engine = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    return {"load_format": engine.load_config.load_format, "worker_cls": engine.parallel_config.worker_cls,
+            "extra": engine.load_config.model_loader_extra_config,
+            "kv_bytes": engine.cache_config.kv_cache_memory_bytes,
+            "sleep_mode": engine.model_config.enable_sleep_mode}
+
+
 def main() -> None:
+    if sys.argv[1] == "--argv":
+        print(json.dumps(parse_serve(json.loads(sys.argv[2]))))
+        return
     model_dir, socket = sys.argv[1], sys.argv[2]
     register()
     reference_config = engine_config(model_dir, "auto")
