@@ -375,3 +375,29 @@ def test_the_bench_command_lines_parse(tmp_path):
             assert found["extra"] == {"gms_socket": "/tmp/x.sock", "gms_read_only": True}
         else:
             assert found["load_format"] == "safetensors" and found["sleep_mode"] and found["kv_bytes"] == 1 << 30
+
+
+def test_the_bench_drives_the_coordinator_with_vllms_command_lines(tmp_path):
+    """bench/vllm.py's coordinator file parses, and each set's command comes back as vllm serve's argv."""
+    import importlib.util as iu
+    from types import SimpleNamespace
+
+    from gms.failover import config as failover_config
+
+    bench = str(ROOT / "bench")
+    sys.path.insert(0, bench)
+    try:
+        spec = iu.spec_from_file_location("bench_vllm", ROOT / "bench" / "vllm.py")
+        module = iu.module_from_spec(spec)
+        spec.loader.exec_module(module)  # it takes bench/ off sys.path itself (it is named vllm.py)
+    finally:
+        sys.path[:] = [p for p in sys.path if p != bench]
+    socket = str(tmp_path / "gms.sock")
+    argv = module.serve_argv("/models/m", 18211, extra={"gms_socket": socket})
+    args = SimpleNamespace(interval=0.1, failures=2, canary_timeout=5.0)
+    text = module.coordinator_toml(tmp_path, socket, {"A": (18211, argv), "B": (18212, argv)}, args)
+    parsed = failover_config.parse(tomllib.loads(text))
+    assert parsed.health_path == "/gms/health" and parsed.ranks == (socket,)
+    fields = {"rank": 0, "world_size": 1, "port": 18211, "socket": socket, "set": "A"}
+    assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
+    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"gms_socket": socket}
