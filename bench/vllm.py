@@ -30,7 +30,7 @@ baseline's.  Each part runs alone or with the others:
 
 Page cache: the checkpoint is read once before the baseline (warm, vLLM's
 best case); ``--cold`` drops it before the baseline and before engine A.
-Writes ``vllm_<gpu>.json`` and ``vllm_engines.log`` (the tail of every
+Writes ``vllm_<gpu>_<parts>.json`` and ``vllm_engines.log`` (the tail of every
 engine's log) under ``$GMS_BENCH_OUT`` (default bench/results/); prints a
 table with every ratio.  Needs vLLM (scripts/gpu-vllm-install.sh on the GPU
 host); never imports it itself, so it holds no CUDA context of its own.
@@ -477,7 +477,8 @@ def main() -> int:
         bench.results["parts"] = sorted(parts)
         model = re.search(r"\b([A-Z]\d{2,4})\b", bench.results["gpu"]["name"])  # "NVIDIA H100 80GB HBM3"
         gpu_tag = model.group(1).lower() if model else "gpu"
-        write_json(str(ROOT / "bench" / "results" / f"vllm_{gpu_tag}.json"), bench.results)
+        name = f"vllm_{gpu_tag}_{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}.json"
+        write_json(str(ROOT / "bench" / "results" / name), bench.results)
         if not args.keep:
             shutil.rmtree(bench.work, ignore_errors=True)
     print_table(f"vLLM on gms vs vLLM alone ({bench.results['gpu']['name']}; ratio = gms / baseline)",

@@ -66,7 +66,8 @@ def serve_env(cache_root: str, *, endpoint_plugin: bool = False) -> dict[str, st
     return env
 
 
-LOAD_LINE = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
+# V1's model runner says "GiB memory and", V2's (vLLM 0.26's default for dense models) "GiB and".
+LOAD_LINE = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")
 GMS_LINE = re.compile(r"gms: weights (loaded from disk and published|imported) \(layout '([^']*)', "
                       r"([\d.]+) GiB\) in ([\d.]+) s")
 

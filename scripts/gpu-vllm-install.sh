@@ -25,7 +25,11 @@ python3 scripts/gpu_vllm_wheels.py check
 python3 - <<'PY' || exit 1
 import importlib.metadata as md, sys, torch
 import vllm
-import gms.integrations.vllm as plugin
+# What a served Llama imports (a missing wheel shows here, not in the middle of a benchmark):
+import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.gpu_worker  # noqa: E401
+import vllm.v1.worker.gpu.model_runner, vllm.model_executor.models.llama  # noqa: E401
+import vllm.v1.attention.backends.flash_attn, vllm.vllm_flash_attn  # noqa: E401
+import gms.integrations.vllm.worker, gms.integrations.vllm.endpoints  # noqa: E401
 names = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, vllm {vllm.__version__}, "
       f"cuda devices {torch.cuda.device_count()}; vllm.general_plugins: {names}")

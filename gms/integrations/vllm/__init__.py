@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("gms.integrations.vllm")
+# Under vLLM's "vllm" logger, whose handler vLLM configures in each of its
+# processes: the plugin's lines then appear in the engine's log, formatted
+# and filtered (VLLM_LOGGING_LEVEL) like vLLM's own.
+LOGGER = "vllm.gms"
+log = logging.getLogger(LOGGER)
 
 _registered = False
 

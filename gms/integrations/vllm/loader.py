@@ -49,7 +49,7 @@ from .errors import LayoutMismatchError, UnsupportedModelError
 from .memory import WEIGHTS, EngineMemory, current
 from .names import FINGERPRINT_KEY, TENSOR_PREFIX, ModelIdentity
 
-log = logging.getLogger("gms.integrations.vllm")
+log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 LOAD_FORMAT = "gms"
 
 

@@ -36,7 +36,7 @@ from .config import GmsVllmConfig
 from .errors import LayoutMismatchError, MissingWorkerError
 from .names import ModelIdentity
 
-log = logging.getLogger("gms.integrations.vllm")
+log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"  # vLLM's sleep tags, and the tags of the gms allocations
 

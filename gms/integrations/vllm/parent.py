@@ -18,7 +18,7 @@ import select
 import signal
 import threading
 
-log = logging.getLogger("gms.integrations.vllm")
+log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 
 _started: set[int] = set()  # parents already watched by this process
 

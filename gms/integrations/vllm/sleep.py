@@ -21,7 +21,7 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
 from .memory import current
 
-log = logging.getLogger("gms.integrations.vllm")
+log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 NAME = "gms"
 
 

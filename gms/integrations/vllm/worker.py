@@ -50,7 +50,7 @@ from .memory import KV_CACHE, EngineMemory, install
 from .parent import exit_with_parent
 from .sleep import NAME as SLEEP_BACKEND
 
-log = logging.getLogger("gms.integrations.vllm")
+log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 
 
 class GMSWorker(Worker):
