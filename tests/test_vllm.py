@@ -250,6 +250,7 @@ def test_read_only_waits_for_a_commit_and_a_republished_layout_fails_the_wake(tm
 
 
 def test_loader_without_the_worker_says_what_to_add():
+    pytest.importorskip("torch")
     from gms.integrations.vllm import memory
 
     saved, memory._current = memory._current, None
