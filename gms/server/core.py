@@ -35,6 +35,7 @@ from ..fsm import (
     decide_restore_finished,
     decide_session,
     holders,
+    schedule,
     validate_layout_name,
 )
 from ..fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
@@ -165,8 +166,17 @@ class ServiceCore:
         alive: Callable[[], bool] = lambda: True,
     ) -> None:
         """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted.
-        ``alive`` is asked before a grant: False drops the waiter instead."""
+        ``alive`` is asked before a grant: False drops the waiter instead.  A
+        handshake nobody is queued ahead of, on a layout that can take it now,
+        is granted without a queue: its client is the one being answered."""
         layout = layout_of(self.state, conn).name
+        if not self.queues.waiting_on(layout):
+            grants = schedule(self.state.layout(layout), [(conn, requested)])
+            if grants:
+                (grant,) = grants
+                self.ledger.record_grant(grant)
+                on_grant(grant)
+                return
         self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
         self.ledger.grant(layout)
 

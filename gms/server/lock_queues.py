@@ -65,6 +65,9 @@ class LockQueues:
         self._refresh(layout.name)
         return taken
 
+    def waiting_on(self, layout: str) -> bool:
+        return layout in self._queues
+
     def busy(self) -> set[str]:
         """Layouts someone waits for: never evicted under them."""
         return set(self._queues)
