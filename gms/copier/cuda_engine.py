@@ -17,8 +17,6 @@ client-side copies and starts another copier.
 
 from __future__ import annotations
 
-import threading
-
 from cuda.bindings import driver as cu
 
 from ..cuda.vmm import VmmMapper
@@ -46,7 +44,6 @@ class CudaEngine(MapperEngine):
         mapper = _StreamMapper(device)
         super().__init__(mapper)
         self._streams = {True: mapper.new_stream(), False: mapper.new_stream()}
-        self._lock = threading.Lock()
         name = cu.cuDeviceGetName(256, mapper._dev)[1].split(b"\0", 1)[0].decode(errors="replace")
         self.name = f"cuda device {device} ({name}), cuMemcpyAsync on a stream per direction"
 

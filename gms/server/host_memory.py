@@ -105,8 +105,13 @@ class HostMemory:
 
     # -- making chunks -------------------------------------------------------------
 
-    def _new_ids(self, count: int) -> list[str]:
-        return [f"h{next(self._ids)}" for _ in range(count)]
+    def _pool_id(self) -> str:
+        return f"pool-{next(self._ids)}"
+
+    def chunk_id(self, allocation_id: str) -> str:
+        """A new id for a chunk of an allocation's copy, never used before (the copier
+        may still be unmapping a discarded chunk of the same allocation)."""
+        return f"{allocation_id}.{next(self._ids)}"
 
     async def _make_room(self, more: int) -> None:
         """Give pool chunks back until ``more`` bytes fit the host budget (a chunk the
@@ -127,17 +132,18 @@ class HostMemory:
             finally:
                 self._wanted -= more
 
-    async def make(self, sizes: list[int]) -> list[str]:
-        """New chunks of these sizes (on the lane, all or none), mapped by the copier,
-        reserved for the caller, who ``adopt``s or ``discard``s them."""
-        if not sizes:
+    async def make(self, chunks: list[tuple[str, int]]) -> list[str]:
+        """New chunks (id, size) on the lane, all or none, mapped by the copier,
+        reserved for the caller, who ``adopt``s or ``discard``s them.  Ids name
+        the allocation they are for (memfd names show them): never reused."""
+        if not chunks:
             return []
+        ids, sizes = [c for c, _ in chunks], [s for _, s in chunks]
         await self._make_room(sum(sizes))
-        ids = self._new_ids(len(sizes))
-        for chunk, size in zip(ids, sizes):
+        for chunk, size in chunks:
             self._reserved[chunk] = size  # counted against the budget while made
         try:
-            await self.chunks.create(list(zip(ids, sizes)))
+            await self.chunks.create(list(chunks))
         except BaseException:
             for chunk in ids:
                 del self._reserved[chunk]
@@ -170,9 +176,9 @@ class HostMemory:
     async def create(self, items: list[tuple[str, int]]) -> None:
         """One exact chunk per (allocation id, size): a writer's own host copies.
         Raises OutOfMemory (the host is full) or HostBudgetExceeded."""
-        ids = await self.make([size for _, size in items])
-        for (allocation_id, _), chunk in zip(items, ids):
-            self.adopt(allocation_id, [chunk])
+        await self.make(items)  # the chunk of an exact copy is named after its allocation
+        for allocation_id, _ in items:
+            self.adopt(allocation_id, [allocation_id])
 
     def release(self, allocation_ids: Iterable[str]) -> None:
         """The host copies went (the ledger recorded it): release their chunks."""
@@ -232,7 +238,7 @@ class HostMemory:
             await self._wake.wait()
             self._wake = trio.Event()
             while self.pool_bytes + self._making < self.pool_target and self._fits(self.chunk_bytes + self._wanted):
-                (chunk,) = self._new_ids(1)
+                chunk = self._pool_id()
                 self._making += self.chunk_bytes
                 try:
                     await self.chunks.create([(chunk, self.chunk_bytes)])

@@ -151,7 +151,9 @@ class Transfers:
                     nursery.start_soon(copy, now)
                 if later:
                     try:
-                        made = await self.host.make([parts[k][2] for k in later])
+                        made = await self.host.make(
+                            [(self.host.chunk_id(missing[parts[k][0]].allocation_id), parts[k][2]) for k in later]
+                        )
                     except OutOfMemory as exc:
                         refused.append(HostBudgetExceeded(f"host memory exhausted: {exc}"))
                     except Rejection as exc:  # the host budget: raised below, not as a group
