@@ -216,6 +216,10 @@ class Transfers:
     async def _copy(self, to_host: bool, allocations: list[Allocation], moves: list[tuple[int, int, str, int]]) -> None:
         """``moves`` (allocation index, offset, chunk, size) in as few copies as the link
         allows (253 allocations, MAX_MOVES moves each), one after another."""
+        with self.host.copying():
+            await self._copy_all(to_host, allocations, moves)
+
+    async def _copy_all(self, to_host: bool, allocations: list[Allocation], moves) -> None:
         batch: list[tuple[int, int, str, int]] = []
         for move in moves:
             used = {index for index, _, _, _ in batch}
