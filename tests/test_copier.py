@@ -70,14 +70,14 @@ def stopped(pid: int) -> bool:
 
 def kill_when_stopped(server) -> int:
     """Wait for the copier to stop itself (the hook), kill it; its pid."""
-    pid = wait_until(lambda: copier_running(server), what="a copier")
+    pid = wait_until(lambda: copier_running(server), timeout=60, what="a copier")
     wait_until(lambda: stopped(pid), what="the copier to stop half way")
     os.kill(pid, signal.SIGKILL)
     return pid
 
 
 def replaced(server, pid: int) -> int:
-    return wait_until(lambda: (p := copier_running(server)) and p != pid and p, timeout=30, what="a new copier")
+    return wait_until(lambda: (p := copier_running(server)) and p != pid and p, timeout=60, what="a new copier")
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def pooled(start_server):
     def start(*args: str):
         server = start_server("--host-pool", "24MiB", "--host-chunk", str(CHUNK), *args)
         wait_until(lambda: server.state().host_pool_bytes == 24 * MiB, what="the pool to fill")
-        wait_until(lambda: copier_running(server), what="the copier")
+        wait_until(lambda: copier_running(server), timeout=60, what="the copier")
         return server
 
     return start
@@ -144,7 +144,7 @@ def test_a_copier_killed_mid_restore_never_serves_half_copied_memory(pooled, mon
 
     first = threading.Thread(target=restore)
     first.start()
-    pid = wait_until(lambda: copier_running(server), what="a copier")
+    pid = wait_until(lambda: copier_running(server), timeout=60, what="a copier")
     wait_until(lambda: stopped(pid), what="the copier to stop half way")
     behind = RawConn(server.socket)
     assert behind.handshake("RO", 300, layout="m").success is False, "nobody reads a half-copied layout"
@@ -165,7 +165,7 @@ def test_a_reader_that_leaves_mid_restore_aborts_it_and_the_next_one_restores(po
     gms.client.admin.evict(server.socket, "m")
     leaving = RawConn(server.socket)
     leaving.send(m.HandshakeRequest("RO", None, "m"))
-    pid = wait_until(lambda: copier_running(server), what="a copier")
+    pid = wait_until(lambda: copier_running(server), timeout=60, what="a copier")
     wait_until(lambda: stopped(pid), what="the copier to stop half way")
     leaving.close()
     wait_until(lambda: "RESTORE_ABORTED" in server.kinds(), what="the restore to be given up")

@@ -40,7 +40,7 @@ log = logging.getLogger("gms.server.copier")
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 60.0
-READY_TIMEOUT_S = 60.0  # a CUDA context can take seconds on a busy host
+READY_TIMEOUT_S = 30.0  # a CUDA context can take seconds on a busy host
 STOP_GRACE_S = 5.0
 # A copy's deadline: generous (a tenth of PCIe's speed), then the copier is
 # presumed stuck and killed; its callers fall back.

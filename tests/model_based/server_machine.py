@@ -427,6 +427,16 @@ class ServerMachine(RuleBasedStateMachine):
         self.host_copies(data, conn)
         self.commit(data, "system", conn)
 
+    @precondition(lambda self: self.copier and any(l.writer is not None for l in self.state.layouts.values()))
+    @rule(data=st.data(), size=st.integers(1, 5 * MiB))
+    def writer_publishes_through_the_copier(self, data, size):
+        """One more allocation, then ``commit(residency="system")`` with host copies
+        missing: the copier makes and fills them (the pool's 2 MiB chunks and the rest)."""
+        conn = self._holder(data, "writer")
+        self._allocate(conn, size, "weights")
+        if conn in self.conns:
+            self.commit(data, "system", conn)
+
     @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
     @rule(data=st.data())
     def host_copies(self, data, conn=None):
