@@ -122,8 +122,9 @@ class ServiceCore:
         return tasks + ([host.keep_pool] if host is not None and host.pool_target else [])
 
     def _host_room(self) -> int | None:
-        budget, state = self.ledger.state.host_budget_bytes, self.ledger.state
-        return None if budget is None else budget - state.host_bytes
+        """What the host budget leaves beyond the recorded host copies (None: no budget)."""
+        state = self.ledger.state
+        return None if state.host_budget_bytes is None else state.host_budget_bytes - state.host_bytes
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""
