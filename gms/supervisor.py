@@ -48,6 +48,8 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--gpu-budget": args.gpu_budget,
         "--host-budget": args.host_budget,
         "--host-capacity": args.host_capacity,
+        "--host-pool": args.host_pool,
+        "--host-chunk": args.host_chunk,
         "--alloc-retry-interval": args.alloc_retry_interval,
         "--alloc-retry-timeout": args.alloc_retry_timeout,
         "--alloc-stock": args.alloc_stock,
@@ -69,6 +71,8 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
             argv += [flag, str(value)]
     if args.no_host_tier:
         argv.append("--no-host-tier")
+    if args.no_copier:
+        argv.append("--no-copier")
     return argv
 
 

@@ -70,7 +70,12 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"{format_bytes(state.used_bytes)} in layouts, budget {format_bytes(budget)}, "
             f"capacity {format_bytes(state.capacity_bytes)}, {format_bytes(state.device_free_bytes)} free",
         ),
-        ("host tier", f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"),
+        (
+            "host tier",
+            f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"
+            + (f", pool {format_bytes(state.host_pool_bytes)} made ahead" if state.host_pool_bytes else ""),
+        ),
+        ("copier", state.copier + (f" (pid {state.copier_pid})" if state.copier_pid else "")),
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (
             "handles",

@@ -39,6 +39,19 @@ def register(sub) -> None:
     )
     serve.add_argument("--host-budget", metavar="BYTES", help="bytes for host copies of evictable layouts")
     serve.add_argument("--no-host-tier", action="store_true", help="keep no host copies (no residency system)")
+    serve.add_argument(
+        "--no-copier", action="store_true",
+        help="start no copier process: clients copy to and from the host tier themselves",
+    )
+    serve.add_argument(
+        "--host-pool", type=byte_count, default=0, metavar="BYTES",
+        help="pinned host memory made ahead of need, so that a system publish does not wait for it "
+        "(counts against --host-budget; needs the copier)",
+    )
+    serve.add_argument(
+        "--host-chunk", type=byte_count, default=64 << 20, metavar="BYTES",
+        help="the pool's unit: host copies the copier fills are made of such chunks (default 64MiB)",
+    )
     serve.add_argument("--host-capacity", type=byte_count, help="host backend: the device's size")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
@@ -82,6 +95,9 @@ def server_config(args: argparse.Namespace):
         gpu_budget=args.gpu_budget,
         host_budget=args.host_budget,
         host_tier=not args.no_host_tier,
+        copier=not args.no_copier,
+        host_pool_bytes=args.host_pool,
+        host_chunk_bytes=args.host_chunk,
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
         alloc_retry_interval=args.alloc_retry_interval,
         alloc_retry_timeout=args.alloc_retry_timeout,

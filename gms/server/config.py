@@ -21,6 +21,11 @@ class ServerConfig:
     gpu_budget: str | None = None  # bytes or a fraction of the device; None: no budget
     host_budget: str | None = None  # bytes for host copies; None: no budget
     host_tier: bool = True
+    # The copier (gms.copier): a process that moves host-tier bytes for clients;
+    # off: clients copy themselves (today's protocol, always understood).
+    copier: bool = True
+    host_pool_bytes: int = 0  # pinned host memory made ahead of need (needs the copier)
+    host_chunk_bytes: int = 64 << 20  # the pool's unit
     policy: Policy = OPEN_POLICY
     alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None

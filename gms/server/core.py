@@ -43,6 +43,8 @@ from ..fsm.queries import layout_of
 from ..policy import OPEN_POLICY, Policy
 from ..store import EventLog
 from ..wire import messages as m
+from .copier_link import CopierLink
+from .host_memory import HostMemory
 from .host_tier import HostTier
 from .lanes import Lane
 from .ledger import Ledger
@@ -54,13 +56,14 @@ from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
 from .requests import Requests
+from .transfers import Transfers
 
 
 class ServiceCore:
     def __init__(
         self,
         gpu: Memory,
-        host: Memory | None,
+        host: HostMemory | Memory | None,
         *,
         device: DeviceInfo,
         signal: MemorySignal,
@@ -75,7 +78,10 @@ class ServiceCore:
         server_uid: int,
         alloc_retry_interval: float = 0.05,
         alloc_retry_timeout: float | None = None,
+        copier: CopierLink | None = None,
     ) -> None:
+        if host is not None and not isinstance(host, HostMemory):
+            host = HostMemory(host)  # exact host copies, no copier: clients copy
         self.device = device
         self.policy = policy
         self.server_uid = server_uid
@@ -99,12 +105,27 @@ class ServiceCore:
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
         )
         self.host_tier = HostTier(self.ledger, host)
+        self.copier = copier if host is not None else None
+        self.transfers = None if self.copier is None else Transfers(self.ledger, gpu, host, self.copier, self.requests)
+        if host is not None:
+            host.room = self._host_room
         self.probes = Probes(
             self.ledger, gpu, host, policy, server_uid,
             history_max_events=history_max_events, history_max_bytes=history_max_bytes,
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
+
+    def background(self) -> list:
+        """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""
+        host = self.ledger.tiers.get(MemoryTier.HOST)
+        tasks = [self.copier.run] if self.copier is not None else []
+        return tasks + ([host.keep_pool] if host is not None and host.pool_target else [])
+
+    def _host_room(self) -> int | None:
+        """What the host budget leaves beyond the recorded host copies (None: no budget)."""
+        state = self.ledger.state
+        return None if state.host_budget_bytes is None else state.host_budget_bytes - state.host_bytes
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""

@@ -93,6 +93,8 @@ class Probes:
         queues = self.ledger.queues
         handles, handle_bytes = self.gpu.live()
         host_handles, host_handle_bytes = self.host.live() if self.host else (0, 0)
+        link = getattr(self.host, "link", None)
+        copier, copier_pid = link.status() if link is not None else ("off", 0)
         rows = [row for row in layout_rows(state, queues.counts, self._seconds_since) if view.layout(row.name)]
         writers, others = queues.counts()
         seed = next((row for row in rows if row.name == SEED_LAYOUT), None) or m.LayoutStatus.empty(SEED_LAYOUT)
@@ -129,6 +131,9 @@ class Probes:
             allocation_count=seed.allocation_count,
             total_bytes=seed.bytes,
             memory_layout_hash=seed.memory_layout_hash,
+            copier=copier,
+            copier_pid=copier_pid,
+            host_pool_bytes=getattr(self.host, "pool_bytes", 0),
         )
 
     def history(

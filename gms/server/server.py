@@ -22,7 +22,9 @@ from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
+from .copier_link import CopierLink
 from .core import ServiceCore
+from .host_memory import HostMemory
 from .lanes import Lane
 from .memory import Memory
 from .memory_signal import MemorySignal
@@ -136,7 +138,15 @@ class Server:
         if stock is None:
             stock = DEFAULT_STOCK_BYTES if self.backend.name == "cuda" else 0
         gpu = Memory(self.backend, Lane("gpu"), stock)
-        host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
+        host = copier = None
+        if self.host_tier is not None:
+            if config.copier:
+                level = logging.getLevelName(log.getEffectiveLevel()).lower()
+                copier = CopierLink(self.backend.name, config.device, log_level=level)
+            host = HostMemory(
+                Memory(self.host_tier, Lane("host")), link=copier,
+                pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes,
+            )
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
         self.core = ServiceCore(
@@ -155,6 +165,7 @@ class Server:
             server_uid=os.getuid(),
             alloc_retry_interval=config.alloc_retry_interval,
             alloc_retry_timeout=config.alloc_retry_timeout,
+            copier=copier,
         )
         self.metrics.watch(self.core)
         return self.core
@@ -174,6 +185,8 @@ class Server:
             async with trio.open_nursery() as nursery:
                 for tier in core.ledger.tiers.values():
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
+                for task in core.background():  # the copier, the host pool: never fatal
+                    nursery.start_soon(task)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,

@@ -147,6 +147,10 @@ class Session:
                 return await self._allocate(request)
             if isinstance(request, m.ExportHostCopiesRequest):
                 return await self.core.host_tier.export_copies(self.conn, request.allocation_ids)
+            if isinstance(request, m.ExportHostChunksRequest):
+                return self.core.host_tier.export_chunks(self.conn, request.allocation_ids, request.start)
+            if isinstance(request, m.CommitRequest) and self.core.transfers is not None:
+                return await self.core.transfers.commit(self.conn, request)  # the copier fills host copies
             if isinstance(request, m.RestoreDoneRequest):
                 return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
             return self.core.requests.handle(self.conn, request)
@@ -179,6 +183,7 @@ class Session:
                 )
                 return Reply(self._handshake_response(None))
         self.metrics.lock_waited(requested.value, trio.current_time() - asked_at)
+        restored = False  # by the copier: then the reader is granted a plain RO
         if grant.restore:
             layout = self.core.state.layout(request.layout)
             try:
@@ -188,9 +193,11 @@ class Session:
                 )
             except OutOfMemoryTimeout as exc:
                 return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
-        return Reply(self._handshake_response(grant))
+            if self.core.transfers is not None:
+                restored = await self.core.transfers.restore(self.conn, self._until_gone)
+        return Reply(self._handshake_response(grant, restored))
 
-    def _handshake_response(self, grant: Grant | None) -> m.HandshakeResponse:
+    def _handshake_response(self, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
         state = self.core.state
         session = state.sessions.get(self.conn)
         layout = state.layout(session.layout) if session else None
@@ -205,7 +212,7 @@ class Session:
             memory_layout_hash=(layout.layout_hash if layout else None) or "",
             layout=layout.name if layout else "",
             tenant=session.tenant if session else "",
-            restore=grant is not None and grant.restore,
+            restore=grant is not None and grant.restore and not restored,
             max_frame_bytes=self.config.max_frame_bytes,
         )
 

@@ -159,6 +159,35 @@ class ExportHostCopiesResponse:
 
 
 @attrs.frozen
+class ExportHostChunksRequest:
+    """Extension, for the restorer: the pieces of host copies.  A host copy the
+    server filled through its copier may be held in several chunks (pinned
+    host memory made ahead of need); ``start`` skips that many chunks of the
+    allocations' chunks listed in order (paging: at most 253 fds an answer)."""
+
+    allocation_ids: list[str]
+    start: int = 0
+
+
+@attrs.frozen
+class ExportHostChunksResponse:
+    """Columns, one row per chunk, in order: the allocation it holds bytes of, where
+    in the allocation they start, how many; one fd per row.  ``next_start``:
+    ask again from there (0: every chunk was sent)."""
+
+    allocation_ids: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    next_start: int = 0
+
+    def rows(self) -> Iterator[tuple[str, int, int]]:
+        """(allocation_id, offset, size) per chunk; the columns must agree."""
+        if not len(self.allocation_ids) == len(self.offsets) == len(self.sizes):
+            raise ValueError("host chunk columns differ in length")
+        return zip(self.allocation_ids, self.offsets, self.sizes)
+
+
+@attrs.frozen
 class RestoreDoneRequest:
     """The restorer copied every host copy into the GPU memory: serve it."""
 
@@ -357,6 +386,12 @@ class GetRuntimeStateResponse:
     allocation_count: int = 0
     total_bytes: int = 0
     memory_layout_hash: str = ""
+    # The copier (extensions): "running", "starting", "down" (client-side
+    # copies until it is back) or "off"; its pid; pinned host memory made
+    # ahead of need (counted against host_budget_bytes, not in host_used_bytes).
+    copier: str = "off"
+    copier_pid: int = 0
+    host_pool_bytes: int = 0
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""
@@ -457,6 +492,7 @@ REQUESTS: tuple[type, ...] = (
     FreeAllocationRequest,
     CommitRequest,
     ExportHostCopiesRequest,
+    ExportHostChunksRequest,
     RestoreDoneRequest,
     MetadataPutRequest,
     MetadataPutManyRequest,
@@ -481,6 +517,7 @@ RESPONSES: tuple[type, ...] = (
     FreeAllocationResponse,
     CommitResponse,
     ExportHostCopiesResponse,
+    ExportHostChunksResponse,
     RestoreDoneResponse,
     MetadataPutResponse,
     MetadataPutManyResponse,

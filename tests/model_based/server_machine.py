@@ -18,6 +18,12 @@ until the server has logged as many events as the local log, then checks that
 * readers see the bytes the writer wrote into each allocation, also after
   the layout was evicted to the host tier and restored (a checksum pattern
   written through real mappings, of device memory and of the host copies).
+
+With ``copier`` the server runs its copier (and a small pool of 2 MiB
+chunks): a ``system`` commit with host copies missing is filled by the
+server (the host copies are recorded with the commit), and a restore is done
+by the server while the reader waits in its handshake (the same events, a
+plain ``RO`` answer); the bytes readers see then went through the copier.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class ServerMachine(RuleBasedStateMachine):
     # Set by the test: where servers are started, on which backend.
     tmp_path = None
     backend = "host"
+    copier = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,6 +133,7 @@ class ServerMachine(RuleBasedStateMachine):
             args += ["--policy", str(policy)]
         if self.backend == "host":
             args += ["--host-capacity", "64MiB"]
+        args += ["--host-pool", "4MiB", "--host-chunk", "2MiB"] if self.copier else ["--no-copier"]
         self.server = ServerProcess(self.tmp_path, *args, backend=self.backend)
         self.expected = EventLog(retain=None)
         (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
@@ -174,7 +182,7 @@ class ServerMachine(RuleBasedStateMachine):
                     break  # the restorer gave up and left: schedule again
                 response, _ = self.conns[grant.conn].recv(timeout=10)
                 assert response.success and response.granted_lock_type == grant.granted.value
-                assert response.restore == grant.restore
+                assert response.restore == (grant.restore and not self.copier), "the copier restores"
 
     def _make_room(self, needed: int) -> bool:
         plan = plan_evictions(self.state, needed, self._busy())
@@ -196,6 +204,8 @@ class ServerMachine(RuleBasedStateMachine):
         size = self.state.layout(layout).held_bytes
         if self._make_room(admit_restore(self.state, RestoreLoading(conn, layout=layout))):
             self._record(decide_restore_loading(self.state, conn, layout))
+            if self.copier:  # filled by the server's copier before the reader is answered
+                self._record(decide_restore_finished(self.state, conn, layout))
             return True
         self._gave_up(conn, size, "restore")
         response, _ = self.conns[conn].recv(timeout=10)
@@ -417,6 +427,16 @@ class ServerMachine(RuleBasedStateMachine):
         self.host_copies(data, conn)
         self.commit(data, "system", conn)
 
+    @precondition(lambda self: self.copier and any(l.writer is not None for l in self.state.layouts.values()))
+    @rule(data=st.data(), size=st.integers(1, 5 * MiB))
+    def writer_publishes_through_the_copier(self, data, size):
+        """One more allocation, then ``commit(residency="system")`` with host copies
+        missing: the copier makes and fills them (the pool's 2 MiB chunks and the rest)."""
+        conn = self._holder(data, "writer")
+        self._allocate(conn, size, "weights")
+        if conn in self.conns:
+            self.commit(data, "system", conn)
+
     @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
     @rule(data=st.data())
     def host_copies(self, data, conn=None):
@@ -449,11 +469,20 @@ class ServerMachine(RuleBasedStateMachine):
         layout = self._layout_of(conn)
         response = self.conns[conn].call(m.CommitRequest(residency))
         state = self.state.layout(layout)
-        if self._expect(response, lambda: decide_commit(state, conn, residency)) is not None:
+        if self._expect(response, lambda: self._decide_commit(state, conn, residency)) is not None:
             assert response.memory_layout_hash == self.state.layout(layout).layout_hash
             assert self.conns.pop(conn).closed_by_peer()
             self._record([SessionClosed(conn, layout=layout)])
             self._grant(layout)
+
+    def _decide_commit(self, state, conn, residency):
+        """The commit; with a copier, a ``system`` one makes the missing host copies
+        first (``gms.server.transfers``: recorded with it, all or nothing)."""
+        (commit,) = decide_commit(state, conn, residency)
+        if not (self.copier and residency == "system"):
+            return [commit]
+        missing = [i for i in self._by_slot(state.name) if i not in state.host_copies]
+        return [e for i in missing for e in decide_host_copy(state, conn, i)] + [commit]
 
     @rule(layout=st.sampled_from(["a", "b"]))
     def evict(self, layout):
