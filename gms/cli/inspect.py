@@ -71,6 +71,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"capacity {format_bytes(state.capacity_bytes)}, {format_bytes(state.device_free_bytes)} free",
         ),
         ("host tier", f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"),
+        ("metadata", f"{format_bytes(state.metadata_bytes)} of {format_bytes(state.max_metadata_bytes)} (server RAM)"),
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (
             "handles",
@@ -100,9 +101,14 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
     if not layouts:
         lines.append("(no layouts)")
     tenants = [
-        (t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions) for t in state.tenants
+        (
+            t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions,
+            format_bytes(t.metadata_bytes), format_bytes(t.metadata_quota),
+            f"{t.layouts}/{'-' if t.max_layouts is None else t.max_layouts}",
+        )
+        for t in state.tenants
     ]
-    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS"), tenants)]
+    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS"), tenants)]
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from ..errors import (
     GMSError,
     GMSProtocolError,
     GMSServerError,
+    LimitExceededError,
     LockRevokedError,
     QuotaExceededError,
     RequestTooLargeError,
@@ -107,6 +108,11 @@ def server_error(response: m.ErrorResponse) -> GMSError:
     if response.code == "QUOTA_EXCEEDED" and None not in (response.used, response.asked, response.quota):
         return QuotaExceededError(
             response.error, scope=response.scope, used=response.used, asked=response.asked, quota=response.quota
+        )
+    if response.limit and None not in (response.used, response.asked, response.quota):
+        return LimitExceededError(
+            response.code, response.error, limit=response.limit, scope=response.scope, used=response.used,
+            asked=response.asked, bound=response.quota,
         )
     if response.code == "STALE_LAYOUT":
         return StaleMemoryLayoutError(response.error)

@@ -89,6 +89,7 @@ class ServiceCore:
                     0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
                     policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
                     device_uuid=device.uuid, layout="",
+                    tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
                 )
             ],
             by_server=True,

@@ -118,6 +118,8 @@ class Probes:
             last_event_seq=log.last_seq,
             uptime_s=time.monotonic() - self.started_monotonic,
             pid=os.getpid(),
+            metadata_bytes=state.metadata_bytes,
+            max_metadata_bytes=state.limits.max_metadata_bytes,
             layouts=rows,
             tenants=[row for row in tenant_rows(state) if view.tenant(row.name)],
             state=seed.state,
