@@ -79,7 +79,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"host {state.host_handle_count} ({format_bytes(state.host_handle_bytes)}), "
             f"{state.allocations_cleared} cleared",
         ),
-        ("events", f"{state.first_event_seq}..{state.last_event_seq} kept"),
+        ("events", f"{state.first_event_seq}..{state.last_event_seq} kept ({format_bytes(state.event_log_bytes)})"),
         ("server", f"pid {state.pid}, up {state.uptime_s:.0f} s" if state.pid else "-"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -65,6 +65,10 @@ def register(sub) -> None:
         help="a policy tenant's layouts where the policy sets no max_layouts (default 256)",
     )
     serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
+    serve.add_argument(
+        "--event-log-bytes", type=byte_count, default=64 << 20,
+        help="memory the kept events (and the snapshot) may hold (default 64MiB)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(handler=cmd_serve)
 
@@ -99,6 +103,7 @@ def server_config(args: argparse.Namespace):
         max_frame_bytes=args.max_frame_bytes,
         limits=limits,
         event_log_retain=args.event_log_retain,
+        event_log_bytes=args.event_log_bytes,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )

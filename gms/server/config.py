@@ -25,6 +25,7 @@ class ServerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     limits: Limits = Limits()
     event_log_retain: int | None = 1_000_000
+    event_log_bytes: int | None = 64 << 20
     history_max_events: int = 10_000
     history_max_bytes: int = 8 << 20
     metrics_port: int | None = None

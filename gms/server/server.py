@@ -144,7 +144,7 @@ class Server:
             on_event=self.metrics.observe,
             policy=config.policy,
             limits=effective_limits(config, capacity),
-            log=EventLog(retain=config.event_log_retain),
+            log=EventLog(retain=config.event_log_retain, max_bytes=config.event_log_bytes),
             budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
             host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,

@@ -346,6 +346,7 @@ class GetRuntimeStateResponse:
     waiting: int = 0
     first_event_seq: int = 1
     last_event_seq: int = 0
+    event_log_bytes: int = 0  # what the kept events and the snapshot hold, as --event-log-bytes counts it
     uptime_s: float = 0.0
     pid: int = 0
     metadata_bytes: int = 0  # keys and values of every layout (the server's RAM)
