@@ -64,6 +64,22 @@ def register(sub) -> None:
         "--tenant-max-layouts", type=int, default=256,
         help="a policy tenant's layouts where the policy sets no max_layouts (default 256)",
     )
+    serve.add_argument(
+        "--scan-cache-bytes", type=byte_count, default=64 << 20,
+        help="answers to metadata scans kept for other readers (default 64MiB)",
+    )
+    serve.add_argument(
+        "--handshake-timeout", type=_positive_float, default=10.0, metavar="S",
+        help="close a connection that sends no whole request within S seconds (default 10)",
+    )
+    serve.add_argument(
+        "--max-connections-per-uid", type=int, default=256, metavar="N",
+        help="open connections per peer uid, admins aside (default 256; 0: no cap)",
+    )
+    serve.add_argument(
+        "--fd-reserve", type=int, default=None, metavar="N",
+        help="fds kept for admins' connections (default: min(256, the fd limit / 8))",
+    )
     serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
     serve.add_argument(
         "--event-log-bytes", type=byte_count, default=64 << 20,
@@ -106,6 +122,10 @@ def server_config(args: argparse.Namespace):
         event_log_bytes=args.event_log_bytes,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        scan_cache_bytes=args.scan_cache_bytes,
+        handshake_timeout=args.handshake_timeout,
+        max_connections_per_uid=args.max_connections_per_uid or None,
+        fd_reserve=args.fd_reserve,
     )
 
 

@@ -11,6 +11,7 @@ from .interface import (
     Held,
     Mapper,
     MemoryBackend,
+    NoFileDescriptors,
     OutOfMemory,
     align_up,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "Held",
     "Mapper",
     "MemoryBackend",
+    "NoFileDescriptors",
     "OutOfMemory",
     "align_up",
     "cuda_device_count",

@@ -52,7 +52,7 @@ from .peer import Peer
 from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
-from .requests import Requests
+from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
 
 
 class ServiceCore:
@@ -74,6 +74,7 @@ class ServiceCore:
         server_uid: int,
         alloc_retry_interval: float = 0.05,
         alloc_retry_timeout: float | None = None,
+        scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
     ) -> None:
         self.device = device
         self.policy = policy
@@ -94,7 +95,7 @@ class ServiceCore:
             ],
             by_server=True,
         )
-        self.requests = Requests(self.ledger, gpu)
+        self.requests = Requests(self.ledger, gpu, scan_cache_bytes)
         self.placement = Placement(
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
         )
@@ -105,6 +106,7 @@ class ServiceCore:
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""

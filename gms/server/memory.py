@@ -14,8 +14,9 @@ import errno
 import os
 from collections.abc import Iterable
 
-from ..cuda import DeviceInfo, Held, MemoryBackend
+from ..cuda import DeviceInfo, Held, MemoryBackend, NoFileDescriptors
 from ..fsm.errors import Rejection
+from .admission import FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -53,11 +54,18 @@ class Memory:
         self._held: dict[str, Held] = {}
         self._bytes = 0
         self.released = 0  # allocations released since the start
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """Make memory for each (id, aligned size), in one lane call; all or nothing.
-        Raises OutOfMemory (transient: the caller waits) or BackendError (fatal)."""
-        made = await self.lane.call(_create_all, self.backend, items)
+        Raises OutOfMemory (transient: the caller waits), BackendError (fatal), or
+        FdsExhausted (each holds an fd and the server has none to spare: at once)."""
+        if self.fds is not None:
+            self.fds.check_memory(len(items))
+        try:
+            made = await self.lane.call(_create_all, self.backend, items)
+        except NoFileDescriptors as exc:  # the count missed some: refused all the same
+            raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
         for (allocation_id, _), held in zip(items, made):
             self._held[allocation_id] = held
             self._bytes += held.size
@@ -76,6 +84,10 @@ class Memory:
             raise
 
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
+        """Fds lent to a reply: the session gives them back to the budget once sent."""
+        allocation_ids = list(allocation_ids)
+        if self.fds is not None:
+            self.fds.lend(len(allocation_ids))
         fds: list[int] = []
         try:
             for allocation_id in allocation_ids:
@@ -83,6 +95,8 @@ class Memory:
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            if self.fds is not None:
+                self.fds.returned(len(allocation_ids))
             raise
         return fds
 

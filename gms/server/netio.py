@@ -31,9 +31,10 @@ class SendFailed(Exception):
 
 
 class Channel:
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(self, sock: trio.socket.SocketType, peer: Peer | None = None) -> None:
         self.sock = sock
-        self.peer: Peer = peer_of(sock)  # OSError: the peer left before we asked (the caller drops it)
+        # Asked when it was accepted (OSError: the peer left before we asked; the caller drops it).
+        self.peer: Peer = peer if peer is not None else peer_of(sock)
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._view = memoryview(self._buffer)
         self._sending = False

@@ -21,6 +21,9 @@ import trio
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
+from . import ratelimit
+from .admission import LISTEN_BACKLOG, Admission, Ticket, open_admission
+from .admission import serve as serve_admitted
 from .config import ServerConfig
 from .core import ServiceCore
 from .lanes import Lane
@@ -28,6 +31,7 @@ from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
 from .netio import Channel
+from .peer import Peer
 from .session import Session
 
 log = logging.getLogger("gms.server")
@@ -91,7 +95,7 @@ async def bind_listener(path: str, mode: int) -> tuple[trio.socket.SocketType, i
     finally:
         os.umask(old_umask)
     os.chmod(path, mode)
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     return sock, os.stat(path).st_ino
 
 
@@ -129,6 +133,8 @@ class Server:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.core: ServiceCore | None = None
+        self.admission: Admission | None = None
+        self.log_limit: ratelimit.RateLimit | None = None
 
     async def _open_core(self) -> ServiceCore:
         config = self.config
@@ -152,8 +158,10 @@ class Server:
             server_uid=os.getuid(),
             alloc_retry_interval=config.alloc_retry_interval,
             alloc_retry_timeout=config.alloc_retry_timeout,
+            scan_cache_bytes=config.scan_cache_bytes,
         )
         self.metrics.watch(self.core)
+        self.admission = open_admission(self.core, config)
         return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -164,6 +172,7 @@ class Server:
         except BaseException:
             self._close_backends()
             raise
+        self.log_limit = ratelimit.install()  # repeated warnings: one summary line per interval
         try:
             core = await self._open_core()
             if self.config.metrics_port is not None:
@@ -171,13 +180,14 @@ class Server:
             async with trio.open_nursery() as nursery:
                 for tier in core.ledger.tiers.values():
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
+                nursery.start_soon(ratelimit.flush_every, self.log_limit)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,
                 )
                 task_status.started(self)
-                # Trio's own accept loop: it ignores ECONNABORTED/EPROTO and backs off on EMFILE.
-                await trio.serve_listeners(self._handle, [trio.SocketListener(listener)], handler_nursery=nursery)
+                # Each connection judged as it is accepted (gms.server.admission); only the admitted get a task.
+                await serve_admitted(self.admission, listener, self._handle, nursery, self.metrics.refused_one)
         finally:
             listener.close()
             _remove_if_ours(path, inode)
@@ -186,19 +196,18 @@ class Server:
                     await core.aclose()
             self.metrics.close()
             self._close_backends()
+            ratelimit.uninstall(self.log_limit)
 
     def _close_backends(self) -> None:
         for backend in (self.backend, self.host_tier):
             if backend is not None:
                 backend.close()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
         try:
-            channel = Channel(stream.socket)
-        except OSError as exc:  # the peer left before we asked who it was
-            log.info("dropping a connection: %s", exc)
-            return
-        await Session(self.core, self.config, channel, self.metrics).run()
+            await Session(self.core, self.config, Channel(sock, peer), self.metrics).run()
+        finally:
+            self.admission.leave(ticket)
 
 
 async def run_server(config: ServerConfig) -> None:

@@ -17,6 +17,7 @@ most the bound plus one chunk (and the events of one request).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -54,6 +55,10 @@ class _Chunk:
         self.start_state = start_state
         self.entries: list[LogEntry] = []
         self.bytes = 0
+
+
+def _start_seq(chunk: _Chunk) -> int:
+    return chunk.start_seq
 
 
 class EventLog:
@@ -185,8 +190,7 @@ class EventLog:
         start = max(since_seq + 1, self.first_seq)
         stop = self._next_seq if limit is None else min(self._next_seq, start + max(limit, 0))
         out: list[LogEntry] = []
-        first_chunk_seq = self._chunks[0].start_seq
-        index = (start - first_chunk_seq) // self._chunk_size
+        index = self._chunk_index(start)
         while start < stop and index < len(self._chunks):
             chunk = self._chunks[index]
             lo = start - chunk.start_seq
@@ -197,12 +201,16 @@ class EventLog:
         return out
 
     def entry(self, seq: int) -> LogEntry | None:
-        """The kept entry with sequence number ``seq``, if any (O(1))."""
+        """The kept entry with sequence number ``seq``, if any (O(log chunks))."""
         if not self.first_seq <= seq <= self.last_seq:
             return None
-        first_chunk_seq = self._chunks[0].start_seq
-        chunk = self._chunks[(seq - first_chunk_seq) // self._chunk_size]
+        chunk = self._chunks[self._chunk_index(seq)]
         return chunk.entries[seq - chunk.start_seq]
+
+    def _chunk_index(self, seq: int) -> int:
+        """The chunk holding ``seq`` (chunks close by count or by bytes: their
+        sizes differ, so it is searched for: O(log chunks))."""
+        return max(0, bisect.bisect_right(self._chunks, seq, key=_start_seq) - 1)
 
     def replay(self) -> NodeState:
         """Fold the kept entries over the snapshot: always equals :attr:`state`."""
