@@ -393,23 +393,22 @@ class FsmMachine(RuleBasedStateMachine):
         self._metadata_put(data, conn, key, self._known_allocation(data, self._layout_of(conn)), value)
 
     @precondition(has_writer)
-    @rule(data=st.data(), key=st.sampled_from(KEYS[:5]), value=st.binary(max_size=LIMITS.max_metadata_value_bytes))
-    def writer_puts_metadata(self, data, key, value):
+    @rule(
+        data=st.data(),
+        key=st.sampled_from(KEYS[:5]),
+        value=st.binary(max_size=LIMITS.max_metadata_value_bytes),
+        fill=st.sampled_from([0, 0, 2, 3]),
+    )
+    def writer_puts_metadata(self, data, key, value, fill):
+        """``fill``: that many full-size values too, so the metadata quotas and
+        the node's bound are reached."""
         conn = self._pick_conn(data, "writer")
         allocations = sorted(self.log.state.layout(self._layout_of(conn)).allocations)
         if allocations:
             alloc_id = data.draw(st.sampled_from(allocations), label="allocation")
             self._metadata_put(data, conn, key, alloc_id, value)
-
-    @precondition(has_writer)
-    @rule(data=st.data(), count=st.integers(1, 3))
-    def writer_fills_metadata(self, data, count):
-        """Full-size values, so the metadata quotas and the node's bound are reached."""
-        conn = self._pick_conn(data, "writer")
-        allocations = sorted(self.log.state.layout(self._layout_of(conn)).allocations)
-        for n in range(count if allocations else 0):
-            value = b"v" * LIMITS.max_metadata_value_bytes
-            self._metadata_put(data, conn, KEYS[n], allocations[0], value)
+            for n in range(fill):
+                self._metadata_put(data, conn, KEYS[n], allocations[0], b"v" * LIMITS.max_metadata_value_bytes)
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH, key=st.sampled_from(KEYS))
