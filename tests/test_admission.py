@@ -167,6 +167,74 @@ async def test_before_a_handshake_frames_are_small(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_uid_buffers_big_frames_a_few_at_a_time(tmp_path):
+    """Past 128 KiB a connection reads on only with one of its uid's two slots:
+    a third half-sent big frame is not read (its client's send blocks) until a
+    holder's frame is whole and served."""
+    import threading
+
+    async with trio.open_nursery() as nursery:
+        server = await serving(nursery, tmp_path)
+        path = server.config.socket_path
+        conns = [RawConn(path) for _ in range(3)]
+        for n, conn in enumerate(conns):
+            assert (await call(conn, m.HandshakeRequest("RW", None, f"big-{n}"))).success
+        frames = [encode(m.MetadataListRequest("p" * (8 * MiB))) for _ in conns]
+        half = len(frames[0]) // 2
+        for conn, frame in zip(conns[:2], frames):  # sent from threads: the server runs on this one
+            await trio.to_thread.run_sync(conn.send_raw, frame[:half])
+        inflight = server.core.inflight
+        await until(lambda: inflight.holders(os.getuid()) == 2, "two slots held")
+        third_sent = threading.Event()
+
+        def send_third() -> None:
+            conns[2].send_raw(frames[2][:half])
+            third_sent.set()
+
+        threading.Thread(target=send_third, daemon=True).start()
+        await trio.sleep(0.5)
+        assert not third_sent.is_set(), "the third big frame waits for a slot"
+        await trio.to_thread.run_sync(conns[0].send_raw, frames[0][half:])  # whole: served, its slot let go
+        assert (await trio.to_thread.run_sync(conns[0].recv, 10.0))[0].keys == []
+        await until(third_sent.is_set, "the third read on")
+        for conn, frame in zip(conns[1:], frames[1:]):
+            await trio.to_thread.run_sync(conn.send_raw, frame[half:])
+            assert (await trio.to_thread.run_sync(conn.recv, 10.0))[0].keys == []
+        await until(lambda: inflight.holders(os.getuid()) == 0, "every slot back")
+        nursery.cancel_scope.cancel()
+
+
+async def test_big_answers_a_client_does_not_read_are_encoded_a_few_at_a_time(tmp_path):
+    async with trio.open_nursery() as nursery:
+        server = await serving(nursery, tmp_path)
+        path = server.config.socket_path
+        writer = RawConn(path)
+        assert (await call(writer, m.HandshakeRequest("RW", None, "meta"))).success
+        allocation = (await call(writer, m.AllocateRequest(MiB))).allocation_id
+        for n in range(4):
+            assert (await call(writer, m.MetadataPutRequest(f"k{n}", allocation, 0, b"v" * MiB))).success
+        assert (await call(writer, m.CommitRequest())).success
+        readers = [RawConn(path) for _ in range(5)]
+        for reader in readers:
+            assert (await call(reader, m.HandshakeRequest("RO", None, "meta"))).success
+            reader.send(m.MetadataScanRequest(""))  # 4 MiB answers, not read yet
+        inflight = server.core.inflight
+        await until(lambda: inflight.holders(os.getuid()) == 2, "two answers being sent")
+        await trio.sleep(0.3)
+        assert inflight.holders(os.getuid()) == 2, "the other three wait, unencoded"
+        for reader in readers:
+            response, _ = await trio.to_thread.run_sync(reader.recv, 10.0)
+            assert len(response.values) == 4 and response.values[3] == b"v" * MiB
+        await until(lambda: inflight.holders(os.getuid()) == 0, "every slot back")
+        nursery.cancel_scope.cancel()
+
+
+async def until(predicate, what: str) -> None:
+    with trio.fail_after(10):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
 async def test_memory_past_the_fd_budget_is_refused_at_once_and_exports_give_fds_back(tmp_path):
     async with trio.open_nursery() as nursery:
         server = await serving(nursery, tmp_path, alloc_retry_timeout=None)

@@ -43,6 +43,7 @@ from ..policy import OPEN_POLICY, Policy
 from ..store import EventLog
 from ..wire import messages as m
 from .host_tier import HostTier
+from .inflight import InFlight
 from .lanes import Lane
 from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
@@ -107,6 +108,7 @@ class ServiceCore:
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
         self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""

@@ -36,6 +36,7 @@ from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTE
 from .config import ServerConfig
 from .admission import FdsExhausted
 from .core import ServiceCore
+from .inflight import answer_bytes
 from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
@@ -65,6 +66,7 @@ class Session:
         self.conn = core.new_conn()
         self.protocol = ServerConnection(config.max_frame_bytes, PRE_SESSION_MAX_FRAME_BYTES)
         self._first_by = trio.current_time() + config.handshake_timeout  # the first request's deadline
+        self._slot = core.inflight.slot(self.peer.uid)  # big frames: a few per uid at once
         self._scope = trio.CancelScope()
         self._revoked = False
 
@@ -97,6 +99,7 @@ class Session:
             if unwind:
                 self.core.disconnect(self.conn)
             self.channel.close()
+            self._slot.close()
 
     def _dropped(self, exc: Exception) -> None:
         if isinstance(exc, PeerGone) and not self.protocol.overflowed:
@@ -117,6 +120,7 @@ class Session:
         protocol = self.protocol
         while not protocol.closing:
             request = protocol.next_request()
+            self._slot.settle(protocol.buffered)
             if request is NEED_DATA:
                 protocol.receive_data(await self._receive())
                 continue
@@ -126,7 +130,9 @@ class Session:
             try:
                 if protocol.closing:
                     return  # revoked while it was served: the notice went in its place
+                await self._slot.before_send(answer_bytes(reply.message))
                 await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
+                self._slot.settle(protocol.buffered)
             finally:
                 for fd in reply.fds:  # the client has its own copies now, or never will
                     os.close(fd)
@@ -134,7 +140,9 @@ class Session:
                     self.core.fds.returned(len(reply.fds))
 
     async def _receive(self) -> memoryview:
-        """The next bytes; before the first whole request, only until its deadline."""
+        """The next bytes; before the first whole request, only until its deadline;
+        past a small frame's worth held, only with one of the uid's slots."""
+        await self._slot.before_read(self.protocol.buffered)
         if self.protocol.requests:
             return await self.channel.receive()
         with trio.move_on_at(self._first_by):
@@ -151,7 +159,7 @@ class Session:
         client cannot keep its own socket alive in our receive queue."""
         protocol = self.protocol
         while not protocol.eof and not protocol.overflowed:
-            protocol.receive_data(await self.channel.receive())
+            protocol.receive_data(await self._receive())
 
     async def _answer(self, request: object) -> Reply:
         if isinstance(request, Refused):

@@ -106,6 +106,11 @@ class ServerConnection:
     def eof(self) -> bool:
         return self._eof
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet handed out as a request (the server holds them)."""
+        return self._decoder.pending
+
     def next_request(self):
         """The next request (a message, an :class:`UnknownMessageType`, or a
         :class:`Refused`), ``NEED_DATA`` or ``PEER_CLOSED``.  Raises

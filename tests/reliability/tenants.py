@@ -16,7 +16,7 @@ import select
 import socket
 import time
 
-from gms.wire import FrameDecoder, decode
+from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 
 from ..helpers import RawConn
@@ -206,6 +206,37 @@ def left_behind(sock: socket.socket):
         pass
     body = decoder.next_frame()
     return None if body is None else decode(body)
+
+
+def partial_frames(path: str, seconds: float, connections: int, frame_bytes: int) -> dict:
+    """Sessions that each send most of a big frame and never the rest."""
+    frame = encode(m.MetadataListRequest("p" * (frame_bytes - 64)))[: frame_bytes - 4096]
+    conns = []
+    for _ in range(connections):
+        conn = RawConn(path)
+        if not getattr(answer(conn, m.HandshakeRequest("RO", 5000, "shared")), "success", False):
+            conn.close()
+            break
+        conn.sock.setblocking(False)
+        conns.append([conn, 0])
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        moved = False
+        for entry in conns:
+            conn, sent = entry
+            if sent == len(frame):
+                continue
+            try:
+                entry[1] += conn.sock.send(frame[sent : sent + (1 << 20)])
+                moved = True
+            except BlockingIOError:
+                pass
+        if not moved:
+            time.sleep(0.01)
+    sent = [s for _, s in conns]
+    for conn, _ in conns:
+        conn.close()
+    return {"sessions": len(conns), "sent_mib": round(sum(sent) / MiB, 1), "whole_frames_sent": 0}
 
 
 def allocation_flood(path: str, layout: str, seconds: float) -> dict:

@@ -34,7 +34,15 @@ from gms.wire import messages as m
 
 from ..helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
 from .common import is_root, open_dir, record, rss_bytes, scale, summary_ms
-from .tenants import AsUid, allocation_flood, connection_flood, layout_flood, metadata_flood, reader_loop
+from .tenants import (
+    AsUid,
+    allocation_flood,
+    connection_flood,
+    layout_flood,
+    metadata_flood,
+    partial_frames,
+    reader_loop,
+)
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="needs root to run tenants as other uids")
 
@@ -228,6 +236,22 @@ def test_a_connection_flood_by_a_stranger_is_capped_and_admins_still_get_in(star
            attacker_refused=got["refused"], attacker_closed_idle=got["closed_idle"],
            refusal=f"{first['code']} {first['limit']} used {first['used']} of {first['quota']}",
            refusal_log_lines=lines, summary_lines=summaries, **figures)
+
+
+def test_half_sent_big_frames_are_read_a_few_at_a_time(start):
+    """Not in the issue, found building it: after a handshake a connection may
+    send a frame up to --max-frame-bytes (16 MiB), and the server holds what it
+    has read of it.  32 sessions each sending 16 MiB less 4 KiB and never the
+    rest would make the server hold 512 MiB no quota counts; only two of a
+    uid's connections read past 128 KiB at once (gms.server.inflight)."""
+    server = start()
+    base = rss_bytes(server.pid)
+    quiet, hit, got, watch = attack(server, ATTACKER, partial_frames, ATTACK_S, PER_UID, 16 * MiB)
+    assert got["sessions"] == PER_UID, got
+    bound = base + 2 * 2 * 16 * MiB + PER_UID * 160 * 1024 + SLACK
+    figures = victim_figures(quiet, hit, watch, base, bound)
+    record("isolation", "half-sent big frames from every connection of a uid", attacker_sessions=got["sessions"],
+           attacker_sent_mib=got["sent_mib"], would_hold_mib=PER_UID * 16, **figures)
 
 
 def lower_fd_limit() -> None:
