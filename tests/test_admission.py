@@ -340,3 +340,18 @@ async def test_a_refused_client_gets_a_typed_error_naming_the_limit(tmp_path):
         assert found == {"probe": expected, "connect": expected}
         nursery.cancel_scope.cancel()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_scan_cache_stays_within_its_bytes():
+    from gms.fsm.state import LayoutState
+    from gms.server.requests import ScanCache
+
+    cache = ScanCache(max_bytes=1 * MiB)
+    for n in range(200):
+        layout = LayoutState(f"l{n % 7}")
+        response = m.MetadataScanResponse([f"k{n}"], ["a"], [0], [b"v" * (64 << 10)])
+        cache.put(layout, f"p{n}", response)
+        assert cache.bytes <= cache.max_bytes
+    assert 10 <= len(cache._entries) <= 16
+    cache.put(LayoutState("big"), "", m.MetadataScanResponse(["k"], ["a"], [0], [b"v" * (2 * MiB)]))
+    assert cache.get(LayoutState("big"), "") is None, "an answer bigger than the cache is not kept"

@@ -1,8 +1,10 @@
 """Repeated log lines folded into one summary line per interval.
 
 A flood makes the same line over and over: one per dropped connection, one
-per refused one, and Trio's ``accept returned EMFILE`` ten times a second
-while the process has no fd to spare.  Each kind of line (its logger, level
+per connection closed idle, and one per failed accept ten times a second
+while the process has no fd to spare (Trio's own accept loop logged that
+under ``trio.serve_listeners``; the server's, ``gms.server.admission``,
+logs it under ``gms.server``).  Each kind of line (its logger, level
 and format string, not its arguments) passes once per interval; the rest are
 counted, and a summary line says how many were held back: the next line of
 that kind carries it, or :meth:`RateLimit.flush` writes it once the interval
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterable
 import trio
 
 INTERVAL_S = 10.0
-LOGGERS = ("gms.server", "gms.host", "trio.serve_listeners")
+LOGGERS = ("gms.server", "gms.host")
 
 
 class _Window:
