@@ -43,13 +43,11 @@ from .reply import error_reply
 
 log = logging.getLogger("gms.server")
 
-DEFAULT_MAX_CONNECTIONS_PER_UID = 256
 # Connections the kernel holds for the server before it accepts them.  Each
 # waits behind all the others: a flood keeps the queue full, so it is short
 # (64 refusals take the server about 2 ms), and clients wait for room in the
 # kernel, in line, rather than in it (gms.client.transport._connect).
 LISTEN_BACKLOG = 64
-DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class FdsExhausted(OverLimit):
@@ -141,7 +139,7 @@ class Admission:
         server_uid: int,
         fds: FdBudget,
         *,
-        max_connections_per_uid: int | None = DEFAULT_MAX_CONNECTIONS_PER_UID,
+        max_connections_per_uid: int | None = 256,
     ) -> None:
         self.policy = policy
         self.server_uid = server_uid

@@ -33,8 +33,8 @@ from ..fsm.events import ConnectionDropped, LockTimeout
 from ..wire import ProtocolError, UnknownMessageType
 from ..wire import messages as m
 from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTES, Refused, ServerConnection
-from .config import ServerConfig
 from .admission import FdsExhausted
+from .config import ServerConfig
 from .core import ServiceCore
 from .inflight import answer_bytes
 from .metrics import Metrics

@@ -162,7 +162,9 @@ class FsmMachine(RuleBasedStateMachine):
         """Restated from docs/operations.md: the layouts a tenant owns, and those
         its sessions may write (RW, RW_OR_RO) from their handshake on."""
         owned = {name for name, ref in self.refs.items() if ref.owner == tenant}
-        writing = {self.sessions[c][0] for c, lock in self.locks.items() if lock != "RO" and self.sessions[c][1] == tenant}
+        writing = {
+            self.sessions[c][0] for c, lock in self.locks.items() if lock != "RO" and self.sessions[c][1] == tenant
+        }
         return owned | writing
 
     def _metadata_used(self, tenant: str | None = None) -> int:

@@ -18,7 +18,6 @@ Needs root (it runs processes as other uids); CI runs the suite as root.
 
 from __future__ import annotations
 
-import os
 import re
 import resource
 import shutil
