@@ -438,6 +438,37 @@ class FsmMachine(RuleBasedStateMachine):
                 continue
             assert code == self.refs[layout].host_copy(conn, alloc_id)
 
+    @precondition(
+        lambda self: any(self.log.state.layout(n).writer is not None and self.log.state.layout(n).allocations
+                         for n in LAYOUTS)
+    )
+    @rule(data=st.data())
+    def writer_publishes_evictable(self, data):
+        """What ``commit(residency="system")`` does: a host copy of every
+        allocation, then the commit.  Evictions and restores need both: by
+        chance alone they would be rare."""
+        state = self.log.state
+        writers = sorted(state.layout(n).writer for n in LAYOUTS
+                         if state.layout(n).writer is not None and state.layout(n).allocations)
+        conn = data.draw(st.sampled_from(writers), label="writer")
+        layout = self._layout_of(conn)
+        for alloc_id in sorted(self.log.state.layout(layout).allocations):
+            host_used = sum(r.host_bytes() for r in self.refs.values())
+            fresh = alloc_id not in self.log.state.layout(layout).host_copies
+            size = self.log.state.layout(layout).allocations[alloc_id].aligned_size
+            code, _ = self._decide(lambda: decide_host_copy(self.log.state.layout(layout), conn, alloc_id))
+            if fresh and host_used + size > HOST_BUDGET:
+                assert code == "HOST_MEMORY_EXHAUSTED"
+                return  # no room for the copies: the writer goes on building
+            assert code == self.refs[layout].host_copy(conn, alloc_id)
+        code, _ = self._decide(lambda: decide_commit(self.log.state.layout(layout), conn, "system"))
+        assert code == self.refs[layout].commit(conn, "system", self._tick)
+        if code is None:  # the shell closes a committed writer's connection
+            self._append([SessionClosed(conn, layout=layout)])
+            del self.sessions[conn]
+            del self.locks[conn]
+            self._pump(layout)
+
     @precondition(has_connections)
     @rule(data=st.data(), role=st.sampled_from(["writer", "writer", "any"]), residency=st.sampled_from(RESIDENCIES))
     def commit(self, data, role, residency):
