@@ -60,6 +60,15 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--max-metadata-keys": args.max_metadata_keys,
         "--max-layouts": args.max_layouts,
         "--event-log-retain": args.event_log_retain,
+        # what a server may hold and for whom (docs/operations.md)
+        "--event-log-bytes": args.event_log_bytes,
+        "--max-metadata-bytes": args.max_metadata_bytes,
+        "--tenant-metadata-quota": args.tenant_metadata_quota,
+        "--tenant-max-layouts": args.tenant_max_layouts,
+        "--scan-cache-bytes": args.scan_cache_bytes,
+        "--handshake-timeout": args.handshake_timeout,
+        "--max-connections-per-uid": args.max_connections_per_uid,
+        "--fd-reserve": args.fd_reserve,
         "--log-level": args.log_level,
     }
     if args.metrics_port is not None:

@@ -38,9 +38,11 @@ class ServerProcess:
     """``python -m gms serve`` on a private socket; stderr goes to a log file."""
 
     def __init__(
-        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None
+        self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None,
+        preexec_fn=None,
     ) -> None:
-        """``socket_path``: a path of its own (a new server in a dead one's place, say)."""
+        """``socket_path``: a path of its own (a new server in a dead one's place, say);
+        ``preexec_fn``: run in the server's process before it starts (a lower fd limit, say)."""
         n = next(_counter)
         self.socket = socket_path or str(tmp_path / f"gms-{n}.sock")
         self.log_path = tmp_path / f"server-{n}.log"
@@ -51,6 +53,7 @@ class ServerProcess:
              "--socket", self.socket, "--log-level", "warning", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
         wait_until(self._ready, timeout=30, what=f"server on {self.socket}\n{self.log}")
 

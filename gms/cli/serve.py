@@ -69,8 +69,40 @@ def register(sub) -> None:
     serve.add_argument("--max-metadata-value-bytes", type=byte_count, default=1 << 20)
     serve.add_argument("--max-allocations", type=int, default=1 << 20, help="per layout")
     serve.add_argument("--max-metadata-keys", type=int, default=1 << 20, help="per layout")
-    serve.add_argument("--max-layouts", type=int, default=4096)
+    serve.add_argument("--max-layouts", type=int, default=4096, help="layouts on the server")
+    serve.add_argument(
+        "--max-metadata-bytes", type=byte_count, default=1 << 30,
+        help="metadata keys and values of every layout, in the server's RAM (default 1GiB)",
+    )
+    serve.add_argument(
+        "--tenant-metadata-quota", type=byte_count, default=64 << 20,
+        help="a policy tenant's metadata bytes where the policy sets no metadata_quota (default 64MiB)",
+    )
+    serve.add_argument(
+        "--tenant-max-layouts", type=int, default=256,
+        help="a policy tenant's layouts where the policy sets no max_layouts (default 256)",
+    )
+    serve.add_argument(
+        "--scan-cache-bytes", type=byte_count, default=64 << 20,
+        help="answers to metadata scans kept for other readers (default 64MiB)",
+    )
+    serve.add_argument(
+        "--handshake-timeout", type=_positive_float, default=10.0, metavar="S",
+        help="close a connection that sends no whole request within S seconds (default 10)",
+    )
+    serve.add_argument(
+        "--max-connections-per-uid", type=int, default=256, metavar="N",
+        help="open connections per peer uid, admins aside (default 256; 0: no cap)",
+    )
+    serve.add_argument(
+        "--fd-reserve", type=int, default=None, metavar="N",
+        help="fds kept for admins' connections (default: min(256, the fd limit / 8))",
+    )
     serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
+    serve.add_argument(
+        "--event-log-bytes", type=byte_count, default=64 << 20,
+        help="memory the kept events (and the snapshot) may hold (default 64MiB)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(handler=cmd_serve)
 
@@ -86,6 +118,9 @@ def server_config(args: argparse.Namespace):
         max_metadata_keys=args.max_metadata_keys,
         max_metadata_value_bytes=args.max_metadata_value_bytes,
         max_layouts=args.max_layouts,
+        max_metadata_bytes=args.max_metadata_bytes,
+        tenant_metadata_quota=args.tenant_metadata_quota,
+        tenant_max_layouts=args.tenant_max_layouts,
     )
     return ServerConfig(
         socket_path=args.socket or paths.socket_path(args.device, args.backend),
@@ -106,8 +141,13 @@ def server_config(args: argparse.Namespace):
         max_frame_bytes=args.max_frame_bytes,
         limits=limits,
         event_log_retain=args.event_log_retain,
+        event_log_bytes=args.event_log_bytes,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        scan_cache_bytes=args.scan_cache_bytes,
+        handshake_timeout=args.handshake_timeout,
+        max_connections_per_uid=args.max_connections_per_uid or None,
+        fd_reserve=args.fd_reserve,
     )
 
 

@@ -12,6 +12,7 @@ from .interface import (
     Held,
     Mapper,
     MemoryBackend,
+    NoFileDescriptors,
     OutOfMemory,
     align_up,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "Held",
     "Mapper",
     "MemoryBackend",
+    "NoFileDescriptors",
     "OutOfMemory",
     "align_up",
     "cuda_device_count",

@@ -23,7 +23,7 @@ import mmap
 import os
 import struct
 
-from .interface import BackendError, DeviceInfo, Held, OutOfMemory
+from .interface import BackendError, DeviceInfo, Held, NoFileDescriptors, OutOfMemory
 
 DEFAULT_GRANULARITY = 2 << 20
 
@@ -82,7 +82,9 @@ class HostBackend:
         try:
             fd = os.memfd_create(f"gms-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise NoFileDescriptors(str(exc)) from exc
+            if exc.errno == errno.ENOMEM:
                 raise OutOfMemory(str(exc)) from exc
             raise BackendError(f"memfd_create failed: {exc}") from exc
         try:

@@ -16,8 +16,11 @@ the server proposed itself, or in a log being replayed, is an
 :class:`InvariantViolation`: the server stops.
 
 Node-wide bounds (the GPU and host budgets, tenant quotas, session limits,
-the layout cap) are checked here for the events that spend them and held by
-the fold for every event (``gms.fsm.node``): no log can break one.
+the layout cap, the metadata bound) and each tenant's (its byte quota, its
+metadata quota, its layouts) are checked here for the events that spend them
+(a refusal names the limit, what is used and what was asked: OverLimit,
+QuotaExceeded) and held by the fold for every event (``gms.fsm.node``): no
+log can break one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .errors import (
     NotConnected,
     NotEvictable,
     OffsetOutOfBounds,
+    OverLimit,
     PermissionDenied,
     QuotaExceeded,
     Rejection,
@@ -74,6 +78,7 @@ from .events import (
     SessionOpened,
     SessionRefused,
 )
+from .folding import entry_bytes
 from .state import LayoutState, LockState, Residency, Tier
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -269,8 +274,28 @@ def _metadata_entry(node, layout: LayoutState, e: MetadataPut) -> None:
         raise OffsetOutOfBounds(
             f"offset {e.offset_bytes} is outside allocation {e.allocation_id!r} of {allocation.size} bytes"
         )
-    if e.key not in layout.metadata and len(layout.metadata) >= limits.max_metadata_keys:
+    old = layout.metadata.get(e.key)
+    if old is None and len(layout.metadata) >= limits.max_metadata_keys:
         raise LimitExceeded(f"layout already holds {limits.max_metadata_keys} metadata keys")
+    more = entry_bytes(e.key, e.value) - (entry_bytes(old.key, old.value) if old is not None else 0)
+    if more > 0:
+        within_metadata_bounds(node, layout, more)
+
+
+def within_metadata_bounds(node, layout: LayoutState, more: int) -> None:
+    """Metadata is the daemon's RAM: the owner's metadata quota, then the node's bound."""
+    tenant = node.tenants[layout.owner]
+    if tenant.metadata_quota is not None and tenant.metadata_bytes + more > tenant.metadata_quota:
+        raise OverLimit(
+            "metadata_quota", "tenant", tenant.metadata_bytes, more, tenant.metadata_quota,
+            f"tenant {tenant.name!r}'s metadata quota (keys and values, in the server's RAM) would be passed",
+        )
+    bound = node.limits.max_metadata_bytes
+    if bound is not None and node.metadata_bytes + more > bound:
+        raise OverLimit(
+            "max_metadata_bytes", "node", node.metadata_bytes, more, bound,
+            "the server's metadata bound (keys and values of every layout) would be passed",
+        )
 
 
 def _known_key(node, layout: LayoutState, e: MetadataDeleted) -> None:
@@ -334,9 +359,22 @@ def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> Non
             )
     if e.expect_hash:
         _expected_layout(node, e)
+    if e.lock_type != "RO":
+        _layout_admitted(node, tenant, e)
+
+
+def _layout_admitted(node, tenant, e: SessionOpened) -> None:
+    """A session that may write a layout counts it against its tenant from the
+    handshake (see TenantState.layout_refs), and a new layout against the node."""
+    bound = tenant.max_layouts
+    if bound is not None and e.layout not in tenant.layout_refs and tenant.layouts >= bound:
+        raise OverLimit(
+            "max_layouts", "tenant", tenant.layouts, 1, bound,
+            f"tenant {tenant.name!r} already owns or may write {tenant.layouts} layouts",
+        )
     cap = node.limits.max_layouts
-    if e.lock_type != "RO" and e.layout not in node.layouts and len(node.layouts) >= cap:
-        raise LimitExceeded(f"the server already holds {cap} layouts")
+    if e.layout not in node.layouts and len(node.layouts) >= cap:
+        raise OverLimit("max_layouts", "node", len(node.layouts), 1, cap, f"the server already holds {cap} layouts")
 
 
 def _expected_layout(node, e: SessionOpened) -> None:

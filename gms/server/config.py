@@ -36,7 +36,14 @@ class ServerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     limits: Limits = Limits()
     event_log_retain: int | None = 1_000_000
+    event_log_bytes: int | None = 64 << 20
     history_max_events: int = 10_000
     history_max_bytes: int = 8 << 20
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Connections (gms.server.admission): a deadline for the first request, a
+    # cap per peer uid (None: none), fds kept for admins (None: the default).
+    handshake_timeout: float = 10.0
+    max_connections_per_uid: int | None = 256
+    fd_reserve: int | None = None
+    scan_cache_bytes: int = 64 << 20

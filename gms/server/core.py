@@ -46,6 +46,7 @@ from ..wire import messages as m
 from .copier_link import CopierLink
 from .host_memory import HostMemory
 from .host_tier import HostTier
+from .inflight import InFlight
 from .lanes import Lane
 from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
@@ -55,7 +56,7 @@ from .peer import Peer
 from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
-from .requests import Requests
+from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
 from .transfers import Transfers
 
 
@@ -79,6 +80,7 @@ class ServiceCore:
         alloc_retry_interval: float = 0.05,
         alloc_retry_timeout: float | None = None,
         copier: CopierLink | None = None,
+        scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
     ) -> None:
         if host is not None and not isinstance(host, HostMemory):
             host = HostMemory(host)  # exact host copies, no copier: clients copy
@@ -96,11 +98,12 @@ class ServiceCore:
                     0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
                     policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
                     device_uuid=device.uuid, layout="",
+                    tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
                 )
             ],
             by_server=True,
         )
-        self.requests = Requests(self.ledger, gpu)
+        self.requests = Requests(self.ledger, gpu, scan_cache_bytes)
         self.placement = Placement(
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
         )
@@ -115,6 +118,8 @@ class ServiceCore:
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
 
     def background(self) -> list:
         """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""

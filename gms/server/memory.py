@@ -16,8 +16,9 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ..cuda import DeviceInfo, Held, MemoryBackend, OutOfMemory
+from ..cuda import DeviceInfo, Held, MemoryBackend, NoFileDescriptors, OutOfMemory
 from ..fsm.errors import Rejection
+from .admission import FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -117,15 +118,22 @@ class Memory:
         self._held: dict[str, Held] = {}
         self._bytes = 0
         self.released = 0  # allocations released since the start
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """Make memory for each (id, aligned size), from the stock or in one lane
         call; all or nothing.  Raises OutOfMemory (transient: the caller waits;
-        ``drop_stock`` first) or BackendError (fatal)."""
+        ``drop_stock`` first), BackendError (fatal), or FdsExhausted (each holds
+        an fd and the server has none to spare: at once)."""
+        if self.fds is not None:
+            self.fds.check_memory(len(items))
         taken = {allocation_id: self.stock.take(size) for allocation_id, size in items}
         missing = [(allocation_id, size) for allocation_id, size in items if taken[allocation_id] is None]
         try:
             made = await self.lane.call(_create_all, self.backend, missing) if missing else []
+        except NoFileDescriptors as exc:  # the count missed some: refused all the same
+            self._give_back([held for held in taken.values() if held is not None])
+            raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
         except BaseException:
             self._give_back([held for held in taken.values() if held is not None])
             raise
@@ -176,6 +184,10 @@ class Memory:
             raise
 
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
+        """Fds lent to a reply: the session gives them back to the budget once sent."""
+        allocation_ids = list(allocation_ids)
+        if self.fds is not None:
+            self.fds.lend(len(allocation_ids))
         fds: list[int] = []
         try:
             for allocation_id in allocation_ids:
@@ -183,6 +195,8 @@ class Memory:
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            if self.fds is not None:
+                self.fds.returned(len(allocation_ids))
             raise
         return fds
 

@@ -40,19 +40,20 @@ class Channel:
     stay fair, a channel that never had to wait yields every ``_YIELD_EVERY``
     operations, and every operation is a cancellation point, as Trio's are."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
-        self.peer: Peer = peer_of(sock)  # OSError: the peer left before we asked (the caller drops it)
+        # Asked when it was accepted (OSError: the peer left before we asked; the caller drops it).
+        self.peer: Peer = peer if peer is not None else peer_of(sock)
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._view = memoryview(self._buffer)
         self._sending = False
         self._unyielded = 0
 
     @classmethod
-    def adopt(cls, sock: trio.socket.SocketType) -> Channel:
+    def adopt(cls, sock: trio.socket.SocketType, peer: Peer | None = None) -> Channel:
         """Take the socket out of Trio's wrapper (which then closes nothing)."""
-        return cls(socket.socket(fileno=sock.detach()))
+        return cls(socket.socket(fileno=sock.detach()), peer)
 
     async def _after_ready_call(self) -> None:
         self._unyielded += 1

@@ -21,6 +21,9 @@ import trio
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
+from . import ratelimit
+from .admission import LISTEN_BACKLOG, Admission, Ticket, open_admission
+from .admission import serve as serve_admitted
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
 from .copier_link import CopierLink
 from .core import ServiceCore
@@ -30,6 +33,7 @@ from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
 from .netio import Channel
+from .peer import Peer
 from .session import Session
 
 log = logging.getLogger("gms.server")
@@ -93,7 +97,7 @@ async def bind_listener(path: str, mode: int) -> tuple[trio.socket.SocketType, i
     finally:
         os.umask(old_umask)
     os.chmod(path, mode)
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     return sock, os.stat(path).st_ino
 
 
@@ -131,6 +135,8 @@ class Server:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.core: ServiceCore | None = None
+        self.admission: Admission | None = None
+        self.log_limit: ratelimit.RateLimit | None = None
 
     async def _open_core(self) -> ServiceCore:
         config = self.config
@@ -157,7 +163,7 @@ class Server:
             on_event=self.metrics.observe,
             policy=config.policy,
             limits=effective_limits(config, capacity),
-            log=EventLog(retain=config.event_log_retain),
+            log=EventLog(retain=config.event_log_retain, max_bytes=config.event_log_bytes),
             budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
             host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
             history_max_events=config.history_max_events,
@@ -166,8 +172,10 @@ class Server:
             alloc_retry_interval=config.alloc_retry_interval,
             alloc_retry_timeout=config.alloc_retry_timeout,
             copier=copier,
+            scan_cache_bytes=config.scan_cache_bytes,
         )
         self.metrics.watch(self.core)
+        self.admission = open_admission(self.core, config)
         return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -178,6 +186,7 @@ class Server:
         except BaseException:
             self._close_backends()
             raise
+        self.log_limit = ratelimit.install()  # repeated warnings: one summary line per interval
         try:
             core = await self._open_core()
             if self.config.metrics_port is not None:
@@ -187,13 +196,14 @@ class Server:
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
                 for task in core.background():  # the copier, the host pool: never fatal
                     nursery.start_soon(task)
+                nursery.start_soon(ratelimit.flush_every, self.log_limit)
                 log.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,
                 )
                 task_status.started(self)
-                # Trio's own accept loop: it ignores ECONNABORTED/EPROTO and backs off on EMFILE.
-                await trio.serve_listeners(self._handle, [trio.SocketListener(listener)], handler_nursery=nursery)
+                # Each connection judged as it is accepted (gms.server.admission); only the admitted get a task.
+                await serve_admitted(self.admission, listener, self._handle, nursery, self.metrics.refused_one)
         finally:
             listener.close()
             _remove_if_ours(path, inode)
@@ -202,19 +212,18 @@ class Server:
                     await core.aclose()
             self.metrics.close()
             self._close_backends()
+            ratelimit.uninstall(self.log_limit)
 
     def _close_backends(self) -> None:
         for backend in (self.backend, self.host_tier):
             if backend is not None:
                 backend.close()
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
         try:
-            channel = Channel.adopt(stream.socket)
-        except OSError as exc:  # the peer left before we asked who it was
-            log.info("dropping a connection: %s", exc)
-            return
-        await Session(self.core, self.config, channel, self.metrics).run()
+            await Session(self.core, self.config, Channel.adopt(sock, peer), self.metrics).run()
+        finally:
+            self.admission.leave(ticket)
 
 
 async def run_server(config: ServerConfig) -> None:

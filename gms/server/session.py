@@ -4,6 +4,9 @@ Feed what the socket gives to the connection object, serve each request it
 hands out (the core decides), send what it encodes; unwind on any exit.
 The trust boundary of the seed, in one place:
 
+* a connection that sends no whole request within ``--handshake-timeout``
+  of being accepted is closed (counted, not logged as an event: a flood of
+  idle connections must not flood the history);
 * a frame that cannot be read or decoded drops the connection
   (``CONNECTION_DROPPED``, then its lock is unwound);
 * a decodable but invalid request gets an ``ErrorResponse``, the session goes on;
@@ -29,9 +32,11 @@ from ..fsm import Grant, Rejection
 from ..fsm.events import ConnectionDropped, LockTimeout
 from ..wire import ProtocolError, UnknownMessageType
 from ..wire import messages as m
-from ..wire.connection import NEED_DATA, PEER_CLOSED, Refused, ServerConnection
+from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTES, Refused, ServerConnection
+from .admission import FdsExhausted
 from .config import ServerConfig
 from .core import ServiceCore
+from .inflight import answer_bytes
 from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
@@ -47,6 +52,10 @@ def is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+class FirstRequestLate(Exception):
+    """No whole request arrived within the handshake deadline."""
+
+
 class Session:
     def __init__(self, core: ServiceCore, config: ServerConfig, channel: Channel, metrics: Metrics) -> None:
         self.core = core
@@ -55,7 +64,9 @@ class Session:
         self.metrics = metrics
         self.peer = channel.peer
         self.conn = core.new_conn()
-        self.protocol = ServerConnection(config.max_frame_bytes)
+        self.protocol = ServerConnection(config.max_frame_bytes, PRE_SESSION_MAX_FRAME_BYTES)
+        self._first_by = trio.current_time() + config.handshake_timeout  # the first request's deadline
+        self._slot = core.inflight.slot(self.peer.uid)  # big frames: a few per uid at once
         self._scope = trio.CancelScope()
         self._revoked = False
 
@@ -76,6 +87,9 @@ class Session:
                 log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
         except (ProtocolError, PeerGone, SendFailed) as exc:
             self._dropped(exc)
+        except FirstRequestLate:
+            self.metrics.refused.labels("handshake_timeout").inc()
+            log.info("a connection sent no request within %.1f s of connecting: closed", self.config.handshake_timeout)
         except BaseException as exc:
             # Server shutdown cancels us: unwind below.  Anything else is fatal:
             # leave the state as it is for the post-mortem.
@@ -85,6 +99,7 @@ class Session:
             if unwind:
                 self.core.disconnect(self.conn)
             self.channel.close()
+            self._slot.close()
 
     def _dropped(self, exc: Exception) -> None:
         if isinstance(exc, PeerGone) and not self.protocol.overflowed:
@@ -105,8 +120,9 @@ class Session:
         protocol = self.protocol
         while not protocol.closing:
             request = protocol.next_request()
+            self._slot.settle(protocol.buffered)
             if request is NEED_DATA:
-                protocol.receive_data(await self.channel.receive())
+                protocol.receive_data(await self._receive())
                 continue
             if request is PEER_CLOSED:
                 return
@@ -114,10 +130,24 @@ class Session:
             try:
                 if protocol.closing:
                     return  # revoked while it was served: the notice went in its place
+                await self._slot.before_send(answer_bytes(reply.message))
                 await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
+                self._slot.settle(protocol.buffered)
             finally:
                 for fd in reply.fds:  # the client has its own copies now, or never will
                     os.close(fd)
+                if reply.fds and self.core.fds is not None:
+                    self.core.fds.returned(len(reply.fds))
+
+    async def _receive(self) -> memoryview:
+        """The next bytes; before the first whole request, only until its deadline;
+        past a small frame's worth held, only with one of the uid's slots."""
+        await self._slot.before_read(self.protocol.buffered)
+        if self.protocol.requests:
+            return await self.channel.receive()
+        with trio.move_on_at(self._first_by):
+            return await self.channel.receive()
+        raise FirstRequestLate
 
     async def _until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
@@ -129,7 +159,7 @@ class Session:
         client cannot keep its own socket alive in our receive queue."""
         protocol = self.protocol
         while not protocol.eof and not protocol.overflowed:
-            protocol.receive_data(await self.channel.receive())
+            protocol.receive_data(await self._receive())
 
     async def _answer(self, request: object) -> Reply:
         if isinstance(request, Refused):
@@ -191,7 +221,7 @@ class Session:
                     self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
                     self._until_gone,
                 )
-            except OutOfMemoryTimeout as exc:
+            except (OutOfMemoryTimeout, FdsExhausted) as exc:
                 return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
             if self.core.transfers is not None:
                 restored = await self.core.transfers.restore(self.conn, self._until_gone)

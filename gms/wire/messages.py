@@ -348,6 +348,10 @@ class TenantStatus:
     used_bytes: int
     quota_bytes: int | None
     sessions: int
+    metadata_bytes: int = 0  # keys and values of the layouts it owns (the server's RAM)
+    metadata_quota: int | None = None
+    layouts: int = 0  # layouts it owns or holds a session that may write
+    max_layouts: int | None = None
 
 
 @attrs.frozen
@@ -371,8 +375,11 @@ class GetRuntimeStateResponse:
     waiting: int = 0
     first_event_seq: int = 1
     last_event_seq: int = 0
+    event_log_bytes: int = 0  # what the kept events and the snapshot hold, as --event-log-bytes counts it
     uptime_s: float = 0.0
     pid: int = 0
+    metadata_bytes: int = 0  # keys and values of every layout (the server's RAM)
+    max_metadata_bytes: int | None = None
     layouts: list[LayoutStatus] = attrs.Factory(list)
     tenants: list[TenantStatus] = attrs.Factory(list)
     # The seed's single-layout fields, describing the layout "weights", so a
@@ -463,11 +470,15 @@ class PinResponse:
 class ErrorResponse:
     error: str
     code: str
-    # QUOTA_EXCEEDED only: which limit (tenant or session), and its bytes.
+    # QUOTA_EXCEEDED: which byte quota (scope tenant or session), and its bytes.
+    # LIMIT_EXCEEDED and RESOURCE_EXHAUSTED, where ``limit`` names the bound
+    # (metadata_quota, max_layouts, max_connections_per_uid, fds, ...): whose
+    # it is (scope tenant, node or uid), its figures, and the bound in ``quota``.
     scope: str = ""
     used: int | None = None
     asked: int | None = None
     quota: int | None = None
+    limit: str = ""
 
 
 # -- notices (server to client, unsolicited) ----------------------------------

@@ -38,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gms.cuda import open_mapper
 from gms.fsm import (
     EMPTY_NODE,
+    OverLimit,
     PermissionDenied,
     Rejection,
     RequestedLockType,
@@ -80,23 +81,40 @@ AS_ROOT = os.geteuid() == 0
 # name: (uid, quota, writes, reads)
 TENANTS = {
     "t1": (23001, 12 * MiB, ["a", "b", "c"], []),
-    "t2": (23002, None, ["b"], ["a"]),
+    "t2": (23002, None, ["b", "c"], ["a"]),
     "t0": (23003, 0, [], ["a"]),
 }
+# name: the policy's metadata_quota and max_layouts (others: the server's defaults)
+TENANT_LIMITS = {"t1": (40, 1), "t2": (None, 1)}
 POLICY = "".join(
     f'[[tenant]]\nname = "{name}"\nuids = [{uid}]\n'
     + (f"quota = {quota}\n" if quota is not None else "")
+    + "".join(
+        f"{key} = {value}\n"
+        for key, value in zip(("metadata_quota", "max_layouts"), TENANT_LIMITS.get(name, (None, None)))
+        if value is not None
+    )
     + f"write = {writes!r}\nread = {reads!r}\n\n".replace("'", '"')
     for name, (uid, quota, writes, reads) in TENANTS.items()
 )
 SERVER_ARGS = (
     "--max-allocations", "6", "--max-metadata-keys", "5", "--max-metadata-value-bytes", "16",
     "--max-layouts", "2", "--gpu-budget", str(BUDGET), "--host-budget", str(HOST_BUDGET),
+    "--max-metadata-bytes", "64",  # three or four entries of up to 19 bytes
     # Out of memory with nothing to evict: the server gives up soon instead of waiting.
     "--alloc-retry-timeout", "0.05", "--socket-mode", "666",
 )
 KEYS = ["a", "b", "c", "d", "e", "f", ""]
 NO_ANSWER = object()
+
+
+def same_figures(response: m.ErrorResponse, rejection: Rejection) -> None:
+    """A named limit's refusal carries the same figures on the wire as in the core."""
+    if isinstance(rejection, OverLimit):
+        got = (response.limit, response.scope, response.used, response.asked, response.quota)
+        assert got == (rejection.limit, rejection.scope, rejection.used, rejection.asked, rejection.bound), (
+            response, rejection,
+        )
 
 
 def pattern(allocation) -> bytes:
@@ -114,8 +132,10 @@ def projection(state):
         )
         for name, layout in state.layouts.items()
     }
-    tenants = {name: (t.used_bytes, t.sessions) for name, t in state.tenants.items()}
-    return layouts, tenants, state.gpu_bytes, state.host_bytes, len(state.sessions)
+    tenants = {
+        name: (t.used_bytes, t.sessions, t.metadata_bytes, t.layouts) for name, t in state.tenants.items()
+    }
+    return layouts, tenants, state.gpu_bytes, state.host_bytes, state.metadata_bytes, len(state.sessions)
 
 
 class ServerMachine(RuleBasedStateMachine):
@@ -231,6 +251,7 @@ class ServerMachine(RuleBasedStateMachine):
         except Rejection as rejection:
             assert isinstance(response, m.ErrorResponse), (response, rejection)
             assert response.code == rejection.code, (response, rejection)
+            same_figures(response, rejection)
             return NO_ANSWER
         assert not isinstance(response, m.ErrorResponse), (response, result)
         return result
@@ -299,6 +320,7 @@ class ServerMachine(RuleBasedStateMachine):
         except Rejection as rejection:
             response, _ = self.conns[conn].recv()
             assert response.code == rejection.code, (response, rejection)
+            same_figures(response, rejection)
             if isinstance(rejection, PermissionDenied):
                 self._record([SessionRefused(conn, uid, uid, 0, rejection.message, layout="")])
             self.conns.pop(conn).close()
@@ -407,6 +429,16 @@ class ServerMachine(RuleBasedStateMachine):
         conn = self._holder(data, "writer")
         if conn is not None:
             self._metadata_put(data, conn, key, self._allocation_id(data, self._layout_of(conn)), value)
+
+    @precondition(lambda self: any(l.writer is not None and l.allocations for l in self.state.layouts.values()))
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def writer_fills_metadata(self, data, count):
+        """Full-size values: the metadata quota and the node's bound are reached."""
+        conn = self._holder(data, "writer")
+        layout = self._layout_of(conn)
+        for key in KEYS[:count]:
+            if self.state.layout(layout).allocations:
+                self._metadata_put(data, conn, key, self._by_slot(layout)[0], b"v" * 16)
 
     @rule(data=st.data(), key=st.sampled_from(KEYS))
     def metadata_delete(self, data, key):
