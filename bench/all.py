@@ -2,9 +2,9 @@
 
     python bench/all.py [--quick]
 
-CPU ones always (event log, the core in process, RPC, tenants and
-on-demand weights on the host backend); GPU ones where a GPU is present (VMM calls, warm start, import
-phases, sleep/wake, RPC, tenants and on-demand weights on the CUDA backend).
+CPU ones always (event log, the core in process, RPC, tenants, on-demand
+weights and host-tier transfers on the host backend); GPU ones where a GPU is present (VMM calls, warm start, import
+phases, sleep/wake, RPC, tenants, on-demand weights and host-tier transfers on the CUDA backend).
 Run as root for the tenant benchmark's distinct uids.
 Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
 """
@@ -27,11 +27,11 @@ def main() -> None:
     from gms.cuda import cuda_device_count
 
     runs = [["event_log.py"], ["core_ops.py"], ["rpc.py", "--backend", "host"], ["tenants.py", "--backend", "host"],
-            ["on_demand.py", "--backend", "host"]]
+            ["on_demand.py", "--backend", "host"], ["tier_floor.py", "--backend", "host"]]
     if cuda_device_count():
         runs += [["vmm.py"], ["warm_start.py"], ["import_phases.py"], ["sleep_wake.py"],
                  ["rpc.py", "--backend", "cuda"], ["tenants.py", "--backend", "cuda"],
-                 ["on_demand.py", "--backend", "cuda"]]
+                 ["on_demand.py", "--backend", "cuda"], ["tier_floor.py", "--backend", "cuda"]]
     failed = []
     for run in runs:
         print(f"\n=== {' '.join(run)} ===", flush=True)

@@ -1,30 +1,38 @@
 """The service core's own cost per request, in process: no socket, no client.
 
-``gms.server.core.ServiceCore`` on host memory, driven the way the Trio
-shell drives it, one request type at a time (best of 5 loops):
+The core on host memory, driven the way the Trio shell drives it, one
+request type at a time (best of 5 loops):
 
 * handshake + close   open_session, request_lock (RO, granted at once), disconnect
 * metadata get        on a committed layout, as a reader
 * export              one fd (closed again)
-* allocate + free     2 MiB, as a writer
+* allocate + free     2 MiB, as a writer (the memory is made on the GPU lane's
+                      thread since the core's memory effects left the event loop)
 
 What ``bench/rpc.py`` measures over a socket is this plus the transport
 and the client; this part is the decide / append / fold work of each
 request, so a change to the core shows here first.
 
     python bench/core_ops.py [--loops 3000]
-    # the same against the single-layout core, for the comparison in docs/performance.md:
-    git worktree add /tmp/gms-before 01b4875
-    (cd /tmp/gms-before && PYTHONPATH=. python /path/to/this/bench/core_ops.py --json /tmp/before.json)
+    # before/after in one run, interleaved (the tree of another commit, same host):
+    git worktree add /tmp/gms-before <commit>
+    python bench/core_ops.py --compare /tmp/gms-before --runs 3 --json docs/results/core_ops_2core.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from _common import cpu_name, print_table, write_json
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import cpu_name, print_table, write_json  # noqa: E402
+
+KINDS = ("handshake_close_us", "metadata_get_us", "export_us", "allocate_free_us")
 
 
 def best_us(fn, loops: int, repeats: int = 5) -> float:
@@ -37,50 +45,53 @@ def best_us(fn, loops: int, repeats: int = 5) -> float:
     return best * 1e6
 
 
+async def best_us_async(fn, loops: int, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            await fn()
+        best = min(best, (time.perf_counter() - t0) / loops)
+    return best * 1e6
+
+
 def measure(loops: int) -> dict:
+    import trio
+
+    return trio.run(_measure, loops)
+
+
+async def _measure(loops: int) -> dict:
     from gms.cuda.host import HostBackend
-    from gms.server.core import ServiceCore
+    from gms.server import core as core_module
+    from gms.server.peer import Peer
     from gms.wire import messages as m
 
-    try:
-        from gms.server.peer import Peer
-    except ImportError:  # the single-layout core had no peers
-        def Peer(*ids):  # stands in for the class
-            return ids
-
     peer = Peer(os.getpid(), os.getuid(), os.getgid())
-    if hasattr(ServiceCore, "open_session"):
-        core = ServiceCore(HostBackend(), None)
+    if hasattr(core_module, "open_core"):  # the core with lanes (memory effects off the loop)
+        core = await core_module.open_core(HostBackend())
+        handle = core.requests.handle
 
-        def session(lock: str, layout: str = "weights") -> int:
-            conn = core.new_conn()
-            requested = core.open_session(conn, m.HandshakeRequest(lock, None, layout), peer)
-            core.request_lock(conn, requested, lambda grant: None)
-            return conn
+        async def allocate(conn: int, size: int, tag: str):
+            return await core.placement.allocate(conn, size, tag)
+    else:  # the synchronous core before it, for comparisons
+        core = core_module.ServiceCore(HostBackend(), None)
+        handle = core.handle
 
-        commit = m.CommitRequest(None)
-    else:  # the single-layout core before 1f087a3 (one core per layout), for comparisons
-        from gms.fsm import RequestedLockType
+        async def allocate(conn: int, size: int, tag: str):
+            return core.allocate(conn, size, tag)
 
-        cores = {}
-
-        def session(lock: str, layout: str = "weights") -> int:
-            nonlocal core
-            if layout not in cores:
-                cores[layout] = ServiceCore(HostBackend(), tag=layout)
-            core = cores[layout]
-            conn = core.new_conn()
-            core.request_lock(conn, RequestedLockType(lock), lambda grant: None)
-            return conn
-
-        core = None
-        commit = m.CommitRequest()
+    def session(lock: str, layout: str = "weights") -> int:
+        conn = core.new_conn()
+        requested = core.open_session(conn, m.HandshakeRequest(lock, None, layout), peer)
+        core.request_lock(conn, requested, lambda grant: None)
+        return conn
 
     writer = session("RW")
-    ids = [core.allocate(writer, 2 << 20, "weights").allocation_id for _ in range(4)]
-    core.handle(writer, m.MetadataPutManyRequest(
+    ids = [(await allocate(writer, 2 << 20, "weights")).allocation_id for _ in range(4)]
+    handle(writer, m.MetadataPutManyRequest(
         [m.MetadataEntryInfo(f"key.{i}", ids[i % 4], i, b"v" * 64) for i in range(100)]))
-    core.handle(writer, commit)
+    handle(writer, m.CommitRequest(None))
     core.disconnect(writer)
     reader = session("RO")
 
@@ -88,31 +99,63 @@ def measure(loops: int) -> dict:
         core.disconnect(session("RO"))
 
     def get() -> None:
-        core.handle(reader, m.MetadataGetRequest("key.42"))
+        handle(reader, m.MetadataGetRequest("key.42"))
 
     def export() -> None:
-        os.close(core.handle(reader, m.ExportAllocationRequest(ids[0])).fds[0])
+        os.close(handle(reader, m.ExportAllocationRequest(ids[0])).fds[0])
 
     out = {"handshake_close_us": best_us(handshake, loops), "metadata_get_us": best_us(get, loops),
            "export_us": best_us(export, loops)}
     core.disconnect(reader)
     kv = session("RW", "kv_cache")
 
-    def allocate_free() -> None:
-        allocated = core.allocate(kv, 2 << 20, "kv_cache")
-        core.handle(kv, m.FreeAllocationRequest(allocated.allocation_id))
+    async def allocate_free() -> None:
+        allocated = await allocate(kv, 2 << 20, "kv_cache")
+        handle(kv, m.FreeAllocationRequest(allocated.allocation_id))
 
-    out["allocate_free_us"] = best_us(allocate_free, max(1, loops // 3))
+    out["allocate_free_us"] = await best_us_async(allocate_free, max(1, loops // 3))
     return out
+
+
+def compare(before: str, runs: int, loops: int) -> dict:
+    """Before (another tree) and after (this one) in one run, interleaved."""
+    here = str(Path(__file__).resolve().parent.parent)
+    results: dict[str, list] = {"before": [], "after": []}
+    for _ in range(runs):
+        for label, tree in (("before", before), ("after", here)):
+            out = subprocess.run(
+                [sys.executable, __file__, "--loops", str(loops), "--json", "-"],
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, check=True,
+            )
+            results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    medians = {
+        label: {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in KINDS} for label, rows in results.items()
+    }
+    return {"runs": runs, "loops": loops, **results, "median": medians}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loops", type=int, default=3000)
+    parser.add_argument("--compare", metavar="TREE", help="another checkout to run before this one, interleaved")
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", default="bench/results/core_ops.json")
     args = parser.parse_args()
-    results = {"cpu": cpu_name(), "cores": os.cpu_count(), **measure(300 if args.quick else args.loops)}
+    loops = 300 if args.quick else args.loops
+    if args.compare:
+        results = {"cpu": cpu_name(), "cores": os.cpu_count(), **compare(args.compare, args.runs, loops)}
+        rows = [(k.removesuffix("_us").replace("_", " "), f"{results['median']['before'][k]:.1f}",
+                 f"{results['median']['after'][k]:.1f}",
+                 f"{results['median']['after'][k] / results['median']['before'][k]:.2f}") for k in KINDS]
+        print_table("the service core, in process, per request (µs, median of runs of best-of-5 loops)",
+                    rows, header=("request", "before", "after", "after/before"))
+        write_json(args.json, results)
+        return
+    results = {"cpu": cpu_name(), "cores": os.cpu_count(), **measure(loops)}
+    if args.json == "-":
+        print(json.dumps(results))
+        return
     print_table("the service core, in process, per request (µs, best of 5 loops)",
                 [(k.removesuffix("_us").replace("_", " "), f"{v:.1f}") for k, v in results.items() if k.endswith("_us")])
     write_json(args.json, results)

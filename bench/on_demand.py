@@ -289,15 +289,18 @@ def worker_main(socket_path: str, backend: str) -> None:
                     os.close(fd)
                 out["fresh"][str(size)] = best
         out["touched"] = {}
+        out["d2h"] = {}  # the other way (a publish's host copy): GPU -> pinned host memory on CUDA
         for size in cmd["sizes"]:
-            best = float("inf")
-            for _ in range(cmd["repeats"]):
-                sync()
-                t0 = time.perf_counter()
-                dst[:size].copy_(src[:size], non_blocking=True)
-                sync()
-                best = min(best, time.perf_counter() - t0)
-            out["touched"][str(size)] = best
+            for key, copy in (("touched", lambda n=size: dst[:n].copy_(src[:n], non_blocking=True)),
+                              ("d2h", lambda n=size: src[:n].copy_(dst[:n], non_blocking=True))):
+                best = float("inf")
+                for _ in range(cmd["repeats"]):
+                    sync()
+                    t0 = time.perf_counter()
+                    copy()
+                    sync()
+                    best = min(best, time.perf_counter() - t0)
+                out[key][str(size)] = best
         del src, dst
         if cuda:
             torch.cuda.empty_cache()

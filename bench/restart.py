@@ -185,14 +185,20 @@ mgr.close()
 
 def memory(path: str) -> dict:
     """What the server holds (its own count: device and host tier) and, on CUDA,
-    the card's used memory (NVML, through the server's probe)."""
+    the card's used memory (NVML, through the server's probe).  Measured once the
+    server's copier runs: its CUDA context takes device memory of its own, so
+    before and after compare one copier's context with one (a new server's copier
+    starts after it serves)."""
     from gms import get_runtime_state
 
-    state = get_runtime_state(path)
+    deadline = time.time() + 60
+    while (state := get_runtime_state(path)).copier not in ("running", "off") and time.time() < deadline:
+        time.sleep(0.1)
     used = None
     if state.backend == "cuda" and state.device_free_bytes is not None:
         used = state.capacity_bytes - state.device_free_bytes
-    return {"held_bytes": state.server_handle_bytes + state.host_handle_bytes, "device_used_bytes": used}
+    return {"held_bytes": state.server_handle_bytes + state.host_handle_bytes, "device_used_bytes": used,
+            "copier": state.copier}
 
 
 def alive(pid: int) -> bool:
@@ -379,6 +385,7 @@ def main() -> int:
             firsts.append({"first_ok_after_kill_s": ok[0][0] + ok[0][1] - kill_at if ok else None,
                            "its_latency_s": ok[0][1] if ok else None, "reconnects": ok[0][4] if ok else None,
                            "failed": sum(1 for r in mine if not r[2])})
+        copier_at_restore = memory(path)["copier"]  # the restarted server's: it maps the chunks it adopted
         restore_started = time.time()
         from gms import GMSClientMemoryManager, RequestedLockType
 
@@ -395,6 +402,7 @@ def main() -> int:
             "around_the_kill": window(rows, kill_at, serving_at + 1.0),
             "layouts_unchanged": layouts(path) == {**after_layouts, "cold": layouts(path).get("cold")},
             "host_tier_restore_s": restore_s, "host_tier_bytes_ok": restored_ok,
+            "host_tier_restored_with_copier": copier_at_restore,
         }
         stop.touch()
         for proc in readers + [kv]:
@@ -470,7 +478,7 @@ def markdown(r: dict) -> str:
         f"| KV cache build lost, rebuilt in | {r['kv_cache']['build_lost_after_kill']}, "
         f"{_ms(r['kv_cache']['rebuilt_in_s'])} s |",
         f"| evicted layout restored afterwards | {k['host_tier_restore_s']:.2f} s, bytes ok: "
-        f"{k['host_tier_bytes_ok']} |",
+        f"{k['host_tier_bytes_ok']} (copier {k['host_tier_restored_with_copier']}) |",
         "",
     ]
     if "keeper_cost" in r:

@@ -104,6 +104,32 @@ def _rebuild_quota_error(message: str, fields: dict) -> QuotaExceededError:
     return QuotaExceededError(message, **fields)
 
 
+class LimitExceededError(GMSServerError):
+    """A named bound on what the server holds would be passed (``code``
+    LIMIT_EXCEEDED, or RESOURCE_EXHAUSTED for the server's file descriptors).
+    ``limit`` names it (``metadata_quota``, ``max_layouts``,
+    ``max_metadata_bytes``, ``max_connections_per_uid``, ``fds``), ``scope``
+    says whose it is (``tenant``, ``node``, ``uid``), ``used`` and ``bound`` are
+    its figures, ``asked`` what the request would have added.  Non-fatal:
+    nothing changed; a session goes on (a refused connection is closed)."""
+
+    def __init__(self, code: str, message: str, *, limit: str, scope: str, used: int, asked: int, bound: int) -> None:
+        super().__init__(code, message)
+        self.limit = limit
+        self.scope = scope
+        self.used = used
+        self.asked = asked
+        self.bound = bound
+
+    def __reduce__(self):
+        fields = {"limit": self.limit, "scope": self.scope, "used": self.used, "asked": self.asked, "bound": self.bound}
+        return (_rebuild_limit_error, (self.code, self.message, fields))
+
+
+def _rebuild_limit_error(code: str, message: str, fields: dict) -> LimitExceededError:
+    return LimitExceededError(code, message, **fields)
+
+
 class LockTimeoutError(GMSError, TimeoutError):
     """The lock was not granted in time: the one non-fatal connection failure."""
 

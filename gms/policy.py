@@ -7,6 +7,8 @@ A TOML file, one ``[[tenant]]`` table per tenant::
     uids = [1000, 1001]          # peers whose uid is listed are this tenant
     gids = [2000]                # else peers whose gid is listed (uids match first)
     quota = "40GiB"              # bytes it may keep in gms; omit for unlimited
+    metadata_quota = "64MiB"     # metadata keys and values it may keep (the server's RAM)
+    max_layouts = 256            # layouts it may own or write at once
     read = ["llama-*", "shared"] # layouts it may read (fnmatch patterns)
     write = ["llama-*", "kv-*"]  # layouts it may write (and so read)
     admin = false                # may revoke, evict and pin
@@ -14,7 +16,10 @@ A TOML file, one ``[[tenant]]`` table per tenant::
 Identity always comes from the kernel (the socket's peer credentials); a
 client never names its tenant.  Without a policy everyone who can open the
 socket is one tenant, ``default``, unlimited, reading and writing every
-layout.  Errors name the file and line.
+layout (bounded only by the node's own limits).  A tenant that sets no
+``metadata_quota`` or ``max_layouts`` gets the server's defaults
+(``gms serve --tenant-metadata-quota``, ``--tenant-max-layouts``).  Errors
+name the file and line.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import attrs
 from .fsm import DEFAULT_TENANT
 from .units import parse_bytes
 
-_TENANT_KEYS = {"name", "uids", "gids", "quota", "read", "write", "admin"}
+_TENANT_KEYS = {"name", "uids", "gids", "quota", "metadata_quota", "max_layouts", "read", "write", "admin"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -46,6 +51,8 @@ class TenantPolicy:
     write: tuple[str, ...] = ()
     admin: bool = False
     everyone: bool = False  # the default tenant of a server without a policy
+    metadata_quota: int | None = None  # None: the server's default
+    max_layouts: int | None = None  # None: the server's default
 
     def may_write(self, layout: str) -> bool:
         return self.everyone or any(fnmatch.fnmatchcase(layout, p) for p in self.write)
@@ -74,6 +81,22 @@ class Policy:
 
     def quotas(self) -> dict[str, int | None]:
         return {t.name: t.quota_bytes for t in self.tenants}
+
+    def tenant_limits(self, metadata_quota: int | None, max_layouts: int | None) -> dict[str, dict]:
+        """Each tenant's metadata quota and layout bound, the server's defaults
+        filled in (``SERVER_STARTED.tenant_limits``).  The one tenant of a server
+        without a policy has none of its own: the node's limits bound it."""
+        return {
+            t.name: {
+                "metadata_quota": None if t.everyone else _or(t.metadata_quota, metadata_quota),
+                "max_layouts": None if t.everyone else _or(t.max_layouts, max_layouts),
+            }
+            for t in self.tenants
+        }
+
+
+def _or(value: int | None, default: int | None) -> int | None:
+    return default if value is None else value
 
 
 OPEN_POLICY = Policy((TenantPolicy(DEFAULT_TENANT, everyone=True),), source="(no policy)")
@@ -143,13 +166,25 @@ def _tenant(table: dict, index: int, lines: _Lines) -> TenantPolicy:
             quota = parse_bytes(quota)
         except ValueError as exc:
             raise lines.error(index, "quota", f"quota: {exc}") from None
+    metadata_quota = table.get("metadata_quota")
+    if metadata_quota is not None:
+        try:
+            metadata_quota = parse_bytes(metadata_quota)
+        except ValueError as exc:
+            raise lines.error(index, "metadata_quota", f"metadata_quota: {exc}") from None
+    max_layouts = table.get("max_layouts")
+    if max_layouts is not None and (type(max_layouts) is not int or max_layouts < 0):
+        raise lines.error(index, "max_layouts", "max_layouts must be a non-negative integer")
     admin = table.get("admin", False)
     if not isinstance(admin, bool):
         raise lines.error(index, "admin", "admin must be true or false")
     uids, gids = ids("uids"), ids("gids")
     if not uids and not gids:
         raise lines.error(index, "name", f"tenant {name!r} lists no uids or gids: nobody could be it")
-    return TenantPolicy(name, uids, gids, quota, patterns("read"), patterns("write"), admin)
+    return TenantPolicy(
+        name, uids, gids, quota, patterns("read"), patterns("write"), admin,
+        metadata_quota=metadata_quota, max_layouts=max_layouts,
+    )
 
 
 class _Lines:

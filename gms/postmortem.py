@@ -90,6 +90,8 @@ class Replayed:
             host_budget_bytes=state.host_budget_bytes,
             host_used_bytes=state.host_bytes,
             sessions=len(state.sessions),
+            metadata_bytes=state.metadata_bytes,
+            max_metadata_bytes=state.limits.max_metadata_bytes,
             first_event_seq=1,
             last_event_seq=self.last_seq,
             layouts=layout_rows(state),

@@ -51,6 +51,9 @@ def layout_rows(
 
 def tenant_rows(state: NodeState) -> list[m.TenantStatus]:
     return [
-        m.TenantStatus(t.name, t.used_bytes, t.quota_bytes, t.sessions)
+        m.TenantStatus(
+            t.name, t.used_bytes, t.quota_bytes, t.sessions, t.metadata_bytes, t.metadata_quota, t.layouts,
+            t.max_layouts,
+        )
         for t in sorted(state.tenants.values(), key=lambda t: t.name)
     ]

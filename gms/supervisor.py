@@ -48,8 +48,11 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--gpu-budget": args.gpu_budget,
         "--host-budget": args.host_budget,
         "--host-capacity": args.host_capacity,
+        "--host-pool": args.host_pool,
+        "--host-chunk": args.host_chunk,
         "--alloc-retry-interval": args.alloc_retry_interval,
         "--alloc-retry-timeout": args.alloc_retry_timeout,
+        "--alloc-stock": args.alloc_stock,
         "--socket-mode": format(args.socket_mode, "o"),
         "--max-frame-bytes": args.max_frame_bytes,
         "--max-metadata-value-bytes": args.max_metadata_value_bytes,
@@ -57,6 +60,15 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         "--max-metadata-keys": args.max_metadata_keys,
         "--max-layouts": args.max_layouts,
         "--event-log-retain": args.event_log_retain,
+        # what a server may hold and for whom (docs/operations.md)
+        "--event-log-bytes": args.event_log_bytes,
+        "--max-metadata-bytes": args.max_metadata_bytes,
+        "--tenant-metadata-quota": args.tenant_metadata_quota,
+        "--tenant-max-layouts": args.tenant_max_layouts,
+        "--scan-cache-bytes": args.scan_cache_bytes,
+        "--handshake-timeout": args.handshake_timeout,
+        "--max-connections-per-uid": args.max_connections_per_uid,
+        "--fd-reserve": args.fd_reserve,
         "--log-level": args.log_level,
         "--keeper-socket": args.keeper_socket,
         "--handover-timeout": args.handover_timeout,
@@ -72,7 +84,8 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
             argv += [flag, str(value)]
     if args.no_host_tier:
         argv.append("--no-host-tier")
-    for flag, on in (("--no-keeper", args.no_keeper), ("--take-over", args.take_over)):
+    switches = (("--no-copier", args.no_copier), ("--no-keeper", args.no_keeper), ("--take-over", args.take_over))
+    for flag, on in switches:
         if on:
             argv.append(flag)
     return argv

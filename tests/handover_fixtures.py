@@ -1,10 +1,11 @@
-"""A node in every state a hand-over must carry, built by folding events; and its version-1 image.
+"""A node in every state a hand-over must carry, built by folding events; and its images.
 
-``python -m tests.handover_fixtures`` wrote ``tests/fixtures/state_v1.bin``
-once, with version 1 of the hand-over format; it is frozen: every later
-server must read it back to exactly this node (``test_handover.py``).  Do not
-regenerate it when the format changes: add a version, and a reader for the
-old one.
+``python -m tests.handover_fixtures N`` wrote ``tests/fixtures/state_vN.bin``
+once, with version N of the hand-over format (version 1 before issue 21's
+bounds, version 2 with them); each is frozen: every later server must read it
+back to exactly the node ``rich_image(N)`` builds (``test_handover.py``).  Do
+not regenerate one when the format changes: add a version, and a reader for
+the old one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from gms.wire.codec import encode_body
 from gms.wire import messages as m
 
 MiB = 1 << 20
-FIXTURE = Path(__file__).parent / "fixtures" / "state_v1.bin"
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2)}
+FIXTURE = FIXTURES[1]  # the previous version: what a take-over from an older server reads
 # The allocations of the fixture's node: (layout, id, size, aligned).
 ALLOCATIONS = [
     ("weights", "w0", 3 * MiB, 4 * MiB),
@@ -60,11 +62,19 @@ def _publish(log: EventLog, conn: int, name: str, tenant: str, residency: str, h
     log.append(SessionClosed(conn, layout=name))
 
 
-def rich_log() -> EventLog:
-    """Every kind of layout and session a take-over meets."""
+def rich_log(version: int = 2) -> EventLog:
+    """Every kind of layout and session a take-over meets; from version 2 on, with
+    issue 21's bounds (a node metadata bound, tenants' metadata quotas and layouts)."""
     log = EventLog(retain=None)
+    limits: dict = {"max_layouts": 16}
+    tenant_limits: dict = {}
+    if version >= 2:
+        limits.update(max_metadata_bytes=MiB, tenant_metadata_quota=64 << 10, tenant_max_layouts=8)
+        tenant_limits = {"default": {"metadata_quota": 64 << 10, "max_layouts": 8},
+                         "team": {"metadata_quota": 4096, "max_layouts": 3}}
     log.append(ServerStarted(0, 64 * MiB, 48 * MiB, 32 * MiB, {"default": None, "team": 40 * MiB},
-                             {"max_layouts": 16}, backend="host", device=0, device_uuid="host-0", layout=""))
+                             limits, backend="host", device=0, device_uuid="host-0", layout="",
+                             tenant_limits=tenant_limits))
     _publish(log, 1, "weights", "default", "device", host_copies=False)
     _publish(log, 2, "cold", "team", "system", host_copies=True)
     _publish(log, 3, "warm", "team", "system", host_copies=True)
@@ -93,8 +103,8 @@ def _protocol(state: str, serving: object = None, buffered: bytes = b"", request
     )
 
 
-def rich_image() -> StateImage:
-    log = rich_log()
+def rich_image(version: int = 2) -> StateImage:
+    log = rich_log(version)
     half_frame = bytes.fromhex("0000002a") + b"\x83"  # a client's next request, 5 bytes of it
     conns = (
         ConnImage(4, _protocol("IDLE", buffered=half_frame, requests=3)),
@@ -105,10 +115,10 @@ def rich_image() -> StateImage:
                   PendingImage("lock", requested="RW", timeout_left_ms=12_345)),
         ConnImage(8, _protocol("SERVING", m.HandshakeRequest("RO", None, "warm")),
                   PendingImage("lock", requested="RO")),
-        ConnImage(9, _protocol("IDLE", requests=0)),
+        ConnImage(9, _protocol("IDLE", requests=0), first_request_left_ms=7_500 if version >= 2 else None),
     )
     return StateImage(
-        version=1,
+        version=version,
         server=ServerInfo(pid=4242, backend="host", device=0, device_uuid="host-0", host_tier=True),
         last_seq=log.last_seq,
         next_conn=10,
@@ -121,8 +131,10 @@ def rich_image() -> StateImage:
 if __name__ == "__main__":
     from gms.handover.image import encode_image
 
-    if FIXTURE.exists() and "--force" not in sys.argv:
-        raise SystemExit(f"{FIXTURE} is frozen: a new format is a new version, not a new fixture")
-    FIXTURE.parent.mkdir(exist_ok=True)
-    FIXTURE.write_bytes(encode_image(rich_image(), 1))
-    print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)")
+    version = int(sys.argv[1])
+    path = FIXTURES[version]
+    if path.exists() and "--force" not in sys.argv:
+        raise SystemExit(f"{path} is frozen: a new format is a new version, not a new fixture")
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(encode_image(rich_image(version), version))  # only the current version can be written
+    print(f"wrote {path} ({path.stat().st_size} bytes)")

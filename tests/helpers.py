@@ -39,12 +39,13 @@ class ServerProcess:
 
     def __init__(
         self, tmp_path: Path, *args: str, backend: str = "host", device: int = 0, socket_path: str | None = None,
-        keeper: bool = False,
+        keeper: bool = False, preexec_fn=None,
     ) -> None:
         """``socket_path``: a path of its own (a new server in a dead one's place, say).
         ``keeper``: under its keeper, as ``gms serve`` runs by default (``proc`` is
         then the keeper; :meth:`server_pid` the server).  Without, the server alone
-        (``--no-keeper``): what most tests are about."""
+        (``--no-keeper``): what most tests are about.  ``preexec_fn``: run in the
+        process before it starts (a lower fd limit, say)."""
         n = next(_counter)
         self.keeper = keeper
         self.tmp_path = tmp_path
@@ -57,6 +58,7 @@ class ServerProcess:
              "--socket", self.socket, "--log-level", "warning", *([] if keeper else ["--no-keeper"]), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
         wait_until(self._ready, timeout=30, what=f"server on {self.socket}\n{self.log}")
 

@@ -37,3 +37,8 @@ def test_readme_writer_and_reader(tmp_path, backend):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_the_architecture_doc_shows_the_rules_table_the_fold_enforces():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_rules.py"), "--check"], cwd=ROOT)
+    assert out.returncode == 0, "docs/architecture.md drifted from gms/fsm/rules.py: run scripts/docs_rules.py"

@@ -58,7 +58,9 @@ def test_configuration_is_checked():
     c = cfg.parse(base)
     assert (c.initial, c.world_size, c.lock) == ("A", 2, "file:/gms-serving.lock")
     assert isinstance(c.set("B"), cfg.KubernetesSetConfig) and c.set("B").rank_label == "gms.failover/rank"
-    for broken in ({**base, "ranks": []}, {**base, "initial": "C"},
+    assert c.health_path == "/health"
+    assert cfg.parse({**base, "health_path": "/gms/health"}).health_path == "/gms/health"  # vLLM engines
+    for broken in ({**base, "ranks": []}, {**base, "initial": "C"}, {**base, "health_path": "gms/health"},
                    {**base, "sets": {"A": base["sets"]["A"]}},
                    {**base, "sets": {**base["sets"], "A": {"kind": "local", "ports": [1], "command": ["x"]}}},
                    {**base, "sets": {**base["sets"], "B": {"kind": "kubernetes"}}},

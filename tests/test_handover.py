@@ -14,6 +14,7 @@ import pytest
 from gms.fsm import (
     BudgetExceeded,
     InvariantViolation,
+    OverLimit,
     StateViolation,
     check_invariants,
     decide_resume,
@@ -39,7 +40,7 @@ from gms.wire import messages as m
 from gms.wire.codec import encode
 from gms.wire.connection import NEED_DATA, ServerConnection
 
-from .handover_fixtures import FIXTURE, rich_image, rich_log
+from .handover_fixtures import FIXTURES, rich_image, rich_log
 
 MiB = 1 << 20
 
@@ -55,25 +56,40 @@ def test_the_image_round_trips_every_kind_of_layout_session_and_wait():
     assert encode_image(again) == encode_image(image), "the encoding is deterministic"
 
 
-def test_a_frozen_version_1_image_still_reads_back_to_its_node():
-    """tests/fixtures/state_v1.bin was written by version 1 and never again: whatever
-    the current version, a server reads it (the previous state version's test)."""
-    data = FIXTURE.read_bytes()
-    assert image_version(data) == 1 and 1 in READABLE_VERSIONS
+@pytest.mark.parametrize("version", sorted(FIXTURES))
+def test_a_frozen_image_of_every_version_still_reads_back_to_its_node(version):
+    """tests/fixtures/state_v<N>.bin was written by version N and never again: whatever
+    the current version, a server reads it (version 1: the previous state version's test)."""
+    data = FIXTURES[version].read_bytes()
+    assert image_version(data) == version and version in READABLE_VERSIONS
     image = decode_image(data)
-    assert image == rich_image()
+    assert image == rich_image(version)
     check_invariants(image.state)
     weights = image.state.layout("weights")
     assert (sorted(weights.allocations), weights.readers, weights.committed) == (["w0", "w1"], {4}, True)
     assert image.state.layout("warm").restorer == 5 and image.state.layout("kv").writer == 6
     assert [c.pending.kind if c.pending else None for c in image.conns] == [None, None, "allocate", "lock", "lock", None]
-    if STATE_VERSION == 1:
-        assert encode_image(image) == data, "version 1 writes today what it wrote then"
+    if version == STATE_VERSION:
+        assert encode_image(image) == data, "the current version writes today what it wrote then"
+
+
+def test_a_version_1_node_reads_with_its_counts_and_no_bounds():
+    """Version 1 came before issue 21: its tenants had no metadata quota or layout
+    bound (None: unbounded until the new server's SERVER_RESUMED sets them), and
+    the counts those bounds keep are recounted from the layouts and sessions."""
+    state = decode_image(FIXTURES[1].read_bytes()).state
+    default, team = state.tenants["default"], state.tenants["team"]
+    assert (default.metadata_quota, default.max_layouts, team.metadata_quota, team.max_layouts) == (None,) * 4
+    assert dict(default.layout_refs) == {"weights": 2, "kv": 2}, "owned, plus a writer's session each"
+    assert dict(team.layout_refs) == {"cold": 1, "warm": 1}
+    assert state.metadata_bytes == default.metadata_bytes + team.metadata_bytes > 0
+    assert state.limits.max_metadata_bytes is None and state.limits.max_layouts == 16
+    assert state == rich_log(1).state, "exactly what folding the same events gives today"
 
 
 def test_a_version_this_server_does_not_read_is_refused_naming_both():
     body = msgpack.packb([b"gms-state", 99, b"whatever"])
-    with pytest.raises(UnsupportedVersion, match=r"version 99.*reads version\(s\) 1"):
+    with pytest.raises(UnsupportedVersion, match=r"version 99.*reads version\(s\) 1, 2"):
         decode_image(body)
     with pytest.raises(UnsupportedVersion):
         encode_image(rich_image(), 99)
@@ -83,9 +99,12 @@ def test_bytes_that_are_no_image_or_a_broken_one_are_refused():
     for junk in (b"", b"\x00\x01", msgpack.packb([b"other", 1, b""]), msgpack.packb({"a": 1})):
         with pytest.raises(ImageError):
             decode_image(junk)
-    broken = msgpack.packb([b"gms-state", 1, msgpack.packb({"server": [1]})])
-    with pytest.raises(ImageError, match="version-1 state image that does not parse"):
-        decode_image(broken)
+    for version in READABLE_VERSIONS:
+        broken = msgpack.packb([b"gms-state", version, msgpack.packb({"server": [1]})])
+        with pytest.raises(ImageError, match=f"version-{version} state image that does not parse"):
+            decode_image(broken)
+    with pytest.raises(UnsupportedVersion):
+        encode_image(rich_image(1), 1)  # an older version is read, never written
 
 
 def test_log_entries_travel_with_their_numbers_times_and_every_field():
@@ -122,9 +141,11 @@ def _resumed(state, mode="restart", **changes) -> ServerResumed:
         capacity_bytes=state.capacity_bytes, budget_bytes=state.budget_bytes,
         host_budget_bytes=state.host_budget_bytes, quotas={"default": None, "team": 40 * MiB},
         limits=state.limits.as_dict(),
+        tenant_limits={name: {"metadata_quota": t.metadata_quota, "max_layouts": t.max_layouts}
+                       for name, t in state.tenants.items()},
     )
     config.update(changes)
-    return ServerResumed(0, mode, 4242, "SIGKILL", 1, layout="", **config)
+    return ServerResumed(0, mode, 4242, "SIGKILL", 2, layout="", **config)
 
 
 def test_a_restart_disconnects_every_dead_session_in_order_and_keeps_the_committed_node():
@@ -179,6 +200,33 @@ def test_a_new_configuration_that_cannot_hold_the_node_is_refused():
     assert grown.tenants["default"].quota_bytes is None, "a tenant the new policy drops keeps its entry"
     with pytest.raises(InvariantViolation):
         fold_all([_resumed(state)])  # never the first event
+
+
+def test_a_new_configuration_brings_its_metadata_and_layout_bounds_and_must_hold_the_node():
+    """Issue 21's bounds: the new server's replace the old one's (a version-1 node
+    had none), and bounds lowered under what the node holds are refused."""
+    old = decode_image(FIXTURES[1].read_bytes()).state
+    tenant_limits = {"default": {"metadata_quota": 4096, "max_layouts": 8}}
+    after = fold_all(decide_resume(old, _resumed(old, tenant_limits=tenant_limits)), old)
+    check_invariants(after)
+    assert (after.tenants["default"].metadata_quota, after.tenants["default"].max_layouts) == (4096, 8)
+    assert after.tenants["team"].metadata_quota is None, "a tenant the new limits do not name: unbounded"
+    assert after.limits.max_metadata_bytes == old.limits.max_metadata_bytes
+    state = rich_log().state
+    with pytest.raises(OverLimit, match="max_metadata_bytes") as refused:
+        fold_all(decide_resume(state, _resumed(state, limits={**state.limits.as_dict(), "max_metadata_bytes": 8})), state)
+    assert (refused.value.scope, refused.value.used, refused.value.bound) == ("node", state.metadata_bytes, 8)
+    small = {"team": {"metadata_quota": 8, "max_layouts": None}}
+    with pytest.raises(OverLimit, match="metadata_quota"):
+        fold_all(decide_resume(state, _resumed(state, tenant_limits=small)), state)
+    one = {"default": {"metadata_quota": None, "max_layouts": 1}}
+    with pytest.raises(OverLimit, match="max_layouts"):
+        fold_all(decide_resume(state, _resumed(state, "take-over", tenant_limits=one)), state)
+    # After a crash the dead writers' sessions close: default keeps only what it owns.
+    two = {"default": {"metadata_quota": None, "max_layouts": 1}}
+    after = fold_all(decide_resume(state, _resumed(state, tenant_limits=two)), state)
+    check_invariants(after)
+    assert dict(after.tenants["default"].layout_refs) == {"weights": 1}
 
 
 # -- the connection object -------------------------------------------------------------
@@ -304,14 +352,36 @@ def test_the_image_carries_every_field_of_the_state():
     from gms.fsm.state import Allocation, LayoutState, MetadataEntry
     from gms.handover import image as codec
 
+    from gms.fsm import Limits
+
     node = rich_image().state
-    body = codec._node_v1(node)
+    body = codec._node_v2(node)
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
     assert {f.name for f in attrs.fields(LayoutState)} - derived == set(body["layouts"][0])
-    assert [f.name for f in attrs.fields(TenantState)] == ["name", "quota_bytes", "used_bytes", "sessions"]
+    assert [f.name for f in attrs.fields(TenantState)] == [
+        "name", "quota_bytes", "used_bytes", "sessions", "metadata_quota", "metadata_bytes", "max_layouts",
+        "layout_refs",
+    ]
+    assert len(body["tenants"][0]) == len(attrs.fields(TenantState))
+    assert [f.name for f in attrs.fields(Limits)] == list(codec._LIMITS_V2)
     assert [f.name for f in attrs.fields(SessionInfo)] == [
         "layout", "tenant", "uid", "gid", "pid", "lock_type", "limit_bytes",
     ]
     assert [f.name for f in attrs.fields(Allocation)] == ["allocation_id", "size", "aligned_size", "tag", "layout_slot"]
     assert [f.name for f in attrs.fields(MetadataEntry)] == ["key", "allocation_id", "offset_bytes", "value"]
+
+
+def test_a_tenant_sees_only_its_own_quotas_in_server_resumed():
+    """As in SERVER_STARTED (issue 21's history filter): a new server's
+    configuration names every tenant's quotas; a tenant is shown its own."""
+    from gms.policy import Policy, TenantPolicy
+    from gms.server.probes import View
+    from gms.store import LogEntry
+
+    state = rich_log().state
+    event = _resumed(state)
+    team = TenantPolicy("team", uids=frozenset({1000}), read=("*",))
+    row = View(team, Policy((team,))).history_row(LogEntry(7, 0, 0, event))
+    assert row["quotas"] == {"team": 40 * MiB} and set(row["tenant_limits"]) == {"team"}
+    assert set(View(None).history_row(LogEntry(7, 0, 0, event))["quotas"]) == {"default", "team"}

@@ -76,7 +76,7 @@ async def serving(nursery, tmp_path, *args: str, host_budget: str | None = None,
     gpu, host = GatedBackend(HostBackend(capacity=64 * MiB)), GatedBackend(HostBackend())
     config = ServerConfig(
         socket_path=str(tmp_path / "gms.sock"), backend="host", gpu_budget=budget, host_budget=host_budget,
-        alloc_retry_timeout=None,
+        alloc_retry_timeout=None, alloc_stock_bytes=0,  # every create at the gate is a request's
     )
     server = Server(config, backend=gpu, host_tier=host)
     await nursery.start(server.serve)
@@ -111,7 +111,11 @@ async def until(predicate, what: str) -> None:
 async def test_two_writers_cannot_both_take_the_last_of_the_host_budget(tmp_path):
     """Both ask for a 2 MiB host copy under a 3 MiB host budget; the first one's copy
     is being pinned (held at the gate) when the second's request is decided.
-    Before: both passed the check, the budget was overshot and a replay failed."""
+    Before the fold held the budget, both passed the check, the budget was
+    overshot and a replay failed; then the second was made too and refused when
+    recorded.  Now memory in the making counts against the budget (the host
+    tier's physical total, gms/server/host_memory.py): the second is refused at
+    once, before any memory is pinned for it."""
     async with trio.open_nursery() as nursery:
         server, gpu, host = await serving(nursery, tmp_path, host_budget="3MiB")
         path = server.config.socket_path
@@ -120,19 +124,15 @@ async def test_two_writers_cannot_both_take_the_last_of_the_host_budget(tmp_path
         host.hold("create")
         a.send(m.ExportHostCopiesRequest([a_id]))
         await trio.to_thread.run_sync(host.wait_arrived, "create", 1)
-        b.send(m.ExportHostCopiesRequest([b_id]))
-        lane = server.core.host_tier.host.lane
-        await until(lambda: lane._jobs.qsize() == 1, "b's copy queued behind a's")
+        refused = await call(b, m.ExportHostCopiesRequest([b_id]))
+        assert isinstance(refused, m.ErrorResponse) and refused.code == "HOST_MEMORY_EXHAUSTED", refused
+        assert host.arrived["create"] == 1, "nothing was pinned for the loser"
         host.let_go("create")
-        answers = [await recv(a), await recv(b)]
-        kinds = sorted(type(answer).__name__ for answer in answers)
-        assert kinds == ["ErrorResponse", "ExportHostCopiesResponse"], answers
-        (refused,) = [answer for answer in answers if isinstance(answer, m.ErrorResponse)]
-        assert refused.code == "HOST_MEMORY_EXHAUSTED"
+        assert isinstance(await recv(a), m.ExportHostCopiesResponse)
         state = server.core.state
         check_invariants(state)
         assert state.host_bytes == 2 * MiB <= parse_budget("3MiB", None)
-        await until(lambda: server.core.host_tier.host.live() == (1, 2 * MiB), "the loser's copy released")
+        assert server.core.host_tier.host.live() == (1, 2 * MiB)
         assert server.core.log.replay() == state
         nursery.cancel_scope.cancel()
 

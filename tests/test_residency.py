@@ -43,10 +43,12 @@ def read(server, name: str) -> bytes:
         return reader.read(va, len(pattern(name)))
 
 
-@pytest.fixture
-def budgeted(start_server):
-    """Room on the GPU for two of the 4 MiB models; the host tier for all of them."""
-    return start_server("--gpu-budget", str(2 * SIZE), "--alloc-retry-timeout", "1")
+@pytest.fixture(params=["copier", "clients"])
+def budgeted(start_server, request):
+    """Room on the GPU for two of the 4 MiB models; the host tier for all of them.
+    Host-tier bytes moved by the server's copier, or by the clients themselves."""
+    copier = [] if request.param == "copier" else ["--no-copier"]
+    return start_server("--gpu-budget", str(2 * SIZE), "--alloc-retry-timeout", "1", *copier)
 
 
 def tiers(server) -> dict[str, str]:
@@ -103,7 +105,8 @@ RESTORER = textwrap.dedent(
 )
 
 
-def test_a_restorer_killed_mid_copy_hands_the_restore_to_the_next_reader(budgeted):
+def test_a_restorer_killed_mid_copy_hands_the_restore_to_the_next_reader(start_server):
+    budgeted = start_server("--gpu-budget", str(2 * SIZE), "--alloc-retry-timeout", "1", "--no-copier")
     publish(budgeted, "m")
     gms.client.admin.evict(budgeted.socket, "m")
     restorer = subprocess.Popen([sys.executable, "-c", RESTORER, budgeted.socket], stdout=subprocess.PIPE, text=True)

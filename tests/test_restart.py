@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -56,8 +55,8 @@ def _kill_servers():
         _started.pop().kill()
 
 
-def kept(tmp_path, *args: str) -> ServerProcess:
-    return server_process(tmp_path, *args, keeper=True)
+def kept(tmp_path, *args: str, **options) -> ServerProcess:
+    return server_process(tmp_path, *args, keeper=True, **options)
 
 
 def killed(server: ServerProcess, sig: int = signal.SIGKILL) -> int:
@@ -130,7 +129,7 @@ def listing(path: str, layout: str) -> list[tuple]:
 
 
 def test_a_killed_server_comes_back_with_every_committed_layout_and_only_those(tmp_path):
-    server = kept(tmp_path)
+    server = kept(tmp_path, "--no-copier")  # a client restores (its copier would: see the copier's test below)
     weights_hash, weights = publish_raw(server.socket, "weights", (3 * MiB, 5 * MiB))
     cold_hash, _ = publish_raw(server.socket, "cold", (2 * MiB,), "system")
     warm_hash, _ = publish_raw(server.socket, "warm", (MiB,), "system")
@@ -407,3 +406,139 @@ def test_the_saved_journal_of_a_good_state_replays(tmp_path):
     assert replayed.state == log.state and replayed.last_seq == log.last_seq and base_state is not None
     assert replayed.runtime_state().layouts[-1].name == "weights"
     assert compute_layout_hash  # the layouts' hashes were checked by the replay's invariants
+
+
+# -- host copies the copier made, in chunks ---------------------------------------------------
+
+
+def test_host_copies_made_in_chunks_survive_a_crash_and_restore_through_a_fresh_copier(tmp_path):
+    """The copier fills a publish's host copies with chunks (pool chunks of 4 MiB,
+    an exact one for the rest): the keeper holds each chunk of each copy (never
+    the pool's), and after a SIGKILL the new server puts every copy back
+    together and restores through its own copier, which it told of every chunk."""
+    from .test_copier import copier_running, publish, read
+
+    sizes = (6 * MiB, 3 * MiB)  # 4 + 2 MiB (a pool chunk, an exact one); 4 MiB (one pool chunk)
+    server = kept(tmp_path, "--host-pool", "8MiB", "--host-chunk", "4MiB")
+    wait_until(lambda: server.state().host_pool_bytes == 8 * MiB, timeout=30, what="the pool")
+    wait_until(lambda: copier_running(server), timeout=60, what="the copier")
+    layout_hash = publish(server, "m", sizes)
+    assert server.kinds()[-3:] == ["HOST_COPY_CREATED", "HOST_COPY_CREATED", "RW_COMMIT"]
+    wait_until(lambda: server.state().host_pool_bytes == 8 * MiB, timeout=30, what="the pool to refill")
+    # Two device allocations and three chunks; the pool's chunks (two more) are not kept.
+    wait_until(lambda: len(_memfds(server.pid)) == 5, what="the keeper holding the copies' chunks")
+    assert RawConn(server.socket).call(m.EvictRequest("m")).tier == "host"
+    wait_until(lambda: len(_memfds(server.pid)) == 3, what="the keeper letting the device memory go")
+    old_copier = copier_running(server)
+
+    killed(server)
+    state = server.state()
+    assert (state.host_handle_count, state.host_used_bytes) == (2, 10 * MiB), "both copies, whole"
+    assert server.layout("m").tier == "host" and server.layout("m").memory_layout_hash == layout_hash
+    new_copier = wait_until(lambda: (p := copier_running(server)) != old_copier and p, timeout=60, what="a copier")
+    conn = RawConn(server.socket)
+    granted = conn.handshake("RO", layout="m")
+    assert (granted.success, granted.restore) == (True, False), "the new copier restored it from the adopted chunks"
+    conn.close()
+    read(server, "m", sizes)
+    assert server.layout("m").restores == 1 and copier_running(server) == new_copier
+    assert "RESTORE_ABORTED" not in server.kinds() and "through the copier failed" not in server.log
+    assert server.stop() == 0
+
+
+def test_a_host_copy_whose_chunks_do_not_come_back_whole_is_lost_with_its_layout(tmp_path):
+    """A keeper that hands back a copy with a chunk missing, and a device allocation
+    whose memfd is of the wrong size (memory that is no longer what it was): both
+    layouts are dropped (LAYOUT_LOST), the others kept; the server runs on."""
+    log = rich_log()
+    state = log.state
+    info = ServerInfo(999_999, "host", 0, "host-0", True)
+    base = encode_image(StateImage(STATE_VERSION, info, log.last_seq, 20, state))
+    keeper_path = str(tmp_path / "fake-keeper.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(keeper_path)
+    listener.listen(1)
+
+    def memfd(name: str, size: int) -> int:
+        fd = os.memfd_create(f"gms-{name}")
+        os.ftruncate(fd, size)
+        return fd
+
+    store = Store()
+    store.base = base
+    store.fds.update({
+        "gpu:w0": memfd("w0", 4 * MiB), "gpu:w1": memfd("w1", 2 * MiB),  # weights: whole
+        "host:c0/0/1048576": memfd("c0a", MiB),  # cold: one chunk of two (the second never came)
+        "gpu:h0": memfd("h0", 2 * MiB), "host:h0": memfd("h0c", 2 * MiB),  # warm (restoring): whole
+        "gpu:k0": memfd("k0", MiB),  # kv's build: the wrong size, and dropped with its writer anyway
+    })
+    path = str(tmp_path / "gms.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", path, "--keeper-socket", keeper_path],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        conn, _ = listener.accept()
+        reader = frames.FrameReader()
+        assert frames.recv_frame(conn, reader).kind == "hello"
+        body, keyed = store.handback()
+        frames.send_frame(conn, "handback", body)
+        frames.send_fds(conn, "fds", keyed)
+        frames.send_frame(conn, "end")
+        while (frame := frames.recv_frame(conn, reader)).kind != "ready":
+            store.apply(frame)
+        assert sorted(store.fds) == ["gpu:w0", "gpu:w1", "host:h0", "listener"], "only what it holds"
+        runtime = get_runtime_state(path)
+        assert sorted(row.name for row in runtime.layouts) == ["warm", "weights"]
+        assert (runtime.server_handle_count, runtime.host_handle_count) == (2, 1), "warm's restore was aborted"
+        events = RawConn(path).call(m.GetEventHistoryRequest()).events
+        lost = [(e["layout"], e["allocation_id"], e["tier"]) for e in events if e["kind"] == "LAYOUT_LOST"]
+        assert lost == [("cold", "c0", "host")], lost
+        assert RawConn(path).handshake("RO", layout="weights").success, "the server runs on"
+        conn.close()
+    finally:
+        server.kill()
+        server.communicate()
+        listener.close()
+        store.close()
+
+
+# -- the fd budget (issue 21) after a crash ------------------------------------------------------
+
+
+def _lower_fd_limit() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+
+
+def test_adopted_memory_counts_in_the_fd_budget_once_and_the_keeper_holds_it_all(tmp_path):
+    """512 fds (the keeper's, inherited by its server): memory may hold three
+    quarters of 512 less the reserve.  A writer fills that; after a SIGKILL
+    the keeper has held every fd and the new server counts what it adopted
+    once: more memory is refused at once, exports still lend."""
+    server = kept(tmp_path, "--host-capacity", "2GiB", preexec_fn=_lower_fd_limit)
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW", layout="many").success
+    made = []
+    while isinstance(got := writer.call(m.AllocateRequest(MiB, "many")), m.AllocateResponse):
+        made.append(got.allocation_id)
+    assert (got.code, got.limit) == ("RESOURCE_EXHAUSTED", "fds"), got
+    budget = (512 - min(256, max(16, 512 // 8))) * 3 // 4
+    assert len(made) == budget, (len(made), budget)
+    assert writer.call(m.CommitRequest()).success
+    wait_until(lambda: len(_memfds(server.pid)) == budget, what="the keeper holding every allocation")
+    killed(server)
+    assert server.state().server_handle_count == budget
+    late = RawConn(server.socket)
+    assert late.handshake("RW", layout="more").success
+    refused = late.call(m.AllocateRequest(MiB, "more"))
+    assert (refused.code, refused.limit, refused.used) == ("RESOURCE_EXHAUSTED", "fds", budget), refused
+    reader = RawConn(server.socket)
+    assert reader.handshake("RO", layout="many").success
+    reader.send(m.ExportAllocationsRequest(made[:100]))
+    answer, fds = reader.recv()
+    assert isinstance(answer, m.ExportAllocationsResponse) and len(fds) == 100, answer
+    for fd in fds:
+        os.close(fd)
+    server.stop()

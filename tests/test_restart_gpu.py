@@ -7,7 +7,9 @@
   new server ever shows up as a GPU process;
 * a take-over on CUDA: a client's mapped memory and lock go on;
 * the validity check: an fd that is not this device's VMM memory does not
-  adopt, and its layout is dropped (``LAYOUT_LOST``), the others kept.
+  adopt, and its layout is dropped (``LAYOUT_LOST``), the others kept;
+* host copies the copier made in pinned chunks: kept by the keeper chunk by
+  chunk, adopted on the host tier, restored through the next server's copier.
 
 Run by the lead on the H100 (``pytest -m gpu tests/test_restart_gpu.py``).
 """
@@ -50,8 +52,11 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def used_bytes(server: ServerProcess) -> int:
-    """The card's used memory, as NVML says (through the server's probe)."""
-    state = server.state()
+    """The card's used memory, as NVML says (through the server's probe), once the
+    server's copier runs: its CUDA context takes device memory of its own, and a
+    new server's copier starts after it serves (compare one context with one)."""
+    state = wait_until(lambda: (s := server.state()).copier in ("running", "off") and s, timeout=120,
+                       what="the server's copier")
     assert state.device_free_bytes is not None, "NVML must answer on a GPU host"
     return state.capacity_bytes - state.device_free_bytes
 
@@ -206,3 +211,37 @@ def test_an_fd_that_is_not_this_device_s_vmm_memory_drops_its_layout(tmp_path):
         store.close()
         device.release(good)
         host.release(good_copy)
+
+
+def test_host_copies_the_copier_made_in_chunks_come_back_after_a_crash_and_restore(tmp_path):
+    """On CUDA: the copier fills a publish's host copies with pinned chunks (a pool of
+    64 MiB chunks, an exact one for the rest); the keeper keeps each chunk's fd, the
+    next server adopts them on the host tier (no context) and its own copier, told
+    of every chunk, restores the evicted layout from them: the bytes come back."""
+    server = ServerProcess(tmp_path, "--host-pool", "256MiB", "--host-chunk", "64MiB", backend="cuda", keeper=True)
+    try:
+        wait_until(lambda: server.state().copier == "running", timeout=120, what="the copier")
+        writer = GMSClientMemoryManager(server.socket, layout="cold")
+        writer.connect(RequestedLockType.RW)
+        sizes = (160 * MiB, 40 * MiB)  # 64 + 64 + 32 MiB; one exact chunk
+        for n, size in enumerate(sizes):
+            va = writer.create_mapping(size=size, tag="cold")
+            writer.write(va, bytes([11 + n]) * 4096)
+            writer.write(va + size - 4096, bytes([11 + n]) * 4096)
+            writer.metadata_put(f"t{n}", next(mp.allocation_id for mp in writer.mappings if mp.va == va), 0, b"x")
+        writer.commit("system")  # the copier fills the host copies
+        writer.close()
+        layout_hash = server.layout("cold").memory_layout_hash
+        reader = GMSClientMemoryManager(server.socket, layout="cold")
+        reader.connect(RequestedLockType.RO)
+        handles = reader.list_handles()
+        reader.close()
+        assert RawConn(server.socket).call(m.EvictRequest("cold")).tier == "host"
+        killed(server)
+        assert server.layout("cold").tier == "host" and server.state().host_handle_count == 2
+        wait_until(lambda: server.state().copier == "running", timeout=120, what="the new server's copier")
+        granted = RawConn(server.socket).handshake("RO", layout="cold")
+        assert (granted.success, granted.restore, granted.memory_layout_hash) == (True, False, layout_hash)
+        check_bytes(server.socket, "cold", handles, fill=11)
+    finally:
+        server.kill()

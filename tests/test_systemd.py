@@ -87,7 +87,7 @@ def test_a_unit_killed_whole_comes_back_from_the_fd_store(tmp_path):
 
 
 def test_store_names_are_valid_fdnames_and_map_back():
-    for key in ("listener", "gpu:0123abcd", "host:ffee"):
+    for key in ("listener", "gpu:0123abcd", "host:ffee", "host:ffee/4194304/2097152"):  # a chunk of a copy
         name = fdname(key)
         assert sdnotify.valid_fdname(name) and key_of(name) == key
     assert not sdnotify.valid_fdname("gpu:x") and not sdnotify.valid_fdname("") and not sdnotify.valid_fdname("a b")

@@ -147,11 +147,11 @@ class Scene:
 
 
 def test_a_take_over_carries_every_session_in_every_state_and_no_client_notices(tmp_path):
-    old = server_process(tmp_path, "--host-capacity", "14MiB")
+    old = server_process(tmp_path, "--host-capacity", "14MiB", "--no-copier")  # a client restores
     scene = Scene(old)
     last_seq = old.state().last_event_seq
     started = time.monotonic()
-    new = take_over(old, "--host-capacity", "14MiB")
+    new = take_over(old, "--host-capacity", "14MiB", "--no-copier")
     took = time.monotonic() - started
     assert old.proc.wait(30) == 0, "the old server exits once it has handed over"
     state = new.state()
@@ -169,7 +169,7 @@ def test_a_take_over_carries_every_session_in_every_state_and_no_client_notices(
 
 
 def test_the_sessions_of_a_take_over_that_did_not_happen_go_on_on_the_old_server(tmp_path):
-    old = server_process(tmp_path, "--host-capacity", "14MiB")
+    old = server_process(tmp_path, "--host-capacity", "14MiB", "--no-copier")
     scene = Scene(old)
     offer = request_take_over(old.socket, 10)  # this test is the new server, and changes its mind
     assert offer is not None and offer.image.state.layout("kv").writer is not None
@@ -337,7 +337,8 @@ def test_a_server_of_today_takes_over_from_a_version_1_state(tmp_path):
 
 def test_a_state_version_this_server_cannot_read_is_refused_and_the_old_one_serves_on(tmp_path):
     path = str(tmp_path / "old.sock")
-    newer = msgpack.packb([b"gms-state", 2, b"a future server's state"], use_bin_type=True)
+    future = max(READABLE_VERSIONS) + 1
+    newer = msgpack.packb([b"gms-state", future, b"a future server's state"], use_bin_type=True)
     old = OldServer(path, newer)
     try:
         refused = subprocess.run(
@@ -347,8 +348,11 @@ def test_a_state_version_this_server_cannot_read_is_refused_and_the_old_one_serv
         )
         old.thread.join(10)
         assert refused.returncode == 75
-        assert "hand-over format version 2; this server reads version(s) 1" in refused.stderr, refused.stderr
-        assert old.verdict.startswith("abort: ") and "version 2" in old.verdict
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        assert f"hand-over format version {future}; this server reads version(s) {readable}" in refused.stderr, (
+            refused.stderr
+        )
+        assert old.verdict.startswith("abort: ") and f"version {future}" in old.verdict
     finally:
         old.close()
 
@@ -382,3 +386,62 @@ def test_a_take_over_refused_after_the_new_keeper_took_the_node_leaves_it_nothin
         assert "the old server serves on" in new.stderr
     finally:
         old.close()
+
+
+# -- issue 21's admission and issue 23's copier, through a take-over -----------------------------
+
+
+def test_host_copies_in_chunks_go_to_the_new_server_and_its_keeper_and_restore_there(tmp_path):
+    """Copies the old server's copier filled in chunks travel with the take-over
+    (each chunk named by its place in its copy): the new server, with another
+    chunk size, holds them whole, hands them to its keeper, and restores
+    through its own copier; after a crash its keeper's next server does too."""
+    from .test_copier import copier_running, publish, read
+    from .test_restart import _memfds
+
+    sizes = (6 * MiB, 3 * MiB)  # 4 + 2 MiB (a pool chunk, an exact one); 4 MiB (one pool chunk)
+    old = server_process(tmp_path, "--host-pool", "8MiB", "--host-chunk", "4MiB")
+    wait_until(lambda: old.state().host_pool_bytes == 8 * MiB, timeout=30, what="the pool")
+    wait_until(lambda: copier_running(old), timeout=60, what="the copier")
+    layout_hash = publish(old, "m", sizes)
+    new = take_over(old, "--host-pool", "4MiB", "--host-chunk", "2MiB", keeper=True)
+    assert old.proc.wait(30) == 0
+    state = new.state()
+    assert (state.host_handle_count, state.host_used_bytes) == (2, 10 * MiB)
+    wait_until(lambda: len(_memfds(new.pid)) == 5, what="the new keeper holding 2 allocations and 3 chunks")
+    assert RawConn(new.socket).call(m.EvictRequest("m")).tier == "host"
+    wait_until(lambda: copier_running(new), timeout=60, what="the new server's copier")
+    granted = RawConn(new.socket).handshake("RO", layout="m")
+    assert (granted.success, granted.restore) == (True, False), "restored by the new server's copier"
+    read(new, "m", sizes)
+    assert RawConn(new.socket).call(m.EvictRequest("m")).tier == "host"
+    killed(new)
+    wait_until(lambda: copier_running(new), timeout=60, what="the restarted server's copier")
+    granted = RawConn(new.socket).handshake("RO", layout="m")
+    assert (granted.success, granted.restore, granted.memory_layout_hash) == (True, False, layout_hash)
+    read(new, "m", sizes)
+    assert new.stop() == 0
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root: clients of another uid")
+def test_handed_connections_count_against_their_uid_s_cap_on_the_new_server(tmp_path):
+    """Admission (issue 21) on the new server: the handed connections are counted
+    in, never refused, and hold their uid to its cap like any others."""
+    from .helpers import shared_folder
+
+    folder = shared_folder()
+    args = ("--socket-mode", "666", "--max-connections-per-uid", "2")
+    old = server_process(folder, *args)
+    publish_raw(old.socket, "weights", (MiB,))
+    held = [connect_as(old.socket, 23999) for _ in range(2)]
+    for conn in held:
+        assert conn.handshake("RO").success
+    new = take_over(old, *args)
+    assert old.proc.wait(30) == 0
+    refused, _ = connect_as(new.socket, 23999).recv()  # answered at accept, before any request
+    assert (refused.code, refused.limit, refused.used) == ("LIMIT_EXCEEDED", "max_connections_per_uid", 2), refused
+    assert held[0].call(m.MetadataGetRequest("t0")).found, "the handed ones go on"
+    held[0].close()
+    wait_until(lambda: new.state().sessions == 1, what="the handed connection's end")
+    assert connect_as(new.socket, 23999).call(m.GetRuntimeStateRequest()).sessions == 1, "room again"
+    new.stop()

@@ -70,7 +70,13 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"{format_bytes(state.used_bytes)} in layouts, budget {format_bytes(budget)}, "
             f"capacity {format_bytes(state.capacity_bytes)}, {format_bytes(state.device_free_bytes)} free",
         ),
-        ("host tier", f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"),
+        (
+            "host tier",
+            f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"
+            + (f", pool {format_bytes(state.host_pool_bytes)} made ahead" if state.host_pool_bytes else ""),
+        ),
+        ("copier", state.copier + (f" (pid {state.copier_pid})" if state.copier_pid else "")),
+        ("metadata", f"{format_bytes(state.metadata_bytes)} of {format_bytes(state.max_metadata_bytes)} (server RAM)"),
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (
             "handles",
@@ -78,7 +84,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"host {state.host_handle_count} ({format_bytes(state.host_handle_bytes)}), "
             f"{state.allocations_cleared} cleared",
         ),
-        ("events", f"{state.first_event_seq}..{state.last_event_seq} kept"),
+        ("events", f"{state.first_event_seq}..{state.last_event_seq} kept ({format_bytes(state.event_log_bytes)})"),
         ("server", f"pid {state.pid}, up {state.uptime_s:.0f} s" if state.pid else "-"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -100,9 +106,14 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
     if not layouts:
         lines.append("(no layouts)")
     tenants = [
-        (t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions) for t in state.tenants
+        (
+            t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions,
+            format_bytes(t.metadata_bytes), format_bytes(t.metadata_quota),
+            f"{t.layouts}/{'-' if t.max_layouts is None else t.max_layouts}",
+        )
+        for t in state.tenants
     ]
-    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS"), tenants)]
+    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS"), tenants)]
     return "\n".join(lines)
 
 

@@ -40,11 +40,29 @@ def register(sub) -> None:
     )
     serve.add_argument("--host-budget", metavar="BYTES", help="bytes for host copies of evictable layouts")
     serve.add_argument("--no-host-tier", action="store_true", help="keep no host copies (no residency system)")
+    serve.add_argument(
+        "--no-copier", action="store_true",
+        help="start no copier process: clients copy to and from the host tier themselves",
+    )
+    serve.add_argument(
+        "--host-pool", type=byte_count, default=0, metavar="BYTES",
+        help="pinned host memory made ahead of need, so that a system publish does not wait for it "
+        "(counts against --host-budget; needs the copier)",
+    )
+    serve.add_argument(
+        "--host-chunk", type=byte_count, default=64 << 20, metavar="BYTES",
+        help="the pool's unit: host copies the copier fills are made of such chunks (default 64MiB)",
+    )
     serve.add_argument("--host-capacity", type=byte_count, help="host backend: the device's size")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S")
     serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S")
+    serve.add_argument(
+        "--alloc-stock", type=byte_count, default=None, metavar="BYTES",
+        help="small allocations made ahead of need, outside the budget (default 64MiB on CUDA, "
+        "none on the host backend; 0: none)",
+    )
     serve.add_argument(
         "--socket-mode", type=lambda s: int(s, 8), default=0o600, help="octal, e.g. 660 (default 600)"
     )
@@ -52,8 +70,40 @@ def register(sub) -> None:
     serve.add_argument("--max-metadata-value-bytes", type=byte_count, default=1 << 20)
     serve.add_argument("--max-allocations", type=int, default=1 << 20, help="per layout")
     serve.add_argument("--max-metadata-keys", type=int, default=1 << 20, help="per layout")
-    serve.add_argument("--max-layouts", type=int, default=4096)
+    serve.add_argument("--max-layouts", type=int, default=4096, help="layouts on the server")
+    serve.add_argument(
+        "--max-metadata-bytes", type=byte_count, default=1 << 30,
+        help="metadata keys and values of every layout, in the server's RAM (default 1GiB)",
+    )
+    serve.add_argument(
+        "--tenant-metadata-quota", type=byte_count, default=64 << 20,
+        help="a policy tenant's metadata bytes where the policy sets no metadata_quota (default 64MiB)",
+    )
+    serve.add_argument(
+        "--tenant-max-layouts", type=int, default=256,
+        help="a policy tenant's layouts where the policy sets no max_layouts (default 256)",
+    )
+    serve.add_argument(
+        "--scan-cache-bytes", type=byte_count, default=64 << 20,
+        help="answers to metadata scans kept for other readers (default 64MiB)",
+    )
+    serve.add_argument(
+        "--handshake-timeout", type=_positive_float, default=10.0, metavar="S",
+        help="close a connection that sends no whole request within S seconds (default 10)",
+    )
+    serve.add_argument(
+        "--max-connections-per-uid", type=int, default=256, metavar="N",
+        help="open connections per peer uid, admins aside (default 256; 0: no cap)",
+    )
+    serve.add_argument(
+        "--fd-reserve", type=int, default=None, metavar="N",
+        help="fds kept for admins' connections (default: min(256, the fd limit / 8))",
+    )
     serve.add_argument("--event-log-retain", type=int, default=1_000_000, help="events kept")
+    serve.add_argument(
+        "--event-log-bytes", type=byte_count, default=64 << 20,
+        help="memory the kept events (and the snapshot) may hold (default 64MiB)",
+    )
     serve.add_argument("--log-level", default="info")
     restarts = serve.add_argument_group(
         "restarts and take-overs",
@@ -100,6 +150,9 @@ def server_config(args: argparse.Namespace):
         max_metadata_keys=args.max_metadata_keys,
         max_metadata_value_bytes=args.max_metadata_value_bytes,
         max_layouts=args.max_layouts,
+        max_metadata_bytes=args.max_metadata_bytes,
+        tenant_metadata_quota=args.tenant_metadata_quota,
+        tenant_max_layouts=args.tenant_max_layouts,
     )
     return ServerConfig(
         socket_path=args.socket or paths.socket_path(args.device, args.backend),
@@ -109,13 +162,18 @@ def server_config(args: argparse.Namespace):
         gpu_budget=args.gpu_budget,
         host_budget=args.host_budget,
         host_tier=not args.no_host_tier,
+        copier=not args.no_copier,
+        host_pool_bytes=args.host_pool,
+        host_chunk_bytes=args.host_chunk,
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
         alloc_retry_interval=args.alloc_retry_interval,
         alloc_retry_timeout=args.alloc_retry_timeout,
+        alloc_stock_bytes=args.alloc_stock,
         socket_mode=args.socket_mode,
         max_frame_bytes=args.max_frame_bytes,
         limits=limits,
         event_log_retain=args.event_log_retain,
+        event_log_bytes=args.event_log_bytes,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         keeper_fd=args.keeper_fd,
@@ -124,6 +182,10 @@ def server_config(args: argparse.Namespace):
         handover_timeout=args.handover_timeout,
         state_dir=args.state_dir,
         ready_file=None if args.ready_dir is None else f"{args.ready_dir}/device-{args.device}.ready",
+        scan_cache_bytes=args.scan_cache_bytes,
+        handshake_timeout=args.handshake_timeout,
+        max_connections_per_uid=args.max_connections_per_uid or None,
+        fd_reserve=args.fd_reserve,
     )
 
 

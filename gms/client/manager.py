@@ -30,12 +30,13 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ..cuda import Mapper, align_up, open_mapper
+from ..cuda import Mapper, align_up, open_mapper, preload_mapper
 from ..errors import (
     BuildLostError,
     GMSConnectionError,
     GMSError,
     GMSProtocolError,
+    GMSServerError,
     GMSUsageError,
     LockTimeoutError,
     ResponseTimeoutError,
@@ -174,6 +175,9 @@ class GMSClientMemoryManager:
         # A batch of exports arrives as up to 253 fds at once: make room for them
         # now, not in the middle of an import (see gms/fds.py).
         reserve_fd_slots(MAX_FDS_PER_MESSAGE)
+        # Loading the CUDA bindings costs 15-23 ms once per process: pay it here,
+        # at start-up, not inside the first connect() a user times.
+        preload_mapper()
 
     # -- properties -------------------------------------------------------------
 
@@ -543,9 +547,11 @@ class GMSClientMemoryManager:
         """Publish: synchronize, unmap every local mapping, then commit.
 
         ``residency``: ``device`` (default: stays on the GPU), ``system`` (the
-        server keeps a host copy, filled here from the GPU before the commit,
-        and may evict the GPU copy while nobody reads it) or ``unpinned``
-        (evictable, no host copy: its next user reloads it).
+        server keeps a host copy, filled before the commit returns, and may
+        evict the GPU copy while nobody reads it) or ``unpinned`` (evictable,
+        no host copy: its next user reloads it).  A server with a copier
+        fills the host copy itself; from a server without one
+        (``HOST_COPY_MISSING``) this process fills it, then commits again.
 
         The mappings and their addresses are kept; after commit the manager is
         disconnected and remembers the committed hash, so ``connect(RO)`` and
@@ -554,14 +560,26 @@ class GMSClientMemoryManager:
         """
         with self._lock:
             self._require(GrantedLockType.RW, "commit")
+            self._unmap_all()  # synchronizes first: the server's copier reads what was written
             if residency == "system":
-                live = {mp.allocation_id: mp.va for mp in self._res.mappings.values() if mp.mapped}
-                tiering.fill_host_copies(self._call, self._mapper, live)
-            self._unmap_all()
-            response, _ = self._call(m.CommitRequest(residency), m.CommitResponse)
+                response = self._commit_system()
+            else:
+                response, _ = self._call(m.CommitRequest(residency), m.CommitResponse)
             self._layout_hash = response.memory_layout_hash
             self.abort()  # the server closes a committed writer's connection
             return response.success
+
+    def _commit_system(self) -> m.CommitResponse:
+        # The server's copier fills the host copies (its pool may be short: pinning
+        # then takes time, so memory_timeout_s bounds the answer, as for allocations).
+        request = m.CommitRequest("system")
+        try:
+            return self._call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
+        except GMSServerError as exc:
+            if exc.code != "HOST_COPY_MISSING":
+                raise
+        tiering.fill_host_copies(self._call, self._mapper, {})  # no copier: copy from here
+        return self._call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
 
     # -- Tier 1: address space (local) ----------------------------------------------------
 

@@ -1,12 +1,15 @@
 """Client side of the host tier: filling host copies, and restoring from them.
 
 The server owns both tiers' memory but never maps or copies (it has no CUDA
-context); the client that needs the bytes moved does it:
+context).  A server with a copier (``gms.copier``) moves the bytes itself and
+the clients just wait; from a server without one (none configured, an older
+server, or its copier died) the client that needs the bytes moved does it:
 
 * a writer committing with residency ``system`` copies every allocation of
   its layout into host copies the server makes for it (device to host);
 * the reader granted the restore of an evicted layout copies every host copy
-  into the fresh GPU memory (host to device), then says so.
+  into the fresh GPU memory (host to device), then says so.  A host copy the
+  copier filled may be held in several chunks (``ExportHostChunksRequest``).
 
 On CUDA the host copies are pinned memory (``cuMemCreate`` on the host NUMA
 node), mapped here without registration, so the copies run at PCIe speed.
@@ -24,7 +27,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 from ..cuda import Mapper
-from ..errors import GMSError
+from ..errors import GMSError, GMSServerError
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .transport import _close_all
@@ -60,16 +63,16 @@ class _Scratch:
         self.mapped += zip(vas, sizes, handles)
         return vas
 
-    def map_host_each(self, infos, fds: list[int]) -> Iterator[int]:
-        """Map the host copies one by one, yielding each address as it is mapped,
-        so that the caller's copy of one overlaps mapping the next; fds not
-        reached (an error, or the caller stopping early) are closed."""
-        pending = list(zip(fds, self._reserve([info.aligned_size for info in infos]), infos))
+    def map_host_each(self, sizes: list[int], fds: list[int]) -> Iterator[int]:
+        """Map the host copies (or chunks) one by one, yielding each address as it
+        is mapped, so that the caller's copy of one overlaps mapping the next;
+        fds not reached (an error, or the caller stopping early) are closed."""
+        pending = list(zip(fds, self._reserve(sizes), sizes))
         try:
             while pending:
-                fd, va, info = pending.pop(0)
-                handle = self.mapper.map_host(fd, va, info.aligned_size)  # consumes the fd
-                self.mapped.append((va, info.aligned_size, handle))
+                fd, va, size = pending.pop(0)
+                handle = self.mapper.map_host(fd, va, size)  # consumes the fd
+                self.mapped.append((va, size, handle))
                 yield va
         finally:
             _close_all([fd for fd, _, _ in pending])
@@ -95,26 +98,48 @@ def restore(call: Call, mapper: Mapper) -> str:
     """Fill the restored layout's GPU memory from its host copies; returns the layout hash."""
     (listing, _) = call(m.ListAllocationsRequest(None), m.ListAllocationsResponse)
     scratch = _Scratch(mapper)
+    chunked = True  # a server from before host chunks answers UNKNOWN_MESSAGE: then whole copies
     try:
         for batch in _batches(listing.allocations):
             ids = [a.allocation_id for a in batch]
             gpu, gpu_fds = _export(call, m.ExportAllocationsRequest(ids), m.ExportAllocationsResponse, len(ids))
-            try:
-                host, host_fds = _export(call, m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse, len(ids))
-            except BaseException:
-                _close_all(gpu_fds)
-                raise
-            try:
-                dst = scratch.map_device(gpu.allocations, gpu_fds, writable=True)
-            except BaseException:
-                _close_all(host_fds)
-                raise
-            for info, d, s in zip(gpu.allocations, dst, scratch.map_host_each(host.allocations, host_fds)):
-                mapper.copy(d, s, info.aligned_size)
+            dst = dict(zip(ids, scratch.map_device(gpu.allocations, gpu_fds, writable=True)))
+            if chunked:
+                try:
+                    _restore_chunks(call, mapper, scratch, ids, dst)
+                    continue
+                except GMSServerError as exc:
+                    if exc.code != "UNKNOWN_MESSAGE":
+                        raise
+                    chunked = False
+            host, host_fds = _export(call, m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse, len(ids))
+            sizes = [info.aligned_size for info in host.allocations]
+            for info, s in zip(gpu.allocations, scratch.map_host_each(sizes, host_fds)):
+                mapper.copy(dst[info.allocation_id], s, info.aligned_size)
     finally:
         scratch.close()  # synchronizes: every copy has landed
     (done, _) = call(m.RestoreDoneRequest(), m.RestoreDoneResponse)
     return done.memory_layout_hash
+
+
+def _restore_chunks(call: Call, mapper: Mapper, scratch: _Scratch, ids: list[str], dst: dict[str, int]) -> None:
+    """Copy the host copies of ``ids`` chunk by chunk, a page of chunks (253 fds) at a time."""
+    start = 0
+    while True:
+        response, fds = call(m.ExportHostChunksRequest(ids, start), m.ExportHostChunksResponse)
+        try:
+            rows = list(response.rows())
+        except ValueError as exc:
+            _close_all(fds)
+            raise GMSError(str(exc)) from None
+        if len(fds) != len(rows) or any(a not in dst for a, _, _ in rows):
+            _close_all(fds)
+            raise GMSError(f"expected {len(rows)} host chunks of the asked allocations, got {len(fds)} fds")
+        for (allocation_id, offset, size), s in zip(rows, scratch.map_host_each([r[2] for r in rows], fds)):
+            mapper.copy(dst[allocation_id] + offset, s, size)
+        if not response.next_start:
+            return
+        start = response.next_start
 
 
 def fill_host_copies(call: Call, mapper: Mapper, live: dict[str, int]) -> None:
@@ -132,7 +157,8 @@ def fill_host_copies(call: Call, mapper: Mapper, live: dict[str, int]) -> None:
                 gpu, fds = _export(call, m.ExportAllocationsRequest(unmapped), m.ExportAllocationsResponse, len(unmapped))
                 sources.update(zip(unmapped, scratch.map_device(gpu.allocations, fds, writable=False)))
             host, host_fds = _export(call, m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse, len(ids))
-            for info, d in zip(batch, scratch.map_host_each(host.allocations, host_fds)):
+            sizes = [info.aligned_size for info in host.allocations]
+            for info, d in zip(batch, scratch.map_host_each(sizes, host_fds)):
                 mapper.copy(d, sources[info.allocation_id], info.aligned_size)
     finally:
         scratch.close()

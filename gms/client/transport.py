@@ -24,6 +24,7 @@ import math
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import TypeVar
@@ -33,6 +34,7 @@ from ..errors import (
     GMSError,
     GMSProtocolError,
     GMSServerError,
+    LimitExceededError,
     LockRevokedError,
     QuotaExceededError,
     RequestTooLargeError,
@@ -52,6 +54,19 @@ _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 
 _RECV_BYTES = 256 * 1024
+_buffers = threading.local()
+
+
+def _thread_buffer() -> bytearray:
+    """One receive buffer per thread, shared by its transports: recvmsg() would
+    allocate one per call, and a new 256 KiB buffer per connection cost a
+    handshake about 24 µs (bench/rpc_profile.py).  Sharing is safe: a call
+    reads its frame out of the buffer (the decoder copies) before returning,
+    and a thread makes one call at a time."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = bytearray(_RECV_BYTES)
+    return buffer
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 # The client trusts its server, but not without bound.
 CLIENT_MAX_FRAME_BYTES = 1 << 30
@@ -70,15 +85,20 @@ _response_times: dict[type, float] = {}
 
 def _connect(socket_path: str, timeout: float | None) -> socket.socket:
     """Connect, waiting out a full listen backlog (a storm of clients starting at
-    once): a non-blocking AF_UNIX connect fails with EAGAIN instead of waiting."""
+    once, or a flood from someone else).  A blocking AF_UNIX connect waits in the
+    kernel, in line (first come, first served), for the server to accept,
+    bounded by SO_SNDTIMEO; a non-blocking one would fail with EAGAIN and could
+    only retry, losing its turn to every connect that waits."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.001
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(timeout)
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        if left is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
         try:
             sock.connect(socket_path)
-        except BlockingIOError as exc:
+        except BlockingIOError as exc:  # the wait in line timed out
             sock.close()
             if deadline is not None and time.monotonic() + pause > deadline:
                 raise GMSConnectionError(f"gms server at {socket_path} is not accepting: {exc}") from exc
@@ -88,8 +108,14 @@ def _connect(socket_path: str, timeout: float | None) -> socket.socket:
         except OSError as exc:
             sock.close()
             raise GMSConnectionError(f"no gms server at {socket_path}: {exc}") from exc
-        sock.settimeout(None)
+        if left is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # calls keep their own deadlines
         return sock
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 def _observe(kind: type, sent_at: float) -> None:
@@ -107,6 +133,11 @@ def server_error(response: m.ErrorResponse) -> GMSError:
     if response.code == "QUOTA_EXCEEDED" and None not in (response.used, response.asked, response.quota):
         return QuotaExceededError(
             response.error, scope=response.scope, used=response.used, asked=response.asked, quota=response.quota
+        )
+    if response.limit and None not in (response.used, response.asked, response.quota):
+        return LimitExceededError(
+            response.code, response.error, limit=response.limit, scope=response.scope, used=response.used,
+            asked=response.asked, bound=response.quota,
         )
     if response.code == "STALE_LAYOUT":
         return StaleMemoryLayoutError(response.error)
@@ -137,7 +168,7 @@ class RpcTransport:
         self._sock: socket.socket | None = sock
         self._decoder = FrameDecoder(CLIENT_MAX_FRAME_BYTES)
         # recvmsg() would allocate (and for big sizes mmap) a buffer per call.
-        self._buffer = bytearray(_RECV_BYTES)
+        self._buffer = _thread_buffer()
         self._lock = threading.Lock()
         self.timeout = timeout  # the default deadline of a call, seconds
         # The server's frame cap; the handshake names it (0 there: the default).
@@ -242,14 +273,17 @@ class RpcTransport:
         behind it, close, and say why."""
         notice = self._notice_left()
         self._close()
+        if isinstance(notice, m.ErrorResponse):  # a connection refused at once (a limit)
+            return server_error(notice)
         if notice is not None:
             return session_ended_error(notice, self.socket_path)
         why = f": {exc}" if exc is not None else ""
         return ServerGoneError(f"the gms server at {self.socket_path} closed the connection{why}")
 
-    def _notice_left(self) -> m.SessionEnded | None:
+    def _notice_left(self) -> m.SessionEnded | m.ErrorResponse | None:
         """A ``SessionEnded`` among the bytes still readable (the kernel keeps
-        what the server sent before it closed), or None."""
+        what the server sent before it closed), or the error a server that
+        refused the connection left; None."""
         sock = self._sock
         if sock is None:
             return None
@@ -264,7 +298,7 @@ class RpcTransport:
         try:
             while (body := self._decoder.next_frame()) is not None:
                 message = decode(body)
-                if isinstance(message, m.SessionEnded):
+                if isinstance(message, m.SessionEnded | m.ErrorResponse):
                     return message
         except (ProtocolError, UnknownMessageType):
             pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 from .interface import (
@@ -12,6 +13,7 @@ from .interface import (
     Mapper,
     MemoryBackend,
     MemoryLost,
+    NoFileDescriptors,
     OutOfMemory,
     align_up,
 )
@@ -71,6 +73,19 @@ def open_host_tier(backend: str, device: int) -> MemoryBackend:
     return HostBackend(device)
 
 
+def preload_mapper() -> None:
+    """Import the CUDA mapper where it may be needed (cuda-bindings installed, and
+    ``GMS_BACKEND`` not ``host``), so its one-time cost is paid by whoever calls
+    this, not by the first connect.  Import only: no CUDA call, no context, so a
+    process may still fork after it."""
+    if os.environ.get("GMS_BACKEND") == "host" or importlib.util.find_spec("cuda") is None:
+        return
+    try:
+        from . import vmm  # noqa: F401
+    except ImportError:  # bindings without a driver library: the host mapper will do
+        pass
+
+
 def open_mapper(backend: str, device: int) -> Mapper:
     if backend == "cuda":
         from .vmm import VmmMapper
@@ -91,11 +106,13 @@ __all__ = [
     "Mapper",
     "MemoryBackend",
     "MemoryLost",
+    "NoFileDescriptors",
     "OutOfMemory",
     "align_up",
     "cuda_device_count",
     "open_backend",
     "open_host_tier",
     "open_mapper",
+    "preload_mapper",
     "resolve_backend",
 ]

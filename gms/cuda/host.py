@@ -24,7 +24,7 @@ import os
 import stat
 import struct
 
-from .interface import BackendError, DeviceInfo, Held, MemoryLost, OutOfMemory
+from .interface import BackendError, DeviceInfo, Held, MemoryLost, NoFileDescriptors, OutOfMemory
 
 DEFAULT_GRANULARITY = 2 << 20
 
@@ -83,7 +83,9 @@ class HostBackend:
         try:
             fd = os.memfd_create(f"gms-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise NoFileDescriptors(str(exc)) from exc
+            if exc.errno == errno.ENOMEM:
                 raise OutOfMemory(str(exc)) from exc
             raise BackendError(f"memfd_create failed: {exc}") from exc
         try:

@@ -20,6 +20,12 @@ class OutOfMemory(Exception):
     """Transient: the server retries (allocation backpressure)."""
 
 
+class NoFileDescriptors(Exception):
+    """The process has no fd to spare for new memory (EMFILE, ENFILE): refused
+    at once, never waited out like OutOfMemory (it is the process's table that
+    is full, not the device)."""
+
+
 class BackendError(Exception):
     """A memory call failed for a reason other than out-of-memory: fatal."""
 

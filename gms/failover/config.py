@@ -11,6 +11,8 @@
     wake_timeout_s = 600.0                   # a wake may wait for memory a dead engine still holds
     ready_timeout_s = 600.0                  # a (re)started set must be ready within this
     events = "/var/log/gms-failover.jsonl"   # optional: JSON lines also go there
+    health_path = "/health"                  # the canary's path ("/gms/health" for vLLM engines:
+                                             # docs/vllm.md)
     revoke = "server"                        # or "engines": the new set's engines revoke the KV
                                              # layout on their own node as they wake (a coordinator
                                              # off the GPU nodes cannot reach the sockets; ranks
@@ -85,6 +87,9 @@ class CoordinatorConfig:
     # gms socket ("server"), or each rank's new engine on its own node as it
     # wakes ("engines": for a coordinator that cannot reach the sockets).
     revoke: str = "server"
+    # Where an engine answers the canary ({"status": "serving" | "asleep"}):
+    # the example engine at /health, vLLM with the gms plugin at /gms/health.
+    health_path: str = "/health"
 
     def set(self, name: str) -> SetConfig:
         return next(s for s in self.sets if s.name == name)
@@ -130,10 +135,13 @@ def parse(data: dict) -> CoordinatorConfig:
     revoke = data.get("revoke", "server")
     if revoke not in ("server", "engines"):
         raise ConfigError(f"revoke: 'server' or 'engines', not {revoke!r}")
+    health_path = data.get("health_path", "/health")
+    if not isinstance(health_path, str) or not health_path.startswith("/"):
+        raise ConfigError(f"health_path: a path starting with '/', not {health_path!r}")
     config = CoordinatorConfig(
         lock=str(data.get("lock", "file:" + os.path.join(os.path.dirname(ranks[0]) or ".", "gms-serving.lock"))),
         initial=initial, ranks=ranks, sets=sets, failures=int(data.get("failures", 3)),
-        events=data.get("events"), revoke=revoke, **{k: float(v) for k, v in fields.items()},
+        events=data.get("events"), revoke=revoke, health_path=health_path, **{k: float(v) for k, v in fields.items()},
     )
     if config.failures < 1 or config.interval_s <= 0:
         raise ConfigError("failures must be >= 1 and interval_s > 0")

@@ -203,7 +203,8 @@ class Coordinator:
         results: list = [None] * len(urls)
 
         async def one(i: int, url: str) -> None:
-            results[i] = await probes.health(self.client, url, want, self.config.canary_timeout_s)
+            results[i] = await probes.health(self.client, url, want, self.config.canary_timeout_s,
+                                             self.config.health_path)
 
         async with trio.open_nursery() as nursery:
             for i, url in enumerate(urls):

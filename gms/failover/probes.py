@@ -12,12 +12,12 @@ from .health import Probe
 CANARY_PROMPT = [0]  # one token id that every vocabulary has
 
 
-async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float) -> Probe:
+async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float, path: str = "/health") -> Probe:
     started = time.monotonic()
     status, detail, ok, notes = None, "", False, {}
     with trio.move_on_after(timeout) as scope:  # a stopped engine accepts and never answers
         try:
-            response = await client.get(f"{url}/health", timeout=timeout)
+            response = await client.get(f"{url}{path}", timeout=timeout)
             body = _json(response)
             status = body.get("status")
             ok = response.status_code == 200 and status == want

@@ -44,8 +44,11 @@ class Release:
     aligned_size: int
 
 
+_RELEASING = frozenset({RwConnect, RwAbort, AllocationFreed, LayoutEvicted, LayoutLost, RestoreAborted})
+
+
 def released_memory(before: NodeState, event: Event) -> list[Release]:
-    if not event.layout or event.layout not in before.layouts:
+    if type(event) not in _RELEASING or event.layout not in before.layouts:
         return []
     layout = before.layouts[event.layout]
     gpu = layout.tier is not Tier.HOST
@@ -77,10 +80,10 @@ def _all(layout, *, gpu: bool, host: bool) -> list[Release]:
 
 # Events after which an idle layout may have become evictable (a lock let go,
 # a residency changed): room for a waiting allocation, though nothing was released.
-_MAY_MAKE_ROOM = (RoDisconnect, RwCommit, RestoreAborted, RestoreFinished, ResidencySet)
+_MAY_MAKE_ROOM = frozenset({RoDisconnect, RwCommit, RestoreAborted, RestoreFinished, ResidencySet})
 
 
 def may_make_room(event: Event) -> bool:
     """Should sessions waiting for memory look again after ``event``?  (Releases
     aside: every release does.)"""
-    return isinstance(event, _MAY_MAKE_ROOM)
+    return type(event) in _MAY_MAKE_ROOM

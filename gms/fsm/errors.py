@@ -56,6 +56,26 @@ class LimitExceeded(Rejection):
     code = "LIMIT_EXCEEDED"
 
 
+class OverLimit(LimitExceeded):
+    """A named bound on what the daemon holds would be passed: the request is
+    refused, nothing changes, the session goes on.
+
+    ``limit`` names the bound as the operator sets it (``metadata_quota``,
+    ``max_layouts``, ``max_metadata_bytes``, ``max_connections_per_uid``, ...);
+    ``scope`` is whose it is (``tenant``, ``node``, ``uid``); ``used`` and
+    ``bound`` are that scope's figures (bytes or a count), ``asked`` what the
+    request would add.
+    """
+
+    def __init__(self, limit: str, scope: str, used: int, asked: int, bound: int, what: str) -> None:
+        super().__init__(f"{what}: {used} used + {asked} asked > {bound} allowed ({limit})")
+        self.limit = limit
+        self.scope = scope
+        self.used = used
+        self.asked = asked
+        self.bound = bound
+
+
 class PermissionDenied(Rejection):
     """The peer's tenant (or lack of one, or of admin rights) does not allow the request."""
 

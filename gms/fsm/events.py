@@ -34,6 +34,9 @@ class ServerStarted(Event):
     budgets are None when unlimited (a host budget of 0: no host tier).
     ``limits`` are the server's :class:`~gms.fsm.limits.Limits` as a dict, so
     the fold enforces exactly what the server enforced when it logged.
+    ``tenant_limits`` maps a tenant to its resolved ``metadata_quota`` (bytes)
+    and ``max_layouts`` (None: unbounded); a tenant it does not name (a log
+    from before these limits) is unbounded.
     """
 
     KIND: ClassVar[str] = "SERVER_STARTED"
@@ -46,6 +49,7 @@ class ServerStarted(Event):
     backend: str = ""
     device: int = 0
     device_uuid: str = ""
+    tenant_limits: dict = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -57,7 +61,8 @@ class ServerResumed(Event):
     ``reason`` say who it took over from and why; ``state_version`` the
     hand-over format it read.  The rest is the new server's configuration,
     which replaces the old one's (tenants the new policy no longer names keep
-    their quota: they may still own layouts)."""
+    their quotas: they may still own layouts); ``tenant_limits`` as in
+    SERVER_STARTED."""
 
     KIND: ClassVar[str] = "SERVER_RESUMED"
     mode: str
@@ -72,6 +77,7 @@ class ServerResumed(Event):
     backend: str = ""
     device: int = 0
     device_uuid: str = ""
+    tenant_limits: dict = attrs.field(factory=dict)
 
 
 RESUME_MODES = ("restart", "take-over")

@@ -89,7 +89,9 @@ def layout_problems(state: LayoutState):
 
 def _node_problems(node: NodeState):
     used: Counter[str] = Counter()
-    gpu = host = 0
+    metadata_used: Counter[str] = Counter()
+    refs: dict[str, Counter[str]] = {name: Counter() for name in node.tenants}
+    gpu = host = metadata = 0
     for name, layout in node.layouts.items():
         if layout.name != name:
             yield f"layout filed under {name!r} is {layout.name!r}"
@@ -99,8 +101,13 @@ def _node_problems(node: NodeState):
             yield f"layout {name!r} holds bytes but has no owner"
         if layout.owner is not None:
             used[layout.owner] += layout.held_bytes
+            metadata_used[layout.owner] += layout.metadata_bytes
+            refs.setdefault(layout.owner, Counter())[name] += 1
+        elif layout.metadata_bytes:
+            yield f"layout {name!r} holds metadata but has no owner"
         gpu += layout.gpu_bytes
         host += layout.host_bytes
+        metadata += layout.metadata_bytes
         for conn in [layout.writer, layout.restorer, *layout.readers]:
             if conn is None:
                 continue
@@ -114,6 +121,14 @@ def _node_problems(node: NodeState):
                     yield f"layout {name!r} is owned by {layout.owner!r}, its writer is {session.tenant!r}"
                 if session.limit_bytes is not None and layout.held_bytes > session.limit_bytes:
                     yield f"layout {name!r} holds {layout.held_bytes} > its writer's limit"
+    for session in node.sessions.values():
+        if session.lock_type != "RO":
+            refs.setdefault(session.tenant, Counter())[session.layout] += 1
+    if metadata != node.metadata_bytes:
+        yield f"metadata_bytes {node.metadata_bytes} != {metadata} in the layouts"
+    bound = node.limits.max_metadata_bytes
+    if bound is not None and node.metadata_bytes > bound:
+        yield f"{node.metadata_bytes} metadata bytes exceed the node's bound of {bound}"
     if gpu != node.gpu_bytes:
         yield f"gpu_bytes {node.gpu_bytes} != {gpu} on the GPU"
     if host != node.host_bytes:
@@ -130,6 +145,14 @@ def _node_problems(node: NodeState):
             yield f"tenant {name!r} uses {tenant.used_bytes} > quota {tenant.quota_bytes}"
         if tenant.sessions != sessions[name]:
             yield f"tenant {name!r} counts {tenant.sessions} sessions, has {sessions[name]}"
-    for owner in used:
+        if tenant.metadata_bytes != metadata_used[name]:
+            yield f"tenant {name!r} is charged {tenant.metadata_bytes} metadata bytes, owns {metadata_used[name]}"
+        if tenant.metadata_quota is not None and tenant.metadata_bytes > tenant.metadata_quota:
+            yield f"tenant {name!r} keeps {tenant.metadata_bytes} metadata bytes > its quota {tenant.metadata_quota}"
+        if dict(tenant.layout_refs) != dict(refs[name]):
+            yield f"tenant {name!r} counts layouts {dict(tenant.layout_refs)}, has {dict(refs[name])}"
+        if tenant.max_layouts is not None and tenant.layouts > tenant.max_layouts:
+            yield f"tenant {name!r} counts {tenant.layouts} layouts > its bound {tenant.max_layouts}"
+    for owner in refs:
         if owner not in node.tenants:
             yield f"layouts owned by unknown tenant {owner!r}"

@@ -10,11 +10,16 @@ settled from the layout before and after, in O(1):
 * a tenant is charged ``held_bytes`` for every layout it owns (built), on the
   GPU or evicted to the host: its quota bounds what it keeps in gms;
 * the node's ``gpu_bytes`` sums what is on the GPU now: the GPU budget bounds it;
-* ``host_bytes`` sums the host copies: the host budget bounds it.
+* ``host_bytes`` sums the host copies: the host budget bounds it;
+* a tenant is charged ``metadata_bytes`` (keys and values: the daemon's RAM)
+  for every layout it owns, bounded by its metadata quota, and the node's
+  ``metadata_bytes`` sums them, bounded by ``max_metadata_bytes``;
+* a tenant counts the layouts it owns and those its sessions may write
+  (``layout_refs``): its ``max_layouts`` bounds them.
 
 Settling also holds every bound: a step that would take a total past its
 bound raises InvariantViolation, so no log can break a budget, a quota, a
-session's limit or the layout cap, whatever the shell asked.
+session's limit, a metadata bound or a layout cap, whatever the shell asked.
 
 ``tick`` counts folded events: a logical clock that orders layouts by last use
 (for LRU eviction) without reading a clock in the core.
@@ -74,6 +79,18 @@ class TenantState:
     quota_bytes: int | None = None  # None: unlimited
     used_bytes: int = 0
     sessions: int = 0
+    metadata_quota: int | None = None  # bytes of keys and values; None: unlimited
+    metadata_bytes: int = 0
+    max_layouts: int | None = None  # None: only the node's cap
+    # layout -> references: 1 if the tenant owns it, +1 per session of the
+    # tenant that may write it (RW, RW_OR_RO).  A writer's session counts the
+    # layout from its handshake, so the grant (which may come much later)
+    # never adds one: the bound is checked once, when the session opens.
+    layout_refs: Map[str, int] = Map()
+
+    @property
+    def layouts(self) -> int:
+        return len(self.layout_refs)
 
 
 @attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
@@ -88,6 +105,7 @@ class NodeState:
     tenants: Map[str, TenantState] = Map()
     gpu_bytes: int = 0
     host_bytes: int = 0
+    metadata_bytes: int = 0
     tick: int = 0
 
     def layout(self, name: str) -> LayoutState:
@@ -99,7 +117,7 @@ class NodeState:
 EMPTY_NODE = NodeState()
 
 # Events after which a layout counts as used (LRU order).
-_USES = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished)
+_USES = frozenset({RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished})
 
 
 # -- node steps -----------------------------------------------------------------------
@@ -108,7 +126,17 @@ _USES = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, 
 def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     if node.started:
         raise InvariantViolation("cannot fold SERVER_STARTED: the server has started already")
-    tenants = Map({name: TenantState(name, quota) for name, quota in event.quotas.items()})
+    tenants = Map(
+        {
+            name: TenantState(
+                name,
+                quota,
+                metadata_quota=event.tenant_limits.get(name, {}).get("metadata_quota"),
+                max_layouts=event.tenant_limits.get(name, {}).get("max_layouts"),
+            )
+            for name, quota in event.quotas.items()
+        }
+    )
     return replace(
         node,
         started=True,
@@ -120,13 +148,22 @@ def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
     )
 
 
-def _server_resumed(node: NodeState, event: ServerResumed) -> NodeState:
+def _server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeState:
     """The new server's configuration replaces the old one's; a tenant the new
-    policy does not name keeps its quota (it may own layouts: they stay charged)."""
+    policy does not name keeps its quotas (it may own layouts: they stay charged);
+    one that ``tenant_limits`` does not name is unbounded in metadata and layouts
+    (a SERVER_RESUMED logged before those bounds existed)."""
     tenants = node.tenants
     for name, quota in event.quotas.items():
-        tenant = tenants.get(name)
-        tenants = tenants.set(name, TenantState(name, quota) if tenant is None else replace(tenant, quota_bytes=quota))
+        bounds = event.tenant_limits.get(name, {})
+        tenant = tenants.get(name) or TenantState(name)
+        tenants = tenants.set(
+            name,
+            replace(
+                tenant, quota_bytes=quota, metadata_quota=bounds.get("metadata_quota"),
+                max_layouts=bounds.get("max_layouts"),
+            ),
+        )
     return replace(
         node,
         capacity_bytes=event.capacity_bytes,
@@ -134,36 +171,57 @@ def _server_resumed(node: NodeState, event: ServerResumed) -> NodeState:
         host_budget_bytes=event.host_budget_bytes,
         limits=Limits.from_dict(event.limits),
         tenants=tenants,
+        tick=tick,
     )
 
 
-def _session_opened(node: NodeState, event: SessionOpened) -> NodeState:
+def may_write(lock_type: str) -> bool:
+    """A session that may become its layout's writer (it counts the layout)."""
+    return lock_type != "RO"
+
+
+def _refer(refs: Map, layout: str, delta: int) -> Map:
+    count = refs.get(layout, 0) + delta
+    if count < 0:
+        raise InvariantViolation(f"layout {layout!r} dereferenced more than referenced")
+    return refs.set(layout, count) if count else refs.delete(layout)
+
+
+def _session_opened(node: NodeState, event: SessionOpened, tick: int) -> NodeState:
     tenant = node.tenants[event.tenant]
     session = SessionInfo(
         event.layout, event.tenant, event.uid, event.gid, event.pid, event.lock_type, event.limit_bytes
     )
+    refs = tenant.layout_refs
+    if may_write(event.lock_type):
+        refs = _refer(refs, event.layout, 1)
+        if len(refs) > len(tenant.layout_refs):
+            _over(event, f"tenant {tenant.name!r}'s layouts", len(tenant.layout_refs), len(refs), tenant.max_layouts)
     return replace(
         node,
         sessions=node.sessions.set(event.conn, session),
-        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions + 1)),
+        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions + 1, layout_refs=refs)),
+        tick=tick,
     )
 
 
-def _session_closed(node: NodeState, event: SessionClosed) -> NodeState:
+def _session_closed(node: NodeState, event: SessionClosed, tick: int) -> NodeState:
     session = node.sessions[event.conn]
     tenant = node.tenants[session.tenant]
+    refs = _refer(tenant.layout_refs, session.layout, -1) if may_write(session.lock_type) else tenant.layout_refs
     return replace(
         node,
         sessions=node.sessions.delete(event.conn),
-        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions - 1)),
+        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions - 1, layout_refs=refs)),
+        tick=tick,
     )
 
 
-def _observation(node: NodeState, event: Event) -> NodeState:
-    return node
+def _observation(node: NodeState, event: Event, tick: int) -> NodeState:
+    return replace(node, tick=tick)
 
 
-_NODE_STEPS: dict[type[Event], Callable[[NodeState, Event], NodeState]] = {
+_NODE_STEPS: dict[type[Event], Callable[[NodeState, Event, int], NodeState]] = {
     ServerResumed: _server_resumed,
     StateDiscarded: _observation,
     SessionOpened: _session_opened,
@@ -177,63 +235,93 @@ _NODE_STEPS: dict[type[Event], Callable[[NodeState, Event], NodeState]] = {
 # -- layout events: fold the layout, settle the accounting ---------------------------------
 
 
-def _charge(tenants: Map, name: str | None, delta: int, event: Event) -> Map:
-    if name is None or delta == 0:
+def _owner(layout: LayoutState) -> str | None:
+    """The tenant a layout is charged to (a vacant layout is nobody's)."""
+    return None if layout.vacant else layout.owner
+
+
+def _charge(tenants: Map, name: str | None, held: int, metadata: int, refs: int, layout: str, event: Event) -> Map:
+    if name is None or (held, metadata, refs) == (0, 0, 0):
         return tenants
     tenant = tenants.get(name)
     if tenant is None:
         raise InvariantViolation(f"{event.KIND}: layout owned by unknown tenant {name!r}")
-    return tenants.set(name, replace(tenant, used_bytes=tenant.used_bytes + delta))
+    return tenants.set(
+        name,
+        replace(
+            tenant,
+            used_bytes=tenant.used_bytes + held,
+            metadata_bytes=tenant.metadata_bytes + metadata,
+            layout_refs=_refer(tenant.layout_refs, layout, refs) if refs else tenant.layout_refs,
+        ),
+    )
 
 
 def _over(event: Event, what: str, before: int, after: int, bound: int | None) -> None:
     """A total may only pass its bound by not growing (a bound lowered under it)."""
     if bound is not None and after > bound and after > before:
-        raise InvariantViolation(f"{event.KIND} would take {what} to {after} bytes, past its bound of {bound}")
+        raise InvariantViolation(f"{event.KIND} would take {what} to {after}, past its bound of {bound}")
 
 
 def _settle(
     node: NodeState, before: LayoutState, after: LayoutState, event: Event, tick: int
 ) -> NodeState:
     tenants = node.tenants
-    if before.owner == after.owner:
-        tenants = _charge(tenants, after.owner, after.held_bytes - before.held_bytes, event)
+    was, now = _owner(before), _owner(after)
+    if was == now:
+        held = after.held_bytes - before.held_bytes
+        tenants = _charge(tenants, now, held, after.metadata_bytes - before.metadata_bytes, 0, after.name, event)
     else:
-        tenants = _charge(tenants, before.owner, -before.held_bytes, event)
-        tenants = _charge(tenants, after.owner, after.held_bytes, event)
+        tenants = _charge(tenants, was, -before.held_bytes, -before.metadata_bytes, -1, after.name, event)
+        tenants = _charge(tenants, now, after.held_bytes, after.metadata_bytes, 1, after.name, event)
     if after.vacant:
         layouts = node.layouts.delete(after.name) if after.name in node.layouts else node.layouts
     else:
         layouts = node.layouts.set(after.name, after)
     gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
     host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
-    if after.held_bytes > before.held_bytes or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes:
-        _hold_bounds(node, after, event, tenants, gpu_bytes, host_bytes)
+    metadata_bytes = node.metadata_bytes - before.metadata_bytes + after.metadata_bytes
+    if (
+        after.held_bytes > before.held_bytes
+        or gpu_bytes > node.gpu_bytes
+        or host_bytes > node.host_bytes
+        or metadata_bytes > node.metadata_bytes
+        or was != now
+    ):
+        _hold_bounds(node, after, event, tenants, gpu_bytes, host_bytes, metadata_bytes)
     if len(layouts) > max(len(node.layouts), node.limits.max_layouts):
         raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     return replace(
-        node, layouts=layouts, tenants=tenants, gpu_bytes=gpu_bytes, host_bytes=host_bytes, tick=tick,
+        node, layouts=layouts, tenants=tenants, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+        metadata_bytes=metadata_bytes, tick=tick,
     )
 
 
-def _hold_bounds(node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int) -> None:
+def _hold_bounds(
+    node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int, metadata: int
+) -> None:
     """Only for steps that grew something: every bound the growth could break."""
-    _over(event, "the GPU", node.gpu_bytes, gpu, node.budget_bytes)
-    _over(event, "the host tier", node.host_bytes, host, node.host_budget_bytes)
-    if after.owner is not None:
-        old, new = node.tenants[after.owner], tenants[after.owner]
-        _over(event, f"tenant {after.owner!r}", old.used_bytes, new.used_bytes, new.quota_bytes)
+    _over(event, "the GPU's bytes", node.gpu_bytes, gpu, node.budget_bytes)
+    _over(event, "the host tier's bytes", node.host_bytes, host, node.host_budget_bytes)
+    _over(event, "the node's metadata bytes", node.metadata_bytes, metadata, node.limits.max_metadata_bytes)
+    owner = _owner(after)
+    if owner is not None:
+        old, new = node.tenants[owner], tenants[owner]
+        _over(event, f"tenant {owner!r}'s bytes", old.used_bytes, new.used_bytes, new.quota_bytes)
+        _over(event, f"tenant {owner!r}'s metadata bytes", old.metadata_bytes, new.metadata_bytes, new.metadata_quota)
+        _over(event, f"tenant {owner!r}'s layouts", old.layouts, new.layouts, new.max_layouts)
     if after.writer is not None:
         limit = node.sessions[after.writer].limit_bytes
-        _over(event, f"layout {after.name!r} (its writer's limit)", 0, after.held_bytes, limit)
+        _over(event, f"layout {after.name!r}'s bytes (its writer's limit)", 0, after.held_bytes, limit)
 
 
 def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
     before = node.layout(event.layout)
     after = fold_layout(before, event)
-    if isinstance(event, RwConnect):
+    kind = type(event)
+    if kind is RwConnect:
         after = replace(after, owner=node.sessions[event.conn].tenant, last_use=tick)
-    elif isinstance(event, _USES):
+    elif kind in _USES:
         after = replace(after, last_use=tick)
     return _settle(node, before, after, event, tick)
 
@@ -246,11 +334,10 @@ def fold(node: NodeState, event: Event) -> NodeState:
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
     rules.check(node, event)
-    tick = node.tick + 1
     step = _NODE_STEPS.get(type(event))
     if step is None:
-        return _layout_event(node, event, tick)
-    return replace(step(node, event), tick=tick)
+        return _layout_event(node, event, node.tick + 1)
+    return step(node, event, node.tick + 1)
 
 
 def fold_all(events: Iterable[Event], state: NodeState = EMPTY_NODE) -> NodeState:

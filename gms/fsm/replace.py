@@ -34,7 +34,8 @@ _set = object.__setattr__  # a frozen class refuses its own __setattr__
 
 def replace(value: T, **changes: object) -> T:
     cls = type(value)
-    if not _fields(cls).issuperset(changes):
+    fields = _FIELDS.get(cls) or _fields(cls)
+    if not fields.issuperset(changes):
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - _fields(cls))}")
     state = value.__dict__.copy()
     state.update(changes)

@@ -16,14 +16,18 @@ the server proposed itself, or in a log being replayed, is an
 :class:`InvariantViolation`: the server stops.
 
 Node-wide bounds (the GPU and host budgets, tenant quotas, session limits,
-the layout cap) are checked here for the events that spend them and held by
-the fold for every event (``gms.fsm.node``): no log can break one.
+the layout cap, the metadata bound) and each tenant's (its byte quota, its
+metadata quota, its layouts) are checked here for the events that spend them
+(a refusal names the limit, what is used and what was asked: OverLimit,
+QuotaExceeded) and held by the fold for every event (``gms.fsm.node``): no
+log can break one.
 """
 
 from __future__ import annotations
 
 import enum
 import re
+from collections import Counter
 from collections.abc import Callable
 
 import attrs
@@ -39,6 +43,7 @@ from .errors import (
     NotConnected,
     NotEvictable,
     OffsetOutOfBounds,
+    OverLimit,
     PermissionDenied,
     QuotaExceeded,
     Rejection,
@@ -78,6 +83,8 @@ from .events import (
     SessionRefused,
     StateDiscarded,
 )
+from .folding import entry_bytes
+from .limits import Limits
 from .state import LayoutState, LockState, Residency, Tier
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -126,14 +133,14 @@ class Rule:
     action: str = ""  # the client's word for it, in refusals
     refusal: type[Rejection] = StateViolation  # when the lock state or tier does not allow it
     needs_layout: bool = True  # False: node events that may name no layout
+    # Where it may happen, derived once from the moves.  Tuples, not sets: a few
+    # members each, found by identity without hashing an enum on the hot path.
+    locks: tuple[LockState, ...] = attrs.field(init=False)
+    tiers: tuple[Tier, ...] = attrs.field(init=False)
 
-    @property
-    def locks(self) -> frozenset[LockState]:
-        return frozenset(move.before for move in self.moves)
-
-    @property
-    def tiers(self) -> frozenset[Tier]:
-        return frozenset(move.before for move in self.tier_moves)
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "locks", tuple(dict.fromkeys(move.before for move in self.moves)))
+        object.__setattr__(self, "tiers", tuple(dict.fromkeys(move.before for move in self.tier_moves)))
 
 
 # -- the roles --------------------------------------------------------------------------
@@ -273,8 +280,28 @@ def _metadata_entry(node, layout: LayoutState, e: MetadataPut) -> None:
         raise OffsetOutOfBounds(
             f"offset {e.offset_bytes} is outside allocation {e.allocation_id!r} of {allocation.size} bytes"
         )
-    if e.key not in layout.metadata and len(layout.metadata) >= limits.max_metadata_keys:
+    old = layout.metadata.get(e.key)
+    if old is None and len(layout.metadata) >= limits.max_metadata_keys:
         raise LimitExceeded(f"layout already holds {limits.max_metadata_keys} metadata keys")
+    more = entry_bytes(e.key, e.value) - (entry_bytes(old.key, old.value) if old is not None else 0)
+    if more > 0:
+        within_metadata_bounds(node, layout, more)
+
+
+def within_metadata_bounds(node, layout: LayoutState, more: int) -> None:
+    """Metadata is the daemon's RAM: the owner's metadata quota, then the node's bound."""
+    tenant = node.tenants[layout.owner]
+    if tenant.metadata_quota is not None and tenant.metadata_bytes + more > tenant.metadata_quota:
+        raise OverLimit(
+            "metadata_quota", "tenant", tenant.metadata_bytes, more, tenant.metadata_quota,
+            f"tenant {tenant.name!r}'s metadata quota (keys and values, in the server's RAM) would be passed",
+        )
+    bound = node.limits.max_metadata_bytes
+    if bound is not None and node.metadata_bytes + more > bound:
+        raise OverLimit(
+            "max_metadata_bytes", "node", node.metadata_bytes, more, bound,
+            "the server's metadata bound (keys and values of every layout) would be passed",
+        )
 
 
 def _known_key(node, layout: LayoutState, e: MetadataDeleted) -> None:
@@ -338,9 +365,22 @@ def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> Non
             )
     if e.expect_hash:
         _expected_layout(node, e)
+    if e.lock_type != "RO":
+        _layout_admitted(node, tenant, e)
+
+
+def _layout_admitted(node, tenant, e: SessionOpened) -> None:
+    """A session that may write a layout counts it against its tenant from the
+    handshake (see TenantState.layout_refs), and a new layout against the node."""
+    bound = tenant.max_layouts
+    if bound is not None and e.layout not in tenant.layout_refs and tenant.layouts >= bound:
+        raise OverLimit(
+            "max_layouts", "tenant", tenant.layouts, 1, bound,
+            f"tenant {tenant.name!r} already owns or may write {tenant.layouts} layouts",
+        )
     cap = node.limits.max_layouts
-    if e.lock_type != "RO" and e.layout not in node.layouts and len(node.layouts) >= cap:
-        raise LimitExceeded(f"the server already holds {cap} layouts")
+    if e.layout not in node.layouts and len(node.layouts) >= cap:
+        raise OverLimit("max_layouts", "node", len(node.layouts), 1, cap, f"the server already holds {cap} layouts")
 
 
 def _expected_layout(node, e: SessionOpened) -> None:
@@ -389,6 +429,40 @@ def _resumable(node, layout: LayoutState | None, e: ServerResumed) -> None:
         tenant = node.tenants.get(name)
         if tenant is not None and quota is not None and tenant.used_bytes > quota:
             raise StateViolation(f"tenant {name!r} owns {tenant.used_bytes} bytes, more than its new quota of {quota}")
+    _resumable_bounds(node, e)
+
+
+def _resumable_bounds(node, e: ServerResumed) -> None:
+    """The metadata and layout bounds (issue 21's) the new server brings, against
+    what the node holds.  After a crash the dead sessions close right after
+    SERVER_RESUMED (their builds dropped): a tenant then counts only the built
+    layouts it owns."""
+    bound = Limits.from_dict(e.limits).max_metadata_bytes
+    if bound is not None and node.metadata_bytes > bound:
+        raise OverLimit(
+            "max_metadata_bytes", "node", node.metadata_bytes, 0, bound,
+            "the node keeps more metadata than the new server's bound",
+        )
+    owned = Counter(
+        layout.owner for layout in node.layouts.values() if layout.owner is not None and layout.writer is None
+    )
+    for name in e.quotas:
+        tenant = node.tenants.get(name)
+        if tenant is None:
+            continue
+        bounds = e.tenant_limits.get(name, {})
+        quota = bounds.get("metadata_quota")
+        if quota is not None and tenant.metadata_bytes > quota:
+            raise OverLimit(
+                "metadata_quota", "tenant", tenant.metadata_bytes, 0, quota,
+                f"tenant {name!r} keeps more metadata than its new quota",
+            )
+        most = bounds.get("max_layouts")
+        layouts = owned[name] if e.mode == "restart" else tenant.layouts
+        if most is not None and layouts > most:
+            raise OverLimit(
+                "max_layouts", "tenant", layouts, 0, most, f"tenant {name!r} holds more layouts than its new bound",
+            )
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -407,7 +481,7 @@ RULES: dict[type[Event], Rule] = {
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit",
     ),
     RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort"),
-    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO)), stays(GPU)),
+    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU)),
     RoDisconnect: Rule(Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last"))),
     # the writer's layout
     AllocationCreated: Rule(

@@ -12,11 +12,15 @@ state encodes to the same bytes in any process).  ``encode_image`` writes
 ``[b"gms-state", version, body]`` (msgpack; the body msgpack again), so a
 reader learns the version before it parses anything else, reads every
 version in ``READABLE_VERSIONS`` and refuses the others with
-:class:`UnsupportedVersion`, naming both.  Version 1's body is spelled out
-below field by field (not derived from the classes, so a change to a state
-class cannot change the format behind the version's back):
-``tests/fixtures/state_v1.bin`` is a frozen version-1 image that every later
-server must still read.
+:class:`UnsupportedVersion`, naming both.  Each version's body is spelled
+out below field by field (not derived from the classes, so a change to a
+state class cannot change the format behind the version's back), and each
+has a frozen fixture every later server must still read
+(``tests/fixtures/state_v<N>.bin``).  A server writes only the current
+version; it reads the older ones, filling what they lack as their writers
+had it (version 1 came before issue 21's bounds: its tenants and node read
+as unbounded in metadata and layouts, and the counts those bounds keep are
+recounted from the layouts and sessions it carries).
 
 Log entries travel to the keeper in the same terms (``encode_entries``): the
 event's kind and its fields by name, so a reader fills defaults for fields
@@ -36,8 +40,8 @@ from ..fsm.state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 from ..store import LogEntry
 
 MAGIC = b"gms-state"
-STATE_VERSION = 1  # what this server writes
-READABLE_VERSIONS = (1,)  # what it reads
+STATE_VERSION = 2  # what this server writes
+READABLE_VERSIONS = (1, 2)  # what it reads
 
 
 class ImageError(ValueError):
@@ -103,6 +107,9 @@ class ConnImage:
     conn: int
     protocol: ProtocolImage
     pending: PendingImage | None = None
+    # What is left of its first request's deadline (--handshake-timeout), for a
+    # connection that has made none yet; None: it has (or, version 1, unknown).
+    first_request_left_ms: int | None = None
 
 
 @attrs.frozen
@@ -279,20 +286,118 @@ def _read_server_v1(row: list) -> ServerInfo:
     return ServerInfo(pid=pid, backend=backend, device=device, device_uuid=device_uuid, host_tier=host_tier)
 
 
-def _read_v1(body: dict) -> StateImage:
+def _read_image(body: dict, version: int, node: NodeState) -> StateImage:
+    """What every version's body holds alike around its node."""
     return StateImage(
-        version=1,
+        version=version,
         server=_read_server_v1(body["server"]),
         last_seq=body["last_seq"],
         next_conn=body["next_conn"],
-        state=_read_node_v1(body["node"]),
+        state=node,
         conns=tuple(_read_conn_v1(c) for c in body["conns"]),
         queues=tuple((layout, tuple(conns)) for layout, conns in body["queues"]),
     )
 
 
-_WRITERS = {1: _body_v1}
-_READERS = {1: _read_v1}
+def _recount_v1(node: NodeState) -> NodeState:
+    """What a version-1 node implies of the counts issue 21 added: metadata bytes
+    per owner and node-wide, and each tenant's layouts (owned, plus those its
+    sessions may write).  Its bounds stay None: a version-1 server had none
+    (the new server's SERVER_RESUMED sets its own)."""
+    metadata: dict[str, int] = {}
+    refs: dict[str, dict[str, int]] = {}
+    for name, layout in node.layouts.items():
+        if layout.owner is not None:
+            metadata[layout.owner] = metadata.get(layout.owner, 0) + layout.metadata_bytes
+            owned = refs.setdefault(layout.owner, {})
+            owned[name] = owned.get(name, 0) + 1
+    for session in node.sessions.values():
+        if session.lock_type != "RO":
+            mine = refs.setdefault(session.tenant, {})
+            mine[session.layout] = mine.get(session.layout, 0) + 1
+    tenants = Map({
+        name: attrs.evolve(
+            tenant, metadata_bytes=metadata.get(name, 0), layout_refs=Map(refs.get(name, {}))
+        )
+        for name, tenant in node.tenants.items()
+    })
+    return attrs.evolve(
+        node, tenants=tenants, metadata_bytes=sum(layout.metadata_bytes for layout in node.layouts.values())
+    )
+
+
+def _read_v1(body: dict) -> StateImage:
+    return _read_image(body, 1, _recount_v1(_read_node_v1(body["node"])))
+
+
+# -- version 2: issue 21's bounds and counts, a connection's first-request deadline ---
+
+# Spelled out: a field added to Limits is a new version, not a silent change of this one.
+_LIMITS_V2 = (
+    "max_layouts", "max_allocations", "max_metadata_keys", "max_metadata_value_bytes", "max_key_bytes",
+    "max_tag_bytes", "max_allocation_bytes", "max_metadata_bytes", "tenant_metadata_quota", "tenant_max_layouts",
+)
+
+
+def _tenant_v2(t: TenantState) -> list:
+    return [
+        t.name, t.quota_bytes, t.used_bytes, t.sessions, t.metadata_quota, t.metadata_bytes, t.max_layouts,
+        sorted([layout, refs] for layout, refs in t.layout_refs.items()),
+    ]
+
+
+def _node_v2(node: NodeState) -> dict:
+    body = _node_v1(node)
+    body["limits"] = [[name, getattr(node.limits, name)] for name in _LIMITS_V2]
+    body["tenants"] = [_tenant_v2(t) for _, t in sorted(node.tenants.items())]
+    body["metadata_bytes"] = node.metadata_bytes
+    return body
+
+
+def _conn_v2(conn: ConnImage) -> dict:
+    out = _conn_v1(conn)
+    out["first_request_left_ms"] = conn.first_request_left_ms
+    return out
+
+
+def _body_v2(image: StateImage) -> dict:
+    body = _body_v1(image)
+    body["node"] = _node_v2(image.state)
+    body["conns"] = [_conn_v2(c) for c in image.conns]
+    return body
+
+
+def _read_tenant_v2(row: list) -> TenantState:
+    name, quota, used, sessions, metadata_quota, metadata_bytes, max_layouts, refs = row
+    return TenantState(
+        name=name, quota_bytes=quota, used_bytes=used, sessions=sessions, metadata_quota=metadata_quota,
+        metadata_bytes=metadata_bytes, max_layouts=max_layouts, layout_refs=Map({k: v for k, v in refs}),
+    )
+
+
+def _read_node_v2(d: dict) -> NodeState:
+    node = _read_node_v1({**d, "limits": {}, "tenants": []})
+    return attrs.evolve(
+        node,
+        limits=Limits(**dict(d["limits"])),
+        tenants=Map({t.name: t for t in map(_read_tenant_v2, d["tenants"])}),
+        metadata_bytes=d["metadata_bytes"],
+    )
+
+
+def _read_v2(body: dict) -> StateImage:
+    image = _read_image(body, 2, _read_node_v2(body["node"]))
+    return attrs.evolve(
+        image,
+        conns=tuple(
+            attrs.evolve(c, first_request_left_ms=raw["first_request_left_ms"])
+            for c, raw in zip(image.conns, body["conns"])
+        ),
+    )
+
+
+_WRITERS = {2: _body_v2}  # only the current version is written
+_READERS = {1: _read_v1, 2: _read_v2}
 
 
 # -- the envelope --------------------------------------------------------------------

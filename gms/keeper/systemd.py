@@ -5,7 +5,8 @@ service manager (``FDSTORE=1``, ``FDPOLL=0``) under a name that says what it
 is, and removes it when it lets go (``FDSTOREREMOVE=1``):
 
 * ``gms-listener``: the listening socket;
-* ``gms-gpu-<id>``, ``gms-host-<id>``: an allocation's memory, a host copy;
+* ``gms-gpu-<id>``, ``gms-host-<id>``: an allocation's memory, a host copy (one
+  chunk of a copy of several: ``gms-host-<id>/<offset>/<length>``);
 * ``gms-journal-<n>``: a memfd holding the journal as records (a kind byte,
   an 8-byte big-endian length, the bytes): one ``base`` image, then each batch
   of log entries appended as it comes; each base starts a new memfd (the

@@ -9,6 +9,9 @@ from ..policy import OPEN_POLICY, Policy
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 
 
+DEFAULT_STOCK_BYTES = 64 << 20
+
+
 @attrs.frozen
 class ServerConfig:
     socket_path: str
@@ -18,13 +21,22 @@ class ServerConfig:
     gpu_budget: str | None = None  # bytes or a fraction of the device; None: no budget
     host_budget: str | None = None  # bytes for host copies; None: no budget
     host_tier: bool = True
+    # The copier (gms.copier): a process that moves host-tier bytes for clients;
+    # off: clients copy themselves (today's protocol, always understood).
+    copier: bool = True
+    host_pool_bytes: int = 0  # pinned host memory made ahead of need (needs the copier)
+    host_chunk_bytes: int = 64 << 20  # the pool's unit
     policy: Policy = OPEN_POLICY
     alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None
+    # Small allocations made ahead of need (memory.Stock); None: 64 MiB on CUDA,
+    # none on the host backend, whose memfds are cheap and named by allocation.
+    alloc_stock_bytes: int | None = None
     socket_mode: int = 0o600
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     limits: Limits = Limits()
     event_log_retain: int | None = 1_000_000
+    event_log_bytes: int | None = 64 << 20
     history_max_events: int = 10_000
     history_max_bytes: int = 8 << 20
     metrics_port: int | None = None
@@ -36,3 +48,9 @@ class ServerConfig:
     handover_timeout: float = 30.0  # for a quiet point, and for the other side of a take-over
     state_dir: str | None = None  # where a state that does not rebuild is saved (default: the socket's folder)
     ready_file: str | None = None  # created once serving, removed on exit (a readiness probe's)
+    # Connections (gms.server.admission): a deadline for the first request, a
+    # cap per peer uid (None: none), fds kept for admins (None: the default).
+    handshake_timeout: float = 10.0
+    max_connections_per_uid: int | None = 256
+    fd_reserve: int | None = None
+    scan_cache_bytes: int = 64 << 20

@@ -35,6 +35,7 @@ from ..fsm import (
     decide_restore_finished,
     decide_session,
     holders,
+    schedule,
     validate_layout_name,
 )
 from ..fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
@@ -42,7 +43,10 @@ from ..fsm.queries import layout_of
 from ..policy import OPEN_POLICY, Policy
 from ..store import EventLog
 from ..wire import messages as m
+from .copier_link import CopierLink
+from .host_memory import HostMemory
 from .host_tier import HostTier
+from .inflight import InFlight
 from .lanes import Lane
 from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
@@ -52,14 +56,15 @@ from .peer import Peer
 from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
-from .requests import Requests
+from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
+from .transfers import Transfers
 
 
 class ServiceCore:
     def __init__(
         self,
         gpu: Memory,
-        host: Memory | None,
+        host: HostMemory | Memory | None,
         *,
         device: DeviceInfo,
         signal: MemorySignal,
@@ -74,7 +79,11 @@ class ServiceCore:
         server_uid: int,
         alloc_retry_interval: float = 0.05,
         alloc_retry_timeout: float | None = None,
+        copier: CopierLink | None = None,
+        scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
     ) -> None:
+        if host is not None and not isinstance(host, HostMemory):
+            host = HostMemory(host)  # exact host copies, no copier: clients copy
         self.device = device
         self.policy = policy
         self.server_uid = server_uid
@@ -89,20 +98,38 @@ class ServiceCore:
             0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
             policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
             device_uuid=device.uuid, layout="",
+            tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
         )
         if not self.ledger.state.started:
             self.ledger.record([self.started_event], by_server=True)
-        self.requests = Requests(self.ledger, gpu)
+        self.requests = Requests(self.ledger, gpu, scan_cache_bytes)
         self.placement = Placement(
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
         )
         self.host_tier = HostTier(self.ledger, host)
+        self.copier = copier if host is not None else None
+        self.transfers = None if self.copier is None else Transfers(self.ledger, gpu, host, self.copier, self.requests)
+        if host is not None:
+            host.room = self._host_room
         self.probes = Probes(
             self.ledger, gpu, host, policy, server_uid,
             history_max_events=history_max_events, history_max_bytes=history_max_bytes,
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
+
+    def background(self) -> list:
+        """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""
+        host = self.ledger.tiers.get(MemoryTier.HOST)
+        tasks = [self.copier.run] if self.copier is not None else []
+        return tasks + ([host.keep_pool] if host is not None and host.pool_target else [])
+
+    def _host_room(self) -> int | None:
+        """What the host budget leaves beyond the recorded host copies (None: no budget)."""
+        state = self.ledger.state
+        return None if state.host_budget_bytes is None else state.host_budget_bytes - state.host_bytes
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""
@@ -173,8 +200,17 @@ class ServiceCore:
         alive: Callable[[], bool] = lambda: True,
     ) -> None:
         """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted.
-        ``alive`` is asked before a grant: False drops the waiter instead."""
+        ``alive`` is asked before a grant: False drops the waiter instead.  A
+        handshake nobody is queued ahead of, on a layout that can take it now,
+        is granted without a queue: its client is the one being answered."""
         layout = layout_of(self.state, conn).name
+        if not self.queues.waiting_on(layout):
+            grants = schedule(self.state.layout(layout), [(conn, requested)])
+            if grants:
+                (grant,) = grants
+                self.ledger.record_grant(grant)
+                on_grant(grant)
+                return
         self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
         self.ledger.grant(layout)
 
@@ -235,7 +271,7 @@ class ServiceCore:
 
 async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
     """A core over these backends, each with its lane (inside Trio); the device is asked on its lane."""
-    gpu_memory = Memory(gpu, Lane("gpu"))
+    gpu_memory = Memory(gpu, Lane("gpu"), options.pop("stock_bytes", 0))
     return ServiceCore(
         gpu_memory,
         Memory(host, Lane("host")) if host is not None else None,

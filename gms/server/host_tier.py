@@ -11,18 +11,28 @@ is then: two writers racing for the last of the host budget cannot both win.
 from __future__ import annotations
 
 from ..cuda import OutOfMemory, align_up
-from ..fsm import HostBudgetExceeded, LimitExceeded, StateViolation, decide_host_copy, fold_all, queries
+from ..fsm import (
+    HostBudgetExceeded,
+    InvalidArgument,
+    LimitExceeded,
+    StateViolation,
+    decide_host_copy,
+    fold_all,
+    queries,
+)
 from ..fsm.rules import allocation_of
 from ..fsm.state import Allocation
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
+from .host_memory import HostMemory
 from .ledger import Ledger
-from .memory import Memory
 from .reply import Reply, allocation_info
+
+MAX_CHUNK_ROWS = 1 << 20  # allocations x chunks listed per request, before paging
 
 
 class HostTier:
-    def __init__(self, ledger: Ledger, host: Memory | None) -> None:
+    def __init__(self, ledger: Ledger, host: HostMemory | None) -> None:
         self.ledger = ledger
         self.host = host
 
@@ -51,6 +61,37 @@ class HostTier:
         fds = self.host.export_many(allocation_ids)
         rows = [allocation_info(a, aligned=self._size(a)) for a in found]
         return Reply(m.ExportHostCopiesResponse(rows), fds=tuple(fds))
+
+    def export_chunks(self, conn: int, allocation_ids: list[str], start: int) -> Reply:
+        """The restorer: the chunks of the host copies, in order, 253 fds at most an
+        answer (a host copy the copier filled is several chunks of pool memory)."""
+        if self.host is None:
+            raise StateViolation("this server keeps no host tier")
+        if start < 0:
+            raise InvalidArgument("start must be >= 0")
+        layout = queries.layout_of(self.ledger.state, conn)
+        queries.require_view(layout, conn, "host chunks")
+        if layout.restorer != conn:
+            raise StateViolation("host chunks are for the restorer of an evicted layout")
+        rows: list[tuple[str, int, str, int]] = []
+        for allocation_id in allocation_ids:
+            allocation_of(layout, allocation_id)
+            if allocation_id not in layout.host_copies:
+                raise StateViolation(f"allocation {allocation_id!r} has no host copy to restore from")
+            offset = 0
+            for chunk, size in self.host.chunks_of(allocation_id):
+                rows.append((allocation_id, offset, chunk, size))
+                offset += size
+            if len(rows) > MAX_CHUNK_ROWS:
+                raise LimitExceeded(f"more than {MAX_CHUNK_ROWS} chunks in one request")
+        page = rows[start : start + MAX_FDS_PER_MESSAGE]
+        end = start + len(page)
+        fds = self.host.export_chunks([chunk for _, _, chunk, _ in page])
+        response = m.ExportHostChunksResponse(
+            [a for a, _, _, _ in page], [o for _, o, _, _ in page], [s for _, _, _, s in page],
+            end if end < len(rows) else 0,
+        )
+        return Reply(response, fds=tuple(fds))
 
     async def _make(self, conn: int, allocation_ids: list[str]) -> None:
         def propose():

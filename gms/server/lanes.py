@@ -58,6 +58,10 @@ class Lane:
         """Run ``fn(*args)`` on the lane, after everything asked before it; no answer."""
         self._jobs.put((fn, args, None))
 
+    def post_then(self, then: Callable[[bool, Any], None], fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the lane; ``then(ok, result or error)`` runs on the loop after."""
+        self._jobs.put((fn, args, then))
+
     async def watch(self) -> None:
         """Raise the first failure of posted work (run in the server's nursery)."""
         await self._failed.wait()
@@ -80,14 +84,17 @@ class Lane:
                 value = (True, fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the loop below
                 value = (False, exc)
-            if reply is not None:
+            if callable(reply):
+                self._token.run_sync_soon(reply, *value)
+            elif reply is not None:
                 done, box = reply
                 box.append(value)
                 self._token.run_sync_soon(done.set)
             elif not value[0]:
-                self._token.run_sync_soon(self._fail, value[1])
+                self._token.run_sync_soon(self.fail, value[1])
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """Stop the server with ``exc`` (a failure in work nobody awaits); on the loop."""
         if self._failure is None:
             self._failure = exc
             self._failed.set()

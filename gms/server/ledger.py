@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..fsm import InvariantViolation, MemoryTier, NodeState, Rejection, may_make_room, released_memory
+from ..fsm import Grant, InvariantViolation, MemoryTier, NodeState, Rejection, may_make_room, released_memory
 from ..fsm.events import Event
 from ..store import EventLog
 from .lock_queues import LockQueues
@@ -62,6 +62,11 @@ class Ledger:
         layout nobody waits for, which may then be evicted: room."""
         room = self._grant(layout)
         if room or (waiter_left and layout not in self.queues.busy()):
+            self._on_released()
+
+    def record_grant(self, grant: Grant) -> None:
+        """A grant decided without a queue (nobody waited): recorded like any other."""
+        if self._append([grant.event], by_server=True):
             self._on_released()
 
     def _grant(self, layout: str) -> bool:

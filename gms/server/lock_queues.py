@@ -69,6 +69,9 @@ class LockQueues:
         """Every layout's waiting connections, in arrival order (for a hand-over)."""
         return [(layout, list(queue)) for layout, queue in self._queues.items()]
 
+    def waiting_on(self, layout: str) -> bool:
+        return layout in self._queues
+
     def busy(self) -> set[str]:
         """Layouts someone waits for: never evicted under them."""
         return set(self._queues)
@@ -85,11 +88,14 @@ class LockQueues:
         return self._view
 
     def _refresh(self, layout: str) -> None:
-        view = dict(self._view)
-        queue = self._queues.get(layout, {})
+        queue = self._queues.get(layout)
+        if not queue:
+            if layout in self._view:
+                view = dict(self._view)
+                del view[layout]
+                self._view = view
+            return
         writers = sum(1 for w in queue.values() if w.requested is RequestedLockType.RW)
-        if queue:
-            view[layout] = (writers, len(queue) - writers)
-        else:
-            view.pop(layout, None)
-        self._view = view
+        counts = (writers, len(queue) - writers)
+        if self._view.get(layout) != counts:
+            self._view = {**self._view, layout: counts}

@@ -11,11 +11,14 @@ creation is awaited, release is handed over once the state has recorded it.
 from __future__ import annotations
 
 import errno
+import functools
 import os
+from collections import OrderedDict
 from collections.abc import Iterable
 
-from ..cuda import DeviceInfo, Held, MemoryBackend, MemoryLost
+from ..cuda import DeviceInfo, Held, MemoryBackend, MemoryLost, NoFileDescriptors, OutOfMemory
 from ..fsm.errors import Rejection
+from .admission import FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -56,28 +59,111 @@ def _release_all(backend: MemoryBackend, held: Iterable[Held]) -> None:
         backend.release(one)
 
 
+class Stock:
+    """Small allocations made ahead of need: a few spares per recently asked size.
+
+    A lane round trip costs an allocation two thread wake-ups (about 0.19 ms on
+    the H100 host's VM, bench/core_ops.py), more than making a small
+    allocation does; so once a small size is asked for, the lane keeps a few
+    of it made in the background, and the next requests of that size take
+    them on the loop.  Bounded by ``max_bytes`` (sizes up to a quarter of it,
+    at most ``DEPTH`` spares each; the least recently asked size goes
+    first); this memory is the server's own, outside every budget, and is
+    given back first when the device is full."""
+
+    DEPTH = 4
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._spares: OrderedDict[int, list[Held]] = OrderedDict()
+
+    def missing(self, size: int, pending: int) -> int:
+        """How many spares of ``size`` to make now, ``pending`` being made already."""
+        if not 0 < size <= self.max_bytes // 4:
+            return 0
+        depth = min(self.DEPTH, self.max_bytes // 4 // size)
+        return max(0, depth - len(self._spares.get(size, ())) - pending)
+
+    def take(self, size: int) -> Held | None:
+        spares = self._spares.get(size)
+        if not spares:
+            return None
+        self._spares.move_to_end(size)
+        held = spares.pop()
+        self.bytes -= held.size
+        return held
+
+    def put(self, held: Held) -> list[Held]:
+        """Keep ``held``; returns what no longer fits (for release)."""
+        gone = []
+        while self.bytes + held.size > self.max_bytes and self._spares:
+            size, spares = next(iter(self._spares.items()))
+            if size == held.size and len(self._spares) == 1:
+                break
+            old = spares.pop()
+            if not spares:
+                del self._spares[size]
+            self.bytes -= old.size
+            gone.append(old)
+        if self.bytes + held.size > self.max_bytes:
+            return [*gone, held]
+        self._spares.setdefault(held.size, []).append(held)
+        self.bytes += held.size
+        return gone
+
+    def drain(self) -> list[Held]:
+        gone = [held for spares in self._spares.values() for held in spares]
+        self._spares.clear()
+        self.bytes = 0
+        return gone
+
+
 class Memory:
-    def __init__(self, backend: MemoryBackend, lane: Lane) -> None:
+    def __init__(self, backend: MemoryBackend, lane: Lane, stock_bytes: int = 0) -> None:
         self.backend = backend
         self.lane = lane
         self.name = backend.name
         self.granularity = backend.granularity
+        self.stock = Stock(stock_bytes)
+        self._restocking: dict[int, int] = {}  # size -> spares being made
         self._held: dict[str, Held] = {}
         self._bytes = 0
         self.released = 0  # allocations released since the start
+        # Ids a resumed server found lost (their memory never held here): the
+        # LAYOUT_LOST that drops their layout releases them, and finds nothing.
+        self._lost: set[str] = set()
         # Told of every fd made or let go (the keeper link, where there is one):
         # ``held(tier, [(id, fd)])``, ``released(tier, [id])``; the tier is the lane's name.
+        # The stock's spares are not told: they are no state, and die with the server.
         self.observer = None
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
 
     async def create(self, items: list[tuple[str, int]]) -> None:
-        """Make memory for each (id, aligned size), in one lane call; all or nothing.
-        Raises OutOfMemory (transient: the caller waits) or BackendError (fatal)."""
-        made = await self.lane.call(_create_all, self.backend, items)
-        for (allocation_id, _), held in zip(items, made):
+        """Make memory for each (id, aligned size), from the stock or in one lane
+        call; all or nothing.  Raises OutOfMemory (transient: the caller waits;
+        ``drop_stock`` first), BackendError (fatal), or FdsExhausted (each holds
+        an fd and the server has none to spare: at once)."""
+        if self.fds is not None:
+            self.fds.check_memory(len(items))
+        taken = {allocation_id: self.stock.take(size) for allocation_id, size in items}
+        missing = [(allocation_id, size) for allocation_id, size in items if taken[allocation_id] is None]
+        try:
+            made = await self.lane.call(_create_all, self.backend, missing) if missing else []
+        except NoFileDescriptors as exc:  # the count missed some: refused all the same
+            self._give_back([held for held in taken.values() if held is not None])
+            raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
+        except BaseException:
+            self._give_back([held for held in taken.values() if held is not None])
+            raise
+        made_by_id = dict(zip((allocation_id for allocation_id, _ in missing), made))
+        for allocation_id, _ in items:
+            held = taken[allocation_id] or made_by_id[allocation_id]
             self._held[allocation_id] = held
             self._bytes += held.size
-        if self.observer is not None:
-            self.observer.held(self.lane.name, [(i, held.fd) for (i, _), held in zip(items, made)])
+        if self.observer is not None:  # before the event that records them (the caller's)
+            self.observer.held(self.lane.name, [(i, self._held[i].fd) for i, _ in items])
+        self._restock({size for _, size in items})
 
     async def adopt(self, items: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
         """Memory another server made, by (id, fd, aligned size), checked on the lane
@@ -86,11 +172,46 @@ class Memory:
         for allocation_id, held in adopted:
             self._held[allocation_id] = held
             self._bytes += held.size
+        self.mark_lost(allocation_id for allocation_id, _ in lost)
         return lost
+
+    def mark_lost(self, allocation_ids: Iterable[str]) -> None:
+        """Ids whose memory did not come over: their release finds nothing to release."""
+        self._lost.update(allocation_ids)
 
     def held_fds(self) -> list[tuple[str, int]]:
         """(id, fd) of everything held: what a take-over hands on (the fds stay open here)."""
         return [(allocation_id, held.fd) for allocation_id, held in self._held.items()]
+
+    def fd_of(self, allocation_id: str) -> int:
+        """The fd held for an allocation (it stays open here)."""
+        return self._held[allocation_id].fd
+
+    def _restock(self, sizes: Iterable[int]) -> None:
+        for size in sizes:
+            for _ in range(self.stock.missing(size, self._restocking.get(size, 0))):
+                self._restocking[size] = self._restocking.get(size, 0) + 1
+                self.lane.post_then(functools.partial(self._stocked, size), self.backend.create, size, "stock")
+
+    def _stocked(self, size: int, ok: bool, made: Held | BaseException) -> None:
+        self._restocking[size] -= 1
+        if not ok:
+            if not isinstance(made, OutOfMemory):
+                self.lane.fail(made)  # a CUDA failure: fatal, as in any other lane work
+            return
+        self._give_back([made])
+
+    def _give_back(self, helds: list[Held]) -> None:
+        gone = [g for held in helds for g in self.stock.put(held)]
+        if gone:
+            self.lane.post(_release_all, self.backend, gone)
+
+    def drop_stock(self) -> bool:
+        """Release every spare (the device is full); True if there were any."""
+        gone = self.stock.drain()
+        if gone:
+            self.lane.post(_release_all, self.backend, gone)
+        return bool(gone)
 
     def export(self, allocation_id: str) -> int:
         """A new fd for an allocation (the caller closes it).  Running out of fds (a
@@ -106,6 +227,10 @@ class Memory:
             raise
 
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
+        """Fds lent to a reply: the session gives them back to the budget once sent."""
+        allocation_ids = list(allocation_ids)
+        if self.fds is not None:
+            self.fds.lend(len(allocation_ids))
         fds: list[int] = []
         try:
             for allocation_id in allocation_ids:
@@ -113,12 +238,16 @@ class Memory:
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            if self.fds is not None:
+                self.fds.returned(len(allocation_ids))
             raise
         return fds
 
     def release(self, allocation_ids: Iterable[str]) -> None:
         """Forget them here at once; the lane closes and frees them after what it has queued."""
         allocation_ids = list(allocation_ids)
+        if self._lost:
+            allocation_ids = [i for i in allocation_ids if not self._was_lost(i)]
         gone = [self._held.pop(allocation_id) for allocation_id in allocation_ids]
         if gone and self.observer is not None:
             self.observer.released(self.lane.name, allocation_ids)
@@ -127,6 +256,12 @@ class Memory:
             self.released += len(gone)
             self.lane.post(_release_all, self.backend, gone)
 
+    def _was_lost(self, allocation_id: str) -> bool:
+        if allocation_id in self._lost:
+            self._lost.discard(allocation_id)
+            return True
+        return False
+
     def holds(self, allocation_id: str) -> bool:
         return allocation_id in self._held
 
@@ -134,11 +269,17 @@ class Memory:
         """(count, bytes) of memory this tier holds."""
         return len(self._held), self._bytes
 
+    def fd_count(self) -> int:
+        """Fds the table holds (one per allocation; the stock's few spares aside:
+        they are outside every budget, as their memory is)."""
+        return len(self._held)
+
     async def device_info(self) -> DeviceInfo:
         return await self.lane.call(self.backend.device_info)
 
     async def close(self) -> None:
         """Release everything, wait for the lane to finish, stop it."""
         self.release(list(self._held))
+        self.drop_stock()
         await self.lane.call(self.backend.close)
         self.lane.stop()

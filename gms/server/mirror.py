@@ -8,9 +8,11 @@ the keeper lacks and a *base* (a state image, with the keys of every fd that
 state holds; the keeper closes any other).  From then on, in the order they
 happen on the event loop:
 
-* ``hold``: memory made (an allocation, a host copy), its fd, before the
-  event that records it (a server that dies between the two leaves an fd no
-  event names: the next server closes it);
+* ``hold``: memory made (an allocation; a host copy's chunks, named by their
+  place in the copy: ``gms.server.host_memory.chunk_name``), its fd, before
+  the event that records it (a server that dies between the two leaves an fd
+  no event names: the next server closes it).  Memory that is no state (the
+  host pool, chunks of a transfer in flight, the stock's spares) is never sent;
 * ``events``: log entries as they are appended (``MirroredLog``), before the
   memory they released is let go and before any answer goes out;
 * ``release``: memory let go, after its event;
@@ -41,7 +43,9 @@ from ..handover import frames
 from ..handover.image import STATE_VERSION, StateImage, encode_entries, encode_image
 from ..store import EventLog, LogEntry
 
-log = logging.getLogger("gms.server")
+# Restarts and take-overs are rare and each line matters: not under "gms.server",
+# whose repeated lines are rate-limited (gms.server.ratelimit).
+log = logging.getLogger("gms.server.restart")
 
 MIN_TAIL_BYTES = 1 << 20  # a new base no sooner than this many bytes of events
 SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)

@@ -88,11 +88,14 @@ class Placement:
     async def _create(self, propose: Callable[[], Event], admit, items: list[tuple[str, int]]) -> Event:
         more = sum(size for _, size in items)
         while True:
-            self._make_room(admit(self.ledger.state, propose()))  # refusals cost nothing yet
+            admitted = admit(self.ledger.state, propose())  # refusals cost nothing yet
+            if self.gpu.fds is not None:
+                self.gpu.fds.check_memory(len(items))  # nor do fds: never evict for memory it cannot hold
+            self._make_room(admitted)
             try:
                 await self.gpu.create(items)
             except OutOfMemory:
-                if not self._evict_one():
+                if not self.gpu.drop_stock() and not self._evict_one():
                     raise
                 continue
             # The world may have changed during the await: decide again.

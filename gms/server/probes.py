@@ -2,7 +2,11 @@
 
 Who sees what is decided from the peer's credentials: admins (root, the
 server's uid, a policy admin) everything, a tenant the layouts it may read
-and its own row, a peer of no tenant nothing.  The runtime state keeps the
+and its own row, a peer of no tenant nothing.  A tenant's history is its
+own: events of layouts it may not read are left out, and so are other
+peers' refused handshakes and connections dropped before a handshake; other
+tenants' quotas are cut from SERVER_STARTED (and SERVER_RESUMED) and other peers' uid, gid and
+pid from the events it does see.  The runtime state keeps the
 seed's single-layout fields at the top level, describing the layout
 ``weights``, so a seed-era client or probe reads it unchanged.
 """
@@ -15,6 +19,7 @@ import time
 import attrs
 
 from ..fsm import PermissionDenied
+from ..fsm.events import ConnectionDropped, ServerResumed, ServerStarted, SessionOpened, SessionRefused
 from ..policy import Policy, TenantPolicy
 from ..status import layout_rows, tenant_rows
 from ..store import LogEntry
@@ -26,17 +31,44 @@ from .peer import Peer
 SEED_LAYOUT = "weights"  # what the seed's single-layout clients read at the top level
 
 
+_IDENTITY = ("uid", "gid", "pid")
+
+
 @attrs.frozen
 class View:
     """What a probe shows: everything (``tenant_policy`` None), or one tenant's share."""
 
     tenant_policy: TenantPolicy | None
+    policy: Policy | None = None  # whose a refused peer is
 
     def layout(self, name: str) -> bool:
         return self.tenant_policy is None or not name or self.tenant_policy.may_read(name)
 
     def tenant(self, name: str) -> bool:
         return self.tenant_policy is None or self.tenant_policy.name == name
+
+    def history_row(self, entry: LogEntry) -> dict | None:
+        """The event as this viewer may see it; None: not at all."""
+        event = entry.event
+        row = history_entry(entry)
+        if self.tenant_policy is None:
+            return row
+        if not self.layout(event.layout):
+            return None
+        if isinstance(event, SessionRefused):
+            peer = self.policy.tenant_for(event.uid, event.gid) if self.policy is not None else None
+            return row if peer is not None and self.tenant(peer.name) else None
+        if isinstance(event, ConnectionDropped) and not event.layout:
+            return None  # before a handshake: nobody's, so nobody's business
+        if isinstance(event, ServerStarted | ServerResumed):  # a new server's configuration: the same
+            mine = self.tenant_policy.name
+            row["quotas"] = {k: v for k, v in event.quotas.items() if k == mine}
+            row["tenant_limits"] = {k: v for k, v in event.tenant_limits.items() if k == mine}
+        elif not (isinstance(event, SessionOpened) and self.tenant(event.tenant)):
+            for key in _IDENTITY:
+                if key in row:
+                    row[key] = None  # another peer's: who it was is not this tenant's to know
+        return row
 
 
 def history_entry(entry: LogEntry) -> dict:
@@ -74,7 +106,7 @@ class Probes:
         tenant = self.policy.tenant_for(peer.uid, peer.gid)
         if tenant is None:
             raise PermissionDenied(f"uid {peer.uid} is no tenant of this server's policy")
-        return View(tenant)
+        return View(tenant, self.policy)
 
     async def answer(self, request: object, peer: Peer) -> m.GetRuntimeStateResponse | m.GetEventHistoryResponse:
         view = self.view_for(peer)
@@ -93,6 +125,8 @@ class Probes:
         queues = self.ledger.queues
         handles, handle_bytes = self.gpu.live()
         host_handles, host_handle_bytes = self.host.live() if self.host else (0, 0)
+        link = getattr(self.host, "link", None)
+        copier, copier_pid = link.status() if link is not None else ("off", 0)
         rows = [row for row in layout_rows(state, queues.counts, self._seconds_since) if view.layout(row.name)]
         writers, others = queues.counts()
         seed = next((row for row in rows if row.name == SEED_LAYOUT), None) or m.LayoutStatus.empty(SEED_LAYOUT)
@@ -116,8 +150,11 @@ class Probes:
             waiting=writers + others,
             first_event_seq=log.first_seq,
             last_event_seq=log.last_seq,
+            event_log_bytes=log.bytes,
             uptime_s=time.monotonic() - self.started_monotonic,
             pid=os.getpid(),
+            metadata_bytes=state.metadata_bytes,
+            max_metadata_bytes=state.limits.max_metadata_bytes,
             layouts=rows,
             tenants=[row for row in tenant_rows(state) if view.tenant(row.name)],
             state=seed.state,
@@ -129,6 +166,9 @@ class Probes:
             allocation_count=seed.allocation_count,
             total_bytes=seed.bytes,
             memory_layout_hash=seed.memory_layout_hash,
+            copier=copier,
+            copier_pid=copier_pid,
+            host_pool_bytes=getattr(self.host, "pool_bytes", 0),
         )
 
     def history(
@@ -149,9 +189,8 @@ class Probes:
         budget = self.history_max_bytes
         scanned = max(since_seq or 0, log.first_seq - 1)
         for entry in log.since(scanned, cap * 16 + 1024 if filtered else cap):
-            event = entry.event
-            if (layout is None or event.layout == layout) and view.layout(event.layout):
-                row = history_entry(entry)
+            row = view.history_row(entry) if layout is None or entry.event.layout == layout else None
+            if row is not None:
                 budget -= 96 + sum(len(v) for v in row.values() if isinstance(v, str | bytes))
                 if len(rows) >= cap or (rows and budget < 0):
                     break

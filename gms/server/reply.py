@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..fsm import QuotaExceeded, Rejection
+from ..fsm import OverLimit, QuotaExceeded, Rejection
 from ..wire import messages as m
 
 
@@ -19,6 +19,11 @@ def error_reply(rejection: Rejection, *, close_after: bool = False) -> Reply:
     if isinstance(rejection, QuotaExceeded):
         message = m.ErrorResponse(
             rejection.message, rejection.code, rejection.scope, rejection.used, rejection.asked, rejection.quota
+        )
+    elif isinstance(rejection, OverLimit):
+        message = m.ErrorResponse(
+            rejection.message, rejection.code, rejection.scope, rejection.used, rejection.asked, rejection.bound,
+            rejection.limit,
         )
     else:
         message = m.ErrorResponse(rejection.message, rejection.code)

@@ -101,7 +101,7 @@ class Requests:
 
     def _export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
         (allocation,) = queries.exportable(self._layout(conn), conn, [req.allocation_id])
-        fd = self.gpu.export(allocation.allocation_id)
+        (fd,) = self.gpu.export_many([allocation.allocation_id])
         return Reply(allocation_info(allocation, m.ExportAllocationResponse), fds=(fd,))
 
     def _export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:

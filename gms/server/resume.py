@@ -37,9 +37,12 @@ from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries,
 from ..postmortem import event_row
 from ..store import EventLog, Snapshot
 from .core import ServiceCore
-from .mirror import memory_key
+from .host_memory import parse_chunk_name
+from .mirror import memory_key, split_key
 
-log = logging.getLogger("gms.server")
+# Restarts and take-overs are rare and each line matters: not under "gms.server",
+# whose repeated lines are rate-limited (gms.server.ratelimit).
+log = logging.getLogger("gms.server.restart")
 
 
 class Unreplayable(Exception):
@@ -53,7 +56,8 @@ class TakeOverRefused(Exception):
 @attrs.frozen
 class Handed:
     """A node to go on with: its image and log, its memory's fds by key
-    (``gpu:<id>``, ``host:<id>``) and, for a take-over, each connection's socket."""
+    (``gpu:<id>``, ``host:<id>`` or ``host:<id>/<offset>/<length>`` for a
+    chunk of a copy of several) and, for a take-over, each connection's socket."""
 
     mode: str  # "restart" or "take-over"
     image: StateImage
@@ -72,13 +76,16 @@ class Handed:
 
 
 def rebuild(
-    base: bytes, tails: Iterable[bytes], *, retain: int | None, log_class: type[EventLog] = EventLog
+    base: bytes, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
+    log_class: type[EventLog] = EventLog,
 ) -> tuple[StateImage, EventLog, int]:
     """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
     try:
         image = decode_image(base)
         entries = [entry for tail in tails for entry in decode_entries(tail)]
-        log_ = log_class.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain)
+        log_ = log_class.resumed(
+            Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes
+        )
         check_invariants(log_.state)
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc
@@ -129,27 +136,58 @@ def check_compatible(server: ServerInfo, device: DeviceInfo) -> None:
 
 async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str, str]]:
     """Hold every fd the state names (checked by its tier's backend); close the
-    others.  Returns (tier, allocation id, why) for each allocation lost."""
+    others.  A host copy may come in several chunks, each named by where it
+    lies in the copy (``gms.server.host_memory.chunk_name``).  Returns (tier,
+    allocation id, why) for each allocation lost."""
     fds = dict(handed.fds)
+    chunks = _host_chunks(fds)
     tiers = core.ledger.tiers
     lost: list[tuple[str, str, str]] = []
-    wanted: dict[str, list[tuple[str, int, int]]] = {}
+    gpu: list[tuple[str, int, int]] = []
+    host: list[tuple[str, int, list[tuple[int, int, int]]]] = []
     for (tier, allocation_id), size in held_memory(handed.log.state).items():
-        fd = fds.pop(memory_key(tier, allocation_id), None)
+        if tier == MemoryTier.GPU.value:
+            fd = fds.pop(memory_key(tier, allocation_id), None)
+            found = [] if fd is None else [(None, None, fd)]
+        else:
+            found = chunks.pop(allocation_id, [])
         memory = tiers.get(_tier(tier))
-        if fd is None or memory is None:
-            lost.append((tier, allocation_id, "no fd was kept for it" if fd is None else f"no {tier} tier here"))
-            if fd is not None:
+        if not found or memory is None:
+            lost.append((tier, allocation_id, "no fd was kept for it" if not found else f"no {tier} tier here"))
+            for _, _, fd in found:
                 os.close(fd)
             continue
-        wanted.setdefault(tier, []).append((allocation_id, fd, align_up(size, memory.granularity)))
-    for key, fd in fds.items():  # made, but no event names it: the server died in between
+        aligned = align_up(size, memory.granularity)
+        if tier == MemoryTier.GPU.value:
+            gpu.append((allocation_id, found[0][2], aligned))
+        else:
+            parts = [(0, aligned, fd) if offset is None else (offset, length, fd) for offset, length, fd in found]
+            host.append((allocation_id, aligned, parts))
+    # Made, but no event names it: the server died in between (or it is not memory).
+    for key, fd in [*fds.items(), *((f"host:{i}", fd) for i, parts in chunks.items() for _, _, fd in parts)]:
         log.info("closing %s: no event of the handed state names it", key)
         os.close(fd)
-    for tier, items in wanted.items():
-        for allocation_id, why in await tiers[_tier(tier)].adopt(items):
-            lost.append((tier, allocation_id, why))
+    if gpu:
+        lost += [("gpu", i, why) for i, why in await tiers[MemoryTier.GPU].adopt(gpu)]
+    if host:
+        lost += [("host", i, why) for i, why in await tiers[MemoryTier.HOST].adopt_copies(host)]
     return lost
+
+
+def _host_chunks(fds: dict) -> dict[str, list[tuple[int | None, int | None, int]]]:
+    """The host copies' chunks among ``fds`` (taken out of it), by allocation:
+    (offset, size, fd), offset and size None for a copy in one chunk."""
+    chunks: dict[str, list[tuple[int | None, int | None, int]]] = {}
+    for key in list(fds):
+        tier, name = split_key(key)
+        if tier != MemoryTier.HOST.value:
+            continue
+        try:
+            allocation_id, offset, size = parse_chunk_name(name)
+        except ValueError:
+            continue  # not a name this server gives: closed as unnamed
+        chunks.setdefault(allocation_id, []).append((offset, size, fds.pop(key)))
+    return chunks
 
 
 def _tier(name: str) -> MemoryTier:
@@ -162,6 +200,7 @@ def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:
         0, handed.mode, handed.old_pid, handed.reason, handed.image.version,
         started.capacity_bytes, started.budget_bytes, started.host_budget_bytes, started.quotas, started.limits,
         backend=started.backend, device=started.device, device_uuid=started.device_uuid, layout="",
+        tenant_limits=started.tenant_limits,
     )
 
 

@@ -25,21 +25,26 @@ import trio
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
-from .config import ServerConfig
+from . import ratelimit, succession
+from .admission import LISTEN_BACKLOG, Admission, Ticket, open_admission
+from .admission import serve as serve_admitted
+from .config import DEFAULT_STOCK_BYTES, ServerConfig
+from .copier_link import CopierLink
 from .core import ServiceCore
+from .host_memory import HostMemory
 from .lanes import Lane
 from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
 from .mirror import MirroredLog
 from .netio import Channel
+from .peer import Peer
 from .quiesce import Quiesce
 from .resume import TakeOverRefused
 from .session import Session
-from . import succession
 from .startup import open_link, prepare
 
-log = logging.getLogger("gms.server")
+logger = logging.getLogger("gms.server")
 
 
 class SocketPathError(Exception):
@@ -59,7 +64,7 @@ def clear_stale_socket(path: str) -> None:
     try:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
-        log.info("replacing stale socket %s", path)
+        logger.info("replacing stale socket %s", path)
         os.unlink(path)
         return
     except OSError as exc:
@@ -80,7 +85,7 @@ def make_socket_dir(directory: str) -> None:
         os.umask(old_umask)
     mode = os.stat(directory).st_mode
     if mode & 0o022 and not mode & stat.S_ISVTX:
-        log.warning(
+        logger.warning(
             "socket folder %s is writable by others (mode %o) without the sticky bit: "
             "anyone who can write it can replace the socket", directory, stat.S_IMODE(mode),
         )
@@ -100,7 +105,7 @@ async def bind_listener(path: str, mode: int) -> tuple[trio.socket.SocketType, i
     finally:
         os.umask(old_umask)
     os.chmod(path, mode)
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     return sock, os.stat(path).st_ino
 
 
@@ -138,6 +143,8 @@ class Server:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.core: ServiceCore | None = None
+        self.admission: Admission | None = None
+        self.log_limit: ratelimit.RateLimit | None = None
         self.quiesce = Quiesce()
         self.listener = None
         self.link = None
@@ -148,13 +155,29 @@ class Server:
         self._accepting: trio.CancelScope | None = None
         self._accept_again = trio.Event()
 
+    def _gpu_memory(self) -> Memory:
+        stock = self.config.alloc_stock_bytes
+        if stock is None:
+            stock = DEFAULT_STOCK_BYTES if self.backend.name == "cuda" else 0
+        return Memory(self.backend, Lane("gpu"), stock)
+
     async def _open_core(self, gpu: Memory, log: EventLog | None = None) -> ServiceCore:
         config = self.config
-        host = Memory(self.host_tier, Lane("host")) if self.host_tier is not None else None
+        host = copier = None
+        if self.host_tier is not None:
+            if config.copier:
+                level = logging.getLevelName(logger.getEffectiveLevel()).lower()
+                copier = CopierLink(self.backend.name, config.device, log_level=level)
+            host = HostMemory(
+                Memory(self.host_tier, Lane("host")), link=copier,
+                pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes,
+            )
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
         if log is None:
-            log = (MirroredLog if self.link is not None else EventLog)(retain=config.event_log_retain)
+            log = (MirroredLog if self.link is not None else EventLog)(
+                retain=config.event_log_retain, max_bytes=config.event_log_bytes
+            )
         self.core = ServiceCore(
             gpu,
             host,
@@ -171,6 +194,8 @@ class Server:
             server_uid=os.getuid(),
             alloc_retry_interval=config.alloc_retry_interval,
             alloc_retry_timeout=config.alloc_retry_timeout,
+            copier=copier,
+            scan_cache_bytes=config.scan_cache_bytes,
         )
         self.metrics.watch(self.core)
         if self.link is not None:  # it sends nothing before it is attached (succession.take_the_node)
@@ -182,7 +207,7 @@ class Server:
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.config.socket_path
         core = None
-        gpu = Memory(self.backend, Lane("gpu"))
+        gpu = self._gpu_memory()
         try:
             self.link = open_link(self.config)
             try:
@@ -204,20 +229,27 @@ class Server:
             self._close_backends()
             raise
         self.listener = listener
+        self.log_limit = ratelimit.install()  # repeated warnings: one summary line per interval
         try:
             core = await self._open_core(gpu, start.handed.log if start.handed else None)
             await succession.take_the_node(self, core, start)
+            # Counted once the node is taken: adopted memory is counted by its tables,
+            # the handed clients' sockets by their sessions' tickets (succession.spawn).
+            self.admission = open_admission(core, self.config, uncounted=succession.handed_sockets(start))
             if self.config.metrics_port is not None:
                 self.metrics_port = await succession.serve_metrics(self.metrics, self.config)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for tier in core.ledger.tiers.values():
                     nursery.start_soon(tier.lane.watch)  # a failed release stops the server
+                for task in core.background():  # the copier, the host pool: never fatal
+                    nursery.start_soon(task)
+                nursery.start_soon(ratelimit.flush_every, self.log_limit)
                 if self.link is not None:
                     nursery.start_soon(succession.watch_keeper, self)
                 if start.handed is not None and start.handed.mode == "take-over":
                     succession.spawn_handed(self, start.handed)
-                log.info(
+                logger.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,
                 )
@@ -245,17 +277,19 @@ class Server:
                 if self.link is not None:  # (a take-over told it already)
                     self.link.stopping(self.left_as)
             self._close_backends()
+            ratelimit.uninstall(self.log_limit)
 
     def _refused(self) -> None:
         succession.refused(self)
 
     async def _accept_until_cancelled(self, listener) -> None:
-        """Accept until cancelled; stopped by a take-over's pause (the socket stays
-        open: its backlog is the next server's) and started again if it aborts."""
+        """Accept (each connection judged by admission as it comes) until cancelled;
+        stopped by a take-over's pause (the socket stays open: its backlog is the
+        next server's) and started again if it aborts."""
         while True:
             self._accepting = trio.CancelScope()
             with self._accepting:
-                await succession.accept(listener, self._nursery, self._handle)
+                await serve_admitted(self.admission, listener, self._handle, self._nursery, self.metrics.refused_one)
             self._accept_again = trio.Event()
             await self._accept_again.wait()
 
@@ -279,16 +313,20 @@ class Server:
             if backend is not None:
                 backend.close()
 
-    async def _handle(self, sock: trio.socket.SocketType) -> None:
+    async def _handle(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
+        session = Session(
+            self.core, self.config, Channel.adopt(sock, peer), self.metrics, self.quiesce,
+            on_take_over=self._taken_over_by,
+        )
+        await self.run_session(session, ticket)
+
+    async def run_session(self, session: Session, ticket: Ticket) -> None:
+        """A session's task; its admission ticket goes when the task ends (a parked
+        session's too: it is admitted again wherever it goes on)."""
         try:
-            channel = Channel(sock)
-        except OSError as exc:  # the peer left before we asked who it was
-            log.info("dropping a connection: %s", exc)
-            sock.close()
-            return
-        await Session(
-            self.core, self.config, channel, self.metrics, self.quiesce, on_take_over=self._taken_over_by
-        ).run()
+            await session.run()
+        finally:
+            self.admission.leave(ticket)
 
     def _taken_over_by(self, channel: Channel, protocol, request) -> None:
         """A connection asked for this server's place: the conversation is the take-over's."""
@@ -314,10 +352,10 @@ async def run_server(config: ServerConfig) -> None:
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if server.link is not None and server.link.alive and server.core is not None:
-                        log.info("%s: leaving the node to the keeper", name)
+                        logger.info("%s: leaving the node to the keeper", name)
                         server.left_as = "left"
                     else:
-                        log.info("%s: shutting down", name)
+                        logger.info("%s: shutting down", name)
                     nursery.cancel_scope.cancel()
                     return
 

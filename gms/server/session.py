@@ -4,6 +4,9 @@ Feed what the socket gives to the connection object, serve each request it
 hands out (the core decides), send what it encodes; unwind on any exit.
 The trust boundary of the seed, in one place:
 
+* a connection that sends no whole request within ``--handshake-timeout``
+  of being accepted is closed (counted, not logged as an event: a flood of
+  idle connections must not flood the history);
 * a frame that cannot be read or decoded drops the connection
   (``CONNECTION_DROPPED``, then its lock is unwound);
 * a decodable but invalid request gets an ``ErrorResponse``, the session goes on;
@@ -31,9 +34,11 @@ from ..fsm import Grant, GrantedLockType, Rejection, RequestedLockType
 from ..fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
 from ..wire import ProtocolError, UnknownMessageType
 from ..wire import messages as m
-from ..wire.connection import NEED_DATA, PEER_CLOSED, Refused, ServerConnection
+from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTES, Refused, ServerConnection
+from .admission import FdsExhausted
 from .config import ServerConfig
 from .core import ServiceCore
+from .inflight import answer_bytes
 from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
@@ -48,6 +53,10 @@ def is_cancellation(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return exc.split(trio.Cancelled)[1] is None
     return isinstance(exc, trio.Cancelled)
+
+
+class FirstRequestLate(Exception):
+    """No whole request arrived within the handshake deadline."""
 
 
 class _TakeOver(Exception):
@@ -77,9 +86,11 @@ class Session:
         conn: int | None = None,
         protocol: ServerConnection | None = None,
         on_take_over: Callable[[Channel, ServerConnection, m.TakeOverRequest], None] | None = None,
+        first_request_left: float | None = None,
     ) -> None:
         """``conn`` and ``protocol``: a connection handed over (or handed back),
-        going on where it stopped (see :meth:`go_on`)."""
+        going on where it stopped (see :meth:`go_on`); ``first_request_left``:
+        what was left of its first request's deadline (None: all of it)."""
         self.core = core
         self.config = config
         self.channel = channel
@@ -87,7 +98,14 @@ class Session:
         self.quiesce = quiesce if quiesce is not None else Quiesce()
         self.peer = channel.peer
         self.conn = core.new_conn() if conn is None else conn
-        self.protocol = protocol if protocol is not None else ServerConnection(config.max_frame_bytes)
+        if protocol is None:
+            protocol = ServerConnection(config.max_frame_bytes, PRE_SESSION_MAX_FRAME_BYTES)
+        self.protocol = protocol
+        left = config.handshake_timeout if first_request_left is None else first_request_left
+        self.first_by = trio.current_time() + left  # the first request's deadline
+        # Big frames: a few per uid at once.  Not handed over: a session that goes on
+        # elsewhere takes a slot there again when it needs one.
+        self._slot = core.inflight.slot(self.peer.uid)
         self._scope = trio.CancelScope()
         self._revoked = False
         self._on_take_over = on_take_over
@@ -149,6 +167,9 @@ class Session:
             close = False
             self.quiesce.ended(self)
             self._on_take_over(self.channel, self.protocol, asked.request)
+        except FirstRequestLate:
+            self.metrics.refused.labels("handshake_timeout").inc()
+            log.info("a connection sent no request within %.1f s of connecting: closed", self.config.handshake_timeout)
         except BaseException as exc:
             if only_parked(exc):  # a take-over: the connection goes on, here or elsewhere
                 unwind = close = False
@@ -164,6 +185,7 @@ class Session:
             if close:
                 self.channel.close()
                 self.quiesce.ended(self)
+            self._slot.close()
 
     def _dropped(self, exc: Exception) -> None:
         if isinstance(exc, PeerGone) and not self.protocol.overflowed:
@@ -186,9 +208,10 @@ class Session:
         while not protocol.closing:
             quiesce.check()  # a take-over: stop before the next request, not inside it
             request = protocol.next_request()
+            self._slot.settle(protocol.buffered)
             if request is NEED_DATA:
                 with quiesce.interruptible():
-                    data = await self.channel.receive()
+                    data = await self._receive()
                 protocol.receive_data(data)
                 continue
             if request is PEER_CLOSED:
@@ -200,10 +223,14 @@ class Session:
         try:
             if protocol.closing:
                 return  # revoked while it was served: the notice went in its place
+            await self._slot.before_send(answer_bytes(reply.message))
             await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
+            self._slot.settle(protocol.buffered)
         finally:
             for fd in reply.fds:  # the client has its own copies now, or never will
                 os.close(fd)
+            if reply.fds and self.core.fds is not None:
+                self.core.fds.returned(len(reply.fds))
 
     async def _finish_pending(self) -> None:
         kind, self._pending = self._pending, None
@@ -219,6 +246,16 @@ class Session:
             reply = error_reply(rejection)
         await self._send(reply)
 
+    async def _receive(self) -> memoryview:
+        """The next bytes; before the first whole request, only until its deadline;
+        past a small frame's worth held, only with one of the uid's slots."""
+        await self._slot.before_read(self.protocol.buffered)
+        if self.protocol.requests:
+            return await self.channel.receive()
+        with trio.move_on_at(self.first_by):
+            return await self.channel.receive()
+        raise FirstRequestLate
+
     async def _until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
 
@@ -229,7 +266,7 @@ class Session:
         client cannot keep its own socket alive in our receive queue."""
         protocol = self.protocol
         while not protocol.eof and not protocol.overflowed:
-            protocol.receive_data(await self.channel.receive())
+            protocol.receive_data(await self._receive())
 
     async def _answer(self, request: object) -> Reply:
         if isinstance(request, Refused):
@@ -249,6 +286,10 @@ class Session:
                 return await self._allocate(request)
             if isinstance(request, m.ExportHostCopiesRequest):
                 return await self.core.host_tier.export_copies(self.conn, request.allocation_ids)
+            if isinstance(request, m.ExportHostChunksRequest):
+                return self.core.host_tier.export_chunks(self.conn, request.allocation_ids, request.start)
+            if isinstance(request, m.CommitRequest) and self.core.transfers is not None:
+                return await self.core.transfers.commit(self.conn, request)  # the copier fills host copies
             if isinstance(request, m.RestoreDoneRequest):
                 return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
             return self.core.requests.handle(self.conn, request)
@@ -287,10 +328,11 @@ class Session:
                 )
                 return Reply(self._handshake_response(None))
         self.lock_wait = None
-        self.metrics.lock_wait_seconds.labels(requested.value).observe(trio.current_time() - wait.asked_at)
+        self.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
         return await self._after_grant(request, self.grant)
 
     async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
+        restored = False  # by the copier: then the reader is granted a plain RO
         if grant.restore:
             layout = self.core.state.layout(request.layout)
             try:
@@ -299,11 +341,13 @@ class Session:
                         self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
                         self._until_gone, self.quiesce.interruptible,
                     )
-            except OutOfMemoryTimeout as exc:
+            except (OutOfMemoryTimeout, FdsExhausted) as exc:
                 return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
-        return Reply(self._handshake_response(grant))
+            if self.core.transfers is not None:
+                restored = await self.core.transfers.restore(self.conn, self._until_gone)
+        return Reply(self._handshake_response(grant, restored))
 
-    def _handshake_response(self, grant: Grant | None) -> m.HandshakeResponse:
+    def _handshake_response(self, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
         state = self.core.state
         session = state.sessions.get(self.conn)
         layout = state.layout(session.layout) if session else None
@@ -318,7 +362,7 @@ class Session:
             memory_layout_hash=(layout.layout_hash if layout else None) or "",
             layout=layout.name if layout else "",
             tenant=session.tenant if session else "",
-            restore=grant is not None and grant.restore,
+            restore=grant is not None and grant.restore and not restored,
             max_frame_bytes=self.config.max_frame_bytes,
         )
 

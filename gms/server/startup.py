@@ -33,7 +33,9 @@ from .takeover import Offer, abort, request_take_over
 MAX_FAILED_RESUMES = 2  # servers that died resuming a journal before it is given up
 KEEPER_WAIT_S = 30.0  # for a keeper in another container to listen
 
-log = logging.getLogger("gms.server")
+# Restarts and take-overs are rare and each line matters: not under "gms.server",
+# whose repeated lines are rate-limited (gms.server.ratelimit).
+log = logging.getLogger("gms.server.restart")
 
 
 @attrs.frozen
@@ -59,7 +61,7 @@ def _listener(fd: int) -> socket.socket:
 
 def from_offer(offer: Offer, config: ServerConfig) -> Handed:
     image = offer.image
-    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain)
+    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain, max_bytes=config.event_log_bytes)
     return Handed("take-over", image, log_, image.next_conn, dict(offer.fds), offer.old_pid, "take-over",
                   dict(offer.conn_fds))
 
@@ -134,7 +136,8 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         if why_not is not None:
             raise Unreplayable(why_not)
         image, log_, next_conn = rebuild(
-            handback.base, handback.tails, retain=config.event_log_retain, log_class=MirroredLog
+            handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
+            log_class=MirroredLog,
         )
         check_compatible(image.server, device)
     except (Unreplayable, TakeOverRefused) as exc:

@@ -4,15 +4,15 @@ The parts of ``Server`` (``gms.server.server``) that only restarts and
 take-overs need, as functions of the server: taking a handed node (resume,
 say what was discarded, give the keeper what it must keep, commit a
 take-over), starting sessions from their images (a handed connection, or
-one of this server's own after a refused take-over), the accept loop (its
-own, so a parked session's socket outlives its task), watching the keeper,
-and the small things a restart needs (a ready file, a metrics port the old
-server may still hold).
+one of this server's own after a refused take-over; each counted in by
+admission, never refused), watching the keeper, and the small things a
+restart needs (a ready file, a metrics port the old server may still hold).
+Accepting is admission's loop (``gms.server.admission.serve``), which hands
+each connection's socket to its session: a parked session's outlives its task.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -23,7 +23,7 @@ import trio
 
 from ..fsm.events import StateDiscarded
 from ..handover.image import StateImage
-from ..wire.connection import ServerConnection
+from ..wire.connection import PRE_SESSION_MAX_FRAME_BYTES, ServerConnection
 from .config import ServerConfig
 from .core import ServiceCore
 from .lock_queues import Waiter
@@ -35,7 +35,9 @@ from .session import Session, granted_as
 from .startup import Start
 from .takeover import abort, commit, node_image, session_image
 
-log = logging.getLogger("gms.server")
+# Restarts and take-overs are rare and each line matters: not under "gms.server",
+# whose repeated lines are rate-limited (gms.server.ratelimit).
+log = logging.getLogger("gms.server.restart")
 
 EXIT_KEEPER_GONE = 1
 
@@ -91,22 +93,10 @@ def held_fds(server) -> list[tuple[str, int]]:
     return held
 
 
-async def accept(listener, nursery: trio.Nursery, handle) -> None:
-    """Trio's accept loop, less its stream wrapper (which closes the socket when
-    the handler returns: a session parked for a take-over outlives its task):
-    a peer that aborted is skipped; out of fds, wait and try again."""
-    while True:
-        try:
-            sock, _ = await listener.accept()
-        except OSError as exc:
-            if exc.errno in (errno.ECONNABORTED, errno.EPROTO):
-                continue
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS):
-                log.warning("accept: %s; retrying in 0.1 s", exc)
-                await trio.sleep(0.1)
-                continue
-            raise
-        nursery.start_soon(handle, sock)
+def handed_sockets(start: Start) -> int:
+    """Clients' sockets a take-over handed over and no session holds yet (they are
+    counted by their sessions' tickets when those start: succession.spawn)."""
+    return 0 if start.handed is None else len(start.handed.conn_fds)
 
 
 def resume_sessions(server) -> None:
@@ -134,7 +124,7 @@ def spawn_handed(server, handed: Handed) -> None:
             server.core.disconnect(conn_image.conn)
             continue
         try:
-            channel = Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+            channel = Channel(socket.socket(fileno=fd))
         except OSError as exc:  # the client left during the hand-over
             log.info("conn %d left during the take-over: %s", conn_image.conn, exc)
             server.core.disconnect(conn_image.conn)
@@ -149,11 +139,15 @@ def spawn(server, images, order) -> None:
     """Sessions going on from images: the lock queues rebuilt in their order
     (all at once, then granted: a partial queue could grant out of turn)."""
     sessions = {}
+    tickets = {}
     for image, channel in images:
         p = image.protocol
-        protocol = ServerConnection.thaw(server.config.max_frame_bytes, attrs.asdict(p))
+        protocol = ServerConnection.thaw(server.config.max_frame_bytes, attrs.asdict(p), PRE_SESSION_MAX_FRAME_BYTES)
+        left = None if image.first_request_left_ms is None else image.first_request_left_ms / 1000
         session = Session(server.core, server.config, channel, server.metrics, server.quiesce, conn=image.conn,
-                          protocol=protocol)
+                          protocol=protocol, first_request_left=left, on_take_over=server._taken_over_by)
+        # Counted in, never judged: these clients were served a moment ago (admission.enter).
+        tickets[image.conn] = server.admission.enter(channel.peer)
         pending = image.pending
         if pending is not None:
             granted = None
@@ -171,8 +165,8 @@ def spawn(server, images, order) -> None:
             server.core.queues.add(layout, conn, Waiter(session.lock_wait.requested, session.on_grant, session.alive))
     for layout, _ in order:
         server.core.ledger.grant(layout)
-    for session in sessions.values():
-        server._nursery.start_soon(session.run)
+    for conn, session in sessions.items():
+        server._nursery.start_soon(server.run_session, session, tickets[conn])
 
 
 async def watch_keeper(server) -> None:

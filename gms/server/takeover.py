@@ -63,7 +63,9 @@ from .mirror import LISTENER, memory_key, split_key
 from .netio import Channel
 from .resume import TakeOverRefused
 
-log = logging.getLogger("gms.server")
+# Restarts and take-overs are rare and each line matters: not under "gms.server",
+# whose repeated lines are rate-limited (gms.server.ratelimit).
+log = logging.getLogger("gms.server.restart")
 
 CONN_PREFIX = "conn:"
 
@@ -87,7 +89,10 @@ def session_image(session, now: float) -> ConnImage:
             "lock", requested=wait.requested.value, timeout_left_ms=left,
             granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore),
         )
-    return ConnImage(session.conn, protocol, pending)
+    first_left = None
+    if not protocol.requests:  # no request yet: its first one's deadline goes on
+        first_left = max(0, int((session.first_by - now) * 1000))
+    return ConnImage(session.conn, protocol, pending, first_left)
 
 
 def server_info(server) -> ServerInfo:

@@ -1,4 +1,4 @@
-"""The event log: append-only, in memory, bounded by count.
+"""The event log: append-only, in memory, bounded by count and by bytes.
 
 Appending folds first: an event the state refuses raises and is not stored
 (a batch is stored all or nothing), so the log never holds an event its
@@ -7,10 +7,17 @@ fixed-size chunks, each remembering the (immutable) state before its first
 entry; retention drops whole chunks from the front, and the oldest kept
 chunk's start state becomes the snapshot.  No re-fold is needed at the cut,
 and ``replay()`` (snapshot + tail) always equals the live state.
+
+The byte bound counts each kept entry (``gms.store.sizes``) and what the
+snapshot keeps alive beyond the live state (metadata since dropped); a chunk
+closes at ``chunk_size`` entries or a sixteenth of the bound, and the
+snapshot's share is recounted when a chunk opens or goes, so the log holds at
+most the bound plus one chunk (and the events of one request).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -19,6 +26,9 @@ import attrs
 
 from ..fsm.events import Event
 from ..fsm.node import EMPTY_NODE, NodeState, fold
+from .sizes import entry_bytes, pinned_bytes
+
+_MIN_CHUNK_BYTES = 64 << 10
 
 
 @attrs.frozen
@@ -38,12 +48,17 @@ class Snapshot:
 
 
 class _Chunk:
-    __slots__ = ("start_seq", "start_state", "entries")
+    __slots__ = ("start_seq", "start_state", "entries", "bytes")
 
     def __init__(self, start_seq: int, start_state: NodeState) -> None:
         self.start_seq = start_seq
         self.start_state = start_state
         self.entries: list[LogEntry] = []
+        self.bytes = 0
+
+
+def _start_seq(chunk: _Chunk) -> int:
+    return chunk.start_seq
 
 
 class EventLog:
@@ -51,31 +66,43 @@ class EventLog:
 
     ``retain`` bounds the entries kept (``None``: keep all): once more than
     ``retain`` were appended, between ``retain`` and ``retain + chunk_size``
-    entries are kept.
+    entries are kept.  ``max_bytes`` bounds what they hold (``None``: no
+    bound; see the module's doc).
     """
 
-    def __init__(self, *, retain: int | None = 1_000_000, chunk_size: int = 4096) -> None:
+    def __init__(
+        self, *, retain: int | None = 1_000_000, chunk_size: int = 4096, max_bytes: int | None = None
+    ) -> None:
         if retain is not None and retain < 0:
             raise ValueError("retain must be >= 0")
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
         self._retain = retain
         self._chunk_size = chunk_size
+        self._max_bytes = max_bytes
+        self._chunk_bytes = None if max_bytes is None else max(max_bytes // 16, _MIN_CHUNK_BYTES)
         self._state = EMPTY_NODE
         self._next_seq = 1
         self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_NODE)])
         self._kept = 0
+        self._bytes = 0  # of the kept entries
+        self._pinned = 0  # by the snapshot, beyond the live state: recounted at chunk boundaries
 
     @classmethod
     def resumed(
         cls, snapshot: Snapshot, entries: Iterable[LogEntry] = (), *, retain: int | None = 1_000_000,
-        chunk_size: int = 4096,
+        chunk_size: int = 4096, max_bytes: int | None = None,
     ) -> EventLog:
         """A log that goes on from another server's: its snapshot is ``snapshot``
         (the state after event ``last_seq``), then ``entries`` (the events after
         it, folded again, keeping their numbers and times: a gap or a refusal
-        raises); the next event appended is numbered after the last of them."""
-        log = cls(retain=retain, chunk_size=chunk_size)
+        raises); the next event appended is numbered after the last of them.
+        The entries are counted against ``max_bytes`` as appended ones are, and
+        the snapshot's share of metadata from the start (a take-over's snapshot
+        is the live state: none)."""
+        log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes)
         log._state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
@@ -85,16 +112,25 @@ class EventLog:
             before = log._state
             log._state = fold(before, entry.event)
             log._store(entry, before)
-        if retain is not None:
-            log._trim()
+        if max_bytes is not None:
+            log._pinned = pinned_bytes(log._chunks[0].start_state, log._state)
+        log._trim()
         return log
 
     def _store(self, entry: LogEntry, before: NodeState) -> None:
+        """One entry folded already, stored as :meth:`extend` stores (a chunk closes
+        at ``chunk_size`` entries or its share of the byte bound)."""
         chunk = self._chunks[-1]
-        if len(chunk.entries) == self._chunk_size:
+        if len(chunk.entries) == self._chunk_size or (
+            self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
+        ):
             chunk = _Chunk(entry.seq, before)
             self._chunks.append(chunk)
         chunk.entries.append(entry)
+        if self._max_bytes is not None:
+            size = entry_bytes(entry.event)
+            chunk.bytes += size
+            self._bytes += size
         self._next_seq = entry.seq + 1
         self._kept += 1
 
@@ -112,34 +148,61 @@ class EventLog:
         leave, and if any is refused none is stored (a free and its cascade, a
         batch of metadata puts, land together or not at all).  ``observe(before,
         event)`` sees each stored event with the state it was folded on."""
-        folded: list[tuple[Event, NodeState]] = []
+        befores: list[NodeState] = []
         state = self._state
+        events = tuple(events)
         for event in events:
-            after = fold(state, event)  # raises before anything is stored
-            folded.append((event, state))
-            state = after
+            befores.append(state)
+            state = fold(state, event)  # raises before anything is stored
         entries = []
-        for event, before in folded:
+        mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
+        seq = self._next_seq
+        opened = False
+        for event, before in zip(events, befores):
             if observe is not None:
                 observe(before, event)
             chunk = self._chunks[-1]
-            if len(chunk.entries) == self._chunk_size:
-                chunk = _Chunk(self._next_seq, before)
+            if len(chunk.entries) == self._chunk_size or (
+                self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
+            ):
+                chunk = _Chunk(seq, before)
                 self._chunks.append(chunk)
-            entry = LogEntry(self._next_seq, time.monotonic_ns(), time.time_ns(), event)
+                opened = True
+            entry = LogEntry(seq, mono_ns, wall_ns, event)
             chunk.entries.append(entry)
+            if self._max_bytes is not None:
+                size = entry_bytes(event)
+                chunk.bytes += size
+                self._bytes += size
             entries.append(entry)
-            self._next_seq += 1
+            seq += 1
+        self._next_seq = seq
         self._kept += len(entries)
         self._state = state
-        if self._retain is not None:
-            self._trim()
+        if opened and self._max_bytes is not None:
+            self._pinned = pinned_bytes(self._chunks[0].start_state, state)
+        self._trim()
         return entries
+
+    def _over(self) -> bool:
+        first = self._chunks[0]
+        if self._retain is not None and self._kept - len(first.entries) >= self._retain:
+            return True
+        return self._max_bytes is not None and self._bytes + self._pinned > self._max_bytes
 
     def _trim(self) -> None:
         chunks = self._chunks
-        while len(chunks) > 1 and self._kept - len(chunks[0].entries) >= self._retain:
-            self._kept -= len(chunks.popleft().entries)
+        while len(chunks) > 1 and self._over():
+            chunk = chunks.popleft()
+            self._kept -= len(chunk.entries)
+            self._bytes -= chunk.bytes
+            if self._max_bytes is not None:
+                self._pinned = pinned_bytes(chunks[0].start_state, self._state)
+
+    @property
+    def bytes(self) -> int:
+        """What the kept entries and the snapshot hold, as the byte bound counts it."""
+        return self._bytes + self._pinned
 
     # -- reading -----------------------------------------------------------
 
@@ -174,8 +237,7 @@ class EventLog:
         start = max(since_seq + 1, self.first_seq)
         stop = self._next_seq if limit is None else min(self._next_seq, start + max(limit, 0))
         out: list[LogEntry] = []
-        first_chunk_seq = self._chunks[0].start_seq
-        index = (start - first_chunk_seq) // self._chunk_size
+        index = self._chunk_index(start)
         while start < stop and index < len(self._chunks):
             chunk = self._chunks[index]
             lo = start - chunk.start_seq
@@ -186,12 +248,16 @@ class EventLog:
         return out
 
     def entry(self, seq: int) -> LogEntry | None:
-        """The kept entry with sequence number ``seq``, if any (O(1))."""
+        """The kept entry with sequence number ``seq``, if any (O(log chunks))."""
         if not self.first_seq <= seq <= self.last_seq:
             return None
-        first_chunk_seq = self._chunks[0].start_seq
-        chunk = self._chunks[(seq - first_chunk_seq) // self._chunk_size]
+        chunk = self._chunks[self._chunk_index(seq)]
         return chunk.entries[seq - chunk.start_seq]
+
+    def _chunk_index(self, seq: int) -> int:
+        """The chunk holding ``seq`` (chunks close by count or by bytes: their
+        sizes differ, so it is searched for: O(log chunks))."""
+        return max(0, bisect.bisect_right(self._chunks, seq, key=_start_seq) - 1)
 
     def replay(self) -> NodeState:
         """Fold the kept entries over the snapshot: always equals :attr:`state`."""

@@ -4,9 +4,12 @@
 connection rather than a layout, and is driven by bytes in and messages
 out, so each rule is tested without sockets:
 
-* framing: frames of at most ``max_frame_bytes``; a frame that cannot be
-  read or decoded, or a connection closed inside one, is a protocol error
-  (the connection is not trusted: ``ERROR``);
+* framing: frames of at most ``max_frame_bytes``, and of at most
+  ``PRE_SESSION_MAX_FRAME_BYTES`` until a handshake succeeds (what may come
+  before one, a handshake, a probe or an admin verb, is small, and a stranger
+  must not make the server buffer megabytes); a frame that cannot be read
+  or decoded, or a connection closed inside one, is a protocol error (the
+  connection is not trusted: ``ERROR``);
 * one request at a time: the next request is handed out only once the
   previous one is answered;
 * a probe or an admin verb (``ONE_SHOT``) is answered only as the first and
@@ -62,14 +65,17 @@ class Refused:
 
 
 _CLOSES_AFTER = (m.CommitResponse,)
+PRE_SESSION_MAX_FRAME_BYTES = 64 << 10
 
 
 class ServerConnection:
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, pre_session_max_frame_bytes: int | None = None) -> None:
         self.state = ConnectionState.IDLE
         self.handshaken = False
         self.requests = 0  # handed out so far
-        self._decoder = FrameDecoder(max_frame_bytes)
+        self._max_frame_bytes = max_frame_bytes
+        first = max_frame_bytes if pre_session_max_frame_bytes is None else pre_session_max_frame_bytes
+        self._decoder = FrameDecoder(min(max_frame_bytes, first))
         self._read_ahead_limit = max_frame_bytes + HEADER.size  # one whole frame
         self._eof = False
         self._serving: object = None
@@ -99,6 +105,11 @@ class ServerConnection:
     @property
     def eof(self) -> bool:
         return self._eof
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet handed out as a request (the server holds them)."""
+        return self._decoder.pending
 
     def next_request(self):
         """The next request (a message, an :class:`UnknownMessageType`, or a
@@ -148,6 +159,7 @@ class ServerConnection:
         request = self._serving
         if isinstance(request, m.HandshakeRequest) and isinstance(response, m.HandshakeResponse):
             self.handshaken = True
+            self._decoder.max_frame_bytes = self._max_frame_bytes
             close = close or not response.success  # the lock wait timed out
         if close or self._one_shot or isinstance(response, _CLOSES_AFTER):
             self.state = ConnectionState.CLOSING
@@ -183,11 +195,16 @@ class ServerConnection:
         }
 
     @classmethod
-    def thaw(cls, max_frame_bytes: int, frozen: dict) -> ServerConnection:
-        """The object :meth:`freeze` described, going on under ``max_frame_bytes``."""
-        connection = cls(max_frame_bytes)
+    def thaw(
+        cls, max_frame_bytes: int, frozen: dict, pre_session_max_frame_bytes: int | None = None
+    ) -> ServerConnection:
+        """The object :meth:`freeze` described, going on under ``max_frame_bytes``
+        (and ``pre_session_max_frame_bytes`` until it handshakes, as a new one)."""
+        connection = cls(max_frame_bytes, pre_session_max_frame_bytes)
         connection.state = ConnectionState(frozen["state"])
         connection.handshaken = frozen["handshaken"]
+        if connection.handshaken:
+            connection._decoder.max_frame_bytes = max_frame_bytes
         connection.requests = frozen["requests"]
         connection._decoder.feed(frozen["buffered"])
         connection._eof = frozen["eof"]

@@ -159,6 +159,35 @@ class ExportHostCopiesResponse:
 
 
 @attrs.frozen
+class ExportHostChunksRequest:
+    """Extension, for the restorer: the pieces of host copies.  A host copy the
+    server filled through its copier may be held in several chunks (pinned
+    host memory made ahead of need); ``start`` skips that many chunks of the
+    allocations' chunks listed in order (paging: at most 253 fds an answer)."""
+
+    allocation_ids: list[str]
+    start: int = 0
+
+
+@attrs.frozen
+class ExportHostChunksResponse:
+    """Columns, one row per chunk, in order: the allocation it holds bytes of, where
+    in the allocation they start, how many; one fd per row.  ``next_start``:
+    ask again from there (0: every chunk was sent)."""
+
+    allocation_ids: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    next_start: int = 0
+
+    def rows(self) -> Iterator[tuple[str, int, int]]:
+        """(allocation_id, offset, size) per chunk; the columns must agree."""
+        if not len(self.allocation_ids) == len(self.offsets) == len(self.sizes):
+            raise ValueError("host chunk columns differ in length")
+        return zip(self.allocation_ids, self.offsets, self.sizes)
+
+
+@attrs.frozen
 class RestoreDoneRequest:
     """The restorer copied every host copy into the GPU memory: serve it."""
 
@@ -319,6 +348,10 @@ class TenantStatus:
     used_bytes: int
     quota_bytes: int | None
     sessions: int
+    metadata_bytes: int = 0  # keys and values of the layouts it owns (the server's RAM)
+    metadata_quota: int | None = None
+    layouts: int = 0  # layouts it owns or holds a session that may write
+    max_layouts: int | None = None
 
 
 @attrs.frozen
@@ -342,8 +375,11 @@ class GetRuntimeStateResponse:
     waiting: int = 0
     first_event_seq: int = 1
     last_event_seq: int = 0
+    event_log_bytes: int = 0  # what the kept events and the snapshot hold, as --event-log-bytes counts it
     uptime_s: float = 0.0
     pid: int = 0
+    metadata_bytes: int = 0  # keys and values of every layout (the server's RAM)
+    max_metadata_bytes: int | None = None
     layouts: list[LayoutStatus] = attrs.Factory(list)
     tenants: list[TenantStatus] = attrs.Factory(list)
     # The seed's single-layout fields, describing the layout "weights", so a
@@ -357,6 +393,12 @@ class GetRuntimeStateResponse:
     allocation_count: int = 0
     total_bytes: int = 0
     memory_layout_hash: str = ""
+    # The copier (extensions): "running", "starting", "down" (client-side
+    # copies until it is back) or "off"; its pid; pinned host memory made
+    # ahead of need (counted against host_budget_bytes, not in host_used_bytes).
+    copier: str = "off"
+    copier_pid: int = 0
+    host_pool_bytes: int = 0
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""
@@ -451,11 +493,15 @@ class TakeOverResponse:
 class ErrorResponse:
     error: str
     code: str
-    # QUOTA_EXCEEDED only: which limit (tenant or session), and its bytes.
+    # QUOTA_EXCEEDED: which byte quota (scope tenant or session), and its bytes.
+    # LIMIT_EXCEEDED and RESOURCE_EXHAUSTED, where ``limit`` names the bound
+    # (metadata_quota, max_layouts, max_connections_per_uid, fds, ...): whose
+    # it is (scope tenant, node or uid), its figures, and the bound in ``quota``.
     scope: str = ""
     used: int | None = None
     asked: int | None = None
     quota: int | None = None
+    limit: str = ""
 
 
 # -- notices (server to client, unsolicited) ----------------------------------
@@ -480,6 +526,7 @@ REQUESTS: tuple[type, ...] = (
     FreeAllocationRequest,
     CommitRequest,
     ExportHostCopiesRequest,
+    ExportHostChunksRequest,
     RestoreDoneRequest,
     MetadataPutRequest,
     MetadataPutManyRequest,
@@ -505,6 +552,7 @@ RESPONSES: tuple[type, ...] = (
     FreeAllocationResponse,
     CommitResponse,
     ExportHostCopiesResponse,
+    ExportHostChunksResponse,
     RestoreDoneResponse,
     MetadataPutResponse,
     MetadataPutManyResponse,

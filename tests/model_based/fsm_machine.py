@@ -1,7 +1,7 @@
 """Hypothesis stateful machine over the pure core: one node, several layouts, several tenants.
 
-Drives many connections, as three tenants with different quotas and rights,
-through random handshakes (RW, RO, RW_OR_RO, with and without a session
+Drives many connections, as three tenants with different quotas, metadata
+quotas, layout bounds and rights, through random handshakes (RW, RO, RW_OR_RO, with and without a session
 limit) on two layouts (and a third the layout cap refuses), crashes,
 allocations (evicting under a GPU budget the way the shell does), frees,
 metadata puts and deletes, host copies, commits with each residency,
@@ -13,8 +13,8 @@ shell does: decide, append to the log, fold.  After every step it checks:
   gives the live state;
 * that an independent reference model agrees on every layout's lock table,
   tables, residency and tier, on every answer and refusal code, on who is
-  granted what, on each tenant's charge and the GPU and host totals, and on
-  which layouts LRU eviction picks.
+  granted what, on each tenant's charge (bytes, metadata bytes, layouts) and
+  the GPU, host and metadata totals, and on which layouts LRU eviction picks.
 """
 
 from __future__ import annotations
@@ -62,15 +62,18 @@ LIMITS = Limits(
     max_key_bytes=6,
     max_tag_bytes=8,
     max_layouts=2,
+    max_metadata_bytes=24,  # two or three entries of up to 14 bytes (6-byte keys, 8-byte values)
 )
 BUDGET = 16 * MiB
 HOST_BUDGET = 12 * MiB
 # name: (quota, layouts it may write, layouts it may read)
 TENANTS = {
     "t1": (12 * MiB, {"a", "b", "c"}, set()),
-    "t2": (None, {"b"}, {"a"}),
+    "t2": (None, {"b", "c"}, {"a"}),
     "t0": (0, set(), {"a"}),
 }
+# name: (metadata quota, max layouts); None: unbounded
+TENANT_LIMITS = {"t1": (16, 2), "t2": (None, 1), "t0": (0, 0)}
 LAYOUTS = ["a", "b"]
 KEYS = ["k0", "k1", "k2", "k3", "k4", "", "too-long-key"]
 TAGS = ["weights", "kv_cache", "", "much-too-long"]
@@ -108,7 +111,14 @@ class FsmMachine(RuleBasedStateMachine):
         self.log = EventLog(retain=24, chunk_size=4)
         self.events = []
         quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
-        self._append([ServerStarted(0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(), layout="")])
+        tenant_limits = {
+            name: {"metadata_quota": meta, "max_layouts": layouts} for name, (meta, layouts) in TENANT_LIMITS.items()
+        }
+        self._append([
+            ServerStarted(
+                0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(), layout="", tenant_limits=tenant_limits,
+            )
+        ])
         self.refs = {
             name: ReferenceModel(
                 LIMITS.max_allocations,
@@ -120,6 +130,7 @@ class FsmMachine(RuleBasedStateMachine):
             for name in [*LAYOUTS, "c"]
         }
         self.sessions: dict[int, tuple[str, str, int | None]] = {}  # conn -> layout, tenant, limit
+        self.locks: dict[int, str] = {}  # conn -> the lock its session waits for or holds (RW, RO, RW_OR_RO)
         self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {name: [] for name in self.refs}
         self.next_conn = 1
         self.next_alloc = 0
@@ -146,6 +157,22 @@ class FsmMachine(RuleBasedStateMachine):
                 assert (was.lock_state, now.lock_state) in {(m.before, m.after) for m in rule.moves}, event
                 assert (was.tier, now.tier) in {(m.before, m.after) for m in rule.tier_moves}, event
             before = after
+
+    def _tenant_layouts(self, tenant: str) -> set[str]:
+        """Restated from docs/operations.md: the layouts a tenant owns, and those
+        its sessions may write (RW, RW_OR_RO) from their handshake on."""
+        owned = {name for name, ref in self.refs.items() if ref.owner == tenant}
+        writing = {
+            self.sessions[c][0] for c, lock in self.locks.items() if lock != "RO" and self.sessions[c][1] == tenant
+        }
+        return owned | writing
+
+    def _metadata_used(self, tenant: str | None = None) -> int:
+        return sum(
+            len(key.encode()) + len(value)
+            for ref in self.refs.values() if tenant is None or ref.owner == tenant
+            for key, (_, _, value) in ref.meta.items()
+        )
 
     def _layout_of(self, conn: int) -> str:
         return self.sessions[conn][0] if conn in self.sessions else "a"
@@ -237,6 +264,13 @@ class FsmMachine(RuleBasedStateMachine):
             expected = "PERMISSION_DENIED"
         elif limit is not None and quota is not None and limit > quota:
             expected = "INVALID_ARGUMENT"
+        elif (
+            effective != "RO"
+            and TENANT_LIMITS[tenant][1] is not None
+            and layout not in self._tenant_layouts(tenant)
+            and len(self._tenant_layouts(tenant)) >= TENANT_LIMITS[tenant][1]
+        ):
+            expected = "LIMIT_EXCEEDED"  # the tenant's max_layouts
         elif effective != "RO" and self.refs[layout].vacant() and sum(
             not ref.vacant() for ref in self.refs.values()
         ) >= LIMITS.max_layouts:
@@ -247,6 +281,7 @@ class FsmMachine(RuleBasedStateMachine):
         (opened,) = events
         assert opened.lock_type == effective
         self.sessions[conn] = (layout, tenant, limit)
+        self.locks[conn] = effective
         self.waiting[layout].append((conn, RequestedLockType(effective)))
         self.refs[layout].queue.append((conn, effective))
         self._pump(layout)
@@ -263,6 +298,7 @@ class FsmMachine(RuleBasedStateMachine):
         expected = self.refs[layout].disconnect(conn, self._tick)
         assert [e.KIND for e in events] == ([expected] if expected else []) + ["SESSION_CLOSED"]
         del self.sessions[conn]
+        del self.locks[conn]
         self._pump(layout)
 
     # -- layout requests ------------------------------------------------------
@@ -310,7 +346,24 @@ class FsmMachine(RuleBasedStateMachine):
         )
         state = self.log.state.layout(layout)
         code, _ = self._decide(lambda: decide_metadata_put(state, conn, key, alloc_id, offset, value))
-        assert code == self.refs[layout].metadata_put(conn, key, alloc_id, offset, value)
+        ref = self.refs[layout]
+        old = ref.meta.get(key)
+        expected = ref.metadata_put(conn, key, alloc_id, offset, value)
+        if expected is None:
+            more = len(key.encode()) + len(value) - (len(key.encode()) + len(old[2]) if old else 0)
+            meta_quota = TENANT_LIMITS[ref.owner][0]
+            if more > 0:  # judged with the entry taken back out
+                if old is None:
+                    del ref.meta[key]
+                else:
+                    ref.meta[key] = old
+                if meta_quota is not None and self._metadata_used(ref.owner) + more > meta_quota:
+                    expected = "LIMIT_EXCEEDED"  # the tenant's metadata quota
+                elif self._metadata_used() + more > LIMITS.max_metadata_bytes:
+                    expected = "LIMIT_EXCEEDED"  # the node's metadata bound
+                else:
+                    ref.meta[key] = (alloc_id, offset, value)
+        assert code == expected
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH, size=SIZES, tag=st.sampled_from(TAGS))
@@ -342,13 +395,22 @@ class FsmMachine(RuleBasedStateMachine):
         self._metadata_put(data, conn, key, self._known_allocation(data, self._layout_of(conn)), value)
 
     @precondition(has_writer)
-    @rule(data=st.data(), key=st.sampled_from(KEYS[:5]), value=st.binary(max_size=LIMITS.max_metadata_value_bytes))
-    def writer_puts_metadata(self, data, key, value):
+    @rule(
+        data=st.data(),
+        key=st.sampled_from(KEYS[:5]),
+        value=st.binary(max_size=LIMITS.max_metadata_value_bytes),
+        fill=st.sampled_from([0, 0, 2, 3]),
+    )
+    def writer_puts_metadata(self, data, key, value, fill):
+        """``fill``: that many full-size values too, so the metadata quotas and
+        the node's bound are reached."""
         conn = self._pick_conn(data, "writer")
         allocations = sorted(self.log.state.layout(self._layout_of(conn)).allocations)
         if allocations:
             alloc_id = data.draw(st.sampled_from(allocations), label="allocation")
             self._metadata_put(data, conn, key, alloc_id, value)
+            for n in range(fill):
+                self._metadata_put(data, conn, KEYS[n], allocations[0], b"v" * LIMITS.max_metadata_value_bytes)
 
     @precondition(has_connections)
     @rule(data=st.data(), role=WRITERISH, key=st.sampled_from(KEYS))
@@ -376,6 +438,37 @@ class FsmMachine(RuleBasedStateMachine):
                 continue
             assert code == self.refs[layout].host_copy(conn, alloc_id)
 
+    @precondition(
+        lambda self: any(self.log.state.layout(n).writer is not None and self.log.state.layout(n).allocations
+                         for n in LAYOUTS)
+    )
+    @rule(data=st.data())
+    def writer_publishes_evictable(self, data):
+        """What ``commit(residency="system")`` does: a host copy of every
+        allocation, then the commit.  Evictions and restores need both: by
+        chance alone they would be rare."""
+        state = self.log.state
+        writers = sorted(state.layout(n).writer for n in LAYOUTS
+                         if state.layout(n).writer is not None and state.layout(n).allocations)
+        conn = data.draw(st.sampled_from(writers), label="writer")
+        layout = self._layout_of(conn)
+        for alloc_id in sorted(self.log.state.layout(layout).allocations):
+            host_used = sum(r.host_bytes() for r in self.refs.values())
+            fresh = alloc_id not in self.log.state.layout(layout).host_copies
+            size = self.log.state.layout(layout).allocations[alloc_id].aligned_size
+            code, _ = self._decide(lambda: decide_host_copy(self.log.state.layout(layout), conn, alloc_id))
+            if fresh and host_used + size > HOST_BUDGET:
+                assert code == "HOST_MEMORY_EXHAUSTED"
+                return  # no room for the copies: the writer goes on building
+            assert code == self.refs[layout].host_copy(conn, alloc_id)
+        code, _ = self._decide(lambda: decide_commit(self.log.state.layout(layout), conn, "system"))
+        assert code == self.refs[layout].commit(conn, "system", self._tick)
+        if code is None:  # the shell closes a committed writer's connection
+            self._append([SessionClosed(conn, layout=layout)])
+            del self.sessions[conn]
+            del self.locks[conn]
+            self._pump(layout)
+
     @precondition(has_connections)
     @rule(data=st.data(), role=st.sampled_from(["writer", "writer", "any"]), residency=st.sampled_from(RESIDENCIES))
     def commit(self, data, role, residency):
@@ -388,6 +481,7 @@ class FsmMachine(RuleBasedStateMachine):
             # The shell closes a committed writer's connection.
             self._append([SessionClosed(conn, layout=layout)])
             del self.sessions[conn]
+            del self.locks[conn]
             self._pump(layout)
 
     # -- residency ----------------------------------------------------------------
@@ -487,6 +581,9 @@ class FsmMachine(RuleBasedStateMachine):
             charged = sum(ref.bytes() for ref in self.refs.values() if ref.owner == tenant)
             sessions = sum(1 for _, t, _ in self.sessions.values() if t == tenant)
             assert (state.tenants[tenant].used_bytes, state.tenants[tenant].sessions) == (charged, sessions)
+            assert state.tenants[tenant].metadata_bytes == self._metadata_used(tenant)
+            assert set(state.tenants[tenant].layout_refs) == self._tenant_layouts(tenant)
+        assert state.metadata_bytes == self._metadata_used() <= LIMITS.max_metadata_bytes
         assert state.gpu_bytes == sum(ref.gpu_bytes() for ref in self.refs.values()) <= BUDGET
         assert state.host_bytes == sum(ref.host_bytes() for ref in self.refs.values()) <= HOST_BUDGET
         assert set(state.sessions) == set(self.sessions)

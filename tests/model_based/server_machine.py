@@ -18,6 +18,12 @@ until the server has logged as many events as the local log, then checks that
 * readers see the bytes the writer wrote into each allocation, also after
   the layout was evicted to the host tier and restored (a checksum pattern
   written through real mappings, of device memory and of the host copies).
+
+With ``copier`` the server runs its copier (and a small pool of 2 MiB
+chunks): a ``system`` commit with host copies missing is filled by the
+server (the host copies are recorded with the commit), and a restore is done
+by the server while the reader waits in its handshake (the same events, a
+plain ``RO`` answer); the bytes readers see then went through the copier.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gms.cuda import open_mapper
 from gms.fsm import (
     EMPTY_NODE,
+    OverLimit,
     PermissionDenied,
     Rejection,
     RequestedLockType,
@@ -74,23 +81,40 @@ AS_ROOT = os.geteuid() == 0
 # name: (uid, quota, writes, reads)
 TENANTS = {
     "t1": (23001, 12 * MiB, ["a", "b", "c"], []),
-    "t2": (23002, None, ["b"], ["a"]),
+    "t2": (23002, None, ["b", "c"], ["a"]),
     "t0": (23003, 0, [], ["a"]),
 }
+# name: the policy's metadata_quota and max_layouts (others: the server's defaults)
+TENANT_LIMITS = {"t1": (40, 1), "t2": (None, 1)}
 POLICY = "".join(
     f'[[tenant]]\nname = "{name}"\nuids = [{uid}]\n'
     + (f"quota = {quota}\n" if quota is not None else "")
+    + "".join(
+        f"{key} = {value}\n"
+        for key, value in zip(("metadata_quota", "max_layouts"), TENANT_LIMITS.get(name, (None, None)))
+        if value is not None
+    )
     + f"write = {writes!r}\nread = {reads!r}\n\n".replace("'", '"')
     for name, (uid, quota, writes, reads) in TENANTS.items()
 )
 SERVER_ARGS = (
     "--max-allocations", "6", "--max-metadata-keys", "5", "--max-metadata-value-bytes", "16",
     "--max-layouts", "2", "--gpu-budget", str(BUDGET), "--host-budget", str(HOST_BUDGET),
+    "--max-metadata-bytes", "64",  # three or four entries of up to 19 bytes
     # Out of memory with nothing to evict: the server gives up soon instead of waiting.
     "--alloc-retry-timeout", "0.05", "--socket-mode", "666",
 )
 KEYS = ["a", "b", "c", "d", "e", "f", ""]
 NO_ANSWER = object()
+
+
+def same_figures(response: m.ErrorResponse, rejection: Rejection) -> None:
+    """A named limit's refusal carries the same figures on the wire as in the core."""
+    if isinstance(rejection, OverLimit):
+        got = (response.limit, response.scope, response.used, response.asked, response.quota)
+        assert got == (rejection.limit, rejection.scope, rejection.used, rejection.asked, rejection.bound), (
+            response, rejection,
+        )
 
 
 def pattern(allocation) -> bytes:
@@ -108,8 +132,10 @@ def projection(state):
         )
         for name, layout in state.layouts.items()
     }
-    tenants = {name: (t.used_bytes, t.sessions) for name, t in state.tenants.items()}
-    return layouts, tenants, state.gpu_bytes, state.host_bytes, len(state.sessions)
+    tenants = {
+        name: (t.used_bytes, t.sessions, t.metadata_bytes, t.layouts) for name, t in state.tenants.items()
+    }
+    return layouts, tenants, state.gpu_bytes, state.host_bytes, state.metadata_bytes, len(state.sessions)
 
 
 class ServerMachine(RuleBasedStateMachine):
@@ -117,6 +143,7 @@ class ServerMachine(RuleBasedStateMachine):
     tmp_path = None
     backend = "host"
     keeper = False  # under a keeper (test_kept_server_machine.py kills the server)
+    copier = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,6 +154,7 @@ class ServerMachine(RuleBasedStateMachine):
             args += ["--policy", str(policy)]
         if self.backend == "host":
             args += ["--host-capacity", "64MiB"]
+        args += ["--host-pool", "4MiB", "--host-chunk", "2MiB"] if self.copier else ["--no-copier"]
         self.server = ServerProcess(self.tmp_path, *args, backend=self.backend, keeper=self.keeper)
         self.expected = EventLog(retain=None)
         (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
@@ -175,7 +203,7 @@ class ServerMachine(RuleBasedStateMachine):
                     break  # the restorer gave up and left: schedule again
                 response, _ = self.conns[grant.conn].recv(timeout=10)
                 assert response.success and response.granted_lock_type == grant.granted.value
-                assert response.restore == grant.restore
+                assert response.restore == (grant.restore and not self.copier), "the copier restores"
 
     def _make_room(self, needed: int) -> bool:
         plan = plan_evictions(self.state, needed, self._busy())
@@ -197,6 +225,8 @@ class ServerMachine(RuleBasedStateMachine):
         size = self.state.layout(layout).held_bytes
         if self._make_room(admit_restore(self.state, RestoreLoading(conn, layout=layout))):
             self._record(decide_restore_loading(self.state, conn, layout))
+            if self.copier:  # filled by the server's copier before the reader is answered
+                self._record(decide_restore_finished(self.state, conn, layout))
             return True
         self._gave_up(conn, size, "restore")
         response, _ = self.conns[conn].recv(timeout=10)
@@ -222,6 +252,7 @@ class ServerMachine(RuleBasedStateMachine):
         except Rejection as rejection:
             assert isinstance(response, m.ErrorResponse), (response, rejection)
             assert response.code == rejection.code, (response, rejection)
+            same_figures(response, rejection)
             return NO_ANSWER
         assert not isinstance(response, m.ErrorResponse), (response, result)
         return result
@@ -290,6 +321,7 @@ class ServerMachine(RuleBasedStateMachine):
         except Rejection as rejection:
             response, _ = self.conns[conn].recv()
             assert response.code == rejection.code, (response, rejection)
+            same_figures(response, rejection)
             if isinstance(rejection, PermissionDenied):
                 self._record([SessionRefused(conn, uid, uid, 0, rejection.message, layout="")])
             self.conns.pop(conn).close()
@@ -399,6 +431,16 @@ class ServerMachine(RuleBasedStateMachine):
         if conn is not None:
             self._metadata_put(data, conn, key, self._allocation_id(data, self._layout_of(conn)), value)
 
+    @precondition(lambda self: any(l.writer is not None and l.allocations for l in self.state.layouts.values()))
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def writer_fills_metadata(self, data, count):
+        """Full-size values: the metadata quota and the node's bound are reached."""
+        conn = self._holder(data, "writer")
+        layout = self._layout_of(conn)
+        for key in KEYS[:count]:
+            if self.state.layout(layout).allocations:
+                self._metadata_put(data, conn, key, self._by_slot(layout)[0], b"v" * 16)
+
     @rule(data=st.data(), key=st.sampled_from(KEYS))
     def metadata_delete(self, data, key):
         conn = self._holder(data, "writer")
@@ -417,6 +459,16 @@ class ServerMachine(RuleBasedStateMachine):
         conn = self._holder(data, "writer")
         self.host_copies(data, conn)
         self.commit(data, "system", conn)
+
+    @precondition(lambda self: self.copier and any(l.writer is not None for l in self.state.layouts.values()))
+    @rule(data=st.data(), size=st.integers(1, 5 * MiB))
+    def writer_publishes_through_the_copier(self, data, size):
+        """One more allocation, then ``commit(residency="system")`` with host copies
+        missing: the copier makes and fills them (the pool's 2 MiB chunks and the rest)."""
+        conn = self._holder(data, "writer")
+        self._allocate(conn, size, "weights")
+        if conn in self.conns:
+            self.commit(data, "system", conn)
 
     @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
     @rule(data=st.data())
@@ -450,11 +502,20 @@ class ServerMachine(RuleBasedStateMachine):
         layout = self._layout_of(conn)
         response = self.conns[conn].call(m.CommitRequest(residency))
         state = self.state.layout(layout)
-        if self._expect(response, lambda: decide_commit(state, conn, residency)) is not None:
+        if self._expect(response, lambda: self._decide_commit(state, conn, residency)) is not None:
             assert response.memory_layout_hash == self.state.layout(layout).layout_hash
             assert self.conns.pop(conn).closed_by_peer()
             self._record([SessionClosed(conn, layout=layout)])
             self._grant(layout)
+
+    def _decide_commit(self, state, conn, residency):
+        """The commit; with a copier, a ``system`` one makes the missing host copies
+        first (``gms.server.transfers``: recorded with it, all or nothing)."""
+        (commit,) = decide_commit(state, conn, residency)
+        if not (self.copier and residency == "system"):
+            return [commit]
+        missing = [i for i in self._by_slot(state.name) if i not in state.host_copies]
+        return [e for i in missing for e in decide_host_copy(state, conn, i)] + [commit]
 
     @rule(layout=st.sampled_from(["a", "b"]))
     def evict(self, layout):

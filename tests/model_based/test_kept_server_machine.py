@@ -20,6 +20,7 @@ import signal
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import rule, run_state_machine_as_test
 
@@ -69,11 +70,18 @@ class KeptServerMachine(ServerMachine):
             self._record(decide_disconnect(self.state, conn))
 
 
-def test_a_server_killed_at_any_step_comes_back_as_the_core_says(backend):
+@pytest.mark.parametrize("copier", ["clients", "copier"])
+def test_a_server_killed_at_any_step_comes_back_as_the_core_says(backend, copier):
+    """With a copier the host copies are its chunks (2 MiB, a pool of two): the
+    keeper keeps every copy's chunks, and the restarted server restores
+    through a new copier from what it adopted."""
     folder = tempfile.mkdtemp(prefix="gms-kept-", dir="/tmp")
     os.chmod(folder, 0o755)
     try:
-        machine = type("Machine", (KeptServerMachine,), {"tmp_path": Path(folder), "backend": backend})
+        machine = type(
+            "Machine", (KeptServerMachine,),
+            {"tmp_path": Path(folder), "backend": backend, "copier": copier == "copier"},
+        )
         run_state_machine_as_test(
             machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
         )

@@ -44,9 +44,15 @@ INFO = ServerInfo(1, "host", 0, "host-0", True)
 
 
 def resumed_by(state, mode: str = "restart") -> ServerResumed:
+    """The same configuration again (issue 21's bounds included): what a restarted server brings."""
+    tenant_limits = {
+        name: {"metadata_quota": tenant.metadata_quota, "max_layouts": tenant.max_layouts}
+        for name, tenant in state.tenants.items()
+    }
     return ServerResumed(
         0, mode, 1, "SIGKILL", STATE_VERSION, state.capacity_bytes, state.budget_bytes, state.host_budget_bytes,
         {name: TENANTS[name][0] for name in TENANTS}, state.limits.as_dict(), layout="",
+        tenant_limits=tenant_limits,
     )
 
 
@@ -58,8 +64,15 @@ class KilledAnywhereMachine(FsmMachine):
         base = encode_image(StateImage(STATE_VERSION, INFO, snapshot.last_seq, self.next_conn, snapshot.state))
         tail = encode_entries(list(self.log.entries()))
         image = decode_image(base)
-        journal = EventLog.resumed(Snapshot(image.last_seq, image.state), decode_entries(tail), retain=None)
+        journal = EventLog.resumed(
+            Snapshot(image.last_seq, image.state), decode_entries(tail), retain=None, max_bytes=64 << 20
+        )
         assert journal.state == state and journal.last_seq == self.log.last_seq
+        for name, tenant in state.tenants.items():  # issue 21's bounds and counts came with the image
+            kept = journal.state.tenants[name]
+            assert (kept.metadata_bytes, kept.metadata_quota, kept.max_layouts, kept.layout_refs) == (
+                tenant.metadata_bytes, tenant.metadata_quota, tenant.max_layouts, tenant.layout_refs,
+            )
 
         events = decide_resume(state, resumed_by(state))
         after = fold_all(events, state)

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -16,13 +17,17 @@ from .server_machine import ServerMachine
 EXAMPLES = int(os.environ.get("GMS_SERVER_MACHINE_EXAMPLES", "40"))
 
 
-def test_server_matches_the_pure_core(backend):
+@pytest.mark.parametrize("copier", ["clients", "copier"])
+def test_server_matches_the_pure_core(backend, copier):
     # Tenants connect as other uids: the socket's folder must let them in
     # (pytest's own folders are private to root).
     folder = tempfile.mkdtemp(prefix="gms-machine-", dir="/tmp")
     os.chmod(folder, 0o755)
     try:
-        machine = type("Machine", (ServerMachine,), {"tmp_path": Path(folder), "backend": backend})
+        machine = type(
+            "Machine", (ServerMachine,),
+            {"tmp_path": Path(folder), "backend": backend, "copier": copier == "copier"},
+        )
         run_state_machine_as_test(
             machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
         )

@@ -28,6 +28,7 @@ import attrs
 import msgpack
 
 from gms.wire import MalformedMessage, UnknownMessageType, decode
+from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
 from gms.wire import messages as m
 
 HEADER = struct.Struct(">I")
@@ -67,8 +68,10 @@ def frame(body: bytes) -> bytes:
 
 
 def expectation(body: bytes, ctx: Context) -> tuple[str, object]:
-    """What the contract demands for a whole frame with this body."""
-    if len(body) > ctx.max_frame_bytes:
+    """What the contract demands for a whole frame with this body (before a
+    handshake succeeds, frames are held to the smaller pre-session cap)."""
+    cap = ctx.max_frame_bytes if ctx.handshaken else min(ctx.max_frame_bytes, PRE_SESSION_MAX_FRAME_BYTES)
+    if len(body) > cap:
         return "drop", None
     try:
         message = decode(body)

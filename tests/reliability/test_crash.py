@@ -131,7 +131,9 @@ def victim_conn(server, pid: int, since: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("crash"), "--host-capacity", str(CAPACITY))
+    # No copier: a restore here is the client's, whose every step is killed
+    # (tests/test_copier.py kills readers waiting on the copier's restores).
+    server = ServerProcess(tmp_path_factory.mktemp("crash"), "--host-capacity", str(CAPACITY), "--no-copier")
     commit_pattern(server, "sentinel", "sentinel")
     server.sentinel_hash = server.layout("sentinel").memory_layout_hash
     yield server

@@ -225,6 +225,7 @@ JUSTIFIED = {
     ("failover/sets.py", "trio.lowlevel.open_process"): "starts the engine commands the operator configured",
     ("supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
     ("keeper/run.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words",
+    ("server/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
     ("cuda/vmm.py", "ctypes.CDLL"): "libnvidia-ml, for device memory figures",
 }
@@ -285,7 +286,7 @@ def test_the_scan_finds_what_it_forbids():
 
 
 def test_a_client_never_gets_an_fd_of_another_layout(servers):
-    server = servers()
+    server = servers("--no-copier")  # the restorer exports host copies itself (with a copier it gets none)
     commit_pattern(server, "a", "a")
     commit_pattern(server, "b", "b", residency="system")
     commit_pattern(server, "d", "d", residency="system")

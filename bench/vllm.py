@@ -1,0 +1,490 @@
+"""vLLM on gms, on one GPU, against vLLM on its own: shared weights, sleep and wake, failover.
+
+    python3 bench/vllm.py [--parts share,sleep,failover] [--model DIR] [--kv-gib 4] [--repeats 3]
+
+A Llama of 2.2 B parameters (bench/vllm_model.py: random bf16 weights, a
+tokenizer trained offline; made in DIR unless it holds one already), one
+gms server, and real ``vllm serve`` engines (bench/vllm_engines.py), each
+with the same fixed KV cache (``--kv-cache-memory-bytes``).  Greedy
+completions through vLLM's OpenAI endpoint check every output against the
+baseline's.  Each part runs alone or with the others:
+
+* **share**: the baseline, vLLM's default loader (``--load-format
+  safetensors``), starts alone: its weight-load time (vLLM's own "Model
+  loading took" line), its start to first answer, and the GPU memory it adds
+  (NVML); then gms engine A (the first: loads from disk and publishes) and
+  gms engine B (imports A's weights): the same three figures for each.  The
+  figure of the issue is B against the baseline: load time and memory added.
+* **sleep**: ``POST /sleep`` (level 1) and ``POST /wake_up`` through vLLM's
+  own endpoints, ``--repeats`` times per engine, against vLLM's own sleep
+  mode on the baseline (``--enable-sleep-mode``: CuMem, weights copied to
+  host memory and back): seconds for each, GPU memory released, and the
+  greedy output before and after, which must be equal.
+* **failover**: the example coordinator (``gms failover``, health path
+  ``/gms/health``) drives two gms engines, A serving and B asleep; the
+  primary's API server is SIGKILLed (its engine core follows it: the gms
+  worker exits with its parent) and a client waits for the shadow's first
+  token through ``/v1/completions``.  ``--repeats`` failovers (the failed set
+  comes back as the shadow before the next).  Baseline: a fresh vLLM with
+  the default loader, from spawn to first token (from ``share`` when it ran).
+
+Page cache: the checkpoint is read once before the baseline (warm, vLLM's
+best case); ``--cold`` drops it before the baseline and before engine A.
+Writes ``vllm_<gpu>_<parts>.json`` and ``vllm_engines.log`` (the tail of every
+engine's log) under ``$GMS_BENCH_OUT`` (default bench/results/); prints a
+table with every ratio.  Needs vLLM (scripts/gpu-vllm-install.sh on the GPU
+host); never imports it itself, so it holds no CUDA context of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+from _common import print_table, write_json
+from failover import Nvml
+from llama_checkpoint import evict, warm
+from vllm_engines import GiB, Engine, serve_argv, serve_env
+
+# This file is bench/vllm.py: with bench/ first on sys.path, "import vllm" here
+# would find this script rather than vLLM.  Nothing below imports vLLM, but
+# the folder goes from the path all the same.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The shadow engine wakes up when the primary fails, and the weights stay where they are:"
+TOKENS = 32
+PORTS = {"baseline": 18200, "A": 18201, "B": 18202, "failover-A": 18211, "failover-B": 18212}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("vllm", "torch", "gms", "transformers", "cuda-bindings"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def gpu() -> dict:
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    name, driver, total = (q.stdout.strip().splitlines() or ["?,?,?"])[0].split(", ")
+    return {"name": name, "driver": driver, "memory": total}
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="gms-vllm-bench-", dir=args.work_root))
+        self.nvml = Nvml()
+        self.cache = args.cache_root
+        self.kv_bytes = int(args.kv_gib * GiB)
+        self.engines: dict[str, Engine] = {}
+        self.results: dict = {"gpu": gpu(), "versions": versions(), "kv_cache_bytes": self.kv_bytes,
+                              "prompt": PROMPT, "completion_tokens": TOKENS,
+                              "page_cache": "cold" if args.cold else "warm"}
+        self.model = self._model()
+        self.socket = str(self.work / "gms.sock")
+        self.server_log = open(self.work / "gms-server.log", "wb")
+        self.server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "cuda", "--socket",
+                                        self.socket, "--log-level", "warning"], stdout=self.server_log,
+                                       stderr=subprocess.STDOUT)
+        self._wait_server()
+        self.reference: list[int] | None = None
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _model(self) -> str:
+        folder = Path(self.args.model)
+        if not (folder / "config.json").exists():
+            log(f"making the model in {folder} (bench/vllm_model.py --shape {self.args.shape})")
+            out = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_model.py"), str(folder), "--shape",
+                                  self.args.shape], capture_output=True, text=True, check=True)
+            made = json.loads(out.stdout.strip().splitlines()[-1])
+            log(f"model: {made}")
+        config = json.loads((folder / "config.json").read_text())
+        files = sorted(folder.glob("*.safetensors"))
+        self.results["model"] = {
+            "folder": str(folder), "architecture": config["architectures"][0], "dtype": config.get("torch_dtype"),
+            "layers": config["num_hidden_layers"], "hidden": config["hidden_size"], "vocab": config["vocab_size"],
+            "checkpoint_bytes": sum(f.stat().st_size for f in files)}
+        self.checkpoint = files
+        return str(folder)
+
+    def _wait_server(self) -> None:
+        from gms import get_runtime_state
+        from gms.errors import GMSError
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                get_runtime_state(self.socket, timeout=1)
+                return
+            except GMSError:
+                if time.monotonic() > deadline or self.server.poll() is not None:
+                    raise RuntimeError(f"gms server did not start: see {self.work / 'gms-server.log'}") from None
+                time.sleep(0.05)
+
+    def page_cache(self, cold: bool) -> None:
+        for f in self.checkpoint:
+            if cold:
+                evict(str(f))
+            else:
+                warm(str(f))
+
+    def wait_memory_back(self, used: int, timeout: float = 60) -> None:
+        """Until the GPU's used memory is back to ``used`` (+256 MiB): a dead engine's
+        memory returns when the driver has torn its process down."""
+        deadline = time.monotonic() + timeout
+        while self.nvml.used(0) > used + (256 << 20) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    # -- engines ------------------------------------------------------------------------
+
+    def start(self, name: str, *, load_format: str = "gms", extra: dict | None = None,
+              sleep_mode: bool = False) -> dict:
+        """Start one engine alone on what the GPU holds now; its start, load and memory."""
+        used_before = self.nvml.used(0)
+        if load_format == "gms":
+            extra = {"gms_socket": self.socket, **(extra or {})}
+        argv = serve_argv(self.model, PORTS[name], load_format=load_format, extra=extra, kv_bytes=self.kv_bytes,
+                          gpu_utilization=self.args.gpu_utilization, max_model_len=self.args.max_model_len,
+                          sleep_mode=sleep_mode, eager=self.args.eager)
+        engine = Engine(argv, serve_env(self.cache), self.work / f"{name}.log", PORTS[name])
+        self.engines[name] = engine
+        log(f"{name}: starting ({load_format})")
+        start_s = engine.wait_ready(self.args.ready_timeout)
+        first = engine.complete(PROMPT, TOKENS)
+        used_after = self.nvml.used(0)
+        out = {"load_format": load_format, "start_to_ready_s": start_s,
+               "start_to_first_completion_s": time.time() - engine.started_at,
+               "gpu_memory_added_bytes": used_after - used_before, "completion_s": first["seconds"],
+               **engine.load_line()}
+        if self.reference is None:
+            self.reference = first["token_ids"]
+        out["output_equals_baseline"] = first["token_ids"] == self.reference
+        log(f"{name}: ready in {start_s:.1f} s, load {out.get('vllm_load_s')} s, "
+            f"+{out['gpu_memory_added_bytes'] / GiB:.2f} GiB, output {'=' if out['output_equals_baseline'] else '!='}")
+        return out
+
+    def stop(self, name: str) -> None:
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.stop()
+            self._save_tail(name, engine)
+
+    def _save_tail(self, name: str, engine: Engine) -> None:
+        with open(self.work / "engines-tail.log", "a") as f:
+            f.write(f"===== {name}: {' '.join(engine.argv)}\n{engine.tail(200)}\n")
+
+    def sleep_wake(self, name: str) -> dict:
+        engine = self.engines[name]
+        before = engine.complete(PROMPT, TOKENS)["token_ids"]
+        runs = []
+        for _ in range(self.args.repeats):
+            used_awake = self.nvml.used(0)
+            sleep_s = engine.sleep()
+            asleep = engine.is_sleeping()
+            used_asleep = self.nvml.used(0)
+            wake_s = engine.wake()
+            used_woken = self.nvml.used(0)
+            after = engine.complete(PROMPT, TOKENS)
+            runs.append({"sleep_s": sleep_s, "wake_s": wake_s, "is_sleeping": asleep,
+                         "released_bytes": used_awake - used_asleep, "back_bytes": used_woken - used_asleep,
+                         "first_completion_after_wake_s": after["seconds"],
+                         "output_equal": after["token_ids"] == before})
+        out = {"runs": runs, "output_equal_all": all(r["output_equal"] and r["is_sleeping"] for r in runs)}
+        for key in ("sleep_s", "wake_s", "released_bytes", "first_completion_after_wake_s"):
+            out[key] = statistics.median(r[key] for r in runs)
+        log(f"{name}: sleep {out['sleep_s'] * 1e3:.0f} ms, wake {out['wake_s'] * 1e3:.0f} ms, "
+            f"released {out['released_bytes'] / GiB:.2f} GiB, output equal: {out['output_equal_all']}")
+        return out
+
+    # -- parts ---------------------------------------------------------------------------
+
+    def share_and_sleep(self, parts: set[str]) -> None:
+        self.page_cache(self.args.cold)
+        idle = self.nvml.used(0)
+        base = self.start("baseline", load_format="safetensors", sleep_mode="sleep" in parts)
+        self.results["baseline"] = base
+        if "sleep" in parts:
+            self.results.setdefault("sleep", {})["baseline"] = self.sleep_wake("baseline")
+        self.stop("baseline")
+        self.wait_memory_back(idle)
+        if self.args.cold:
+            self.page_cache(True)
+        self.results["A"] = self.start("A")
+        if "share" in parts:
+            self.results["B"] = self.start("B", extra={"gms_read_only": True})
+        if "sleep" in parts:
+            for name in ("B", "A"):
+                if name in self.engines:
+                    self.results.setdefault("sleep", {})[name] = self.sleep_wake(name)
+        for name in ("B", "A"):
+            self.stop(name)
+        self.results["gms_layouts_after"] = self._layouts()
+
+    def _layouts(self) -> list[dict]:
+        from gms import get_runtime_state
+
+        return [{"name": r.name, "state": r.state, "bytes": r.bytes, "allocations": r.allocation_count,
+                 "readers": r.readers} for r in get_runtime_state(self.socket).layouts]
+
+    def failover(self) -> None:
+        if "baseline" not in self.results:
+            self.page_cache(False)
+            idle = self.nvml.used(0)
+            self.results["baseline"] = self.start("baseline", load_format="safetensors")
+            self.stop("baseline")
+            self.wait_memory_back(idle)
+        work = self.work / "failover"
+        work.mkdir()
+        events = work / "events.jsonl"
+        commands = {}
+        for name in ("A", "B"):
+            port = PORTS[f"failover-{name}"]
+            commands[name] = (port, serve_argv(self.model, port, extra={"gms_socket": self.socket},
+                                               kv_bytes=self.kv_bytes, gpu_utilization=self.args.gpu_utilization,
+                                               max_model_len=self.args.max_model_len, eager=self.args.eager))
+        (work / "failover.toml").write_text(coordinator_toml(work, self.socket, commands, self.args))
+        coordinator_log = open(work / "coordinator.log", "wb")
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "gms", "failover", "--config", str(work / "failover.toml")],
+            env=serve_env(self.cache, endpoint_plugin=True), stdout=subprocess.DEVNULL, stderr=coordinator_log)
+        runs = []
+        try:
+            started = time.monotonic()
+            for name in ("A", "B"):
+                _wait_event(events, coordinator, lambda e, n=name: e["event"] == "ready" and e["set"] == n, 900)
+            self.results["failover_bring_up_s"] = time.monotonic() - started
+            log(f"failover: both sets ready in {self.results['failover_bring_up_s']:.1f} s")
+            for n in range(self.args.repeats):
+                runs.append(self._one_failover(events, coordinator))
+                log(f"failover {n}: signal -> first token {runs[-1]['signal_to_first_token_s']:.3f} s")
+        finally:
+            coordinator.send_signal(signal.SIGTERM)
+            try:
+                coordinator.wait(120)
+            except subprocess.TimeoutExpired:
+                coordinator.kill()
+            coordinator_log.close()
+            with open(self.work / "engines-tail.log", "a") as f:
+                for path in sorted((work / "logs").glob("*.log")) + [work / "coordinator.log"]:
+                    text = path.read_text(errors="replace").splitlines()
+                    f.write(f"===== {path.name}\n" + "\n".join(text[-150:]) + "\n")
+        self.results["failover"] = {
+            "coordinator": {"interval_s": self.args.interval, "failures": self.args.failures,
+                            "canary_timeout_s": self.args.canary_timeout, "health_path": "/gms/health"},
+            "runs": runs,
+            "signal_to_first_token_s": _summary([r["signal_to_first_token_s"] for r in runs]),
+            "restart_as_shadow_s": _summary([r["restart_s"] for r in runs if r.get("restart_s") is not None]),
+        }
+
+    def _one_failover(self, events: Path, coordinator) -> dict:
+        done = _read_events(events)
+        serving = "A"
+        for e in done:
+            if e["event"] == "failover":
+                serving = e["serving"]
+        standby = "B" if serving == "A" else "A"
+        if any(e["event"] == "failover" for e in done):  # the set that failed last must be back as the shadow
+            _wait_event(events, coordinator, lambda e: e["event"] == "restarted" and e["set"] == standby, 900,
+                        after=_last(done, "failover"))
+        before = len(_read_events(events))
+        url = lambda name: f"http://127.0.0.1:{PORTS['failover-' + name]}"  # noqa: E731
+        pid = httpx.get(f"{url(serving)}/gms/health", timeout=30).json()["pid"]
+        poller = _FirstToken(url(standby))
+        poller.start()
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        poller.join(600)
+        event = _wait_event(events, coordinator, lambda e: e["event"] == "failover", 600, before)
+        restarted = _wait_event(events, coordinator, lambda e: e["event"] == "restarted" and e["set"] == serving,
+                                900, before)
+        if poller.at is None:
+            raise RuntimeError("no token from the shadow")
+        return {"failed": serving, "serving": standby, "ok": event["ok"],
+                "signal_to_first_token_s": poller.at - killed_at,
+                "signal_to_decision_s": event["decided_at"] - killed_at,
+                "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",
+                                                          "first_token_s", "total_s")},
+                "restart_s": restarted.get("seconds"), "client_attempts": poller.attempts}
+
+    def close(self) -> None:
+        for name in list(self.engines):
+            self.stop(name)
+        self.server.terminate()
+        try:
+            self.server.wait(60)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+        self.server_log.close()
+
+
+def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], args) -> str:
+    """``gms failover``'s configuration for two local sets of one vLLM engine each."""
+    lines = [f'lock = "file:{work / "serving.lock"}"', 'initial = "A"', f"ranks = {json.dumps([socket])}",
+             f"interval_s = {args.interval}", f"failures = {args.failures}",
+             f"canary_timeout_s = {args.canary_timeout}", "wake_timeout_s = 600.0", "ready_timeout_s = 900.0",
+             f'events = "{work / "events.jsonl"}"', 'health_path = "/gms/health"']
+    for name, (port, argv) in commands.items():
+        # The coordinator fills {placeholders} with str.format: the braces of JSON are doubled.
+        command = [a.replace("{", "{{").replace("}", "}}") for a in argv]
+        lines += [f"\n[sets.{name}]", 'kind = "local"', f"ports = [{port}]", f"command = {json.dumps(command)}",
+                  f'log_dir = "{work / "logs"}"']
+    return "\n".join(lines) + "\n"
+
+
+class _FirstToken(threading.Thread):
+    """Asks the shadow for one token until one comes back (a router following the lock).
+    A request sent while vLLM sleeps waits in its queue and is served after the wake."""
+
+    def __init__(self, url: str, timeout: float = 600) -> None:
+        super().__init__(daemon=True)
+        self.url, self.timeout = url, timeout
+        self.at: float | None = None
+        self.attempts = 0
+
+    def run(self) -> None:
+        body = {"prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
+        deadline = time.monotonic() + self.timeout
+        with httpx.Client(timeout=30.0) as client:
+            while time.monotonic() < deadline:
+                self.attempts += 1
+                try:
+                    if client.post(f"{self.url}/v1/completions", json=body).status_code == 200:
+                        self.at = time.time()
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.002)
+
+
+def _read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _last(events: list[dict], kind: str) -> int:
+    found = [i for i, e in enumerate(events) if e["event"] == kind]
+    return found[-1] if found else 0
+
+
+def _wait_event(path: Path, coordinator, match, timeout: float, after: int = 0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if coordinator.poll() is not None:
+            raise RuntimeError(f"the coordinator exited ({coordinator.returncode})")
+        for e in _read_events(path)[after:]:
+            if match(e):
+                return e
+        time.sleep(0.05)
+    raise RuntimeError("timed out waiting for the coordinator")
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratios(r: dict) -> list[tuple]:
+    """(what, gms, baseline, gms / baseline) rows from the results."""
+    rows = []
+    base = r.get("baseline", {})
+    for name in ("A", "B"):
+        e = r.get(name)
+        if not e or not base:
+            continue
+        for key, what in (("vllm_load_s", "weight load, s (vLLM's line)"), ("start_to_ready_s", "start to ready, s"),
+                          ("gpu_memory_added_bytes", "GPU memory added, GiB")):
+            g, b = e.get(key), base.get(key)
+            if g is None or not b:
+                continue
+            scale = GiB if key.endswith("bytes") else 1
+            rows.append((f"{name}: {what}", f"{g / scale:.3f}", f"{b / scale:.3f}", f"{g / b:.3f}"))
+    sleep = r.get("sleep", {})
+    for name in ("A", "B"):
+        if name in sleep and "baseline" in sleep:
+            for key in ("sleep_s", "wake_s"):
+                g, b = sleep[name][key], sleep["baseline"][key]
+                rows.append((f"{name}: {key[:-2]}, s", f"{g:.3f}", f"{b:.3f}", f"{g / b:.3f}"))
+    f = r.get("failover")
+    if f and f["signal_to_first_token_s"] and base.get("start_to_first_completion_s"):
+        g, b = f["signal_to_first_token_s"]["median"], base["start_to_first_completion_s"]
+        rows.append(("SIGKILL -> shadow's first token, s (baseline: fresh start)", f"{g:.3f}", f"{b:.3f}",
+                     f"{g / b:.4f}"))
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="share,sleep,failover")
+    p.add_argument("--model", default="/var/tmp/gms-vllm-model", help="made there unless it holds a model")
+    p.add_argument("--shape", default="llama-2b")
+    p.add_argument("--kv-gib", type=float, default=4.0, help="KV cache per engine (--kv-cache-memory-bytes)")
+    p.add_argument("--gpu-utilization", type=float, default=0.25, help="vLLM's start gate only (the KV is fixed)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3, help="sleep/wake cycles per engine, failovers")
+    p.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before loads")
+    p.add_argument("--eager", action="store_true", help="--enforce-eager (no torch.compile, no CUDA graphs)")
+    p.add_argument("--interval", type=float, default=0.1, help="coordinator: seconds between probes")
+    p.add_argument("--failures", type=int, default=2)
+    p.add_argument("--canary-timeout", type=float, default=5.0)
+    p.add_argument("--ready-timeout", type=float, default=900)
+    p.add_argument("--work-root", default=None, help="where the run's folder goes (default: the temp dir)")
+    p.add_argument("--cache-root", default="/var/tmp/gms-vllm-cache", help="VLLM_CACHE_ROOT (compile cache)")
+    p.add_argument("--keep", action="store_true", help="keep the run's folder")
+    args = p.parse_args()
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    if not parts <= {"share", "sleep", "failover"}:
+        p.error(f"unknown parts: {sorted(parts - {'share', 'sleep', 'failover'})}")
+    bench = Bench(args)
+    log(f"{bench.results['gpu']}, {bench.results['versions']}, work {bench.work}")
+    try:
+        if parts & {"share", "sleep"}:
+            bench.share_and_sleep(parts)
+        if "failover" in parts:
+            bench.failover()
+    finally:
+        bench.close()
+        out = Path(os.environ.get("GMS_BENCH_OUT") or ROOT / "bench" / "results")
+        out.mkdir(parents=True, exist_ok=True)
+        if (bench.work / "engines-tail.log").exists():
+            shutil.copy(bench.work / "engines-tail.log", out / "vllm_engines.log")
+        bench.results["parts"] = sorted(parts)
+        model = re.search(r"\b([A-Z]\d{2,4})\b", bench.results["gpu"]["name"])  # "NVIDIA H100 80GB HBM3"
+        gpu_tag = model.group(1).lower() if model else "gpu"
+        name = f"vllm_{gpu_tag}_{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}.json"
+        write_json(str(ROOT / "bench" / "results" / name), bench.results)
+        if not args.keep:
+            shutil.rmtree(bench.work, ignore_errors=True)
+    print_table(f"vLLM on gms vs vLLM alone ({bench.results['gpu']['name']}; ratio = gms / baseline)",
+                ratios(bench.results), ("figure", "gms", "baseline", "ratio"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The copier process: holds every host chunk mapped, copies on the server's word.
+
+One per server (the server starts it, ``gms.server.copier_link``), with a
+CUDA context of its own (on the host backend, no context: ``memmove``), so
+the server keeps none.  It owns no state: the server's event log says what
+exists; the copier keeps mappings and moves bytes.
+
+Threads: the main thread reads the link in order, maps and unmaps chunks
+itself (so a copy always finds the chunks mapped that were sent before it),
+and hands each copy to the worker of its direction; each worker maps the
+copy's device allocations one by one, starting each one's moves as soon as
+it is mapped (mapping the next overlaps copying the last), waits for them
+to land, answers, then unmaps.  A chunk the server releases while a copy
+uses it is unmapped when that copy ends.
+
+It exits when the link closes (the server went away or stopped it).  A CUDA
+failure ends it at once (``gms.cuda.vmm.fatal``); the server notices the link
+close, falls back to client-side copies and starts another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+
+from . import messages as msg
+from .engine import Engine, Mapped
+
+log = logging.getLogger("gms.copier")
+# Test hook (tests/test_copier.py): "restore:N" or "publish:N" stops this
+# process (SIGSTOP) once N moves of that direction have landed, so a test
+# can kill it with a copy half done.
+STOP_AFTER_ENV = "GMS_COPIER_STOP_AFTER"
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _stop_after() -> tuple[bool, int] | None:
+    spec = os.environ.get(STOP_AFTER_ENV, "")
+    if not spec:
+        return None
+    direction, _, count = spec.partition(":")
+    return direction == "publish", int(count)
+
+
+class Copier:
+    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+        self.engine = engine
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the three tables below
+        self._chunks: dict[str, Mapped] = {}
+        self._refs: dict[str, int] = {}  # chunk -> copies using it
+        self._doomed: set[str] = set()  # released by the server while in use
+        self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
+        self._stopping = threading.Event()
+        self._moves = {True: 0, False: 0}
+        self._stop_after = _stop_after()
+
+    # -- the link ---------------------------------------------------------------
+
+    def _send(self, message: object) -> None:
+        try:
+            with self._send_lock:
+                msg.send(self.sock, message)
+        except OSError:
+            self._stopping.set()  # the server is gone: nobody to answer
+
+    def run(self) -> None:
+        workers = [
+            threading.Thread(target=self._work, args=(to_host,), name=f"copier-{'d2h' if to_host else 'h2d'}")
+            for to_host in (True, False)
+        ]
+        for worker in workers:
+            worker.start()
+        self._send(msg.Ready(os.getpid(), self.engine.name))
+        try:
+            while not self._stopping.is_set():
+                got = msg.receive(self.sock)
+                if got is None:
+                    break
+                self._handle(*got)
+        finally:
+            self._stopping.set()
+            for q in self._queues.values():
+                q.put(None)
+            for worker in workers:
+                worker.join()
+            for mapped in self._chunks.values():
+                self.engine.unmap(mapped)
+            self._chunks.clear()
+
+    def _handle(self, message: object, fds: list[int]) -> None:
+        if isinstance(message, msg.MapChunks):
+            self._map(message, fds)
+        elif isinstance(message, msg.UnmapChunks):
+            _close(fds)
+            self._unmap(message.ids)
+        elif isinstance(message, msg.Copy):
+            self._dispatch(message, fds)
+        else:
+            _close(fds)
+            raise msg.LinkError(f"the copier takes no {type(message).__name__}")
+
+    # -- chunks -------------------------------------------------------------------
+
+    def _map(self, message: msg.MapChunks, fds: list[int]) -> None:
+        if len(fds) != len(message.ids) or len(message.sizes) != len(message.ids):
+            _close(fds)
+            raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
+        for n, (chunk, size, fd) in enumerate(zip(message.ids, message.sizes, fds)):
+            try:
+                mapped = self.engine.map_chunk(fd, size)  # consumes the fd
+            except BaseException:
+                _close(fds[n + 1 :])
+                raise
+            with self._lock:
+                old = self._chunks.pop(chunk, None)
+                self._chunks[chunk] = mapped
+            if old is not None:  # the server never reuses an id; if it did, the old mapping goes
+                self.engine.unmap(old)
+
+    def _unmap(self, chunks) -> None:
+        now = []
+        with self._lock:
+            for chunk in chunks:
+                if self._refs.get(chunk):
+                    self._doomed.add(chunk)
+                elif chunk in self._chunks:
+                    now.append(self._chunks.pop(chunk))
+        for mapped in now:
+            self.engine.unmap(mapped)
+
+    def _release(self, chunks) -> None:
+        """A copy that used ``chunks`` ended: unmap those released meanwhile."""
+        now = []
+        with self._lock:
+            for chunk in chunks:
+                self._refs[chunk] -= 1
+                if not self._refs[chunk]:
+                    del self._refs[chunk]
+                    if chunk in self._doomed:
+                        self._doomed.discard(chunk)
+                        now.append(self._chunks.pop(chunk))
+        for mapped in now:
+            self.engine.unmap(mapped)
+
+    # -- copies -------------------------------------------------------------------
+
+    def _dispatch(self, job: msg.Copy, fds: list[int]) -> None:
+        error = _malformed(job, len(fds))
+        chunks = set(job.chunk)
+        with self._lock:
+            missing = [c for c in chunks if c not in self._chunks or c in self._doomed]
+            if not error and missing:
+                error = f"{len(missing)} chunks are not mapped here (e.g. {missing[0]!r})"
+            if not error:
+                for chunk in chunks:
+                    self._refs[chunk] = self._refs.get(chunk, 0) + 1
+                sizes = [self._chunks[c].size for c in job.chunk]
+                if any(size > have for size, have in zip(job.size, sizes)):
+                    error = "a move is larger than its chunk"
+                    self._refs_back(chunks)
+        if error:
+            _close(fds)
+            self._send(msg.Done(job.job, error))
+            return
+        self._queues[job.to_host].put((job, fds))
+
+    def _refs_back(self, chunks) -> None:  # with self._lock held
+        for chunk in chunks:
+            self._refs[chunk] -= 1
+            if not self._refs[chunk]:
+                del self._refs[chunk]
+
+    def _work(self, to_host: bool) -> None:
+        while True:
+            item = self._queues[to_host].get()
+            if item is None:
+                return
+            job, fds = item
+            device: list[Mapped] = []
+            try:
+                if self._stopping.is_set():
+                    _close(fds)
+                    continue
+                error = self._copy(job, fds, device)
+                self._send(msg.Done(job.job, error))
+            finally:
+                for mapped in device:  # after the answer: off the transfer's path
+                    self.engine.unmap(mapped)
+                self._release(set(job.chunk))
+
+    def _copy(self, job: msg.Copy, fds: list[int], device: list[Mapped]) -> str:
+        """Run the copy; '' when every byte landed, else why not."""
+        by_allocation: list[list[int]] = [[] for _ in fds]
+        for k, allocation in enumerate(job.allocation):
+            by_allocation[allocation].append(k)
+        with self._lock:
+            chunk_va = {c: self._chunks[c].va for c in set(job.chunk)}
+        engine = self.engine
+        consumed = 0
+        try:
+            for i, fd in enumerate(fds):
+                consumed = i + 1  # map_device consumes the fd, mapped or not
+                device.append(engine.map_device(fd, job.device_sizes[i], writable=not job.to_host))
+                for k in by_allocation[i]:
+                    here, there = device[i].va + job.offset[k], chunk_va[job.chunk[k]]
+                    if job.to_host:
+                        engine.copy(there, here, job.size[k], True)
+                    else:
+                        engine.copy(here, there, job.size[k], False)
+                    self._maybe_stop(job.to_host)
+            engine.wait(job.to_host)
+        except Exception as exc:  # noqa: BLE001 - answered; the server falls back
+            _close(fds[consumed:])
+            try:
+                engine.wait(job.to_host)  # what was started lands before its memory is unmapped
+            except Exception:  # noqa: BLE001 - the copy failed already; say why it did
+                pass
+            log.warning("copy %d failed: %s", job.job, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def _maybe_stop(self, to_host: bool) -> None:
+        self._moves[to_host] += 1
+        if self._stop_after is not None and self._stop_after == (to_host, self._moves[to_host]):
+            self.engine.wait(to_host)  # what was started has landed: a copy half done
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _malformed(job: msg.Copy, fds: int) -> str:
+    moves = len(job.allocation)
+    if fds != len(job.device_sizes):
+        return f"{len(job.device_sizes)} device allocations came with {fds} fds"
+    if not (len(job.offset) == len(job.chunk) == len(job.size) == moves):
+        return "the move columns differ in length"
+    for allocation, offset, size in zip(job.allocation, job.offset, job.size):
+        if not 0 <= allocation < fds:
+            return f"a move names allocation {allocation} of {fds}"
+        if offset < 0 or size <= 0 or offset + size > job.device_sizes[allocation]:
+            return f"a move of {size} bytes at {offset} is outside its allocation"
+    return ""

@@ -1,0 +1,65 @@
+"""``GET /gms/health``: the engine contract of ``gms failover``, on vLLM's API server.
+
+The failover coordinator (docs/failover.md) asks each engine for its canary
+and wants a word back: ``{"status": "serving"}`` when one token went
+through the whole model within its deadline, ``{"status": "asleep"}`` while
+the engine sleeps with its process alive.  vLLM's own ``/health`` answers
+200 in both cases and runs no model, so this route adds the contract beside
+it (``health_path = "/gms/health"`` in the coordinator's configuration).
+
+An endpoint plugin (vLLM's ``vllm.endpoint_plugins`` group): vLLM loads one
+only when ``VLLM_PLUGINS`` names it (``VLLM_PLUGINS=gms``, which also keeps
+the ``gms`` general plugin).  The canary is an ordinary request through the
+engine client, prompt ``[0]`` (every vocabulary has token 0), one greedy
+token.  ``/sleep``, ``/wake_up`` and ``/is_sleeping`` are vLLM's own
+(``VLLM_SERVER_DEV_MODE=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+PATH = "/gms/health"
+
+
+class GmsEndpoints:
+    """The ``vllm.endpoint_plugins`` entry point (a zero-argument factory)."""
+
+    name = "gms"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        router = APIRouter()
+        router.add_api_route(PATH, health, methods=["GET"])
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        state.gms_engine_client = engine_client
+
+
+async def health(request: Request) -> JSONResponse:
+    from vllm import SamplingParams
+
+    client = getattr(request.app.state, "gms_engine_client", None)
+    pid = os.getpid()
+    if client is None:
+        return JSONResponse({"status": "starting", "pid": pid}, status_code=503)
+    try:
+        await client.check_health()
+    except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
+        return JSONResponse({"status": "dead", "error": repr(exc), "pid": pid}, status_code=503)
+    if await client.is_sleeping():
+        return JSONResponse({"status": "asleep", "pid": pid})
+    started = time.perf_counter()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        async for _ in client.generate({"prompt_token_ids": [0]}, params, f"gms-canary-{uuid.uuid4().hex}"):
+            pass
+    except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
+        return JSONResponse({"status": "serving", "error": repr(exc), "pid": pid}, status_code=503)
+    return JSONResponse({"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid})

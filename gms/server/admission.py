@@ -1,0 +1,305 @@
+"""Who gets a connection, and the server's file descriptors.
+
+A connection costs the server an fd (and a task, and a read buffer) from the
+moment it is accepted, before anyone knows what it wants, so it is judged
+then, on the kernel's word of who the peer is:
+
+* **admins** (root, the server's own uid, a policy admin) are always let in:
+  ``gms status`` and ``gms revoke`` must work while others flood the server;
+* **everyone else** is held to ``max_connections_per_uid`` open connections
+  per uid, and refused once the server's fds reach its **budget**: the fd
+  limit (RLIMIT_NOFILE) less a **reserve** that only admins' connections use.
+
+The fd count is kept, not asked of the kernel (listing /proc/self/fd costs
+O(fds)): the fds open when serving began, one per connection, one per
+allocation and per chunk of host memory (each holds the fd every export
+dups), and one per fd lent to a reply (or to the copier) until it is sent.
+A server that took a node over counts what it adopted and was handed the
+same way (:func:`open_admission`, :meth:`Admission.enter`).  Memory may hold at most three quarters
+of the budget, so a writer making tiny allocations can never take the fds
+that readers' exports and new connections need; past it an allocation is
+RESOURCE_EXHAUSTED at once (never a wait for memory, which would never come).
+The first request's deadline and its size cap live in the session
+(``gms.server.session``) and the wire (``gms.wire.connection``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from ..fsm import OverLimit
+from ..policy import Policy
+from ..wire import encode
+from ..wire import messages as m
+from .peer import Peer, peer_of
+from .reply import error_reply
+
+log = logging.getLogger("gms.server")
+
+# Connections the kernel holds for the server before it accepts them.  Each
+# waits behind all the others: a flood keeps the queue full, so it is short
+# (64 refusals take the server about 2 ms), and clients wait for room in the
+# kernel, in line, rather than in it (gms.client.transport._connect).
+LISTEN_BACKLOG = 64
+
+
+class FdsExhausted(OverLimit):
+    """The server's fds are at their budget: refused now, nothing waits."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+def fd_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def default_reserve(limit: int) -> int:
+    """Room kept for admins' connections and what the server opens on its own."""
+    return min(256, max(16, limit // 8))
+
+
+def open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError:
+        return 64
+
+
+class FdBudget:
+    """The server's fd count against its limit (see the module's doc)."""
+
+    def __init__(self, limit: int, reserve: int, base: int, memory: Callable[[], int] = lambda: 0) -> None:
+        self.limit = limit
+        self.reserve = reserve
+        self.base = base
+        self.memory = memory  # fds held by allocations and host copies, counted by their tables
+        self.connections = 0
+        self.lent = 0
+
+    @property
+    def budget(self) -> int:
+        """What non-admins may take the count to."""
+        return max(0, self.limit - self.reserve)
+
+    @property
+    def memory_budget(self) -> int:
+        return self.budget * 3 // 4
+
+    def used(self) -> int:
+        return self.base + self.connections + self.lent + self.memory()
+
+    def room(self, more: int = 1) -> bool:
+        return self.used() + more <= self.budget
+
+    def check_memory(self, more: int) -> None:
+        held = self.memory()
+        why = f"the server has no file descriptor to spare for more memory (its fd limit is {self.limit})"
+        if held + more > self.memory_budget:
+            raise FdsExhausted(
+                "fds", "node", held, more, self.memory_budget,
+                f"{why}: every allocation and host copy holds one, and memory may hold three quarters "
+                "of what is not kept for admins",
+            )
+        if not self.room(more):
+            raise FdsExhausted("fds", "node", self.used(), more, self.budget, why)
+
+    def lend(self, count: int) -> None:
+        """Fds an export is about to dup; give them back with :meth:`returned`."""
+        if count and not self.room(count):
+            raise FdsExhausted(
+                "fds", "node", self.used(), count, self.budget,
+                f"the server has no file descriptor to spare for an export (its fd limit is {self.limit})",
+            )
+        self.lent += count
+
+    def returned(self, count: int) -> None:
+        self.lent -= count
+
+
+@attrs.frozen
+class Ticket:
+    """An admitted connection: give it back with :meth:`Admission.leave`."""
+
+    uid: int
+    admin: bool
+
+
+class Admission:
+    def __init__(
+        self,
+        policy: Policy,
+        server_uid: int,
+        fds: FdBudget,
+        *,
+        max_connections_per_uid: int | None = 256,
+    ) -> None:
+        self.policy = policy
+        self.server_uid = server_uid
+        self.fds = fds
+        self.max_per_uid = max_connections_per_uid
+        self.by_uid: Counter[int] = Counter()
+        self.frames = _Frames()
+        self.refusals = _Refusals()
+
+    def admit(self, peer: Peer) -> Ticket:
+        """Count the connection in, or raise the OverLimit that refuses it."""
+        admin = self.policy.is_admin(peer.uid, peer.gid, self.server_uid)
+        if not admin:
+            held = self.by_uid[peer.uid]
+            if self.max_per_uid is not None and held >= self.max_per_uid:
+                raise OverLimit(
+                    "max_connections_per_uid", "uid", held, 1, self.max_per_uid,
+                    f"uid {peer.uid} already has {held} connections open to this server",
+                )
+            # The accepted socket is open already: it is the one asked for.
+            if self.fds.used() + 1 > self.fds.budget:
+                raise FdsExhausted(
+                    "fds", "node", self.fds.used(), 1, self.fds.budget,
+                    "the server's file descriptors are at their budget (the rest is kept for admins)",
+                )
+        return self.enter(peer, admin)
+
+    def enter(self, peer: Peer, admin: bool | None = None) -> Ticket:
+        """Count in a connection that is not judged: one a take-over handed over, or
+        a parked one going on after a take-over that did not happen.  Its client
+        was served a moment ago; refusing it now would be the one thing a
+        take-over promises not to do.  It counts against its uid's cap and the
+        fds like any other (a uid over its cap then opens no more until under)."""
+        if admin is None:
+            admin = self.policy.is_admin(peer.uid, peer.gid, self.server_uid)
+        self.by_uid[peer.uid] += 1
+        self.fds.connections += 1
+        return Ticket(peer.uid, admin)
+
+    def leave(self, ticket: Ticket) -> None:
+        self.fds.connections -= 1
+        self.by_uid[ticket.uid] -= 1
+        if not self.by_uid[ticket.uid]:
+            del self.by_uid[ticket.uid]
+
+
+_ACCEPT_CAPACITY = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
+
+
+async def serve(
+    admission: Admission,
+    listener: trio.socket.SocketType,
+    handle: Callable[[trio.socket.SocketType, Peer, Ticket], Awaitable[None]],
+    nursery: trio.Nursery,
+    on_refused: Callable[[str], None] = lambda limit: None,
+) -> None:
+    """Accept until cancelled; judge each connection before it costs a task.
+
+    Trio's ``serve_listeners`` starts a task per connection, and a refusal then
+    cost a task's start and end: a stranger opening connections as fast as it
+    can kept the listen queue full, and everyone else's connect waited behind
+    it.  Here a refusal is a few system calls in the accept loop (the error
+    written, the socket closed) and only admitted connections get a task."""
+    accepting = trio.SocketListener(listener)  # Trio's accept: it skips ECONNABORTED, EPROTO and the like
+    while True:
+        try:
+            sock = (await accepting.accept()).socket
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY:
+                raise
+            log.error("accept failed: %s; retrying in 0.1 s", os.strerror(exc.errno))
+            await trio.sleep(0.1)
+            continue
+        try:
+            peer = peer_of(sock)
+        except OSError:  # the peer left before we asked who it was
+            sock.close()
+            continue
+        try:
+            ticket = admission.admit(peer)
+        except OverLimit as refused:  # answered before the close, as if to its first request
+            try:
+                os.write(sock.fileno(), admission.frames.get(refused))
+            except OSError:
+                pass
+            sock.close()
+            on_refused(refused.limit)
+            admission.refusals.note(peer.uid, refused)
+            continue
+        nursery.start_soon(handle, sock, peer, ticket)
+
+
+def refusal_frame(refused: OverLimit) -> bytes:
+    """The answer a refused connection finds before its close (as the answer to its first request)."""
+    message = error_reply(refused).message
+    assert isinstance(message, m.ErrorResponse)
+    return encode(message)
+
+
+class _Frames:
+    """Refusals' frames, encoded once: a flood gets the same answer thousands of times."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._frames: dict[tuple, bytes] = {}
+        self._size = size
+
+    def get(self, refused: OverLimit) -> bytes:
+        key = (refused.limit, refused.scope, refused.used, refused.asked, refused.bound, refused.message)
+        frame = self._frames.get(key)
+        if frame is None:
+            if len(self._frames) >= self._size:
+                self._frames.clear()
+            frame = self._frames[key] = refusal_frame(refused)
+        return frame
+
+
+class _Refusals:
+    """One log line per uid and interval, counting the refusals since the last:
+    a flood must not cost a log record per connection (even one a filter drops)."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._since: dict[int, tuple[float, int]] = {}  # uid -> (last line, refusals since)
+
+    def note(self, uid: int, refused: OverLimit) -> None:
+        now = self.clock()
+        last, held = self._since.get(uid, (-self.interval, 0))
+        if now - last < self.interval:
+            self._since[uid] = (last, held + 1)
+            return
+        more = f" (and {held} more since the last line)" if held else ""
+        log.warning("refused a connection from uid %d: %s%s", uid, refused.message, more)
+        if len(self._since) > 4096:
+            self._since.clear()
+        self._since[uid] = (now, 0)
+
+
+def open_admission(core, config, *, uncounted: int = 0) -> Admission:
+    """The server's admission, its fd budget counting the core's memory tables
+    (which check it before making memory and lend from it for exports).
+
+    A server that took a node over holds fds already: the memory it adopted
+    (counted by the tables, so left out of the base) and ``uncounted`` others
+    open now that will be counted as they are used (a take-over's clients'
+    sockets, counted by their sessions' tickets).  The keeper's fds are in the
+    keeper's table, not this one: it holds one per fd the memory tables hold
+    (and the listener), under the same limit (``gms serve`` raises both to the
+    hard limit), so the memory bound here keeps it within its own."""
+    limit = fd_limit()
+    reserve = config.fd_reserve if config.fd_reserve is not None else default_reserve(limit)
+    tiers = list(core.ledger.tiers.values())
+
+    def memory() -> int:
+        return sum(tier.fd_count() for tier in tiers)
+
+    fds = FdBudget(limit, reserve, max(0, open_fds() - memory() - uncounted), memory)
+    for tier in tiers:
+        tier.fds = fds
+    core.fds = fds
+    return Admission(config.policy, core.server_uid, fds, max_connections_per_uid=config.max_connections_per_uid)

@@ -1,0 +1,287 @@
+"""The server's side of the copier: start it, feed it chunks and copies, outlive it.
+
+The copier (``gms.copier``) is a child process with a CUDA context of its own,
+on a ``SOCK_SEQPACKET`` socketpair.  :meth:`CopierLink.run` supervises it in
+the server's nursery: start it, tell it every chunk of host memory it must
+keep mapped, serve the link until it closes, then start another after a
+backoff (half a second, doubling to 30 s; reset after a minute of health).
+
+The copier can never take the server down: when the link closes (it
+crashed, a CUDA failure ended it, it was killed) or a copy outlives its
+deadline (then it is killed), every copy waiting on it raises
+:class:`CopierGone`, and its callers fall back to today's client-side copies
+(the reader restores, the writer fills its host copies); the server logs it
+and goes on.  Nothing the copier does is state: the event log says what
+exists, whoever moved the bytes.
+
+Messages to the copier go through one queue drained by one task, so they
+arrive in the order the loop made them: a chunk is always mapped there
+before a copy that uses it arrives.  Chunks made or released while no
+copier runs are not sent; a new copier is told every live chunk first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..copier import messages as msg
+
+log = logging.getLogger("gms.server.copier")
+
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 60.0
+READY_TIMEOUT_S = 30.0  # a CUDA context can take seconds on a busy host
+STOP_GRACE_S = 5.0
+# A copy's deadline: generous (a tenth of PCIe's speed), then the copier is
+# presumed stuck and killed; its callers fall back.
+DEADLINE_BASE_S = 30.0
+DEADLINE_BYTES_PER_S = 1 << 30
+
+
+class CopierGone(Exception):
+    """No copier did this copy (none running, it died, or it failed the copy): fall back."""
+
+
+@attrs.frozen
+class Move:
+    """Bytes between a device allocation (``allocation``: its index in the copy) and a chunk."""
+
+    allocation: int
+    offset: int
+    chunk: str
+    size: int
+
+
+LiveChunks = Callable[[], list[tuple[str, int, int]]]  # (chunk id, a new fd, size)
+
+
+class CopierLink:
+    def __init__(
+        self,
+        backend: str,
+        device: int,
+        *,
+        log_level: str = "warning",
+        ready_timeout: float = READY_TIMEOUT_S,
+    ) -> None:
+        self.argv = [
+            sys.executable, "-m", "gms.copier", "--backend", backend, "--device", str(device),
+            "--log-level", log_level,
+        ]
+        self.state = "starting"  # starting, running, down (between copiers), stopped
+        self.pid = 0
+        self.engine = ""
+        self.restarts = 0
+        self.ready_timeout = ready_timeout
+        self.live_chunks: LiveChunks = list  # set by the host tier: what a new copier must map
+        self._settled = trio.Event()  # set when a start succeeded or failed
+        self._outbox: trio.MemorySendChannel | None = None
+        self._jobs: dict[int, list] = {}  # job -> [event, error or None]
+        self._next_job = 1
+        self._process: trio.Process | None = None
+
+    # -- what the loop asks ---------------------------------------------------------
+
+    async def usable(self) -> bool:
+        """Whether a copier runs now; while one starts, wait for it (bounded)."""
+        if self.state == "starting":
+            with trio.move_on_after(self.ready_timeout):
+                await self._settled.wait()
+        return self.state == "running"
+
+    def map(self, chunks: list[tuple[str, int, int]]) -> None:
+        """Have the copier map these (chunk id, fd, size); the fds are the link's now."""
+        for start in range(0, len(chunks), msg.MAX_FDS):
+            batch = chunks[start : start + msg.MAX_FDS]
+            self._post(msg.MapChunks([c for c, _, _ in batch], [s for _, _, s in batch]), [f for _, f, _ in batch])
+
+    def unmap(self, chunk_ids: list[str]) -> None:
+        for start in range(0, len(chunk_ids), 4096):
+            self._post(msg.UnmapChunks(list(chunk_ids[start : start + 4096])), [])
+
+    async def copy(self, to_host: bool, fds: list[int], device_sizes: list[int], moves: list[Move]) -> None:
+        """One copy (at most 253 allocations, ``msg.MAX_MOVES`` moves); consumes ``fds``.
+        Returns when every byte landed; raises CopierGone otherwise."""
+        if not await self.usable():
+            _close(fds)
+            raise CopierGone(f"no copier is running ({self.state})")
+        job = self._next_job
+        self._next_job += 1
+        entry = self._jobs[job] = [trio.Event(), None]
+        message = msg.Copy(
+            job, to_host, list(device_sizes), [mv.allocation for mv in moves], [mv.offset for mv in moves],
+            [mv.chunk for mv in moves], [mv.size for mv in moves],
+        )
+        try:
+            if not self._post(message, fds):
+                raise CopierGone("the copier went away")
+            deadline = DEADLINE_BASE_S + sum(mv.size for mv in moves) / DEADLINE_BYTES_PER_S
+            with trio.move_on_after(deadline) as waited:
+                await entry[0].wait()
+            if waited.cancelled_caught:
+                log.error("copier: a copy of %d moves outlived its %.0f s deadline: killing it", len(moves), deadline)
+                self._kill()
+                raise CopierGone("the copier was stuck and was killed")
+        finally:
+            self._jobs.pop(job, None)  # an answer that comes after this is ignored
+        if entry[1]:
+            raise CopierGone(entry[1])
+
+    def status(self) -> tuple[str, int]:
+        return self.state, self.pid if self.state == "running" else 0
+
+    def _post(self, message: object, fds: list[int]) -> bool:
+        if self._outbox is None:
+            _close(fds)  # no copier: a new one is told every live chunk when it starts
+            return False
+        self._outbox.send_nowait((msg.encode(message), fds))
+        return True
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.send_signal(signal.SIGKILL)
+
+    # -- supervision ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a copier running until cancelled (the server stops)."""
+        backoff = FIRST_BACKOFF_S
+        try:
+            while True:
+                started = trio.current_time()
+                await self._serve_one()
+                if trio.current_time() - started > HEALTHY_AFTER_S:
+                    backoff = FIRST_BACKOFF_S
+                log.warning("copier: starting another in %.1f s; until then clients copy themselves", backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                self.restarts += 1
+                self.state = "starting"
+                self._settled = trio.Event()
+        finally:
+            self.state = "stopped"
+            self._settled.set()
+
+    def _down(self, why: str) -> None:
+        self.state = "down"
+        self._settled.set()
+        for entry in self._jobs.values():  # their copies will never be answered
+            entry[1] = entry[1] or f"the copier went away ({why})"
+            entry[0].set()
+
+    async def _serve_one(self) -> None:
+        """Start one copier and serve its link until it closes."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = await trio.lowlevel.open_process(
+                [*self.argv, "--fd", str(child.fileno())], pass_fds=(child.fileno(),)
+            )
+        except OSError as exc:
+            parent.close()
+            log.error("copier: cannot start it: %s", exc)
+            self._down(str(exc))
+            return
+        finally:
+            child.close()
+        self._process = process
+        sock = trio.socket.from_stdlib_socket(parent)
+        outbox, inbox = trio.open_memory_channel(math.inf)
+        why = "its link closed"
+        try:
+            self._outbox = outbox
+            chunks = self.live_chunks()  # before any copy: the queue keeps the order
+            if chunks:
+                self.map(chunks)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_all, sock, inbox)
+                why = await self._read_all(sock)
+                nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            if _cancelled(exc):
+                why = "the server stops"
+            raise
+        finally:
+            self._outbox = None
+            outbox.close()
+            for _, fds in _drain(inbox):
+                _close(fds)
+            sock.close()  # the copier sees the link close and exits
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(STOP_GRACE_S):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            self._process = None
+            self.pid = 0
+            level = logging.INFO if why == "the server stops" else logging.WARNING
+            log.log(level, "copier (pid %d) exited (%s, code %s)", process.pid, why, process.returncode)
+            self._down(why)
+
+    async def _send_all(self, sock, inbox) -> None:
+        async for frame, fds in inbox:
+            try:
+                await sock.sendmsg([frame], msg.rights(fds))
+            except OSError as exc:
+                log.warning("copier: sending failed: %s", exc)
+                return  # the reader sees the link close
+            finally:
+                _close(fds)
+
+    async def _read_all(self, sock) -> str:
+        """Answers until the link closes; returns why it did."""
+        while True:
+            try:
+                body, ancillary, flags, _ = await sock.recvmsg(msg.MAX_FRAME_BYTES, msg.fd_space(1))
+                _close(msg.unpack_fds(ancillary, flags))  # the copier sends none
+                if not body:
+                    return "its link closed"
+                message = msg.decode(body)
+            except (OSError, msg.LinkError) as exc:
+                self._kill()
+                return f"a bad frame: {exc}"
+            if isinstance(message, msg.Ready):
+                self.state, self.pid, self.engine = "running", message.pid, message.engine
+                self._settled.set()
+                log.info("copier (pid %d) ready: %s", message.pid, message.engine)
+            elif isinstance(message, msg.Done):
+                entry = self._jobs.get(message.job)
+                if entry is not None:
+                    entry[1] = message.error or None
+                    entry[0].set()
+                if message.error:
+                    log.warning("copier: copy %d failed: %s", message.job, message.error)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Cancelled, or a group (from a nursery) of nothing but Cancelled."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
+
+
+def _drain(inbox) -> list:
+    items = []
+    while True:
+        try:
+            items.append(inbox.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return items
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

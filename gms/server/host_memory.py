@@ -1,0 +1,420 @@
+"""The host tier's memory: host copies made of chunks, and a pool of chunks made ahead of need.
+
+A host copy is one or more *chunks* of server-owned host memory (pinned, on
+CUDA: ``cuMemCreate`` on the GPU's host NUMA node), each made on the host
+tier's lane and, where the server has a copier, kept mapped by the copier
+for its whole life (``gms.server.copier_link``).  Two kinds:
+
+* one chunk of exactly the allocation's size, made when asked for (a writer
+  filling its own host copies, today's protocol: ``ExportHostCopiesRequest``);
+* chunks of ``chunk_bytes`` (64 MiB by default) taken from the **pool**, plus
+  one exact chunk for the rest, when the copier fills a publish's host copies.
+  A VMM allocation cannot be split or mapped at an offset, so memory made
+  ahead of need, not knowing the sizes it will hold, comes in equal chunks.
+
+Pinning costs about 0.24 s per GiB on the H100 host (13 times the D2H copy
+it prepares); the pool pays it on the lane while nothing waits, up to
+``pool_bytes``, whenever it falls short.  Its bytes count against the host
+budget (they are pinned memory the server holds) but are no host copy: the
+event log, which says what exists, does not know them, and the status probe
+shows them apart (``host_pool_bytes``).  The server keeps the physical total
+(host copies + pool + chunks in flight) within the budget by giving pool
+chunks back before making others.  A chunk is never reused once released: a
+client that was given its fd (a restorer without a copier) could still map it.
+
+The table of chunks is a :class:`~gms.server.memory.Memory` keyed by chunk id
+(on the loop; its backend on the lane); this keeps which chunks hold which
+allocation's copy, in order.
+
+Restarts and take-overs (``gms.server.mirror``, ``gms.server.resume``): the
+chunks of every host copy are state's memory, so the keeper is told of each
+as the copy is made (before the event that records it) and let go, and a
+take-over hands them on.  Each goes under a name that says what it is to
+its copy (:func:`chunk_name`): the allocation's id for a copy of one chunk,
+``<id>/<offset>/<size>`` for each of several (the log knows only a copy's
+total), so a new server can put a copy back together, in order, whatever
+chunk size it runs with.  The pool and the chunks reserved for a transfer in
+flight are no state (no event names them): they are not kept, and die with
+the server; the new one makes its own pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import trio
+
+import os
+
+from ..cuda import OutOfMemory, align_up
+from ..fsm import HostBudgetExceeded, StateViolation
+from .copier_link import CopierLink
+from .memory import Memory
+
+log = logging.getLogger("gms.server.host")
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def chunk_name(allocation_id: str, offset: int, size: int, whole: bool) -> str:
+    """What a host copy's chunk is called outside this table (the keeper's key,
+    a take-over's): the allocation's id for a copy in one chunk (as host copies
+    always were), ``<id>/<offset>/<size>`` for one of several."""
+    return allocation_id if whole else f"{allocation_id}/{offset}/{size}"
+
+
+def parse_chunk_name(name: str) -> tuple[str, int | None, int | None]:
+    """(allocation id, offset, size) of a :func:`chunk_name`; (id, None, None) for a
+    whole copy.  Raises ValueError for a name that is neither."""
+    allocation_id, _, rest = name.partition("/")
+    if not rest:
+        return allocation_id, None, None
+    offset, size = rest.split("/")
+    return allocation_id, int(offset), int(size)
+
+
+class HostMemory:
+    def __init__(
+        self,
+        chunks: Memory,
+        *,
+        link: CopierLink | None = None,
+        pool_bytes: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.chunks = chunks
+        self.backend = chunks.backend
+        self.lane = chunks.lane
+        self.name = chunks.name
+        self.granularity = chunks.granularity
+        self.link = link
+        self.chunk_bytes = align_up(max(chunk_bytes, 1), self.granularity)
+        # Without a copier, pool chunks would only wait: nothing fills them.
+        self.pool_target = (pool_bytes // self.chunk_bytes) * self.chunk_bytes if link is not None else 0
+        # Room the host budget leaves beyond the recorded host copies (None:
+        # unbounded); set by the core, which owns the state.
+        self.room: Callable[[], int | None] = lambda: None
+        self._copies: dict[str, tuple[str, ...]] = {}  # allocation id -> its chunks, in order
+        self._copy_bytes = 0
+        self._size: dict[str, int] = {}  # every chunk held -> its size
+        self._pool: list[str] = []
+        self._reserved: dict[str, int] = {}  # chunks made or taken for work in flight
+        self._making = 0  # pool bytes being pinned now
+        self._wanted = 0  # bytes a request waits to have room for: the pool yields to it
+        self._ids = itertools.count(1)
+        self._wake = trio.Event()
+        self._pinned = trio.Event()  # set each time the pool's chunk in the making is done
+        self._copying = 0  # transfers under way: the pool waits for none (below)
+        self._quiet = trio.Event()
+        self._pool_warned = False
+        self._lost: set[str] = set()  # copies a resumed server found lost: nothing to release
+        # Told of every host copy's chunks as the copy is made or let go (the
+        # keeper link, where there is one): ``held("host", [(name, fd)])``,
+        # ``released("host", [name])``.  The pool's chunks are not told.
+        self.observer = None
+        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        if link is not None:
+            link.live_chunks = self._live_chunks
+
+    # -- what the table holds -------------------------------------------------------
+
+    def holds(self, allocation_id: str) -> bool:
+        return allocation_id in self._copies
+
+    def live(self) -> tuple[int, int]:
+        """(count, bytes) of host copies (the pool apart)."""
+        return len(self._copies), self._copy_bytes
+
+    def fd_count(self) -> int:
+        """Fds held: one per chunk (of the copies, the pool and work in flight)."""
+        return len(self._size)
+
+    def named_chunks(self, allocation_id: str) -> list[tuple[str, str]]:
+        """(name, chunk id) of each chunk of an allocation's host copy (see chunk_name)."""
+        chunks = self._copies[allocation_id]
+        whole = len(chunks) == 1
+        named, offset = [], 0
+        for chunk in chunks:
+            size = self._size[chunk]
+            named.append((chunk_name(allocation_id, offset, size, whole), chunk))
+            offset += size
+        return named
+
+    def held_fds(self) -> list[tuple[str, int]]:
+        """(name, fd) of every host copy's chunks: what the keeper keeps and a
+        take-over hands on (the fds stay open here)."""
+        return [
+            (name, self.chunks.fd_of(chunk))
+            for allocation_id in self._copies
+            for name, chunk in self.named_chunks(allocation_id)
+        ]
+
+    @property
+    def pool_bytes(self) -> int:
+        return len(self._pool) * self.chunk_bytes
+
+    def chunks_of(self, allocation_id: str) -> list[tuple[str, int]]:
+        """(chunk id, size) of an allocation's host copy, in order."""
+        return [(chunk, self._size[chunk]) for chunk in self._copies[allocation_id]]
+
+    def _in_flight(self) -> int:
+        return self.pool_bytes + sum(self._reserved.values()) + self._making
+
+    def _fits(self, more: int) -> bool:
+        room = self.room()
+        return room is None or self._in_flight() + more <= room
+
+    # -- making chunks -------------------------------------------------------------
+
+    def _pool_id(self) -> str:
+        return f"pool-{next(self._ids)}"
+
+    def chunk_id(self, allocation_id: str) -> str:
+        """A new id for a chunk of an allocation's copy, never used before (the copier
+        may still be unmapping a discarded chunk of the same allocation)."""
+        return f"{allocation_id}.{next(self._ids)}"
+
+    async def _make_room(self, more: int) -> None:
+        """Give pool chunks back until ``more`` bytes fit the host budget (a chunk the
+        pool is pinning now is waited for, then given back); else refuse."""
+        while True:
+            while not self._fits(more) and self._pool:
+                self._drop([self._pool.pop()])
+            if self._fits(more):
+                return
+            if not self._making:
+                raise HostBudgetExceeded(
+                    f"host tier full: no room for {more} more bytes under the host budget "
+                    f"({self._in_flight()} bytes in flight beyond the host copies)"
+                )
+            self._wanted += more  # the pool makes no more chunks meanwhile
+            try:
+                await self._pinned.wait()
+            finally:
+                self._wanted -= more
+
+    async def make(self, chunks: list[tuple[str, int]]) -> list[str]:
+        """New chunks (id, size) on the lane, all or none, mapped by the copier,
+        reserved for the caller, who ``adopt``s or ``discard``s them.  Ids name
+        the allocation they are for (memfd names show them): never reused."""
+        if not chunks:
+            return []
+        ids, sizes = [c for c, _ in chunks], [s for _, s in chunks]
+        if self.fds is not None:
+            self.fds.check_memory(len(chunks))  # each chunk holds an fd: refused at once past the bound
+        await self._make_room(sum(sizes))
+        for chunk, size in chunks:
+            self._reserved[chunk] = size  # counted against the budget while made
+        try:
+            await self.chunks.create(list(chunks))
+        except BaseException:
+            for chunk in ids:
+                del self._reserved[chunk]
+            raise
+        self._size.update(zip(ids, sizes))
+        self._to_copier(ids)
+        return ids
+
+    def take_pool(self, count: int) -> list[str]:
+        """Up to ``count`` pool chunks, reserved for the caller (no wait: made already)."""
+        taken = self._pool[:count]
+        del self._pool[:count]
+        for chunk in taken:
+            self._reserved[chunk] = self._size[chunk]
+        self._wake.set()
+        return taken
+
+    def adopt(self, allocation_id: str, chunk_ids: list[str]) -> None:
+        """Reserved chunks become the allocation's host copy (just before it is recorded)."""
+        for chunk in chunk_ids:
+            del self._reserved[chunk]
+        self._copies[allocation_id] = tuple(chunk_ids)
+        self._copy_bytes += sum(self._size[chunk] for chunk in chunk_ids)
+        if self.observer is not None:  # before the event that records the copy (the caller's)
+            named = self.named_chunks(allocation_id)
+            self.observer.held(self.lane.name, [(name, self.chunks.fd_of(chunk)) for name, chunk in named])
+
+    def discard(self, chunk_ids: Iterable[str]) -> None:
+        """Reserved chunks nobody will use: released (never back to the pool: see above)."""
+        gone = [chunk for chunk in chunk_ids if self._reserved.pop(chunk, None) is not None]
+        self._drop(gone)
+
+    async def create(self, items: list[tuple[str, int]]) -> None:
+        """One exact chunk per (allocation id, size): a writer's own host copies.
+        Raises OutOfMemory (the host is full) or HostBudgetExceeded."""
+        await self.make(items)  # the chunk of an exact copy is named after its allocation
+        for allocation_id, _ in items:
+            self.adopt(allocation_id, [allocation_id])
+
+    def release(self, allocation_ids: Iterable[str]) -> None:
+        """The host copies went (the ledger recorded it): release their chunks."""
+        gone: list[str] = []
+        names: list[str] = []
+        for allocation_id in allocation_ids:
+            if allocation_id in self._lost:  # never held here (a resumed server found it lost)
+                self._lost.discard(allocation_id)
+                continue
+            if self.observer is not None:
+                names += [name for name, _ in self.named_chunks(allocation_id)]
+            chunks = self._copies.pop(allocation_id)
+            self._copy_bytes -= sum(self._size[chunk] for chunk in chunks)
+            gone += chunks
+        self._drop(gone)
+        if names:  # after the event that released them (the ledger's)
+            self.observer.released(self.lane.name, names)
+
+    def _drop(self, chunk_ids: list[str]) -> None:
+        if not chunk_ids:
+            return
+        for chunk in chunk_ids:
+            del self._size[chunk]
+        self.chunks.release(chunk_ids)
+        if self.link is not None:
+            self.link.unmap(chunk_ids)
+        self._wake.set()  # room for the pool, maybe
+
+    def _to_copier(self, chunk_ids: list[str]) -> None:
+        if self.link is not None:
+            fds = self.chunks.export_many(chunk_ids)
+            self.link.map([(chunk, fd, self._size[chunk]) for chunk, fd in zip(chunk_ids, fds)])
+
+    def _live_chunks(self) -> list[tuple[str, int, int]]:
+        """Every chunk held, for a copier that starts: (id, a new fd, size)."""
+        ids = list(self._size)
+        return list(zip(ids, self.chunks.export_many(ids), [self._size[c] for c in ids]))
+
+    # -- exports (clients) ------------------------------------------------------------
+
+    def _lend(self, count: int) -> None:
+        """Fds dup'ed for a reply count against the budget until it is sent (the
+        session gives them back): as the GPU tier's exports do."""
+        if self.fds is not None:
+            self.fds.lend(count)
+
+    def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
+        """One fd per host copy: only for copies of one chunk (today's protocol)."""
+        chunks = []
+        for allocation_id in allocation_ids:
+            held = self._copies[allocation_id]
+            if len(held) != 1:
+                raise StateViolation(
+                    f"the host copy of {allocation_id!r} is held in {len(held)} chunks: "
+                    "ask ExportHostChunksRequest for them"
+                )
+            chunks.append(held[0])
+        return self._export_lent(chunks)
+
+    def export_chunks(self, chunk_ids: list[str]) -> list[int]:
+        return self._export_lent(chunk_ids)
+
+    def _export_lent(self, chunk_ids: list[str]) -> list[int]:
+        self._lend(len(chunk_ids))
+        try:
+            return self.chunks.export_many(chunk_ids)
+        except BaseException:
+            if self.fds is not None:
+                self.fds.returned(len(chunk_ids))
+            raise
+
+    # -- a node taken over (gms.server.resume) -------------------------------------------
+
+    async def adopt_copies(self, items: list[tuple[str, int, list[tuple[int, int, int]]]]) -> list[tuple[str, str]]:
+        """Host copies another server made, each (allocation id, its aligned size,
+        [(offset, size, fd)] of its chunks): every chunk checked on the lane and
+        held from now on, the copier told of each (now, or when it starts).  A
+        copy whose chunks do not make it up, or one of whose chunks is no longer
+        its memory, is lost whole (its fds closed, its other chunks released);
+        returns (allocation id, why) for each."""
+        lost: list[tuple[str, str]] = []
+        wanted: list[tuple[str, int, int]] = []  # (chunk id, fd, size)
+        copies: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for allocation_id, total, parts in items:
+            parts = sorted(parts)
+            offsets = [offset for offset, _, _ in parts]
+            ends = [offset + size for offset, size, _ in parts]
+            if offsets[:1] != [0] or offsets[1:] != ends[:-1] or ends[-1] != total:
+                for _, _, fd in parts:
+                    os.close(fd)
+                lost.append((allocation_id, f"its host copy's chunks do not make up its {total} bytes"))
+                continue
+            ids = copies[allocation_id] = []
+            for _, size, fd in parts:
+                chunk = self.chunk_id(allocation_id)
+                wanted.append((chunk, fd, size))
+                owner[chunk] = allocation_id
+                ids.append(chunk)
+        failed = dict(await self.chunks.adopt(wanted)) if wanted else {}
+        sizes = {chunk: size for chunk, _, size in wanted}
+        why_lost = {}
+        for chunk, why in failed.items():
+            why_lost.setdefault(owner[chunk], why)
+        adopted: list[str] = []
+        for allocation_id, ids in copies.items():
+            if allocation_id in why_lost:
+                self.chunks.release([chunk for chunk in ids if chunk not in failed])
+                lost.append((allocation_id, why_lost[allocation_id]))
+                continue
+            self._size.update((chunk, sizes[chunk]) for chunk in ids)
+            self._copies[allocation_id] = tuple(ids)
+            self._copy_bytes += sum(sizes[chunk] for chunk in ids)
+            adopted += ids
+        self._lost.update(allocation_id for allocation_id, _ in lost)
+        self._to_copier(adopted)
+        return lost
+
+    # -- the pool -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """A transfer through the copier runs: the pool pins nothing new meanwhile.
+        Pinning and the copier mapping the new chunk would run beside the copy
+        (a host mapping's set-access beside a copy slows it to 0.8 of the
+        floor, bench/restore_copy_probe.py); the pool refills between transfers."""
+        self._copying += 1
+        try:
+            yield
+        finally:
+            self._copying -= 1
+            if not self._copying:
+                self._quiet.set()
+                self._quiet = trio.Event()
+
+    async def keep_pool(self) -> None:
+        """Refill the pool whenever it falls short (a task in the server's nursery)."""
+        if not self.pool_target:
+            return
+        self._wake.set()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self.pool_bytes + self._making < self.pool_target and self._fits(self.chunk_bytes + self._wanted):
+                if self._copying:
+                    await self._quiet.wait()
+                    continue  # decided again: the world changed meanwhile
+                chunk = self._pool_id()
+                self._making += self.chunk_bytes
+                try:
+                    await self.chunks.create([(chunk, self.chunk_bytes)])
+                except OutOfMemory as exc:
+                    if not self._pool_warned:
+                        log.warning("host pool: the host has no more memory to pin (%s); trying again later", exc)
+                        self._pool_warned = True
+                    break
+                finally:
+                    self._making -= self.chunk_bytes
+                    self._pinned.set()
+                    self._pinned = trio.Event()
+                self._size[chunk] = self.chunk_bytes
+                self._pool.append(chunk)
+                self._to_copier([chunk])
+
+    # -- the rest of a tier's surface --------------------------------------------------
+
+    async def device_info(self):
+        return await self.chunks.device_info()
+
+    async def close(self) -> None:
+        await self.chunks.close()

@@ -1,0 +1,366 @@
+"""Tenants cannot hurt each other or the daemon (issue 21): each attack of the
+issue, by a real uid over the real socket, while a victim tenant reads.
+
+For every attack the victim (another tenant's uid) reads a committed layout
+in a loop, first quietly and then during the attack (handshake RO, list,
+export every allocation, read a key, close), root probes the server (what
+``gms status`` asks), and the server's RSS is sampled; the attacker's own
+figures say what it got.  Recorded: the victim's p50/p99 quiet and under
+attack, the probes' worst time, RSS against the bound the server was
+configured with, and the attacker's refusals.  Asserted: the victim never
+fails and its p99 stays within a generous multiple of the quiet one (the
+figures say how close to 2x it really is; this is a shared 2-core box), every
+probe answers within a second, RSS stays within the configured bounds, and
+the attacker gets the typed refusal that names the limit.
+
+Needs root (it runs processes as other uids); CI runs the suite as root.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import shutil
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from gms.client import admin
+from gms.client.probes import get_event_history, get_runtime_state
+from gms.wire import messages as m
+
+from ..helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
+from .common import is_root, open_dir, record, rss_bytes, scale, summary_ms
+from .tenants import (
+    AsUid,
+    allocation_flood,
+    connection_flood,
+    layout_flood,
+    metadata_flood,
+    partial_frames,
+    reader_loop,
+)
+
+pytestmark = pytest.mark.skipif(not is_root(), reason="needs root to run tenants as other uids")
+
+VICTIM, ATTACKER, HOG, STRANGER = 26001, 26002, 26003, 26999
+QUIET_S = scale(1.5, 5.0)
+ATTACK_S = scale(3.0, 20.0)
+METADATA_QUOTA = 4 * MiB
+MAX_LAYOUTS = 8
+EVENT_LOG_BYTES = 8 * MiB
+PER_UID = 32
+SLACK = 48 * MiB  # the interpreter's own churn: what RSS may move by with nothing to hold
+POLICY = f"""
+[[tenant]]
+name = "victim"
+uids = [{VICTIM}]
+write = ["v-*", "shared"]
+quota = "64MiB"
+
+[[tenant]]
+name = "attacker"
+uids = [{ATTACKER}]
+write = ["x-*"]
+read = ["shared"]
+quota = "64MiB"
+metadata_quota = "{METADATA_QUOTA}"
+max_layouts = {MAX_LAYOUTS}
+
+[[tenant]]
+name = "hog"
+uids = [{HOG}]
+write = ["y-*"]
+"""
+ARGS = (
+    "--socket-mode", "666", "--host-capacity", "4GiB", "--max-metadata-bytes", "32MiB",
+    "--event-log-bytes", str(EVENT_LOG_BYTES), "--handshake-timeout", "1", "--max-connections-per-uid",
+    str(PER_UID), "--log-level", "info",
+)
+
+
+@pytest.fixture
+def start():
+    started: list[tuple[ServerProcess, object]] = []
+
+    def start(*extra: str, preexec_fn=None) -> ServerProcess:
+        folder = open_dir()
+        (folder / "policy.toml").write_text(POLICY)
+        server = ServerProcess(folder, *ARGS, "--policy", str(folder / "policy.toml"), *extra, preexec_fn=preexec_fn)
+        started.append((server, folder))
+        publish_victim(server)
+        return server
+
+    yield start
+    for server, folder in started:
+        server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def publish_victim(server: ServerProcess) -> None:
+    for layout in ("v-model", "shared"):
+        conn = connect_as(server.socket, VICTIM)
+        assert conn.handshake("RW", layout=layout).success
+        build_layout(conn, sizes=(2 * MiB, 2 * MiB))
+        assert conn.call(m.CommitRequest()).success
+        conn.close()
+
+
+class Watch:
+    """Root's probes (what ``gms status`` asks) and the server's RSS, every 50 ms."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.probes: list[float] = []
+        self.rss: list[int] = []
+        self.failures: list[str] = []
+        self.metadata: dict[str, int] = {}  # the most each tenant kept
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.rss.append(rss_bytes(self.server.pid))
+            started = time.perf_counter()
+            try:
+                state = get_runtime_state(self.server.socket, timeout=5)
+            except Exception as exc:  # noqa: BLE001 - a failed probe fails the test
+                self.failures.append(repr(exc))
+                continue
+            finally:
+                self.probes.append(time.perf_counter() - started)
+            for row in state.tenants:
+                self.metadata[row.name] = max(self.metadata.get(row.name, 0), row.metadata_bytes)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def attack(server: ServerProcess, attacker_uid: int, workload, *args) -> tuple[dict, dict, dict, Watch]:
+    """The victim quiet, then the victim and the attacker at once; returns
+    (quiet, under attack, the attacker's result, the watch)."""
+    quiet = AsUid(VICTIM, reader_loop, server.socket, "v-model", QUIET_S)
+    quiet.go()
+    quiet = quiet.result()
+    victim = AsUid(VICTIM, reader_loop, server.socket, "v-model", ATTACK_S)
+    attacker = AsUid(attacker_uid, workload, server.socket, *args)
+    with Watch(server) as watch:  # a thread: started after the forks
+        attacker.go()
+        victim.go()
+        hit = victim.result(ATTACK_S + 60)
+        got = attacker.result(ATTACK_S + 60)
+    return quiet, hit, got, watch
+
+
+def victim_figures(quiet: dict, hit: dict, watch: Watch, base_rss: int, bound_rss: int) -> dict:
+    """Assert what the issue asks of a victim under attack; return the figures."""
+    assert quiet["error_count"] == 0, quiet["errors"]
+    assert hit["error_count"] == 0, hit["errors"]
+    assert hit["latencies"], "the victim read nothing under attack"
+    calm, loud = summary_ms(quiet["latencies"]), summary_ms(hit["latencies"])
+    ratio = loud["p99_ms"] / calm["p99_ms"]
+    # The issue's figure is 2x; a shared 2-core box gives its CPU to the attacker
+    # too, so the assertion is generous and the ratio is recorded.
+    assert loud["p99_ms"] <= 10 * calm["p99_ms"] + 50, (calm, loud)
+    assert not watch.failures, watch.failures[:3]
+    assert max(watch.probes) < 1.0, f"a status probe took {max(watch.probes):.3f} s"
+    assert max(watch.rss) <= bound_rss, f"RSS {max(watch.rss) >> 20} MiB past its bound {bound_rss >> 20} MiB"
+    return {
+        "victim_quiet_p50_ms": calm["p50_ms"], "victim_quiet_p99_ms": calm["p99_ms"],
+        "victim_attack_p50_ms": loud["p50_ms"], "victim_attack_p99_ms": loud["p99_ms"],
+        "p99_ratio": round(ratio, 2), "victim_reads": loud["count"], "victim_errors": 0,
+        "status_probes": len(watch.probes), "status_max_ms": round(max(watch.probes) * 1000, 1),
+        "rss_before_mib": round(base_rss / MiB, 1), "rss_max_mib": round(max(watch.rss) / MiB, 1),
+        "rss_bound_mib": round(bound_rss / MiB, 1),
+    }
+
+
+# -- the attacks ----------------------------------------------------------------------------
+
+
+def test_a_metadata_flood_is_held_to_the_tenants_metadata_quota(start):
+    """The issue: 2,000 values of 1 MiB took the server from 35 MB to 2.08 GB."""
+    server = start()
+    base = rss_bytes(server.pid)
+    quiet, hit, got, watch = attack(server, ATTACKER, metadata_flood, ATTACK_S, MiB)
+    bound = base + METADATA_QUOTA + EVENT_LOG_BYTES * 17 // 16 + SLACK
+    figures = victim_figures(quiet, hit, watch, base, bound)
+    first = got["first_refusal"]
+    assert (first["code"], first["limit"], first["scope"], first["quota"]) == (
+        "LIMIT_EXCEEDED", "metadata_quota", "tenant", METADATA_QUOTA,
+    ), first
+    assert first["used"] + first["asked"] > METADATA_QUOTA and first["asked"] >= MiB
+    state = server.state()
+    assert 3 * MiB < watch.metadata["attacker"] <= METADATA_QUOTA, watch.metadata
+    assert state.event_log_bytes <= EVENT_LOG_BYTES * 17 // 16 + 2 * MiB, state.event_log_bytes
+    assert state.first_event_seq > 1, "the log was cut by bytes"
+    assert server.layout("v-model").committed
+    record("isolation", "metadata RAM flood", attacker_puts=got["puts"], attacker_refusals=got["refusals"],
+           refusal=f"{first['code']} {first['limit']} used {first['used']} asked {first['asked']} "
+                   f"of {first['quota']}", attacker_metadata_max_mib=round(watch.metadata["attacker"] / MiB, 2),
+           event_log_mib=round(state.event_log_bytes / MiB, 2), **figures)
+
+
+def test_a_connection_flood_by_a_stranger_is_capped_and_admins_still_get_in(start):
+    """The issue: ~21,000 idle connections from a uid with no tenant filled the fd table."""
+    server = start()
+    base = rss_bytes(server.pid)
+    base_fds = server.open_fds()
+    quiet, hit, got, watch = attack(server, STRANGER, connection_flood, ATTACK_S)
+    # Each connection the cap lets in: a socket, a task, a read buffer and at most a 64 KiB frame.
+    bound = base + PER_UID * 160 * 1024 + SLACK
+    figures = victim_figures(quiet, hit, watch, base, bound)
+    first = got["first_refusal"]
+    assert (first["code"], first["limit"], first["scope"], first["quota"]) == (
+        "LIMIT_EXCEEDED", "max_connections_per_uid", "uid", PER_UID,
+    ), first
+    assert got["refused"] > 0 and got["closed_idle"] > 0, got
+    # Admins are never held to the cap: root opens more than a stranger may.
+    admins = [RawConn(server.socket) for _ in range(PER_UID + 8)]
+    assert admins[-1].call(m.GetRuntimeStateRequest()).sessions >= 0
+    for conn in admins:
+        conn.close()
+    wait_until(lambda: server.open_fds() <= base_fds + 2, what="the flood's fds closed")
+    lines = server.log.count("refused a connection from uid")
+    summaries = len(re.findall(r"more like this in the last", server.log))
+    assert lines <= 4 * (ATTACK_S / 10 + 1), f"{lines} refusal lines for {got['refused']} refusals"
+    record("isolation", "connection flood by a non-tenant uid", attacker_connected=got["connected"],
+           attacker_refused=got["refused"], attacker_closed_idle=got["closed_idle"],
+           refusal=f"{first['code']} {first['limit']} used {first['used']} of {first['quota']}",
+           refusal_log_lines=lines, summary_lines=summaries, **figures)
+
+
+def test_half_sent_big_frames_are_read_a_few_at_a_time(start):
+    """Not in the issue, found building it: after a handshake a connection may
+    send a frame up to --max-frame-bytes (16 MiB), and the server holds what it
+    has read of it.  32 sessions each sending 16 MiB less 4 KiB and never the
+    rest would make the server hold 512 MiB no quota counts; only two of a
+    uid's connections read past 128 KiB at once (gms.server.inflight)."""
+    server = start()
+    base = rss_bytes(server.pid)
+    quiet, hit, got, watch = attack(server, ATTACKER, partial_frames, ATTACK_S, PER_UID, 16 * MiB)
+    assert got["sessions"] == PER_UID, got
+    bound = base + 2 * 2 * 16 * MiB + PER_UID * 160 * 1024 + SLACK
+    figures = victim_figures(quiet, hit, watch, base, bound)
+    record("isolation", "half-sent big frames from every connection of a uid", attacker_sessions=got["sessions"],
+           attacker_sent_mib=got["sent_mib"], would_hold_mib=PER_UID * 16, **figures)
+
+
+def lower_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def test_a_writers_fd_flood_is_refused_at_once_and_readers_keep_reading(start):
+    """The issue: ~20,000 allocations of 2 MiB, then the next one waited forever
+    as if out of memory.  The server here runs with 1024 fds (as a small limit
+    makes the flood short): memory may take three quarters of 1024 less the
+    reserve, and the rest stays for readers' exports and admins."""
+    server = start(preexec_fn=lower_fd_limit)
+    base = rss_bytes(server.pid)
+    since = server.state().last_event_seq
+    quiet, hit, got, watch = attack(server, HOG, allocation_flood, "y-fds", ATTACK_S)
+    bound = base + 2 * EVENT_LOG_BYTES + SLACK
+    figures = victim_figures(quiet, hit, watch, base, bound)
+    refusal = got["refusal"]
+    assert (refusal["code"], refusal["limit"], refusal["scope"]) == ("RESOURCE_EXHAUSTED", "fds", "node"), refusal
+    assert got["again"]["code"] == "RESOURCE_EXHAUSTED"
+    reserve = min(256, max(16, 1024 // 8))
+    assert got["made"] <= (1024 - reserve) * 3 // 4 and got["made"] > 500, got["made"]
+    assert got["refusal_s"] < 1.0, "refused at once, not waited out"
+    kinds = [e.kind for e in server.events(since)]
+    assert "ALLOCATION_OOM_WAIT" not in kinds, "never an out-of-memory wait"
+    wait_until(lambda: server.state().server_handle_count == 4, what="the hog's memory released")
+    record("isolation", "one writer's fd flood via tiny allocations", server_fd_limit=1024,
+           attacker_allocations=got["made"], refusal=f"{refusal['code']} {refusal['limit']} used {refusal['used']} "
+           f"asked {refusal['asked']} of {refusal['quota']}", refusal_ms=round(got["refusal_s"] * 1000, 2),
+           oom_waits=0, **figures)
+
+
+def test_a_layout_table_flood_is_held_to_the_tenants_max_layouts(start):
+    """The issue: one tenant committed 4,096 empty layouts in 1.6 s; everyone else
+    then got LIMIT_EXCEEDED for any new layout.  Also: each layout's Prometheus
+    series goes with the layout."""
+    server = start("--metrics-port", "0")
+    port = wait_until(lambda: metrics_port(server), what="the metrics port")
+    base = rss_bytes(server.pid)
+    quiet, hit, got, watch = attack(server, ATTACKER, layout_flood, ATTACK_S)
+    figures = victim_figures(quiet, hit, watch, base, base + SLACK)
+    first = got["first_refusal"]
+    assert got["committed"] == MAX_LAYOUTS, got
+    assert (first["code"], first["limit"], first["scope"], first["used"], first["asked"], first["quota"]) == (
+        "LIMIT_EXCEEDED", "max_layouts", "tenant", MAX_LAYOUTS, 1, MAX_LAYOUTS,
+    ), first
+    # Another tenant still makes new layouts.
+    conn = connect_as(server.socket, VICTIM)
+    assert conn.handshake("RW", layout="v-new").success
+    conn.close()
+    assert series(port, "x-") == MAX_LAYOUTS, "a load series per committed layout"
+    for n in range(MAX_LAYOUTS):
+        assert admin.evict(server.socket, f"x-{n}").tier == "none"  # unpinned: dropped
+    assert series(port, "x-") == 0, "the layouts went, and their series with them"
+    assert series(port, "v-") == 1 and series(port, "shared") == 1, "the victim's are untouched"
+    assert server.state().tenant("attacker").layouts == 0
+    again = AsUid(ATTACKER, layout_flood, server.socket, 0)
+    again.go()
+    assert again.result()["committed"] == 1, "room again once its layouts went"
+    record("isolation", "layout-table flood", attacker_committed=got["committed"],
+           attacker_refused=got["refused"], refusal=f"{first['code']} {first['limit']} used {first['used']} "
+           f"of {first['quota']}", x_series_after_eviction=0, **figures)
+
+
+def metrics_port(server: ServerProcess) -> int | None:
+    found = re.search(r"metrics on http://[^:]+:(\d+)/metrics", server.log)
+    return int(found.group(1)) if found else None
+
+
+def series(port: int, prefix: str) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return len(re.findall(rf'^gms_layout_transitions_total{{[^}}]*layout="{re.escape(prefix)}', text, re.M))
+
+
+# -- a tenant's history is its own ---------------------------------------------------------
+
+
+def history_as(server: ServerProcess, uid: int) -> list[dict]:
+    conn = connect_as(server.socket, uid)
+    try:
+        page = conn.call(m.GetEventHistoryRequest(0, 10_000))
+    finally:
+        conn.close()
+    assert isinstance(page, m.GetEventHistoryResponse), page
+    return page.events
+
+
+def test_a_tenants_history_shows_only_what_it_may_read(start):
+    server = start()
+    stranger = connect_as(server.socket, STRANGER)
+    assert stranger.handshake("RO", layout="v-model").code == "PERMISSION_DENIED"
+    stranger.close()
+    victim = connect_as(server.socket, VICTIM)
+    assert victim.handshake("RW", layout="x-not-yours").code == "PERMISSION_DENIED"
+    victim.close()
+    everything = [e.kind for e in get_event_history(server.socket, 0, 10_000).events]
+    assert everything.count("SESSION_REFUSED") == 2
+    mine = history_as(server, ATTACKER)
+    kinds = [e["kind"] for e in mine]
+    assert "SESSION_REFUSED" not in kinds, "other peers' refusals"
+    assert not [e for e in mine if e["layout"].startswith("v-")], "layouts it may not read"
+    (started,) = [e for e in mine if e["kind"] == "SERVER_STARTED"]
+    assert set(started["quotas"]) == {"attacker"} and set(started["tenant_limits"]) == {"attacker"}
+    shared = [e for e in mine if e["layout"] == "shared" and e["kind"] == "SESSION_OPENED"]
+    assert shared and all(e["uid"] is None and e["pid"] is None for e in shared), "another tenant's identity"
+    # Its own refusal it does see.
+    own = connect_as(server.socket, ATTACKER)
+    assert own.handshake("RW", layout="v-model").code == "PERMISSION_DENIED"
+    own.close()
+    refused = [e for e in history_as(server, ATTACKER) if e["kind"] == "SESSION_REFUSED"]
+    assert [e["uid"] for e in refused] == [ATTACKER]
+    record("isolation", "history filtered for a tenant", events_admin=len(everything), events_tenant=len(mine),
+           foreign_refusals_shown=0, foreign_quotas_shown=0)

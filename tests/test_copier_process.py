@@ -1,0 +1,178 @@
+"""The copier process on its own: a real ``python -m gms.copier`` on a socketpair,
+driven frame by frame as the server drives it (gms/server/copier_link.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gms.copier import messages as msg
+from gms.cuda import open_backend, open_host_tier
+
+from .helpers import MiB
+
+
+class Copier:
+    def __init__(self, backend: str) -> None:
+        self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gms.copier", "--fd", str(child.fileno()), "--backend", backend],
+            pass_fds=(child.fileno(),),
+        )
+        child.close()
+        self.sock.settimeout(30)
+        ready, _ = msg.receive(self.sock)
+        assert isinstance(ready, msg.Ready) and ready.pid == self.proc.pid
+
+    def send(self, message, fds=()) -> None:
+        msg.send(self.sock, message, list(fds))
+
+    def done(self) -> msg.Done:
+        answer, fds = msg.receive(self.sock)
+        assert not fds and isinstance(answer, msg.Done), answer
+        return answer
+
+    def close(self) -> int:
+        self.sock.close()  # the copier exits when its link closes
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def made(backend):
+    """Device memory and host chunks made as the server makes them; released after."""
+    gpu, host = open_backend(backend, 0), open_host_tier(backend, 0)
+    held = []
+
+    def make(tier: str, size: int):
+        one = (gpu if tier == "gpu" else host).create(size, f"test-{tier}")
+        held.append((gpu if tier == "gpu" else host, one))
+        return one
+
+    yield make
+    for backend_, one in held:
+        backend_.release(one)
+
+
+def fill(backend: str, held, data: bytes) -> None:
+    if backend == "host":
+        with mmap.mmap(held.fd, held.size) as view:
+            view[: len(data)] = data
+    else:
+        from gms.cuda import open_mapper
+
+        mapper = open_mapper("cuda", 0)
+        va = mapper.reserve(held.size)
+        handle = mapper.map(os.dup(held.fd), va, held.size, True)
+        mapper.write(va, data)
+        mapper.unmap(va, held.size, handle)
+        mapper.free(va, held.size)
+
+
+def contents(backend: str, held, size: int) -> bytes:
+    if backend == "host":
+        with mmap.mmap(held.fd, held.size) as view:
+            return bytes(view[:size])
+    from gms.cuda import open_mapper
+
+    mapper = open_mapper("cuda", 0)
+    va = mapper.reserve(held.size)
+    handle = mapper.map(os.dup(held.fd), va, held.size, False)
+    try:
+        return mapper.read(va, size)
+    finally:
+        mapper.unmap(va, held.size, handle)
+        mapper.free(va, held.size)
+
+
+def test_moves_bytes_both_ways_between_device_memory_and_chunks(backend, made):
+    device = made("gpu", 6 * MiB)
+    chunks = [made("host", 4 * MiB), made("host", 2 * MiB)]
+    data = os.urandom(6 * MiB)
+    fill(backend, device, data)
+    copier = Copier(backend)
+    try:
+        copier.send(msg.MapChunks(["a", "b"], [4 * MiB, 2 * MiB]), [os.dup(c.fd) for c in chunks])
+        # to the host: the first 4 MiB into a, the rest into b
+        copier.send(msg.Copy(1, True, [6 * MiB], [0, 0], [0, 4 * MiB], ["a", "b"], [4 * MiB, 2 * MiB]),
+                    [os.dup(device.fd)])
+        assert copier.done() == msg.Done(1)
+        assert contents(backend, chunks[0], 4 * MiB) + contents(backend, chunks[1], 2 * MiB) == data
+        fill(backend, device, bytes(6 * MiB))
+        # back to the device, crossed over: b to the start, a after it
+        copier.send(msg.Copy(2, False, [6 * MiB], [0, 0], [2 * MiB, 0], ["a", "b"], [4 * MiB, 2 * MiB]),
+                    [os.dup(device.fd)])
+        assert copier.done() == msg.Done(2)
+        assert contents(backend, device, 6 * MiB) == data[4 * MiB:] + data[: 4 * MiB]
+    finally:
+        assert copier.close() == 0
+
+
+def test_a_bad_copy_is_answered_with_why_and_the_copier_goes_on(backend, made):
+    device, chunk = made("gpu", 2 * MiB), made("host", 2 * MiB)
+    copier = Copier(backend)
+    try:
+        copier.send(msg.MapChunks(["a"], [2 * MiB]), [os.dup(chunk.fd)])
+        copier.send(msg.Copy(1, True, [2 * MiB], [0], [0], ["nope"], [2 * MiB]), [os.dup(device.fd)])
+        assert "not mapped" in copier.done().error
+        copier.send(msg.Copy(2, True, [2 * MiB], [0], [MiB], ["a"], [2 * MiB]), [os.dup(device.fd)])
+        assert "outside its allocation" in copier.done().error
+        copier.send(msg.Copy(3, True, [2 * MiB, 2 * MiB], [0], [0], ["a"], [MiB]), [os.dup(device.fd)])
+        assert "came with 1 fds" in copier.done().error
+        copier.send(msg.UnmapChunks(["a"]))
+        copier.send(msg.Copy(4, True, [2 * MiB], [0], [0], ["a"], [MiB]), [os.dup(device.fd)])
+        assert "not mapped" in copier.done().error, "an unmapped chunk is gone"
+        copier.send(msg.MapChunks(["a"], [2 * MiB]), [os.dup(chunk.fd)])
+        copier.send(msg.Copy(5, True, [2 * MiB], [0], [0], ["a"], [MiB]), [os.dup(device.fd)])
+        assert copier.done() == msg.Done(5)
+    finally:
+        assert copier.close() == 0
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) < 200, "no fd leaked here either"
+
+
+def test_a_chunk_released_during_a_copy_is_unmapped_after_it(backend, made, monkeypatch):
+    """The server may release a chunk while a copy into it runs (a publish revoked):
+    the copy lands, then the chunk is unmapped; the stop hook holds the copy half
+    way, and 400 more moves keep it busy while the release is read (unmapped at
+    once, the copier would fault: no answer)."""
+    monkeypatch.setenv("GMS_COPIER_STOP_AFTER", "publish:1")
+    device = made("gpu", 4 * MiB)
+    chunks = [made("host", 2 * MiB), made("host", 2 * MiB)]
+    data = os.urandom(4 * MiB)
+    fill(backend, device, data)
+    copier = Copier(backend)
+    try:
+        copier.send(msg.MapChunks(["a", "b"], [2 * MiB, 2 * MiB]), [os.dup(c.fd) for c in chunks])
+        moves = 402
+        copier.send(msg.Copy(1, True, [4 * MiB], [0] * moves, [0, 2 * MiB] * (moves // 2), ["a", "b"] * (moves // 2),
+                             [2 * MiB] * moves), [os.dup(device.fd)])
+        wait_stopped(copier.proc.pid)
+        copier.send(msg.UnmapChunks(["a", "b"]))
+        os.kill(copier.proc.pid, signal.SIGCONT)
+        assert copier.done() == msg.Done(1), "the copy finished into chunks released meanwhile"
+        assert contents(backend, chunks[1], 2 * MiB) == data[2 * MiB:]
+        copier.send(msg.Copy(2, True, [4 * MiB], [0], [0], ["a"], [MiB]), [os.dup(device.fd)])
+        assert "not mapped" in copier.done().error, "unmapped once the copy ended"
+    finally:
+        assert copier.close() == 0
+
+
+def wait_stopped(pid: int) -> None:
+    from .helpers import wait_until
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    wait_until(stopped, what="the copier to stop itself")
+
+
+def test_the_selftest_checks_the_engine(backend):
+    out = subprocess.run([sys.executable, "-m", "gms.copier", "--selftest", "--backend", backend],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("copier selftest OK"), out

@@ -1,0 +1,404 @@
+"""gms.integrations.vllm without a GPU: configuration, layout names, the plugin's
+registration, the two layouts' sleep and wake on a real (host-backend) server,
+exit with the parent; and, where vLLM is installed, vLLM finding the plugin and
+the loader's read-only import against vLLM's own Llama (tests/vllm_cpu_probe.py).
+The real engine runs in tests/test_vllm_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from gms.fsm.sessions import validate_layout_name
+from gms.integrations.vllm import config, names
+from gms.integrations.vllm.errors import ConfigError, LayoutMismatchError, MissingWorkerError
+
+from .helpers import ServerProcess, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'gms[vllm]')")
+
+
+# -- configuration ------------------------------------------------------------------
+
+
+def test_extra_config_defaults_and_pass_through():
+    gms, rest = config.parse({"num_threads": 4, "enable_multithread_load": True})
+    assert gms == config.GmsVllmConfig()
+    assert (gms.read_only, gms.load_format, gms.residency, gms.exit_with_parent) == (False, "auto", "device", True)
+    assert gms.lock_timeout_ms is None and gms.socket_for(3) is None
+    assert rest == {"num_threads": 4, "enable_multithread_load": True}  # vLLM's own loader gets these
+    assert config.parse(None) == (config.GmsVllmConfig(), {})
+
+
+def test_extra_config_reads_every_key():
+    gms, rest = config.parse({
+        "gms_read_only": True, "gms_socket": "/run/gms/gpu{device}.sock", "gms_layout": "llama-8b",
+        "gms_kv_layout": "kv-a", "gms_lock_timeout_s": 2.5, "gms_load_format": "SafeTensors",
+        "gms_residency": "system", "gms_exit_with_parent": False,
+    })
+    assert rest == {}
+    assert gms.read_only and not gms.exit_with_parent
+    assert (gms.layout, gms.kv_layout, gms.load_format, gms.residency) == ("llama-8b", "kv-a", "safetensors", "system")
+    assert gms.lock_timeout_ms == 2500
+    assert gms.socket_for(1) == "/run/gms/gpu1.sock"
+
+
+@pytest.mark.parametrize("extra", [
+    {"gms_read_onyl": True},                 # a typo is an error, not the default
+    {"gms_read_only": "true"},               # JSON booleans only
+    {"gms_read_only": 1},
+    {"gms_lock_timeout_s": -1},
+    {"gms_lock_timeout_s": True},
+    {"gms_socket": ""},
+    {"gms_load_format": "gms"},              # the disk format cannot be gms itself
+    {"gms_residency": "gpu"},
+    {"gms_exit_with_parent": None},
+])
+def test_extra_config_refuses(extra):
+    with pytest.raises(ConfigError):
+        config.parse(extra)
+    with pytest.raises(ConfigError):
+        config.parse(["gms_read_only"])
+
+
+# -- layout names ----------------------------------------------------------------------
+
+
+def identity(**changes) -> names.ModelIdentity:
+    fields = dict(model="/models/meta-llama/Llama-3.1-8B-Instruct", revision=None, dtype="bfloat16",
+                  architecture="LlamaForCausalLM", vllm_version="0.26.0")
+    return names.ModelIdentity(**{**fields, **changes})
+
+
+def test_weights_layout_is_per_model_and_per_rank():
+    one = names.weights_layout(identity())
+    assert one.startswith("vllm/Llama-3.1-8B-Instruct/bfloat16/") and one.count("/") == 3
+    assert names.weights_layout(identity()) == one  # the same model: the same layout, in any process
+    others = {names.weights_layout(identity(**c)) for c in (
+        {"model": "/models/Qwen3-8B"}, {"dtype": "float16"}, {"revision": "r2"}, {"vllm_version": "0.27.0"},
+        {"architecture": "MistralForCausalLM"}, {"tp_size": 2}, {"pp_size": 2})}
+    assert len(others) == 7 and one not in others
+    ranks = [names.weights_layout(identity(tp_rank=r, tp_size=2)) for r in range(2)]
+    assert ranks[0].endswith("/tp0of2") and ranks[1].endswith("/tp1of2")
+    assert ranks[0].rsplit("/", 1)[0] == ranks[1].rsplit("/", 1)[0]  # one model: one digest for every rank
+    assert names.weights_layout(identity(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)).endswith("/tp1of2/pp1of2")
+    for name in (one, *ranks):
+        assert validate_layout_name(name) == name  # the server's own check
+
+
+def test_kv_layout_is_per_engine():
+    a, b = (names.kv_layout(identity(), pid) for pid in (100, 200))
+    assert a != b and a.startswith("vllm-kv/Llama-3.1-8B-Instruct/") and a.endswith("/tp0of1/pid100")
+    assert names.kv_layout(identity(tp_rank=1, tp_size=4), 7).endswith("/tp1of4/pid7")
+    validate_layout_name(a)
+
+
+def test_layout_names_hold_any_model_name():
+    long = identity(model="/m/" + "x" * 300, tp_rank=7, tp_size=8, pp_rank=3, pp_size=4)
+    for name in (names.weights_layout(long), names.kv_layout(long, 4194304)):
+        assert len(name.encode()) <= names.MAX_LAYOUT_BYTES
+        validate_layout_name(name)
+    odd = identity(model="hub user/Model (v2)!")
+    assert names.weights_layout(odd).startswith("vllm/Model-v2/")
+    assert identity(model="///").slug == "model"
+
+
+def test_layout_overrides_keep_the_rank_suffix():
+    assert names.weights_layout(identity(), "llama") == "llama"
+    assert names.weights_layout(identity(tp_rank=1, tp_size=2), "llama") == "llama/tp1of2"
+    assert names.kv_layout(identity(tp_rank=1, tp_size=2), 5, "kv-a") == "kv-a/tp1of2"
+    for bad in ("-starts-badly", "has space", "é", "x" * 200):
+        with pytest.raises(ConfigError):
+            names.weights_layout(identity(), bad)
+
+
+def test_identity_round_trips_and_names_its_differences():
+    mine = identity(tp_rank=1, tp_size=2)
+    assert names.ModelIdentity.from_json(mine.to_json()) == mine
+    assert mine.differences(mine) == []
+    other = identity(tp_rank=0, tp_size=2, dtype="float16")
+    assert [d.split(":")[0] for d in mine.differences(other)] == ["dtype", "tp_rank"]
+    with pytest.raises(ValueError):
+        identity(tp_rank=2, tp_size=2)
+
+
+# -- registration -----------------------------------------------------------------------
+
+ENTRY_POINTS = {
+    "vllm.general_plugins": ("gms", "gms.integrations.vllm:register"),
+    "vllm.endpoint_plugins": ("gms", "gms.integrations.vllm.endpoints:GmsEndpoints"),
+}
+
+
+def test_pyproject_registers_the_plugins_with_vllm():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for group, (name, target) in ENTRY_POINTS.items():
+        assert project["entry-points"][group] == {name: target}
+        module, _, attr = target.partition(":")
+        assert importlib.util.find_spec(module) is not None, module
+    assert any(req.startswith("vllm>=0.26") for req in project["optional-dependencies"]["vllm"])
+    import gms.integrations.vllm as plugin  # without vLLM too: it imports vLLM only when called
+
+    assert callable(plugin.register)
+
+
+def test_installed_metadata_carries_the_entry_points():
+    dist = metadata.distribution("gms")
+    origin = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    # An editable install leaves its metadata in this checkout (gms.egg-info) or
+    # records the checkout in direct_url.json; any other gms is not this code's.
+    if origin.removeprefix("file://") != str(ROOT) and Path(dist.locate_file("")).resolve() != ROOT:
+        pytest.skip(f"the installed gms comes from {origin or dist.locate_file('')}, not this checkout")
+    for group, (name, target) in ENTRY_POINTS.items():
+        found = {ep.name: ep.value for ep in metadata.entry_points(group=group)}
+        assert found.get(name) == target
+
+
+# -- the two layouts on a real server -----------------------------------------------------
+
+
+def engine_memory(server, ident, pid, **options):
+    from gms.integrations.vllm.memory import EngineMemory
+
+    gms_config = config.GmsVllmConfig(**options)
+    return EngineMemory.open(gms_config, server.socket, 0, names.weights_layout(ident),
+                             names.kv_layout(ident, pid), ident)
+
+
+def test_first_engine_writes_later_ones_read_and_sleep_releases(tmp_path):
+    pytest.importorskip("torch")
+    from gms.fsm import GrantedLockType, RequestedLockType
+
+    server = ServerProcess(tmp_path)
+    try:
+        ident = identity()
+        first, second = engine_memory(server, ident, 1), engine_memory(server, ident, 2)
+        assert first.connect() is GrantedLockType.RW and first.writer
+        weights_va = first.weights.create_mapping(size=4 << 20, tag="weights")
+        first.weights.write(weights_va, b"published")
+        first.weights.metadata_put(names.FINGERPRINT_KEY, first.weights.mappings[0].allocation_id, 0,
+                                   ident.to_json())
+        first.weights.commit()
+        first.weights.connect(RequestedLockType.RO)
+        first.weights.remap_all_vas()  # the writer reads its own weights, as the loader leaves it
+        assert second.connect() is GrantedLockType.RO and not second.writer
+        kv_va = second.kv.create_mapping(size=2 << 20, tag="kv_cache")
+        second.weights.create_mappings([first.weights.mappings[0].allocation_id])
+        kv_name = second.kv.layout
+        assert server.layout(kv_name).writer and kv_name != first.kv.layout
+
+        second.sleep()
+        assert second.asleep == {"weights", "kv_cache"}
+        assert server.layout(kv_name).state == "EMPTY"  # the KV layout went with its lock
+        assert server.layout(first.weights.layout).readers == 1
+        assert not any(mp.mapped for mp in second.weights.mappings + second.kv.mappings)
+        second.sleep()  # asleep already: nothing happens
+
+        second.wake(["weights"])
+        assert second.asleep == {"kv_cache"}
+        assert second.weights.read(second.weights.mappings[0].va, 9) == b"published"
+        second.wake()
+        assert not second.asleep and [mp.va for mp in second.kv.mappings] == [kv_va]  # same address
+        assert server.layout(kv_name).writer and server.layout(kv_name).allocation_count == 1
+        for m in (first, second):
+            m.close()
+    finally:
+        server.kill()
+
+
+def test_read_only_waits_for_a_commit_and_a_republished_layout_fails_the_wake(tmp_path):
+    pytest.importorskip("torch")
+    from gms import LockTimeoutError
+    from gms.fsm import RequestedLockType
+
+    server = ServerProcess(tmp_path)
+    try:
+        ident = identity()
+        reader = engine_memory(server, ident, 3, read_only=True, lock_timeout_s=0.2)
+        with pytest.raises(LockTimeoutError):  # RO never builds the layout: it waits for a writer's
+            reader.connect()
+        writer = engine_memory(server, ident, 4)
+        writer.connect()
+        writer.weights.create_mapping(size=2 << 20, tag="weights")
+        writer.weights.commit()
+        reader.connect()
+        reader.weights.create_mappings([h.allocation_id for h in reader.weights.list_handles()])
+        reader.sleep()
+        again = engine_memory(server, ident, 5)  # somebody publishes the layout anew meanwhile
+        again.weights.connect(RequestedLockType.RW)
+        again.weights.create_mapping(size=4 << 20, tag="weights")
+        again.weights.commit()
+        with pytest.raises(LayoutMismatchError):
+            reader.wake()
+        assert "weights" in reader.asleep and not reader.weights.is_connected
+        for m in (reader, writer, again):
+            m.close()
+    finally:
+        server.kill()
+
+
+def test_loader_without_the_worker_says_what_to_add():
+    pytest.importorskip("torch")
+    from gms.integrations.vllm import memory
+
+    saved, memory._current = memory._current, None
+    try:
+        with pytest.raises(MissingWorkerError, match="--worker-cls gms.integrations.vllm.worker.GMSWorker"):
+            memory.current()
+    finally:
+        memory._current = saved
+
+
+# -- exit with the parent ------------------------------------------------------------------
+
+CHILD = """
+import sys, time
+from gms.integrations.vllm.parent import exit_with_parent
+print("watching" if exit_with_parent() else "not watching", flush=True)
+time.sleep(120)
+"""
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_exits_when_its_parent_is_killed():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "watching"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        started = time.monotonic()
+        wait_until(lambda: not _alive(child), timeout=10, what="the child's exit")
+        assert time.monotonic() - started < 5
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+# -- with vLLM installed --------------------------------------------------------------------
+
+
+@needs_vllm
+def test_vllm_finds_the_plugin(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "gms")
+    code = """
+import json
+from vllm.plugins import load_general_plugins, load_endpoint_plugins
+load_general_plugins()
+from vllm.config.load import LoadConfig
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+from vllm.model_executor.model_loader import get_model_loader
+loader = get_model_loader(LoadConfig(load_format="gms", model_loader_extra_config={"gms_read_only": True}))
+print(json.dumps({
+    "loader": type(loader).__module__ + "." + type(loader).__name__,
+    "read_only": loader.gms.read_only,
+    "sleep": SleepModeBackendFactory.get_backend_class("gms").__name__,
+    "endpoints": [type(p).__name__ for p in load_endpoint_plugins(("generate",))],
+}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found == {"loader": "gms.integrations.vllm.loader.GMSModelLoader", "read_only": True,
+                     "sleep": "GMSSleepBackend", "endpoints": ["GmsEndpoints"]}
+
+
+@needs_vllm
+def test_read_only_import_equals_vllms_own_load(tmp_path):
+    pytest.importorskip("torch")
+    from .engine_helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")
+    server = ServerProcess(tmp_path)
+    try:
+        out = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_probe.py"), str(model), server.socket],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        server.kill()
+    assert found["granted"] == "RO" and found["names"] and found["unequal"] == []
+    assert found["params"] > 0 and found["params_in_gms"] == found["params"]
+    assert "dtype: 'float32', this engine 'bfloat16'" in found["refused"]
+
+
+@needs_vllm
+def test_the_bench_command_lines_parse(tmp_path):
+    """bench/vllm.py's and tests/test_vllm_gpu.py's ``vllm serve`` lines, through vLLM's parser."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from vllm_engines import serve_argv
+        from vllm_model import make_model
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    model = make_model(tmp_path / "model", "tiny", "float32")["folder"]
+    lines = {
+        "gms": serve_argv(model, 8001, extra={"gms_socket": "/tmp/x.sock", "gms_read_only": True}),
+        "baseline": serve_argv(model, 8002, load_format="safetensors", sleep_mode=True, kv_bytes=1 << 30),
+    }
+    for what, argv in lines.items():
+        serve = argv.index("serve")
+        out = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_probe.py"), "--argv",
+                              json.dumps(argv[serve + 1:])], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, f"{what}: {out.stderr[-3000:]}"
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+        if what == "gms":
+            assert found["load_format"] == "gms" and found["worker_cls"] == "gms.integrations.vllm.worker.GMSWorker"
+            assert found["extra"] == {"gms_socket": "/tmp/x.sock", "gms_read_only": True}
+        else:
+            assert found["load_format"] == "safetensors" and found["sleep_mode"] and found["kv_bytes"] == 1 << 30
+
+
+def test_the_bench_drives_the_coordinator_with_vllms_command_lines(tmp_path):
+    """bench/vllm.py's coordinator file parses, and each set's command comes back as vllm serve's argv."""
+    import importlib.util as iu
+    from types import SimpleNamespace
+
+    from gms.failover import config as failover_config
+
+    bench = str(ROOT / "bench")
+    sys.path.insert(0, bench)
+    try:
+        spec = iu.spec_from_file_location("bench_vllm", ROOT / "bench" / "vllm.py")
+        module = iu.module_from_spec(spec)
+        spec.loader.exec_module(module)  # it takes bench/ off sys.path itself (it is named vllm.py)
+    finally:
+        sys.path[:] = [p for p in sys.path if p != bench]
+    socket = str(tmp_path / "gms.sock")
+    argv = module.serve_argv("/models/m", 18211, extra={"gms_socket": socket})
+    args = SimpleNamespace(interval=0.1, failures=2, canary_timeout=5.0)
+    text = module.coordinator_toml(tmp_path, socket, {"A": (18211, argv), "B": (18212, argv)}, args)
+    parsed = failover_config.parse(tomllib.loads(text))
+    assert parsed.health_path == "/gms/health" and parsed.ranks == (socket,)
+    fields = {"rank": 0, "world_size": 1, "port": 18211, "socket": socket, "set": "A"}
+    assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
+    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"gms_socket": socket}
