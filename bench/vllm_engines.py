@@ -42,7 +42,10 @@ def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict |
     argv = [*SERVE, model, "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name,
             "--load-format", load_format, "--kv-cache-memory-bytes", str(kv_bytes),
             "--gpu-memory-utilization", str(gpu_utilization), "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--disable-log-stats"]
+            "--max-num-seqs", str(max_num_seqs), "--disable-log-stats",
+            # The GPU host's wheel set leaves FlashInfer out (scripts/gpu-vllm-wheels.txt):
+            # FlashAttention, which vLLM's wheel carries, is pinned instead.
+            "--attention-backend", "FLASH_ATTN"]
     if load_format == "gms":
         argv += ["--worker-cls", WORKER]
     if extra:
@@ -60,7 +63,8 @@ def serve_env(cache_root: str, *, endpoint_plugin: bool = False) -> dict[str, st
     env = {**os.environ,
            "VLLM_SERVER_DEV_MODE": "1",  # vLLM serves /sleep and /wake_up only in dev mode
            "VLLM_CACHE_ROOT": cache_root, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0"}  # no FlashInfer on the GPU host (above)
     if endpoint_plugin:
         env["VLLM_PLUGINS"] = "gms"  # endpoint plugins load only where named; keeps the general one too
     return env
