@@ -330,6 +330,36 @@ def test_concurrent_threads_share_one_manager(server):
     mgr.close()
 
 
+def test_a_manager_made_in_one_thread_and_used_in_another_reads_its_own_answers(server):
+    """Each call reads into its own thread's buffer: a manager made here and
+    called from a worker while this thread makes calls of its own never reads
+    the other's bytes (CI saw 'expected AllocateResponse, got RevokeResponse')."""
+    publish(server.socket, {"t0": PAYLOAD})
+    mgr = GMSClientMemoryManager(server.socket)
+    mgr.connect(RequestedLockType.RO)
+    errors = []
+
+    def worker() -> None:
+        try:
+            for _ in range(400):
+                assert [key for key in mgr.metadata_list("") if key == "t0"] == ["t0"]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns between any two bytecodes
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while thread.is_alive():
+            assert gms.get_runtime_state(server.socket).layout("weights").committed
+        thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    mgr.close()
+
+
 def _mapped(va: int) -> bool:
     for line in Path("/proc/self/maps").read_text().splitlines():
         lo, hi = (int(x, 16) for x in line.split()[0].split("-"))

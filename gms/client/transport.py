@@ -62,7 +62,11 @@ def _thread_buffer() -> bytearray:
     allocate one per call, and a new 256 KiB buffer per connection cost a
     handshake about 24 µs (bench/rpc_profile.py).  Sharing is safe: a call
     reads its frame out of the buffer (the decoder copies) before returning,
-    and a thread makes one call at a time."""
+    and a thread makes one call at a time.  So a call asks for the buffer of
+    the thread making it, never of the thread that made the transport: a
+    transport made in one thread and used in another would otherwise share
+    a buffer with the first thread's other calls (a response read in one was
+    overwritten by the other's)."""
     buffer = getattr(_buffers, "buffer", None)
     if buffer is None:
         buffer = _buffers.buffer = bytearray(_RECV_BYTES)
@@ -167,8 +171,6 @@ class RpcTransport:
         sock = _connect(socket_path, connect_timeout)
         self._sock: socket.socket | None = sock
         self._decoder = FrameDecoder(CLIENT_MAX_FRAME_BYTES)
-        # recvmsg() would allocate (and for big sizes mmap) a buffer per call.
-        self._buffer = _thread_buffer()
         self._lock = threading.Lock()
         self.timeout = timeout  # the default deadline of a call, seconds
         # The server's frame cap; the handshake names it (0 there: the default).
@@ -323,7 +325,7 @@ class RpcTransport:
             raise _Deadline
 
     def _receive(
-        self, sock: socket.socket, sent_at: float | None, kind: type, deadline: float | None
+        self, sock: socket.socket, buffer: bytearray, sent_at: float | None, kind: type, deadline: float | None
     ) -> tuple[int, list, int]:
         """One recvmsg; the first of a response may poll before it blocks."""
         if sent_at is not None and _response_times.get(kind, 0.0) < self._spin_s / 2:
@@ -331,7 +333,7 @@ class RpcTransport:
             while time.perf_counter() < spin_until:
                 try:
                     n, ancillary, flags, _ = sock.recvmsg_into(
-                        [self._buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
+                        [buffer], _ANCILLARY_BYTES, socket.MSG_DONTWAIT
                     )
                 except BlockingIOError:
                     continue
@@ -339,7 +341,7 @@ class RpcTransport:
                 return n, ancillary, flags
         if deadline is not None:
             self._wait(self._readable, deadline)  # one poll(2) more than a plain blocking read: ~1 µs
-        n, ancillary, flags, _ = sock.recvmsg_into([self._buffer], _ANCILLARY_BYTES)
+        n, ancillary, flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_BYTES)
         if sent_at is not None:
             _observe(kind, sent_at)
         return n, ancillary, flags
@@ -349,12 +351,13 @@ class RpcTransport:
     ) -> tuple[bytes | None, list[int]]:
         """The next frame's body and its fds; None at EOF (between frames or inside one)."""
         fds: list[int] = []
+        buffer = _thread_buffer()  # recvmsg() would allocate (for big sizes, mmap) one per call
         try:
             while True:
                 body = self._decoder.next_frame()
                 if body is not None:
                     return body, fds
-                n, ancillary, flags = self._receive(sock, sent_at, kind, deadline)
+                n, ancillary, flags = self._receive(sock, buffer, sent_at, kind, deadline)
                 sent_at = None  # only the first read of a response polls
                 for level, kind_, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind_ == socket.SCM_RIGHTS:
@@ -365,7 +368,7 @@ class RpcTransport:
                 if not n:
                     _close_all(fds)
                     return None, []
-                self._decoder.feed(memoryview(self._buffer)[:n])
+                self._decoder.feed(memoryview(buffer)[:n])
         except BaseException:
             _close_all(fds)
             raise
