@@ -108,6 +108,32 @@ def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> N
             print("  " + "  ".join("-" * w for w in widths))
 
 
+def compare_trees(script: str, before: str, runs: int, args: list[str]) -> dict:
+    """Run ``script`` on another checkout (``before``) and on this one, turn
+    about, ``runs`` times each (same host, same run); each run prints its
+    results as JSON (``--json -``), a flat {name: number} of what is compared.
+    Returns every run's numbers and, per name, the median of each side."""
+    here = str(Path(__file__).resolve().parent.parent)
+    results: dict[str, list] = {"before": [], "after": []}
+    for _ in range(runs):
+        for label, tree in (("before", before), ("after", here)):
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+            out = subprocess.run([sys.executable, script, *args, "--json", "-"], env=env, capture_output=True,
+                                 text=True, check=True)
+            results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    names = [name for name, value in results["after"][0].items() if isinstance(value, int | float)]
+    median = {label: {name: statistics.median(run[name] for run in rows) for name in names}
+              for label, rows in results.items()}
+    return {"runs": runs, **results, "median": median}
+
+
+def print_comparison(title: str, compared: dict, names: list[str]) -> None:
+    before, after = compared["median"]["before"], compared["median"]["after"]
+    print_table(title, [(name.removesuffix("_us").replace("_", " "), f"{before[name]:.1f}", f"{after[name]:.1f}",
+                         f"{after[name] / before[name]:.2f}") for name in names],
+                header=("request", "before", "after", "after/before"))
+
+
 def write_json(path: str, results: dict) -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), **results}
     out = os.environ.get("GMS_BENCH_OUT")

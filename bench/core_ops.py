@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_name, print_table, write_json  # noqa: E402
+from _common import compare_trees, cpu_name, print_comparison, print_table, write_json  # noqa: E402
 
 KINDS = ("handshake_close_us", "metadata_get_us", "export_us", "allocate_free_us")
 
@@ -117,23 +116,6 @@ async def _measure(loops: int) -> dict:
     return out
 
 
-def compare(before: str, runs: int, loops: int) -> dict:
-    """Before (another tree) and after (this one) in one run, interleaved."""
-    here = str(Path(__file__).resolve().parent.parent)
-    results: dict[str, list] = {"before": [], "after": []}
-    for _ in range(runs):
-        for label, tree in (("before", before), ("after", here)):
-            out = subprocess.run(
-                [sys.executable, __file__, "--loops", str(loops), "--json", "-"],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, check=True,
-            )
-            results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    medians = {
-        label: {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in KINDS} for label, rows in results.items()
-    }
-    return {"runs": runs, "loops": loops, **results, "median": medians}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -144,12 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     loops = 300 if args.quick else args.loops
     if args.compare:
-        results = {"cpu": cpu_name(), "cores": os.cpu_count(), **compare(args.compare, args.runs, loops)}
-        rows = [(k.removesuffix("_us").replace("_", " "), f"{results['median']['before'][k]:.1f}",
-                 f"{results['median']['after'][k]:.1f}",
-                 f"{results['median']['after'][k] / results['median']['before'][k]:.2f}") for k in KINDS]
-        print_table("the service core, in process, per request (µs, median of runs of best-of-5 loops)",
-                    rows, header=("request", "before", "after", "after/before"))
+        compared = compare_trees(__file__, args.compare, args.runs, ["--loops", str(loops)])
+        results = {"cpu": cpu_name(), "cores": os.cpu_count(), "loops": loops, **compared}
+        print_comparison("the service core, in process, per request (µs, median of runs of best-of-5 loops)",
+                         compared, list(KINDS))
         write_json(args.json, results)
         return
     results = {"cpu": cpu_name(), "cores": os.cpu_count(), **measure(loops)}

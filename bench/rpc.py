@@ -11,12 +11,16 @@ the same clients doing a 40-byte round trip with a Trio echo server, so it
 runs the gms client's own code and a Trio server, without the protocol.
 
     python bench/rpc.py [--quick] [--backend host|cuda] [--clients 1,16,64,256]
+    # before/after in one run, turn about (the tree of another commit, same host):
+    git worktree add /tmp/gms-before <commit>
+    python bench/rpc.py --quick --compare /tmp/gms-before --runs 3 --json docs/results/rpc_compare_2core.json
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import multiprocessing
 import os
 import random
@@ -28,7 +32,7 @@ import threading
 import time
 import traceback
 
-from _common import cpu_name, percentile, print_table, write_json
+from _common import compare_trees, cpu_name, percentile, print_comparison, print_table, write_json
 
 ECHO_SERVER = r"""
 import os, socket, sys, trio
@@ -237,10 +241,20 @@ def main() -> None:
     parser.add_argument("--clients", default="1,16,64,256")
     parser.add_argument("--duration", type=float, default=3.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compare", metavar="TREE", help="another checkout to run before this one, turn about")
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     counts = [1, 16] if args.quick else [int(c) for c in args.clients.split(",")]
     duration = 1.0 if args.quick else args.duration
     json_path = args.json or f"bench/results/rpc_{args.backend}.json"
+    if args.compare:
+        passed = ["--backend", args.backend, "--clients", ",".join(map(str, counts)), "--duration", str(duration)]
+        compared = compare_trees(__file__, args.compare, args.runs, passed)
+        names = [name for name in compared["median"]["after"] if name.endswith("_p50_us")]
+        print_comparison(f"RPC p50 on the {args.backend} backend, {os.cpu_count()} cores of {cpu_name()} "
+                         f"(µs, median of {args.runs} runs each)", compared, names)
+        write_json(json_path, {"backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), **compared})
+        return
 
     results: dict = {"backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(),
                      "duration_s": duration, "closed": {}, "open": {}}
@@ -279,6 +293,11 @@ def main() -> None:
                      f"{r['ops_per_s']:,.0f}"))
     print_table(f"RPC on the {args.backend} backend, {results['cores']} cores of {results['cpu']}", rows,
                 header=("operation", "clients", "p50 µs", "p99 µs", "ops/s"))
+    if json_path == "-":  # for --compare: each p50 by name
+        p50s = {f"{kind}_x{r['clients']}_p50_us": r["p50_us"] for kind, runs in results["closed"].items() for r in runs}
+        p50s |= {f"{kind}_open_x{r['clients']}_p50_us": r["p50_us"] for kind, r in results["open"].items()}
+        print(json.dumps(p50s))
+        return
     write_json(json_path, results)
 
 

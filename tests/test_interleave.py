@@ -32,6 +32,7 @@ class GatedBackend:
     def __init__(self, inner: HostBackend) -> None:
         self.inner = inner
         self.name, self.device, self.granularity = inner.name, inner.device, inner.granularity
+        self.loop_bytes = 0  # its calls wait at a gate: never on the loop
         self.gates = {"create": threading.Event(), "release": threading.Event()}
         for gate in self.gates.values():
             gate.set()

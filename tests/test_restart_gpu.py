@@ -83,6 +83,12 @@ def killed(server: ServerProcess) -> int:
     return wait_until(new_pid, timeout=120, what="the keeper's next server")
 
 
+def lost(server: ServerProcess) -> list[tuple[str, str]]:
+    """(layout, why) of each LAYOUT_LOST: what an assertion shows when memory did not come back."""
+    events = RawConn(server.socket).call(m.GetEventHistoryRequest()).events
+    return [(e["layout"], e["reason"]) for e in events if e["kind"] == "LAYOUT_LOST"]
+
+
 def publish(path: str, layout: str, sizes, fill: int) -> tuple[str, list]:
     writer = GMSClientMemoryManager(path, layout=layout)
     writer.connect(RequestedLockType.RW)
@@ -118,7 +124,7 @@ def test_a_killed_cuda_server_comes_back_with_its_memory_nothing_copied(tmp_path
         before = used_bytes(server)
         new_pid = killed(server)
         state = server.state()
-        assert state.layout("weights").memory_layout_hash == layout_hash
+        assert state.layout("weights").memory_layout_hash == layout_hash, lost(server)
         assert (state.server_handle_count, state.server_handle_bytes) == (2, GiB + 512 * MiB)
         after = used_bytes(server)
         assert abs(after - before) < 256 * MiB, f"nothing copied or made twice: {before} -> {after}"
@@ -198,11 +204,11 @@ def test_an_fd_that_is_not_this_device_s_vmm_memory_drops_its_layout(tmp_path):
         while (frame := frames.recv_frame(conn, reader)).kind != "ready":
             store.apply(frame)
         state = get_runtime_state(path)
-        assert [row.name for row in state.layouts] == ["good"]
+        events = [e for e in RawConn(path).call(m.GetEventHistoryRequest()).events if e["kind"] == "LAYOUT_LOST"]
+        assert [row.name for row in state.layouts] == ["good"], [e["reason"] for e in events]
         assert (state.server_handle_count, state.host_handle_count) == (1, 1)
-        lost = [e for e in RawConn(path).call(m.GetEventHistoryRequest()).events if e["kind"] == "LAYOUT_LOST"]
-        assert [(e["layout"], e["allocation_id"], e["tier"]) for e in lost] == [("bad", "b0", "gpu")]
-        assert "cuMemImportFromShareableHandle" in lost[0]["reason"] or "another kind" in lost[0]["reason"]
+        assert [(e["layout"], e["allocation_id"], e["tier"]) for e in events] == [("bad", "b0", "gpu")]
+        assert "cuMemImportFromShareableHandle" in events[0]["reason"] or "another kind" in events[0]["reason"]
         conn.close()
     finally:
         server.kill()
@@ -238,7 +244,7 @@ def test_host_copies_the_copier_made_in_chunks_come_back_after_a_crash_and_resto
         reader.close()
         assert RawConn(server.socket).call(m.EvictRequest("cold")).tier == "host"
         killed(server)
-        assert server.layout("cold").tier == "host" and server.state().host_handle_count == 2
+        assert server.layout("cold").tier == "host" and server.state().host_handle_count == 2, lost(server)
         wait_until(lambda: server.state().copier == "running", timeout=120, what="the new server's copier")
         granted = RawConn(server.socket).handshake("RO", layout="cold")
         assert (granted.success, granted.restore, granted.memory_layout_hash) == (True, False, layout_hash)

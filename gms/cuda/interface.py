@@ -79,12 +79,17 @@ class MemoryBackend(Protocol):
     made by ``cuMemCreate`` on CUDA).
 
     A backend keeps no table of what it made: the server does, on its event
-    loop (``gms.server.memory``), and calls the backend only from that tier's
-    lane (``gms.server.lanes``), one call at a time."""
+    loop (``gms.server.memory``), and calls the backend from that tier's lane
+    (``gms.server.lanes``), one call at a time; ``create`` and ``release``
+    also from the loop, for a few allocations of up to ``loop_bytes`` in all."""
 
     name: str
     device: int
     granularity: int
+    # Bytes that ``create`` and ``release`` handle in well under a millisecond
+    # (memfd): the server does that on its loop and saves the lane's thread
+    # wake-ups; 0 (CUDA): every call on the lane.
+    loop_bytes: int
 
     def create(self, aligned_size: int, label: str = "") -> Held:
         """Create memory and export one fd for it; raise OutOfMemory when full.

@@ -33,6 +33,14 @@ _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 _POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 EXIT_CUDA_FAILURE = 70
+# Errors that say the driver could not look, not that the memory is gone.
+_CANNOT_CHECK = frozenset(
+    {
+        cu.CUresult.CUDA_ERROR_NOT_INITIALIZED,
+        cu.CUresult.CUDA_ERROR_INVALID_CONTEXT,
+        cu.CUresult.CUDA_ERROR_DEINITIALIZED,
+    }
+)
 
 
 class CudaError(BackendError):
@@ -160,6 +168,7 @@ class VmmBackend:
     the server's loop does."""
 
     name = "cuda"
+    loop_bytes = 0
     host = False
 
     def __init__(self, device: int = 0) -> None:
@@ -186,11 +195,20 @@ class VmmBackend:
 
     def adopt(self, fd: int, aligned_size: int) -> Held:
         """Import the fd (no context needed, like cuMemCreate) and check what the
-        driver says it is: pinned memory of this tier on this device, exportable
-        as an fd.  An fd whose memory a GPU reset took no longer imports, or no
-        longer says so: MemoryLost.  The driver cannot tell an allocation's size
-        from its handle; the state's size is trusted (a client maps no more)."""
+        driver says it is: memory of this tier's kind on this device.  An fd
+        whose memory a GPU reset took no longer imports, or no longer says so:
+        MemoryLost.  The driver cannot tell an allocation's size from its
+        handle; the state's size is trusted (a client maps no more).
+
+        Not checked: the handle types the allocation was made exportable as.
+        An importer's properties need not repeat the exporter's, and nothing
+        is exported from this handle: exports dup the fd kept.  A driver that
+        cannot import here at all (no context, not initialised) is no verdict
+        on the memory: a BackendError, which stops the server with every fd
+        still kept, rather than every layout dropped."""
         err, handle = cu.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+        if err in _CANNOT_CHECK:
+            raise CudaError("cuMemImportFromShareableHandle (adopting kept memory)", err)
         if err != _SUCCESS:
             raise MemoryLost(f"cuMemImportFromShareableHandle: {CudaError('import', err)}")
         try:
@@ -202,11 +220,11 @@ class VmmBackend:
                 prop.type != expected.type
                 or prop.location.type != expected.location.type
                 or int(prop.location.id) != int(expected.location.id)
-                or not int(prop.requestedHandleTypes) & int(_POSIX_FD)
             ):
                 raise MemoryLost(
                     f"the fd is memory of another kind or place (type {prop.type}, location "
-                    f"{prop.location.type} {prop.location.id})"
+                    f"{prop.location.type} {prop.location.id}; this tier makes {expected.type}, "
+                    f"{expected.location.type} {expected.location.id})"
                 )
         except BaseException:
             cu.cuMemRelease(handle)

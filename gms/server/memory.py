@@ -4,8 +4,10 @@ The table (allocation id -> the handle and the one fd exported for it) is the
 loop's alone: an export ``dup()``s an fd from it on the loop (a system call,
 no CUDA), a status probe counts it there, and nothing else reads or writes
 it, so no thread ever iterates what another changes.  The backend (CUDA or
-memfd) is called only from the tier's lane (:mod:`gms.server.lanes`):
-creation is awaited, release is handed over once the state has recorded it.
+memfd) is called from the tier's lane (:mod:`gms.server.lanes`): creation is
+awaited, release is handed over once the state has recorded it.  A backend
+whose small calls never wait (memfd: ``loop_bytes``) makes and frees a few
+small allocations on the loop instead, which saves two thread wake-ups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .admission import FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+_ON_LOOP_MAX = 8  # allocations made or released at once on the loop (backend.loop_bytes in all)
 
 
 class ResourceExhausted(Rejection):
@@ -149,7 +152,7 @@ class Memory:
         taken = {allocation_id: self.stock.take(size) for allocation_id, size in items}
         missing = [(allocation_id, size) for allocation_id, size in items if taken[allocation_id] is None]
         try:
-            made = await self.lane.call(_create_all, self.backend, missing) if missing else []
+            made = await self._make(missing) if missing else []
         except NoFileDescriptors as exc:  # the count missed some: refused all the same
             self._give_back([held for held in taken.values() if held is not None])
             raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
@@ -164,6 +167,20 @@ class Memory:
         if self.observer is not None:  # before the event that records them (the caller's)
             self.observer.held(self.lane.name, [(i, self._held[i].fd) for i, _ in items])
         self._restock({size for _, size in items})
+
+    async def _make(self, items: list[tuple[str, int]]) -> list[Held]:
+        """On the loop where the backend allows it and they are few (a restore's
+        thousand would stall it); on the lane where it must, or where the loop
+        found the tier full: the lane runs the releases queued before it first."""
+        if self._on_loop([size for _, size in items]):
+            try:
+                return _create_all(self.backend, items)
+            except OutOfMemory:
+                pass
+        return await self.lane.call(_create_all, self.backend, items)
+
+    def _on_loop(self, sizes: list[int]) -> bool:
+        return len(sizes) <= _ON_LOOP_MAX and sum(sizes) <= self.backend.loop_bytes
 
     async def adopt(self, items: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
         """Memory another server made, by (id, fd, aligned size), checked on the lane
@@ -244,7 +261,8 @@ class Memory:
         return fds
 
     def release(self, allocation_ids: Iterable[str]) -> None:
-        """Forget them here at once; the lane closes and frees them after what it has queued."""
+        """Forget them here at once; free them here too if that is quick, else
+        the lane does, after what it has queued."""
         allocation_ids = list(allocation_ids)
         if self._lost:
             allocation_ids = [i for i in allocation_ids if not self._was_lost(i)]
@@ -254,7 +272,10 @@ class Memory:
         if gone:
             self._bytes -= sum(held.size for held in gone)
             self.released += len(gone)
-            self.lane.post(_release_all, self.backend, gone)
+            if self._on_loop([held.size for held in gone]):
+                _release_all(self.backend, gone)
+            else:
+                self.lane.post(_release_all, self.backend, gone)
 
     def _was_lost(self, allocation_id: str) -> bool:
         if allocation_id in self._lost:
