@@ -29,6 +29,8 @@ import socket
 import struct
 import threading
 
+from .helpers import descendants
+
 _UCRED = struct.Struct("3i")
 
 
@@ -125,7 +127,7 @@ class FakeSystemd:
 
     def kill(self) -> None:
         """SIGKILL the main process and every process under it (the control group)."""
-        pids = _descendants(self.main_pid) + [self.main_pid]
+        pids = descendants(self.main_pid) + [self.main_pid]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -157,19 +159,3 @@ class FakeSystemd:
             for _, fd in self.store:
                 os.close(fd)
             self.store = []
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as children:
-                for child in children.read().split():
-                    found += [int(child), *_descendants(int(child))]
-        except OSError:
-            continue
-    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import itertools
 import os
 import select
@@ -305,3 +306,48 @@ class LayoutCopy:
             return self.layout_hash
         finally:
             writer.close()
+
+
+@contextlib.contextmanager
+def served_from_store(tmp_path, store, *args: str, backend: str = "host"):
+    """A ``gms serve --keeper-socket`` handed back what ``store`` (a keeper's
+    ``Store``) holds, by this test standing in for the keeper: yields a
+    :class:`Served` once the server is ready (its ``output`` is there after
+    the block); the store keeps what the server reports, as a keeper would."""
+    from gms.handover import frames
+
+    keeper_path = str(tmp_path / "fake-keeper.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(keeper_path)
+    listener.listen(1)
+    served = Served(str(tmp_path / "gms.sock"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", backend, "--socket", served.path,
+         "--keeper-socket", keeper_path, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            reader = frames.FrameReader()
+            hello = frames.recv_frame(conn, reader)
+            assert hello.kind == "hello"
+            served.hello = hello.body
+            body, keyed = store.handback()
+            frames.send_frame(conn, "handback", body)
+            frames.send_fds(conn, "fds", keyed)
+            frames.send_frame(conn, "end")
+            while store.apply(frames.recv_frame(conn, reader)) != "ready":
+                pass
+            yield served
+    finally:
+        server.kill()
+        served.output = server.communicate()[0]
+        listener.close()
+
+
+class Served:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.hello: dict = {}
+        self.output = ""  # the server's, once it was killed

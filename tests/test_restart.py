@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -26,14 +25,13 @@ from gms.cuda import open_mapper
 from gms.errors import GMSError
 from gms.fsm import compute_layout_hash
 from gms.fsm.events import RoConnect
-from gms.handover import frames
 from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, encode_entries, encode_image
 from gms.keeper.store import Store
 from gms.store import LogEntry
 from gms.wire import messages as m
 
 from .handover_fixtures import rich_log
-from .helpers import MiB, RawConn, ServerProcess, build_layout, wait_until
+from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_store, wait_until
 from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
 
@@ -339,52 +337,32 @@ def test_a_journal_that_does_not_rebuild_is_saved_and_the_server_starts_empty(tm
     info = ServerInfo(999_999, "host", 0, "host-0", True)
     base = encode_image(StateImage(STATE_VERSION, info, log.last_seq, 20, state))
     bad = encode_entries([LogEntry(log.last_seq + 1, 0, 0, RoConnect(8, layout="nothing"))])
-    keeper_path = str(tmp_path / "fake-keeper.sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(keeper_path)
-    listener.listen(1)
     memory = {f"gpu:{i}": os.memfd_create(f"gms-{i}") for i in ("w0", "w1", "k0", "h0")}
     store = Store()
     store.base, store.tails = base, [bad]
     for key, fd in memory.items():
         store.fds[key] = fd
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "gms.sock"),
-         "--keeper-socket", keeper_path, "--state-dir", str(tmp_path / "saved")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
     try:
-        conn, _ = listener.accept()
-        reader = frames.FrameReader()
-        hello = frames.recv_frame(conn, reader)
-        assert hello.kind == "hello" and hello.body["device"] == "host-0"
-        body, keyed = store.handback()
-        frames.send_frame(conn, "handback", body)
-        frames.send_fds(conn, "fds", keyed)
-        frames.send_frame(conn, "end")
-        while True:
-            frame = frames.recv_frame(conn, reader)
-            store.apply(frame)
-            if frame.kind == "ready":
-                break
-        assert set(store.fds) == {"listener"}, "it told its keeper to let the memory go, and gave it its socket"
-        state = get_runtime_state(str(tmp_path / "gms.sock"))
-        assert state.layouts == [] and state.server_handle_count == 0
-        events = [e for e in RawConn(str(tmp_path / "gms.sock")).call(m.GetEventHistoryRequest()).events]
-        assert [e["kind"] for e in events] == ["SERVER_STARTED", "STATE_DISCARDED"]
-        discarded = events[1]
-        assert "breaks a rule" in discarded["reason"] or "RO_CONNECT" in discarded["reason"]
-        saved = discarded["saved_to"]
-        assert saved.startswith(str(tmp_path / "saved"))
-        replay = subprocess.run([sys.executable, "-m", "gms", "replay", saved], capture_output=True, text=True)
-        assert replay.returncode == 2 and f"event {log.last_seq + 1} (RO_CONNECT)" in replay.stderr, replay
-        conn.close()
+        with served_from_store(tmp_path, store, "--state-dir", str(tmp_path / "saved")) as served:
+            check_discarded(served, store, log.last_seq + 1, tmp_path / "saved")
     finally:
-        server.kill()
-        out = server.communicate()[0]
-        listener.close()
         store.close()
-    assert "starts EMPTY" in out
+    assert "starts EMPTY" in served.output
+
+
+def check_discarded(served, store, bad_seq: int, saved_dir) -> None:
+    assert served.hello["device"] == "host-0"
+    assert set(store.fds) == {"listener"}, "it told its keeper to let the memory go, and gave it its socket"
+    state = get_runtime_state(served.path)
+    assert state.layouts == [] and state.server_handle_count == 0
+    events = [e for e in RawConn(served.path).call(m.GetEventHistoryRequest()).events]
+    assert [e["kind"] for e in events] == ["SERVER_STARTED", "STATE_DISCARDED"]
+    discarded = events[1]
+    assert "breaks a rule" in discarded["reason"] or "RO_CONNECT" in discarded["reason"]
+    saved = discarded["saved_to"]
+    assert saved.startswith(str(saved_dir))
+    replay = subprocess.run([sys.executable, "-m", "gms", "replay", saved], capture_output=True, text=True)
+    assert replay.returncode == 2 and f"event {bad_seq} (RO_CONNECT)" in replay.stderr, replay
 
 
 def test_the_saved_journal_of_a_good_state_replays(tmp_path):
@@ -454,10 +432,6 @@ def test_a_host_copy_whose_chunks_do_not_come_back_whole_is_lost_with_its_layout
     state = log.state
     info = ServerInfo(999_999, "host", 0, "host-0", True)
     base = encode_image(StateImage(STATE_VERSION, info, log.last_seq, 20, state))
-    keeper_path = str(tmp_path / "fake-keeper.sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(keeper_path)
-    listener.listen(1)
 
     def memfd(name: str, size: int) -> int:
         fd = os.memfd_create(f"gms-{name}")
@@ -472,34 +446,18 @@ def test_a_host_copy_whose_chunks_do_not_come_back_whole_is_lost_with_its_layout
         "gpu:h0": memfd("h0", 2 * MiB), "host:h0": memfd("h0c", 2 * MiB),  # warm (restoring): whole
         "gpu:k0": memfd("k0", MiB),  # kv's build: the wrong size, and dropped with its writer anyway
     })
-    path = str(tmp_path / "gms.sock")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", path, "--keeper-socket", keeper_path],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
     try:
-        conn, _ = listener.accept()
-        reader = frames.FrameReader()
-        assert frames.recv_frame(conn, reader).kind == "hello"
-        body, keyed = store.handback()
-        frames.send_frame(conn, "handback", body)
-        frames.send_fds(conn, "fds", keyed)
-        frames.send_frame(conn, "end")
-        while (frame := frames.recv_frame(conn, reader)).kind != "ready":
-            store.apply(frame)
-        assert sorted(store.fds) == ["gpu:w0", "gpu:w1", "host:h0", "listener"], "only what it holds"
-        runtime = get_runtime_state(path)
-        assert sorted(row.name for row in runtime.layouts) == ["warm", "weights"]
-        assert (runtime.server_handle_count, runtime.host_handle_count) == (2, 1), "warm's restore was aborted"
-        events = RawConn(path).call(m.GetEventHistoryRequest()).events
-        lost = [(e["layout"], e["allocation_id"], e["tier"]) for e in events if e["kind"] == "LAYOUT_LOST"]
-        assert lost == [("cold", "c0", "host")], lost
-        assert RawConn(path).handshake("RO", layout="weights").success, "the server runs on"
-        conn.close()
+        with served_from_store(tmp_path, store) as served:
+            path = served.path
+            assert sorted(store.fds) == ["gpu:w0", "gpu:w1", "host:h0", "listener"], "only what it holds"
+            runtime = get_runtime_state(path)
+            assert sorted(row.name for row in runtime.layouts) == ["warm", "weights"]
+            assert (runtime.server_handle_count, runtime.host_handle_count) == (2, 1), "warm's restore was aborted"
+            events = RawConn(path).call(m.GetEventHistoryRequest()).events
+            lost = [(e["layout"], e["allocation_id"], e["tier"]) for e in events if e["kind"] == "LAYOUT_LOST"]
+            assert lost == [("cold", "c0", "host")], lost
+            assert RawConn(path).handshake("RO", layout="weights").success, "the server runs on"
     finally:
-        server.kill()
-        server.communicate()
-        listener.close()
         store.close()
 
 

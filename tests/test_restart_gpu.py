@@ -19,9 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -39,13 +37,12 @@ from gms.fsm.events import (
     SessionClosed,
     SessionOpened,
 )
-from gms.handover import frames
 from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, encode_image
 from gms.keeper.store import Store
 from gms.store import EventLog
 from gms.wire import messages as m
 
-from .helpers import RawConn, ServerProcess, wait_until
+from .helpers import RawConn, ServerProcess, served_from_store, wait_until
 
 pytestmark = pytest.mark.gpu
 MiB, GiB = 1 << 20, 1 << 30
@@ -185,35 +182,16 @@ def test_an_fd_that_is_not_this_device_s_vmm_memory_drops_its_layout(tmp_path):
     store.base = encode_image(StateImage(STATE_VERSION, ServerInfo(1, "cuda", 0, uuid, True), log.last_seq, 9,
                                          log.state))
     store.fds.update({"gpu:g0": os.dup(good.fd), "host:g0": os.dup(good_copy.fd), "gpu:b0": bad})
-    keeper_path = str(tmp_path / "keeper.sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(keeper_path)
-    listener.listen(1)
-    path = str(tmp_path / "gms.sock")
-    server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "cuda", "--socket", path,
-                               "--keeper-socket", keeper_path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
     try:
-        conn, _ = listener.accept()
-        reader = frames.FrameReader()
-        assert frames.recv_frame(conn, reader).kind == "hello"
-        body, keyed = store.handback()
-        frames.send_frame(conn, "handback", body)
-        frames.send_fds(conn, "fds", keyed)
-        frames.send_frame(conn, "end")
-        while (frame := frames.recv_frame(conn, reader)).kind != "ready":
-            store.apply(frame)
-        state = get_runtime_state(path)
-        events = [e for e in RawConn(path).call(m.GetEventHistoryRequest()).events if e["kind"] == "LAYOUT_LOST"]
-        assert [row.name for row in state.layouts] == ["good"], [e["reason"] for e in events]
-        assert (state.server_handle_count, state.host_handle_count) == (1, 1)
-        assert [(e["layout"], e["allocation_id"], e["tier"]) for e in events] == [("bad", "b0", "gpu")]
-        assert "cuMemImportFromShareableHandle" in events[0]["reason"] or "another kind" in events[0]["reason"]
-        conn.close()
+        with served_from_store(tmp_path, store, backend="cuda") as served:
+            path = served.path
+            state = get_runtime_state(path)
+            events = [e for e in RawConn(path).call(m.GetEventHistoryRequest()).events if e["kind"] == "LAYOUT_LOST"]
+            assert [row.name for row in state.layouts] == ["good"], [e["reason"] for e in events]
+            assert (state.server_handle_count, state.host_handle_count) == (1, 1)
+            assert [(e["layout"], e["allocation_id"], e["tier"]) for e in events] == [("bad", "b0", "gpu")]
+            assert "cuMemImportFromShareableHandle" in events[0]["reason"] or "another kind" in events[0]["reason"]
     finally:
-        server.kill()
-        server.wait(30)
-        listener.close()
         store.close()
         device.release(good)
         host.release(good_copy)

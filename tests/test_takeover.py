@@ -33,26 +33,9 @@ from gms.wire import messages as m
 
 from .handover_fixtures import ALLOCATIONS, FIXTURE
 from .helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
-from .test_restart import killed, pattern, publish_raw, read_through, write_through
+from .test_restart import _kill_servers, killed, pattern, publish_raw, read_through, server_process, write_through  # noqa: F401 - the autouse fixture
 
 AS_ROOT = os.geteuid() == 0
-
-
-_started: list[ServerProcess] = []
-
-
-def server_process(*args, **options) -> ServerProcess:
-    """A server (or keeper) killed at the end of the test, whatever happens."""
-    server = ServerProcess(*args, **options)
-    _started.append(server)
-    return server
-
-
-@pytest.fixture(autouse=True)
-def _kill_servers():
-    yield
-    while _started:
-        _started.pop().kill()
 
 
 def take_over(old: ServerProcess, *args: str, keeper: bool = False) -> ServerProcess:
