@@ -85,7 +85,7 @@ from .events import (
 )
 from .folding import entry_bytes
 from .limits import Limits
-from .state import LayoutState, LockState, Residency, Tier
+from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
 GPU, HOST, RESTORING = Tier.GPU, Tier.HOST, Tier.RESTORING
@@ -137,10 +137,12 @@ class Rule:
     # members each, found by identity without hashing an enum on the hot path.
     locks: tuple[LockState, ...] = attrs.field(init=False)
     tiers: tuple[Tier, ...] = attrs.field(init=False)
+    anywhere: bool = attrs.field(init=False)  # every lock state, every tier: nothing to look up
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "locks", tuple(dict.fromkeys(move.before for move in self.moves)))
         object.__setattr__(self, "tiers", tuple(dict.fromkeys(move.before for move in self.tier_moves)))
+        object.__setattr__(self, "anywhere", set(self.locks) == set(LockState) and set(self.tiers) == set(Tier))
 
 
 # -- the roles --------------------------------------------------------------------------
@@ -539,13 +541,29 @@ def rule_for(event: Event) -> Rule:
         raise InvariantViolation(f"no rule for {type(event).__name__}") from None
 
 
+# Who holds the role, asked cheaply: a False is explained (raised) by ``require``.
+_PLAYS: dict[Who, Callable[[LayoutState, int], bool]] = {
+    Who.WRITER: lambda layout, conn: layout.writer == conn,
+    Who.READER: lambda layout, conn: conn in layout.readers,
+    Who.RESTORER: lambda layout, conn: layout.restorer == conn,
+    Who.HOLDER: LayoutState.holds_lock,
+    Who.SESSION: lambda layout, conn: False,  # ``require`` asks the node
+}
+
+
 def check(node, event: Event) -> None:
-    """Raise the Rejection that refuses ``event`` in ``node``; return if it is legal."""
-    rule = rule_for(event)
+    """Raise the Rejection that refuses ``event`` in ``node``; return if it is legal.
+
+    Every event of the log passes here, so the common case asks as little as
+    it can: a role by one comparison, the lock state only where the rule
+    does not allow them all; ``require`` says why only when one fails."""
+    rule = RULES.get(type(event)) or rule_for(event)
     layout = node.layout(event.layout) if event.layout else None
     if layout is not None:
-        require(layout, event.conn, rule.who, rule.action or event.KIND, node)
-        if layout.lock_state not in rule.locks or layout.tier not in rule.tiers:
+        who = rule.who
+        if who is not Who.ANYONE and not _PLAYS[who](layout, event.conn):
+            require(layout, event.conn, who, rule.action or event.KIND, node)
+        if not rule.anywhere and (lock_state(layout) not in rule.locks or layout.tier not in rule.tiers):
             raise rule.refusal(
                 f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
                 f"{layout.lock_state.value} and {_WHERE[layout.tier]}"

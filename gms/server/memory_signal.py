@@ -8,11 +8,15 @@ import trio
 class MemorySignal:
     def __init__(self) -> None:
         self._event = trio.Event()
+        self._watched = False  # someone holds the current event
 
     def next_release(self) -> trio.Event:
         """Set at the next release after this call."""
+        self._watched = True
         return self._event
 
     def released(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
+        if self._watched:  # else nobody waits: most releases (every free) cost nothing here
+            self._event.set()
+            self._event = trio.Event()
+            self._watched = False

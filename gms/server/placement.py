@@ -18,7 +18,7 @@ released, a retry timer fires, the client hangs up or the retry timeout ends.
 from __future__ import annotations
 
 import contextlib
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 from typing import ContextManager, TypeVar
 
@@ -69,7 +69,7 @@ class Placement:
 
     async def allocate(self, conn: int, size: int, tag: str) -> m.AllocateResponse:
         """One attempt; raises a Rejection, or OutOfMemory to wait out."""
-        allocation_id = uuid.uuid4().hex
+        allocation_id = os.urandom(16).hex()  # uuid4's randomness, without its object
         aligned = align_up(size, self.gpu.granularity) if size > 0 else size  # <= 0: refused
 
         def propose() -> Event:
@@ -88,23 +88,28 @@ class Placement:
     async def _create(self, propose: Callable[[], Event], admit, items: list[tuple[str, int]]) -> Event:
         more = sum(size for _, size in items)
         while True:
-            admitted = admit(self.ledger.state, propose())  # refusals cost nothing yet
+            event = propose()
+            admitted = admit(self.ledger.state, event)  # refusals cost nothing yet
             if self.gpu.fds is not None:
                 self.gpu.fds.check_memory(len(items))  # nor do fds: never evict for memory it cannot hold
             self._make_room(admitted)
+            decided_on = self.ledger.state
             try:
                 await self.gpu.create(items)
             except OutOfMemory:
                 if not self.gpu.drop_stock() and not self._evict_one():
                     raise
                 continue
-            # The world may have changed during the await: decide again.
+            # The world may have changed during the await: decide again (the
+            # state is immutable: the same object is the same world, as when
+            # the memory was made on the loop without a checkpoint).
             ids = [allocation_id for allocation_id, _ in items]
             try:
-                if gpu_shortfall(self.ledger.state, more):
-                    self.gpu.release(ids)  # room taken meanwhile: make room again, or wait
-                    continue
-                event = propose()
+                if self.ledger.state is not decided_on:
+                    if gpu_shortfall(self.ledger.state, more):
+                        self.gpu.release(ids)  # room taken meanwhile: make room again, or wait
+                        continue
+                    event = propose()
                 self.ledger.record([event])  # the fold checks it, budget included
             except BaseException:
                 self.gpu.release(ids)
