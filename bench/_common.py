@@ -41,25 +41,31 @@ def run_json(script: str, *args: str, timeout: float = 300) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def wait_served(socket_path: str, proc: subprocess.Popen, where: str = "") -> None:
+    """Until the server ``proc`` started answers on ``socket_path`` (60 s at most;
+    ``where``: its log, named in the error)."""
+    from gms import get_runtime_state
+    from gms.errors import GMSError
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            get_runtime_state(socket_path, timeout=1)
+            return
+        except GMSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"gms server did not start{': see ' + where if where else ''}") from None
+            time.sleep(0.05)
+
+
 class Server:
     """``gms serve`` in a subprocess on a private socket, ready when constructed."""
 
     def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", *args: str) -> None:
-        from gms import get_runtime_state
-        from gms.errors import GMSError
-
         self.socket = os.path.join(directory, f"{name}.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend,
                                       "--socket", self.socket, "--log-level", "warning", *args])
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                get_runtime_state(self.socket, timeout=1)
-                return
-            except GMSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("gms server did not start") from None
-                time.sleep(0.05)
+        wait_served(self.socket, self.proc)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -55,7 +55,7 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
-from _common import print_table, write_json
+from _common import print_table, wait_served, write_json
 from failover import Nvml
 from llama_checkpoint import evict, warm
 from vllm_engines import GiB, Engine, serve_argv, serve_env
@@ -133,18 +133,7 @@ class Bench:
         return str(folder)
 
     def _wait_server(self) -> None:
-        from gms import get_runtime_state
-        from gms.errors import GMSError
-
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                get_runtime_state(self.socket, timeout=1)
-                return
-            except GMSError:
-                if time.monotonic() > deadline or self.server.poll() is not None:
-                    raise RuntimeError(f"gms server did not start: see {self.work / 'gms-server.log'}") from None
-                time.sleep(0.05)
+        wait_served(self.socket, self.server, str(self.work / "gms-server.log"))
 
     def page_cache(self, cold: bool) -> None:
         for f in self.checkpoint:
