@@ -31,9 +31,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from gms.cuda import open_mapper
 from gms.fsm import (
@@ -653,3 +657,17 @@ class ServerMachine(RuleBasedStateMachine):
         ), "server-owned device memory must be exactly the folded layouts'"
         assert (runtime.host_handle_count, runtime.host_handle_bytes) == (len(host), sum(host))
         assert runtime.used_bytes == expected.gpu_bytes <= BUDGET
+
+
+def run_machine(machine: type[ServerMachine], backend: str, copier: bool, examples: int, steps: int) -> None:
+    """Run a server machine in a folder tenants of other uids may enter
+    (pytest's own folders are private to root)."""
+    folder = tempfile.mkdtemp(prefix="gms-machine-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    try:
+        bound = type("Machine", (machine,), {"tmp_path": Path(folder), "backend": backend, "copier": copier})
+        run_state_machine_as_test(
+            bound, settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None)
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

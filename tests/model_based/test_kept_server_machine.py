@@ -15,14 +15,10 @@ bytes the writers wrote before the crash.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import rule, run_state_machine_as_test
+from hypothesis.stateful import rule
 
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
@@ -30,7 +26,7 @@ from gms.fsm import decide_disconnect
 from gms.postmortem import row_event
 
 from ..helpers import wait_until
-from .server_machine import ServerMachine
+from .server_machine import ServerMachine, run_machine
 
 EXAMPLES = int(os.environ.get("GMS_KEPT_MACHINE_EXAMPLES", "12"))
 
@@ -75,15 +71,4 @@ def test_a_server_killed_at_any_step_comes_back_as_the_core_says(backend, copier
     """With a copier the host copies are its chunks (2 MiB, a pool of two): the
     keeper keeps every copy's chunks, and the restarted server restores
     through a new copier from what it adopted."""
-    folder = tempfile.mkdtemp(prefix="gms-kept-", dir="/tmp")
-    os.chmod(folder, 0o755)
-    try:
-        machine = type(
-            "Machine", (KeptServerMachine,),
-            {"tmp_path": Path(folder), "backend": backend, "copier": copier == "copier"},
-        )
-        run_state_machine_as_test(
-            machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None)
-        )
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    run_machine(KeptServerMachine, backend, copier == "copier", EXAMPLES, steps=25)
