@@ -26,6 +26,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+from collections.abc import Iterable
 
 import attrs
 import msgpack
@@ -111,7 +112,7 @@ def unpack_fds(ancillary, flags: int) -> list[int]:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         for fd in fds:
-            _close(fd)
+            close_fds([fd])
         raise LinkError("a link frame or its fds were truncated")
     return list(fds)
 
@@ -138,12 +139,15 @@ def receive(sock: socket.socket) -> tuple[object, list[int]] | None:
         return decode(body), fds
     except LinkError:
         for fd in fds:
-            _close(fd)
+            close_fds([fd])
         raise
 
 
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def close_fds(fds: Iterable[int]) -> None:
+    """Close each; one closed already (or never valid) is no error: fds in
+    transit are closed on every path, some twice."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -37,14 +37,6 @@ log = logging.getLogger("gms.copier")
 STOP_AFTER_ENV = "GMS_COPIER_STOP_AFTER"
 
 
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
 def _stop_after() -> tuple[bool, int] | None:
     spec = os.environ.get(STOP_AFTER_ENV, "")
     if not spec:
@@ -104,25 +96,25 @@ class Copier:
         if isinstance(message, msg.MapChunks):
             self._map(message, fds)
         elif isinstance(message, msg.UnmapChunks):
-            _close(fds)
+            msg.close_fds(fds)
             self._unmap(message.ids)
         elif isinstance(message, msg.Copy):
             self._dispatch(message, fds)
         else:
-            _close(fds)
+            msg.close_fds(fds)
             raise msg.LinkError(f"the copier takes no {type(message).__name__}")
 
     # -- chunks -------------------------------------------------------------------
 
     def _map(self, message: msg.MapChunks, fds: list[int]) -> None:
         if len(fds) != len(message.ids) or len(message.sizes) != len(message.ids):
-            _close(fds)
+            msg.close_fds(fds)
             raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
         for n, (chunk, size, fd) in enumerate(zip(message.ids, message.sizes, fds)):
             try:
                 mapped = self.engine.map_chunk(fd, size)  # consumes the fd
             except BaseException:
-                _close(fds[n + 1 :])
+                msg.close_fds(fds[n + 1 :])
                 raise
             with self._lock:
                 old = self._chunks.pop(chunk, None)
@@ -172,7 +164,7 @@ class Copier:
                     error = "a move is larger than its chunk"
                     self._refs_back(chunks)
         if error:
-            _close(fds)
+            msg.close_fds(fds)
             self._send(msg.Done(job.job, error))
             return
         self._queues[job.to_host].put((job, fds))
@@ -192,7 +184,7 @@ class Copier:
             device: list[Mapped] = []
             try:
                 if self._stopping.is_set():
-                    _close(fds)
+                    msg.close_fds(fds)
                     continue
                 error = self._copy(job, fds, device)
                 self._send(msg.Done(job.job, error))
@@ -223,7 +215,7 @@ class Copier:
                     self._maybe_stop(job.to_host)
             engine.wait(job.to_host)
         except Exception as exc:  # noqa: BLE001 - answered; the server falls back
-            _close(fds[consumed:])
+            msg.close_fds(fds[consumed:])
             try:
                 engine.wait(job.to_host)  # what was started lands before its memory is unmapped
             except Exception:  # noqa: BLE001 - the copy failed already; say why it did

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import socket
 import sys
@@ -113,7 +112,7 @@ class CopierLink:
         """One copy (at most 253 allocations, ``msg.MAX_MOVES`` moves); consumes ``fds``.
         Returns when every byte landed; raises CopierGone otherwise."""
         if not await self.usable():
-            _close(fds)
+            msg.close_fds(fds)
             raise CopierGone(f"no copier is running ({self.state})")
         job = self._next_job
         self._next_job += 1
@@ -142,7 +141,7 @@ class CopierLink:
 
     def _post(self, message: object, fds: list[int]) -> bool:
         if self._outbox is None:
-            _close(fds)  # no copier: a new one is told every live chunk when it starts
+            msg.close_fds(fds)  # no copier: a new one is told every live chunk when it starts
             return False
         self._outbox.send_nowait((msg.encode(message), fds))
         return True
@@ -214,7 +213,7 @@ class CopierLink:
             self._outbox = None
             outbox.close()
             for _, fds in _drain(inbox):
-                _close(fds)
+                msg.close_fds(fds)
             sock.close()  # the copier sees the link close and exits
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(STOP_GRACE_S):
@@ -236,14 +235,14 @@ class CopierLink:
                 log.warning("copier: sending failed: %s", exc)
                 return  # the reader sees the link close
             finally:
-                _close(fds)
+                msg.close_fds(fds)
 
     async def _read_all(self, sock) -> str:
         """Answers until the link closes; returns why it did."""
         while True:
             try:
                 body, ancillary, flags, _ = await sock.recvmsg(msg.MAX_FRAME_BYTES, msg.fd_space(1))
-                _close(msg.unpack_fds(ancillary, flags))  # the copier sends none
+                msg.close_fds(msg.unpack_fds(ancillary, flags))  # the copier sends none
                 if not body:
                     return "its link closed"
                 message = msg.decode(body)
@@ -277,11 +276,3 @@ def _drain(inbox) -> list:
             items.append(inbox.receive_nowait())
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             return items
-
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
