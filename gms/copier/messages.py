@@ -111,8 +111,7 @@ def unpack_fds(ancillary, flags: int) -> list[int]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            close_fds([fd])
+        close_fds(fds)
         raise LinkError("a link frame or its fds were truncated")
     return list(fds)
 
@@ -138,8 +137,7 @@ def receive(sock: socket.socket) -> tuple[object, list[int]] | None:
     try:
         return decode(body), fds
     except LinkError:
-        for fd in fds:
-            close_fds([fd])
+        close_fds(fds)
         raise
 
 
