@@ -213,3 +213,51 @@ async def test_every_memory_call_runs_on_a_lane_and_never_blocks_the_loop(tmp_pa
         calls = gpu.threads | host.threads
         assert calls and all(name.startswith("gms-lane-") for name in calls), calls
         nursery.cancel_scope.cancel()
+
+
+class NotingBackend(HostBackend):
+    """The host backend, noting which thread made or freed what size; a
+    release of more than 4 MiB waits at ``gate``."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.calls: list[tuple[str, int, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def create(self, aligned_size, label=""):
+        self.calls.append(("create", aligned_size, threading.current_thread().name))
+        return super().create(aligned_size, label)
+
+    def release(self, held):
+        self.calls.append(("release", held.size, threading.current_thread().name))
+        if held.size > 4 * MiB:
+            self.gate.wait(10)
+        return super().release(held)
+
+
+async def test_small_memfds_are_made_and_freed_on_the_loop_and_the_rest_on_the_lane(tmp_path):
+    """The host backend's exception to the lanes (``loop_bytes``): a 2 MiB
+    allocation is made and freed on the loop, an 8 MiB one on the lane; a
+    small one the loop finds no room for is made on the lane, behind the
+    release queued there that makes the room (a capacity of 12 MiB)."""
+    gpu = NotingBackend(capacity=12 * MiB)
+    config = ServerConfig(socket_path=str(tmp_path / "gms.sock"), backend="host", alloc_stock_bytes=0)
+    server = Server(config, backend=gpu, host_tier=HostBackend())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        writer, (small, big) = await writer_with(config.socket_path, "w", 2 * MiB, 8 * MiB)
+        gpu.gate.clear()  # the 8 MiB release waits on the lane
+        assert (await call(writer, m.FreeAllocationRequest(big))).success
+        await until(lambda: len(gpu.calls) == 3, "the release at its gate")
+        writer.send(m.AllocateRequest(4 * MiB))  # 2 + 8 + 4 > 12 until the release ran
+        await until(lambda: len(gpu.calls) == 4, "the loop's attempt")
+        gpu.gate.set()
+        assert isinstance(await recv(writer), m.AllocateResponse)
+        assert (await call(writer, m.FreeAllocationRequest(small))).success
+        loop = threading.current_thread().name
+        assert [(kind, size >> 20, name == loop) for kind, size, name in gpu.calls] == [
+            ("create", 2, True), ("create", 8, False), ("release", 8, False),
+            ("create", 4, True), ("create", 4, False), ("release", 2, True),
+        ], gpu.calls
+        nursery.cancel_scope.cancel()
