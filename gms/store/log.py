@@ -148,39 +148,22 @@ class EventLog:
         leave, and if any is refused none is stored (a free and its cascade, a
         batch of metadata puts, land together or not at all).  ``observe(before,
         event)`` sees each stored event with the state it was folded on."""
-        befores: list[NodeState] = []
-        state = self._state
         events = tuple(events)
+        states = [self._state]
         for event in events:
-            befores.append(state)
-            state = fold(state, event)  # raises before anything is stored
-        entries = []
+            states.append(fold(states[-1], event))  # raises before anything is stored
         mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
-        seq = self._next_seq
-        opened = False
-        for event, before in zip(events, befores):
+        chunks = len(self._chunks)
+        entries = []
+        for event, before in zip(events, states):
             if observe is not None:
                 observe(before, event)
-            chunk = self._chunks[-1]
-            if len(chunk.entries) == self._chunk_size or (
-                self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
-            ):
-                chunk = _Chunk(seq, before)
-                self._chunks.append(chunk)
-                opened = True
-            entry = LogEntry(seq, mono_ns, wall_ns, event)
-            chunk.entries.append(entry)
-            if self._max_bytes is not None:
-                size = entry_bytes(event)
-                chunk.bytes += size
-                self._bytes += size
+            entry = LogEntry(self._next_seq, mono_ns, wall_ns, event)
+            self._store(entry, before)
             entries.append(entry)
-            seq += 1
-        self._next_seq = seq
-        self._kept += len(entries)
-        self._state = state
-        if opened and self._max_bytes is not None:
-            self._pinned = pinned_bytes(self._chunks[0].start_state, state)
+        self._state = states[-1]
+        if len(self._chunks) != chunks and self._max_bytes is not None:
+            self._pinned = pinned_bytes(self._chunks[0].start_state, self._state)
         self._trim()
         return entries
 
