@@ -168,7 +168,10 @@ def test_a_reader_that_leaves_mid_restore_aborts_it_and_the_next_one_restores(po
     pid = wait_until(lambda: copier_running(server), timeout=60, what="a copier")
     wait_until(lambda: stopped(pid), what="the copier to stop half way")
     leaving.close()
-    wait_until(lambda: "RESTORE_ABORTED" in server.kinds(), what="the restore to be given up")
+    try:
+        wait_until(lambda: "RESTORE_ABORTED" in server.kinds(), what="the restore to be given up")
+    except AssertionError as exc:  # seen once in about 150 loaded runs: say what the server did
+        raise AssertionError(f"{exc}\nevents: {server.kinds()}\nserver log:\n{server.log[-4000:]}") from None
     assert server.layout("m").tier == "host", "its half-filled GPU memory was released"
     os.kill(pid, signal.SIGCONT)  # the copier finishes into memory nobody will read
     read(server, "m")  # the next reader restores it, through the same copier
