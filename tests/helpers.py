@@ -145,6 +145,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def dropped(conn: "RawConn") -> bool:
+    """The server closed the connection (a reset counts: it closed with our bytes unread)."""
+    try:
+        response, _ = conn.recv(5)
+    except ConnectionResetError:
+        return True
+    return response is None
+
+
 class RawConn:
     """A protocol connection with no client library in the way."""
 

@@ -28,7 +28,7 @@ from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
 
-from .helpers import MiB, RawConn, shared_folder
+from .helpers import MiB, RawConn, dropped, shared_folder
 
 POLICY = parse_policy(
     """
@@ -122,15 +122,6 @@ async def serving(nursery, tmp_path, **options) -> Server:
 
 async def call(conn: RawConn, request, timeout: float = 10.0):
     return await trio.to_thread.run_sync(conn.call, request, timeout)
-
-
-def dropped(conn: RawConn) -> bool:
-    """The server closed the connection (a reset counts: it closed with our bytes unread)."""
-    try:
-        response, _ = conn.recv(5)
-    except ConnectionResetError:
-        return True
-    return response is None
 
 
 async def test_a_connection_that_sends_nothing_is_closed_at_the_deadline(tmp_path):

@@ -22,7 +22,7 @@ from gms.client import admin
 from gms.errors import GMSServerError, RequestTooLargeError
 from gms.wire import messages as m
 
-from ..helpers import RawConn, ServerProcess, wait_until
+from ..helpers import RawConn, ServerProcess, dropped, wait_until
 from .common import connect_as, is_root, open_dir, record, stop, unused_uid
 from .test_crash import commit_pattern
 from .test_fuzz import memfd_allocation_id
@@ -33,15 +33,6 @@ needs_root = pytest.mark.skipif(not is_root(), reason="needs root to connect as 
 
 def raw(sock) -> RawConn:
     return RawConn.from_socket(sock)
-
-
-def dropped(conn: RawConn) -> bool:
-    """The server closed the connection (a reset counts: it closed with our bytes unread)."""
-    try:
-        response, _ = conn.recv(5)
-    except ConnectionResetError:
-        return True
-    return response is None
 
 
 @pytest.fixture
