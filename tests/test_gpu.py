@@ -125,3 +125,42 @@ def test_device_memory_written_by_a_kernel_is_read_by_another_process(cuda_serve
     assert proc.returncode == 0, proc.stderr
     data = bytes.fromhex(proc.stdout.split()[1])
     assert data == (0xC0FFEE11).to_bytes(4, "little") * ((1 << 20) // 4)
+
+
+WRITE_THEN_UNMAP = r"""
+import sys
+from gms.cuda import open_mapper
+from gms.wire import messages as m
+from tests.helpers import RawConn
+
+conn = RawConn(sys.argv[1])
+conn.send(m.HandshakeRequest("RW", None, "a", None))
+conn.recv()
+mapper = open_mapper("cuda", 0)
+for round in range(int(sys.argv[2])):
+    allocation = conn.call(m.AllocateRequest(1 << 20, "weights"))
+    conn.send(m.ExportAllocationRequest(allocation.allocation_id))
+    _, (fd,) = conn.recv()
+    va = mapper.reserve(allocation.aligned_size)
+    handle = mapper.map(fd, va, allocation.aligned_size, True)
+    mapper.write(va, round.to_bytes(8, "little") * 8)
+    mapper.unmap(va, allocation.aligned_size, handle)  # at once: no read, no sync between
+    mapper.free(va, allocation.aligned_size)
+    assert conn.call(m.FreeAllocationRequest(allocation.allocation_id)).success
+print("ok")
+"""
+
+
+def test_a_write_has_landed_when_it_returns_so_an_unmap_right_after_is_safe(cuda_server):
+    """``cuMemcpyHtoD`` from pageable memory returns once the bytes are staged; the
+    mapper's ``write`` waits until they land.  Before, an unmap right after had the
+    GPU write to an unmapped address (Xid 31, FAULT_PDE): the model-based machine
+    with a copier died of it (``CUDA_ERROR_LAUNCH_FAILED`` in the client)."""
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITE_THEN_UNMAP, cuda_server.socket, "300"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "ok"), proc.stderr

@@ -374,16 +374,25 @@ class VmmMapper:
         self._make_current()
         self._run("cuCtxSynchronize", cu.cuCtxSynchronize())
 
-    def copy(self, dst: int, src: int, size: int) -> None:
+    def _copy_stream(self):
         self._make_current()
         if self._stream is None:
             flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
             self._stream = self._run("cuStreamCreate", cu.cuStreamCreate(flags))
-        self._run("cuMemcpyAsync", cu.cuMemcpyAsync(dst, src, size, self._stream))
+        return self._stream
+
+    def copy(self, dst: int, src: int, size: int) -> None:
+        self._run("cuMemcpyAsync", cu.cuMemcpyAsync(dst, src, size, self._copy_stream()))
 
     def write(self, va: int, data: bytes) -> None:
-        self._make_current()
-        self._run("cuMemcpyHtoD", cu.cuMemcpyHtoD(va, data, len(data)))
+        """The bytes are at ``va`` when this returns, as with the host backend's
+        ``memmove``.  A plain ``cuMemcpyHtoD`` from pageable memory returns once
+        the bytes are staged, before they land: a caller that unmaps next had
+        the GPU write to an unmapped address (an MMU fault, Xid 31, which ends
+        the process's context).  Its own stream, so no other work is waited for."""
+        stream = self._copy_stream()
+        self._run("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(va, data, len(data), stream))
+        self._run("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
 
     def read(self, va: int, size: int) -> bytes:
         self._make_current()
