@@ -7,9 +7,10 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-if ls .wheels/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.gms-wheels ]; then
+wheels=$(ls .wheels/*.whl .wheels/base/*.whl 2>/dev/null)
+if [ -n "$wheels" ] && [ ! -e /tmp/site/.gms-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .wheels/*.whl && touch /tmp/site/.gms-wheels || exit 1
+    --target /tmp/site $wheels && touch /tmp/site/.gms-wheels || exit 1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip show -q gms >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
@@ -21,7 +22,9 @@ case "$mode" in
       date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c 'import sys, torch, cuda.bindings; print(sys.version.split()[0], "torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__)'
     } > "$OUT/env.txt" 2>&1
-    python3 -m pytest -q -rs -p no:cacheprovider --timeout 600 tests "$@" 2>&1 | tee "$OUT/pytest.log"
+    # the whole suite unless a path under tests/ is named
+    paths=tests; for a in "$@"; do case "$a" in tests/*) paths= ;; esac; done
+    python3 -m pytest -q -rs -p no:cacheprovider --timeout 600 $paths "$@" 2>&1 | tee "$OUT/${LOG:-pytest}.log"
     ;;
   bench)
     name=$1; shift
