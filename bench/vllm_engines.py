@@ -130,7 +130,8 @@ class Engine:
         return httpx.get(f"{self.url}/is_sleeping", timeout=10).json()["is_sleeping"]
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # closed once the engine stopped
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def tail(self, lines: int = 60) -> str:
