@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,8 +117,6 @@ def test_device_memory_written_by_a_kernel_is_read_by_another_process(cuda_serve
     assert err == cu.CUresult.CUDA_SUCCESS
     writer.metadata_put("t0", writer.mappings[0].allocation_id, 0, str(1 << 20).encode())
     writer.commit()
-    import sys
-    from pathlib import Path
 
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("proc_client.py")), "read", cuda_server.socket, "0", "t0"],
@@ -156,9 +156,6 @@ def test_a_write_has_landed_when_it_returns_so_an_unmap_right_after_is_safe(cuda
     mapper's ``write`` waits until they land.  Before, an unmap right after had the
     GPU write to an unmapped address (Xid 31, FAULT_PDE): the model-based machine
     with a copier died of it (``CUDA_ERROR_LAUNCH_FAILED`` in the client)."""
-    import sys
-    from pathlib import Path
-
     proc = subprocess.run(
         [sys.executable, "-c", WRITE_THEN_UNMAP, cuda_server.socket, "300"],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
