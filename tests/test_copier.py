@@ -170,8 +170,8 @@ def test_a_reader_that_leaves_mid_restore_aborts_it_and_the_next_one_restores(po
     leaving.close()
     try:
         wait_until(lambda: "RESTORE_ABORTED" in server.kinds(), what="the restore to be given up")
-    except AssertionError as exc:  # seen once in about 150 loaded runs: say what the server did
-        raise AssertionError(f"{exc}\nevents: {server.kinds()}\nserver log:\n{server.log[-4000:]}") from None
+    except AssertionError as exc:  # about 1 in 10 runs under two busy cores: say what the server did
+        raise AssertionError(f"{exc}\nevents: {server.events()}\nserver log:\n{server.log[-12000:]}") from None
     assert server.layout("m").tier == "host", "its half-filled GPU memory was released"
     os.kill(pid, signal.SIGCONT)  # the copier finishes into memory nobody will read
     read(server, "m")  # the next reader restores it, through the same copier
