@@ -82,10 +82,6 @@ class HostBackend:
         with self._counts:
             return self._live_bytes + self._prune_draining()
 
-    def _count(self, delta: int) -> None:
-        with self._counts:
-            self._live_bytes += delta
-
     # -- MemoryBackend ------------------------------------------------------
 
     def create(self, aligned_size: int, label: str = "") -> Held:
@@ -132,27 +128,28 @@ class HostBackend:
             raise MemoryLost(f"not an open fd: {exc}") from None
         if not stat.S_ISREG(st.st_mode) or st.st_size != aligned_size:
             raise MemoryLost(f"not a memfd of {aligned_size} bytes (mode {st.st_mode:o}, {st.st_size} bytes)")
-        self._count(aligned_size)
+        with self._counts:
+            self._live_bytes += aligned_size
         return Held(None, fd, aligned_size)
 
     def release(self, held: Held) -> None:
-        if self.capacity is None:
-            self._count(-held.size)
-            os.close(held.fd)
-            return
         with self._counts:
             self._live_bytes -= held.size
-            # A second description of the same file, to watch the lock from.
-            try:
-                probe = os.open(f"/proc/self/fd/{held.fd}", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                # No fd to spare (a flood of connections): count the memory as
-                # free now rather than fail a release, which must not fail.
-                log.warning("cannot watch released memory (%s): counted free now", exc)
-            else:
-                self._draining.append((probe, held.size))
+            if self.capacity is not None:  # counted until no client maps it (capacity makes OOM testable)
+                self._watch(held)
             os.close(held.fd)
             self._prune_draining()
+
+    def _watch(self, held: Held) -> None:
+        """A second description of the same file, to watch the lock from."""
+        try:
+            probe = os.open(f"/proc/self/fd/{held.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            # No fd to spare (a flood of connections): count the memory as
+            # free now rather than fail a release, which must not fail.
+            log.warning("cannot watch released memory (%s): counted free now", exc)
+        else:
+            self._draining.append((probe, held.size))
 
     def device_info(self) -> DeviceInfo:
         if self.capacity is None:

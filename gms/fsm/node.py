@@ -195,8 +195,7 @@ def _session_opened(node: NodeState, event: SessionOpened, tick: int) -> NodeSta
     refs = tenant.layout_refs
     if may_write(event.lock_type):
         refs = _refer(refs, event.layout, 1)
-        if _over(len(tenant.layout_refs), len(refs), tenant.max_layouts):
-            raise _past(event, f"tenant {tenant.name!r}'s layouts", len(refs), tenant.max_layouts)
+        _hold(event, len(tenant.layout_refs), len(refs), tenant.max_layouts, "tenant {!r}'s layouts", tenant.name)
     return replace(
         node,
         sessions=node.sessions.set(event.conn, session),
@@ -257,13 +256,14 @@ def _charge(tenants: Map, name: str | None, held: int, metadata: int, refs: int,
     )
 
 
-def _over(before: int, after: int, bound: int | None) -> bool:
-    """A total may only pass its bound by not growing (a bound lowered under it)."""
-    return bound is not None and after > bound and after > before
-
-
-def _past(event: Event, what: str, after: int, bound: int | None) -> InvariantViolation:
-    return InvariantViolation(f"{event.KIND} would take {what} to {after}, past its bound of {bound}")
+def _hold(event: Event, before: int, after: int, bound: int | None, what: str, *names: str) -> None:
+    """A total may only pass its bound by not growing (a bound lowered under it).
+    Every step that grows passes here: ``what`` is formatted (with ``names``)
+    only to raise."""
+    if bound is not None and after > bound and after > before:
+        raise InvariantViolation(
+            f"{event.KIND} would take {what.format(*names)} to {after}, past its bound of {bound}"
+        )
 
 
 def _settle(
@@ -303,27 +303,19 @@ def _settle(
 def _hold_bounds(
     node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int, metadata: int
 ) -> None:
-    """Only for steps that grew something: every bound the growth could break
-    (every step that grows passes here: the messages are made only to raise)."""
-    if _over(node.gpu_bytes, gpu, node.budget_bytes):
-        raise _past(event, "the GPU's bytes", gpu, node.budget_bytes)
-    if _over(node.host_bytes, host, node.host_budget_bytes):
-        raise _past(event, "the host tier's bytes", host, node.host_budget_bytes)
-    if _over(node.metadata_bytes, metadata, node.limits.max_metadata_bytes):
-        raise _past(event, "the node's metadata bytes", metadata, node.limits.max_metadata_bytes)
+    """Only for steps that grew something: every bound the growth could break."""
+    _hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
+    _hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
+    _hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
     owner = _owner(after)
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
-        if _over(old.used_bytes, new.used_bytes, new.quota_bytes):
-            raise _past(event, f"tenant {owner!r}'s bytes", new.used_bytes, new.quota_bytes)
-        if _over(old.metadata_bytes, new.metadata_bytes, new.metadata_quota):
-            raise _past(event, f"tenant {owner!r}'s metadata bytes", new.metadata_bytes, new.metadata_quota)
-        if _over(old.layouts, new.layouts, new.max_layouts):
-            raise _past(event, f"tenant {owner!r}'s layouts", new.layouts, new.max_layouts)
+        _hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
+        _hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota, "tenant {!r}'s metadata bytes", owner)
+        _hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
     if after.writer is not None:
         limit = node.sessions[after.writer].limit_bytes
-        if _over(0, after.held_bytes, limit):
-            raise _past(event, f"layout {after.name!r}'s bytes (its writer's limit)", after.held_bytes, limit)
+        _hold(event, 0, after.held_bytes, limit, "layout {!r}'s bytes (its writer's limit)", after.name)
 
 
 def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:

@@ -148,26 +148,25 @@ class Rule:
 # -- the roles --------------------------------------------------------------------------
 
 
+# Who holds the role, asked cheaply: ``require`` explains a False.
+_PLAYS: dict[Who, Callable[[LayoutState, int], bool]] = {
+    Who.WRITER: lambda layout, conn: layout.writer == conn,
+    Who.READER: lambda layout, conn: conn in layout.readers,
+    Who.RESTORER: lambda layout, conn: layout.restorer == conn,
+    Who.HOLDER: LayoutState.holds_lock,
+    Who.SESSION: lambda layout, conn: False,  # ``require`` asks the node
+}
+
+
 def require(layout: LayoutState, conn: int, who: Who, action: str, node=None) -> None:
     """Raise the Rejection that says why ``conn`` is not ``who`` on ``layout``."""
-    if who is Who.ANYONE:
+    if who is Who.ANYONE or _PLAYS[who](layout, conn):
         return
-    if who is Who.WRITER:
-        if layout.writer == conn:
-            return
-        if layout.holds_lock(conn):
-            raise ModeViolation(f"{action} needs the RW lock; this connection holds RO")
-    elif who is Who.READER:
-        if conn in layout.readers:
-            return
-    elif who is Who.RESTORER:
-        if layout.restorer == conn:
-            return
+    if who is Who.WRITER and layout.holds_lock(conn):
+        raise ModeViolation(f"{action} needs the RW lock; this connection holds RO")
+    if who is Who.RESTORER:
         raise StateViolation("this connection is not restoring the layout")
-    elif who is Who.HOLDER:
-        if layout.holds_lock(conn):
-            return
-    elif who is Who.SESSION:
+    if who is Who.SESSION:
         session = node.sessions.get(conn) if node is not None else None
         if session is None or session.layout != layout.name:
             raise StateViolation(f"{action}: connection {conn} has no session on layout {layout.name!r}")
@@ -539,16 +538,6 @@ def rule_for(event: Event) -> Rule:
         return RULES[type(event)]
     except KeyError:
         raise InvariantViolation(f"no rule for {type(event).__name__}") from None
-
-
-# Who holds the role, asked cheaply: a False is explained (raised) by ``require``.
-_PLAYS: dict[Who, Callable[[LayoutState, int], bool]] = {
-    Who.WRITER: lambda layout, conn: layout.writer == conn,
-    Who.READER: lambda layout, conn: conn in layout.readers,
-    Who.RESTORER: lambda layout, conn: layout.restorer == conn,
-    Who.HOLDER: LayoutState.holds_lock,
-    Who.SESSION: lambda layout, conn: False,  # ``require`` asks the node
-}
 
 
 def check(node, event: Event) -> None:
