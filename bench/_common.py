@@ -63,8 +63,9 @@ class Server:
 
     def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", *args: str) -> None:
         self.socket = os.path.join(directory, f"{name}.sock")
+        level = os.environ.get("GMS_BENCH_SERVER_LOG", "warning")  # info: the copier's per-copy timings
         self.proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend,
-                                      "--socket", self.socket, "--log-level", "warning", *args])
+                                      "--socket", self.socket, "--log-level", level, *args])
         wait_served(self.socket, self.proc)
 
     def stop(self) -> None:

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -57,13 +58,17 @@ TITLES = {
     "metadata_put": "metadata put",
     "metadata_get": "metadata get",
     "throughput": "RPC throughput, {processes} client processes (metadata get)",
+    "floor_connect": "floor: connect, one frame each way, close, on a bare {frameworks} server",
+    "floor_round_trip": "floor: one frame each way on an open connection, bare {frameworks} server",
     "handshake_nopoll": "handshake RO, client, gms not polling (`GMS_CLIENT_SPIN_US=0`; extra)",
     "metadata_get_nopoll": "metadata get, gms not polling (extra)",
     "import": "import {allocations} allocations ({size}), fresh process, one call each",
     "import_batched": "import, gms batched (`create_mappings`; extra)",
 }
-ORDER = ["handshake", "handshake_nopoll", "raw_handshake", "allocate", "export", "allocate_export", "export_fds",
-         "metadata_put", "metadata_get", "metadata_get_nopoll", "throughput", "import", "import_batched"]
+ORDER = ["handshake", "handshake_nopoll", "raw_handshake", "floor_connect", "allocate", "export", "allocate_export",
+         "export_fds", "metadata_put", "metadata_get", "metadata_get_nopoll", "floor_round_trip", "throughput",
+         "import", "import_batched"]
+FLOOR_ROWS = ["floor_connect", "floor_round_trip"]
 EXTRA = {"handshake_nopoll": "handshake", "metadata_get_nopoll": "metadata_get", "import_batched": "import"}
 
 
@@ -93,6 +98,25 @@ class Side:
         if out.returncode != 0:
             return {"error": out.stderr[-2500:] or out.stdout[-2500:]}
         return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start_floor(kind: str, directory: str) -> tuple[str, subprocess.Popen]:
+    """A bare server of gms's framework (trio) or Dynamo's (asyncio): bench/peers/floors.py."""
+    path = os.path.join(directory, f"floor-{kind}.sock")
+    proc = subprocess.Popen([sys.executable, str(HERE / "floors.py"), "serve", kind, path], env=gms_env())
+    deadline = time.monotonic() + 60
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            return path, proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the bare {kind} server did not start") from None
+            time.sleep(0.02)
+        finally:
+            probe.close()
 
 
 def gms_env() -> dict:
@@ -186,7 +210,8 @@ def table(results: dict) -> str:
         size = first.get("bytes", 0)
         size = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
         title = TITLES[row].format(n=first.get("exports", 0), processes=first.get("processes", 0),
-                                   allocations=first.get("allocations", 0), size=size)
+                                   allocations=first.get("allocations", 0), size=size,
+                                   frameworks=" / ".join(results.get("floors", {}).values()))
         if row not in ("export_fds", "throughput") and not row.startswith("import") and row not in EXTRA:
             title += " p50 / p99"
         if row == "export_fds":
@@ -250,6 +275,7 @@ def main() -> None:
         print(note, flush=True)
 
     import dynamo_side
+    import floors as floors_mod
     import gms_side
 
     results: dict = {
@@ -284,7 +310,7 @@ def main() -> None:
                 runs: dict[str, list] = {s.name: [] for s in only or sides}
                 for _ in range(repeats):
                     for side in only or sides:  # interleaved: drift hits both sides alike
-                        got = side.run(row, {**params, **side_params[side.name], "pin": args.pin})
+                        got = side.run(row, {**params, **side_params.get(side.name, {}), "pin": args.pin})
                         runs[side.name].append(got)
                         if "error" in got:
                             failures.append(f"{side.name} {row}: {got['error']}")
@@ -316,6 +342,21 @@ def main() -> None:
             common = {"backend": args.backend, "check": args.check, "batched": False}
             run_row("import_read", common, key="import")
             run_row("import_read", {**common, "batched": True}, key="import_batched", only=sides[:1])
+            floors = [start_floor(kind, directory) for kind in ("trio", "asyncio")]
+            try:
+                results["floors"] = {"gms": floors_mod.loop_name("trio"), "dynamo": floors_mod.loop_name("asyncio")}
+                floor_sides = [Side(name, HERE / "floors.py", gms_env(), path, proc.pid)
+                               for name, (path, proc) in zip(("gms", "dynamo"), floors)]
+                if args.pin:
+                    for side in floor_sides:
+                        pin_process(side.pid, SERVER_CPUS[side.name])
+                for row in FLOOR_ROWS:
+                    n = SIZES["raw_handshake"][level]
+                    run_row(row, {"n": n, "warmup": max(2, n // 10)}, only=floor_sides)
+            finally:
+                for _, proc in floors:
+                    proc.kill()
+                    proc.wait()
         finally:
             if dynamo_server is not None:
                 dynamo_server.terminate()

@@ -26,6 +26,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 
 from . import messages as msg
 from .engine import Engine, Mapped
@@ -202,10 +203,14 @@ class Copier:
             chunk_va = {c: self._chunks[c].va for c in set(job.chunk)}
         engine = self.engine
         consumed = 0
+        clock = time.perf_counter
+        started, mapping = clock(), 0.0
         try:
             for i, fd in enumerate(fds):
                 consumed = i + 1  # map_device consumes the fd, mapped or not
+                t0 = clock()
                 device.append(engine.map_device(fd, job.device_sizes[i], writable=not job.to_host))
+                mapping += clock() - t0
                 for k in by_allocation[i]:
                     here, there = device[i].va + job.offset[k], chunk_va[job.chunk[k]]
                     if job.to_host:
@@ -213,7 +218,17 @@ class Copier:
                     else:
                         engine.copy(here, there, job.size[k], False)
                     self._maybe_stop(job.to_host)
+            issued = clock()
             engine.wait(job.to_host)
+            if log.isEnabledFor(logging.INFO):  # where a transfer's time goes (docs/performance.md, section 7)
+                moved = sum(job.size)
+                log.info(
+                    "copy %d %s: %.1f MiB, %d allocations: mapping %.1f ms, issuing the rest %.1f ms, "
+                    "waiting %.1f ms, %.1f GiB/s",
+                    job.job, "to host" if job.to_host else "to device", moved / 2**20, len(fds), mapping * 1e3,
+                    (issued - started - mapping) * 1e3, (clock() - issued) * 1e3,
+                    moved / 2**30 / max(clock() - started, 1e-9),
+                )
         except Exception as exc:  # noqa: BLE001 - answered; the server falls back
             msg.close_fds(fds[consumed:])
             try:
