@@ -5,13 +5,17 @@ CUDA context of its own (on the host backend, no context: ``memmove``), so
 the server keeps none.  It owns no state: the server's event log says what
 exists; the copier keeps mappings and moves bytes.
 
-Threads: the main thread reads the link in order, maps and unmaps chunks
-itself (so a copy always finds the chunks mapped that were sent before it),
-and hands each copy to the worker of its direction; each worker maps the
-copy's device allocations one by one, starting each one's moves as soon as
-it is mapped (mapping the next overlaps copying the last), waits for them
-to land, answers, then unmaps.  A chunk the server releases while a copy
-uses it is unmapped when that copy ends.
+Threads: the main thread reads the link in order, maps chunks itself (so a
+copy always finds the chunks mapped that were sent before it), and hands
+each copy to the worker of its direction; each worker maps the copy's
+device allocations one by one, starting each one's moves as soon as it is
+mapped (mapping the next overlaps copying the last), waits for them to
+land, answers, then unmaps.  Chunks the server releases leave the table at
+once and are unmapped by a thread of their own, between copies: unmapping
+is slow (259 chunks, 16 GiB: 0.85 s on the H100) and, done on the main
+thread, held up the next publish's copy behind a replaced layout's chunks.
+A chunk the server releases while a copy uses it is unmapped when that copy
+ends.
 
 It exits when the link closes (the server went away or stopped it).  A CUDA
 failure ends it at once (``gms.cuda.vmm.fatal``); the server notices the link
@@ -56,6 +60,9 @@ class Copier:
         self._refs: dict[str, int] = {}  # chunk -> copies using it
         self._doomed: set[str] = set()  # released by the server while in use
         self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
+        self._unmaps: queue.SimpleQueue = queue.SimpleQueue()  # Mapped chunks to unmap, or None: stop
+        self._copying = 0  # copies under way (with self._lock); the unmapping waits for none
+        self._between_copies = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self._moves = {True: 0, False: 0}
         self._stop_after = _stop_after()
@@ -74,7 +81,8 @@ class Copier:
             threading.Thread(target=self._work, args=(to_host,), name=f"copier-{'d2h' if to_host else 'h2d'}")
             for to_host in (True, False)
         ]
-        for worker in workers:
+        unmapper = threading.Thread(target=self._unmap_chunks, name="copier-unmap")
+        for worker in [*workers, unmapper]:
             worker.start()
         self._send(msg.Ready(os.getpid(), self.engine.name))
         try:
@@ -89,17 +97,24 @@ class Copier:
                 q.put(None)
             for worker in workers:
                 worker.join()
+            self._unmaps.put(None)
+            unmapper.join()
             for mapped in self._chunks.values():
                 self.engine.unmap(mapped)
             self._chunks.clear()
 
     def _handle(self, message: object, fds: list[int]) -> None:
         if isinstance(message, msg.MapChunks):
+            started = time.perf_counter()
             self._map(message, fds)
+            log.info("mapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
         elif isinstance(message, msg.UnmapChunks):
             msg.close_fds(fds)
+            started = time.perf_counter()
             self._unmap(message.ids)
+            log.info("unmapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
         elif isinstance(message, msg.Copy):
+            log.info("copy %d received", message.job)
             self._dispatch(message, fds)
         else:
             msg.close_fds(fds)
@@ -132,6 +147,17 @@ class Copier:
                 elif chunk in self._chunks:
                     now.append(self._chunks.pop(chunk))
         for mapped in now:
+            self._unmaps.put(mapped)
+
+    def _unmap_chunks(self) -> None:
+        """Unmap released chunks one by one, each when no copy runs (or after a
+        short wait: a stream of copies does not keep memory mapped for ever)."""
+        while True:
+            mapped = self._unmaps.get()
+            if mapped is None:
+                return
+            with self._between_copies:
+                self._between_copies.wait_for(lambda: not self._copying, timeout=0.05)
             self.engine.unmap(mapped)
 
     def _release(self, chunks) -> None:
@@ -146,7 +172,7 @@ class Copier:
                         self._doomed.discard(chunk)
                         now.append(self._chunks.pop(chunk))
         for mapped in now:
-            self.engine.unmap(mapped)
+            self._unmaps.put(mapped)
 
     # -- copies -------------------------------------------------------------------
 
@@ -183,6 +209,8 @@ class Copier:
                 return
             job, fds = item
             device: list[Mapped] = []
+            with self._lock:
+                self._copying += 1
             try:
                 if self._stopping.is_set():
                     msg.close_fds(fds)
@@ -192,6 +220,9 @@ class Copier:
             finally:
                 for mapped in device:  # after the answer: off the transfer's path
                     self.engine.unmap(mapped)
+                with self._lock:
+                    self._copying -= 1
+                    self._between_copies.notify_all()
                 self._release(set(job.chunk))
 
     def _copy(self, job: msg.Copy, fds: list[int], device: list[Mapped]) -> str:
