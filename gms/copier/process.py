@@ -5,17 +5,21 @@ CUDA context of its own (on the host backend, no context: ``memmove``), so
 the server keeps none.  It owns no state: the server's event log says what
 exists; the copier keeps mappings and moves bytes.
 
-Threads: the main thread reads the link in order, maps chunks itself (so a
-copy always finds the chunks mapped that were sent before it), and hands
-each copy to the worker of its direction; each worker maps the copy's
-device allocations one by one, starting each one's moves as soon as it is
-mapped (mapping the next overlaps copying the last), waits for them to
-land, answers, then unmaps.  Chunks the server releases leave the table at
-once and are unmapped by a thread of their own, between copies: unmapping
-is slow (259 chunks, 16 GiB: 0.85 s on the H100) and, done on the main
-thread, held up the next publish's copy behind a replaced layout's chunks.
-A chunk the server releases while a copy uses it is unmapped when that copy
-ends.
+Threads: the main thread reads the link in order and hands each message on:
+chunks to map to the mapping thread, each copy to the worker of its
+direction.  A copy waits for the chunks it names that are still being
+mapped (a copy always finds the chunks mapped that were sent before it),
+and for no others: a restore's copy is not held up behind the pool's new
+chunks (150 of them, 1 ms each, had delayed one by 0.12 s on the H100).
+Each worker maps the copy's device allocations one by one, starting each
+one's moves as soon as it is mapped (mapping the next overlaps copying the
+last), waits for them to land, answers, then unmaps.  Chunks the server
+releases leave the table at once and are unmapped by a thread of their own,
+between copies: unmapping is slow (259 chunks, 16 GiB: 0.85 s on the H100)
+and, done where the link is read, held the next publish's copy up behind a
+replaced layout's chunks.  A chunk the server releases while a copy uses it
+is unmapped when that copy ends; one released while it is being mapped, once
+it is mapped.
 
 It exits when the link closes (the server went away or stopped it).  A CUDA
 failure ends it at once (``gms.cuda.vmm.fatal``); the server notices the link
@@ -59,10 +63,14 @@ class Copier:
         self._chunks: dict[str, Mapped] = {}
         self._refs: dict[str, int] = {}  # chunk -> copies using it
         self._doomed: set[str] = set()  # released by the server while in use
+        self._mapping: dict[str, int] = {}  # sent to be mapped, not mapped yet: their sizes
+        self._released_early: set[str] = set()  # released while being mapped
+        self._copying = 0  # copies under way; the unmapping waits for none
+        self._changed = threading.Condition(self._lock)  # any of the above changed
         self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
+        self._maps: queue.SimpleQueue = queue.SimpleQueue()  # (MapChunks, fds), or None: stop
         self._unmaps: queue.SimpleQueue = queue.SimpleQueue()  # Mapped chunks to unmap, or None: stop
-        self._copying = 0  # copies under way (with self._lock); the unmapping waits for none
-        self._between_copies = threading.Condition(self._lock)
+        self._failure: BaseException | None = None  # of the mapping thread: ends the process
         self._stopping = threading.Event()
         self._moves = {True: 0, False: 0}
         self._stop_after = _stop_after()
@@ -81,8 +89,9 @@ class Copier:
             threading.Thread(target=self._work, args=(to_host,), name=f"copier-{'d2h' if to_host else 'h2d'}")
             for to_host in (True, False)
         ]
+        mapper = threading.Thread(target=self._map_chunks, name="copier-map")
         unmapper = threading.Thread(target=self._unmap_chunks, name="copier-unmap")
-        for worker in [*workers, unmapper]:
+        for worker in [*workers, mapper, unmapper]:
             worker.start()
         self._send(msg.Ready(os.getpid(), self.engine.name))
         try:
@@ -91,8 +100,13 @@ class Copier:
                 if got is None:
                     break
                 self._handle(*got)
+        except OSError:
+            if self._failure is None:  # else: the mapping thread shut the link to stop us
+                raise
         finally:
-            self._stopping.set()
+            self._maps.put(None)
+            mapper.join()
+            self._stop()
             for q in self._queues.values():
                 q.put(None)
             for worker in workers:
@@ -102,12 +116,22 @@ class Copier:
             for mapped in self._chunks.values():
                 self.engine.unmap(mapped)
             self._chunks.clear()
+        if self._failure is not None:
+            raise self._failure
+
+    def _stop(self) -> None:
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
 
     def _handle(self, message: object, fds: list[int]) -> None:
         if isinstance(message, msg.MapChunks):
-            started = time.perf_counter()
-            self._map(message, fds)
-            log.info("mapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
+            if len(fds) != len(message.ids) or len(message.sizes) != len(message.ids):
+                msg.close_fds(fds)
+                raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
+            with self._lock:
+                self._mapping.update(zip(message.ids, message.sizes))
+            self._maps.put((message, fds))
         elif isinstance(message, msg.UnmapChunks):
             msg.close_fds(fds)
             started = time.perf_counter()
@@ -122,21 +146,45 @@ class Copier:
 
     # -- chunks -------------------------------------------------------------------
 
+    def _map_chunks(self) -> None:
+        while True:
+            item = self._maps.get()
+            if item is None:
+                return
+            message, fds = item
+            if self._failure is not None:
+                msg.close_fds(fds)
+                continue
+            started = time.perf_counter()
+            try:
+                self._map(message, fds)
+            except BaseException as exc:  # noqa: BLE001 - ends the process, as on the main thread
+                self._failure = exc
+                self._stop()
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)  # the main thread's read returns
+                except OSError:
+                    pass
+                continue
+            log.info("mapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
+
     def _map(self, message: msg.MapChunks, fds: list[int]) -> None:
-        if len(fds) != len(message.ids) or len(message.sizes) != len(message.ids):
-            msg.close_fds(fds)
-            raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
         for n, (chunk, size, fd) in enumerate(zip(message.ids, message.sizes, fds)):
             try:
                 mapped = self.engine.map_chunk(fd, size)  # consumes the fd
             except BaseException:
                 msg.close_fds(fds[n + 1 :])
                 raise
-            with self._lock:
+            with self._changed:
                 old = self._chunks.pop(chunk, None)
                 self._chunks[chunk] = mapped
+                self._mapping.pop(chunk, None)
+                if chunk in self._released_early:
+                    self._released_early.discard(chunk)
+                    self._unmaps.put(self._chunks.pop(chunk))
+                self._changed.notify_all()
             if old is not None:  # the server never reuses an id; if it did, the old mapping goes
-                self.engine.unmap(old)
+                self._unmaps.put(old)
 
     def _unmap(self, chunks) -> None:
         now = []
@@ -144,6 +192,8 @@ class Copier:
             for chunk in chunks:
                 if self._refs.get(chunk):
                     self._doomed.add(chunk)
+                elif chunk in self._mapping:
+                    self._released_early.add(chunk)
                 elif chunk in self._chunks:
                     now.append(self._chunks.pop(chunk))
         for mapped in now:
@@ -156,8 +206,8 @@ class Copier:
             mapped = self._unmaps.get()
             if mapped is None:
                 return
-            with self._between_copies:
-                self._between_copies.wait_for(lambda: not self._copying, timeout=0.05)
+            with self._changed:
+                self._changed.wait_for(lambda: not self._copying, timeout=0.05)
             self.engine.unmap(mapped)
 
     def _release(self, chunks) -> None:
@@ -180,13 +230,16 @@ class Copier:
         error = _malformed(job, len(fds))
         chunks = set(job.chunk)
         with self._lock:
-            missing = [c for c in chunks if c not in self._chunks or c in self._doomed]
+            missing = [
+                c for c in chunks
+                if (c not in self._chunks and c not in self._mapping) or c in self._doomed or c in self._released_early
+            ]
             if not error and missing:
                 error = f"{len(missing)} chunks are not mapped here (e.g. {missing[0]!r})"
             if not error:
                 for chunk in chunks:
                     self._refs[chunk] = self._refs.get(chunk, 0) + 1
-                sizes = [self._chunks[c].size for c in job.chunk]
+                sizes = [self._chunks[c].size if c in self._chunks else self._mapping[c] for c in job.chunk]
                 if any(size > have for size, have in zip(job.size, sizes)):
                     error = "a move is larger than its chunk"
                     self._refs_back(chunks)
@@ -209,8 +262,10 @@ class Copier:
                 return
             job, fds = item
             device: list[Mapped] = []
-            with self._lock:
+            with self._changed:
                 self._copying += 1
+                wanted = set(job.chunk)  # sent to be mapped before this copy: wait for them
+                self._changed.wait_for(lambda: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
             try:
                 if self._stopping.is_set():
                     msg.close_fds(fds)
@@ -220,9 +275,9 @@ class Copier:
             finally:
                 for mapped in device:  # after the answer: off the transfer's path
                     self.engine.unmap(mapped)
-                with self._lock:
+                with self._changed:
                     self._copying -= 1
-                    self._between_copies.notify_all()
+                    self._changed.notify_all()
                 self._release(set(job.chunk))
 
     def _copy(self, job: msg.Copy, fds: list[int], device: list[Mapped]) -> str:
