@@ -89,8 +89,21 @@ CLIENT_MAX_FRAME_BYTES = 1 << 30
 # answers (a keeper waking on the same cores) do not stop it.  Every
 # PROBE_EVERY-th unpolled call polls anyway, so a kind that became quick
 # again is seen to.  Handshakes always poll: their time includes lock waits,
-# which say nothing about the server's speed.
-DEFAULT_SPIN_US = 200.0
+# which say nothing about the server's speed.  The window is 200 µs where the
+# client shares a few CPUs with the server, 1 ms where it has many (a GPU
+# host's 16: a metadata put answered in ~120 µs there went unpolled at 200).
+SPIN_US_FEW_CPUS, SPIN_US_MANY_CPUS, FEW_CPUS = 200.0, 1000.0, 4
+
+
+def _default_spin_us() -> float:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return SPIN_US_FEW_CPUS if cpus <= FEW_CPUS else SPIN_US_MANY_CPUS
+
+
+DEFAULT_SPIN_US = _default_spin_us()
 PROBE_EVERY = 32
 _RECENT = 9
 _recent: dict[type, collections.deque[float]] = {}
