@@ -135,11 +135,10 @@ class Copier:
             self._maps.put((message, fds))
         elif isinstance(message, msg.UnmapChunks):
             msg.close_fds(fds)
-            started = time.perf_counter()
             self._unmap(message.ids)
-            log.info("unmapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
+            log.debug("%d chunks released: unmapped between copies", len(message.ids))
         elif isinstance(message, msg.Copy):
-            log.info("copy %d received", message.job)
+            log.debug("copy %d received", message.job)
             self._dispatch(message, fds)
         else:
             msg.close_fds(fds)
@@ -167,7 +166,7 @@ class Copier:
                 except OSError:
                     pass
                 continue
-            log.info("mapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
+            log.debug("mapped %d chunks in %.1f ms", len(message.ids), (time.perf_counter() - started) * 1e3)
 
     def _map(self, message: msg.MapChunks, fds: list[int]) -> None:
         for n, (chunk, size, fd) in enumerate(zip(message.ids, message.sizes, fds)):
