@@ -276,3 +276,47 @@ def test_a_copy_waits_for_the_chunks_it_names_being_mapped_and_for_no_others():
             host.release(one)
         gpu.release(device)
     assert not loop.is_alive()
+
+
+def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped():
+    import threading
+
+    from gms.copier.engine import HostEngine
+    from gms.copier.process import Copier as CopierLoop
+    from gms.cuda import open_mapper
+
+    gate, mapping, unmapped = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowMaps(HostEngine):
+        def map_chunk(self, fd, size):
+            mapping.set()
+            gate.wait(30)
+            return super().map_chunk(fd, size)
+
+        def unmap(self, mapped):
+            super().unmap(mapped)
+            if mapped.size == 2 * MiB:
+                unmapped.set()
+
+    gpu, host = open_backend("host", 0), open_host_tier("host", 0)
+    device, chunk = gpu.create(2 * MiB, "test-gpu"), host.create(2 * MiB, "test-host")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(30)
+    loop = threading.Thread(target=CopierLoop(SlowMaps(open_mapper("host", 0)), theirs).run)
+    loop.start()
+    try:
+        assert isinstance(msg.receive(ours)[0], msg.Ready)
+        msg.send(ours, msg.MapChunks(["c"], [2 * MiB]), [os.dup(chunk.fd)])
+        assert mapping.wait(30)
+        msg.send(ours, msg.UnmapChunks(["c"]))
+        msg.send(ours, msg.Copy(1, True, [2 * MiB], [0], [0], ["c"], [MiB]), [os.dup(device.fd)])
+        assert "not mapped" in msg.receive(ours)[0].error, "released: no copy may use it"
+        gate.set()
+        assert unmapped.wait(30), "unmapped as soon as it was mapped"
+    finally:
+        gate.set()
+        ours.close()
+        loop.join(30)
+        host.release(chunk)
+        gpu.release(device)
+    assert not loop.is_alive()

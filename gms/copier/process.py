@@ -64,8 +64,8 @@ class Copier:
         self._chunks: dict[str, Mapped] = {}
         self._refs: dict[str, int] = {}  # chunk -> copies using it
         self._doomed: set[str] = set()  # released by the server while in use
-        self._mapping: dict[str, int] = {}  # sent to be mapped, not mapped yet: their sizes
-        self._released_early: set[str] = set()  # released while being mapped
+        self._mapping: dict[str, list[int]] = {}  # sent to be mapped, not mapped yet: their sizes, in order
+        self._released_early: dict[str, int] = {}  # of those, how many were released meanwhile
         self._copying = 0  # copies under way; the unmapping waits for none
         self._changed = threading.Condition(self._lock)  # any of the above changed
         self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
@@ -131,7 +131,8 @@ class Copier:
                 msg.close_fds(fds)
                 raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
             with self._lock:
-                self._mapping.update(zip(message.ids, message.sizes))
+                for chunk, size in zip(message.ids, message.sizes):
+                    self._mapping.setdefault(chunk, []).append(size)
             self._maps.put((message, fds))
         elif isinstance(message, msg.UnmapChunks):
             msg.close_fds(fds)
@@ -176,14 +177,21 @@ class Copier:
                 msg.close_fds(fds[n + 1 :])
                 raise
             with self._changed:
-                old = self._chunks.pop(chunk, None)
-                self._chunks[chunk] = mapped
-                self._mapping.pop(chunk, None)
-                if chunk in self._released_early:
-                    self._released_early.discard(chunk)
-                    self._unmaps.put(self._chunks.pop(chunk))
+                pending = self._mapping[chunk]
+                pending.pop(0)
+                if not pending:
+                    del self._mapping[chunk]
+                dropped = self._released_early.get(chunk, 0)
+                if dropped:  # released before it was mapped
+                    self._released_early[chunk] = dropped - 1
+                    if dropped == 1:
+                        del self._released_early[chunk]
+                    old = mapped
+                else:  # the server never reuses an id; if it did, the old mapping goes
+                    old = self._chunks.pop(chunk, None)
+                    self._chunks[chunk] = mapped
                 self._changed.notify_all()
-            if old is not None:  # the server never reuses an id; if it did, the old mapping goes
+            if old is not None:
                 self._unmaps.put(old)
 
     def _unmap(self, chunks) -> None:
@@ -192,9 +200,10 @@ class Copier:
             for chunk in chunks:
                 if self._refs.get(chunk):
                     self._doomed.add(chunk)
-                elif chunk in self._mapping:
-                    self._released_early.add(chunk)
-                elif chunk in self._chunks:
+                    continue
+                if chunk in self._mapping:  # each mapping sent before the release goes once made
+                    self._released_early[chunk] = len(self._mapping[chunk])
+                if chunk in self._chunks:
                     now.append(self._chunks.pop(chunk))
         for mapped in now:
             self._unmaps.put(mapped)
@@ -232,16 +241,13 @@ class Copier:
         error = _malformed(job, len(fds))
         chunks = set(job.chunk)
         with self._lock:
-            missing = [
-                c for c in chunks
-                if (c not in self._chunks and c not in self._mapping) or c in self._doomed or c in self._released_early
-            ]
+            missing = [c for c in chunks if self._live_size(c) is None]
             if not error and missing:
                 error = f"{len(missing)} chunks are not mapped here (e.g. {missing[0]!r})"
             if not error:
                 for chunk in chunks:
                     self._refs[chunk] = self._refs.get(chunk, 0) + 1
-                sizes = [self._chunks[c].size if c in self._chunks else self._mapping[c] for c in job.chunk]
+                sizes = [self._live_size(c) for c in job.chunk]
                 if any(size > have for size, have in zip(job.size, sizes)):
                     error = "a move is larger than its chunk"
                     self._refs_back(chunks)
@@ -250,6 +256,17 @@ class Copier:
             self._send(msg.Done(job.job, error))
             return
         self._queues[job.to_host].put((job, fds))
+
+    def _live_size(self, chunk: str) -> int | None:
+        """The size of the chunk a copy sent now would use (mapped, or being mapped
+        and not released since); None if there is none.  With self._lock held."""
+        if chunk in self._doomed:
+            return None
+        pending = self._mapping.get(chunk, ())
+        if len(pending) > self._released_early.get(chunk, 0):
+            return pending[-1]
+        mapped = self._chunks.get(chunk)
+        return None if mapped is None else mapped.size
 
     def _refs_back(self, chunks) -> None:  # with self._lock held
         for chunk in chunks:
