@@ -231,9 +231,10 @@ class Copier:
                     del self._refs[chunk]
                     if chunk in self._doomed:
                         self._doomed.discard(chunk)
-                        now.append(self._chunks.pop(chunk))
+                        now.append(self._chunks.pop(chunk, None))  # None: its mapping failed (we stop)
         for mapped in now:
-            self._unmaps.put(mapped)
+            if mapped is not None:
+                self._unmaps.put(mapped)
 
     # -- copies -------------------------------------------------------------------
 
