@@ -19,6 +19,7 @@ lock, what a disconnect releases) and the admin verbs.  The Trio shell
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 from ..cuda import DeviceInfo, MemoryBackend
@@ -57,6 +58,7 @@ from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
 from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
+from .tarpit import Tarpit
 from .transfers import Transfers
 
 
@@ -119,6 +121,7 @@ class ServiceCore:
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
         self.fds = None  # the server's FdBudget (gms.server.admission), once serving
         self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
+        self.tarpit = Tarpit(time.monotonic)  # refusals of a uid that keeps asking, answered late
 
     def background(self) -> list:
         """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""

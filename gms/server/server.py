@@ -224,6 +224,7 @@ class Server:
                 listener, inode = await bind_listener(path, self.config.socket_mode)
             else:
                 listener, inode = trio.socket.from_stdlib_socket(start.listener), succession.inode(path)
+                listener.listen(LISTEN_BACKLOG)  # this version's, whoever made the socket (queued ones stay)
         except BaseException:
             gpu.lane.stop()
             self._close_backends()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..fsm import Grant, GrantedLockType, Rejection, RequestedLockType
+from ..fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
 from ..fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
 from ..wire import ProtocolError, UnknownMessageType
 from ..wire import messages as m
@@ -106,6 +106,7 @@ class Session:
         # Big frames: a few per uid at once.  Not handed over: a session that goes on
         # elsewhere takes a slot there again when it needs one.
         self._slot = core.inflight.slot(self.peer.uid)
+        self._admin = core.policy.is_admin(self.peer.uid, self.peer.gid, core.server_uid)
         self._scope = trio.CancelScope()
         self._revoked = False
         self._on_take_over = on_take_over
@@ -294,6 +295,10 @@ class Session:
                 return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
             return self.core.requests.handle(self.conn, request)
         except Rejection as rejection:
+            if isinstance(rejection, (OverLimit, QuotaExceeded)) and not self._admin:
+                delay = self.core.tarpit.delay(self.peer.uid)  # a uid that keeps asking past its limits
+                if delay:
+                    await trio.sleep(delay)
             return error_reply(rejection)
 
     def on_grant(self, grant: Grant) -> None:

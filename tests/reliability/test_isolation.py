@@ -364,3 +364,43 @@ def test_a_tenants_history_shows_only_what_it_may_read(start):
     assert [e["uid"] for e in refused] == [ATTACKER]
     record("isolation", "history filtered for a tenant", events_admin=len(everything), events_tenant=len(mine),
            foreign_refusals_shown=0, foreign_quotas_shown=0)
+
+
+# -- refusals answered late to a uid that keeps asking ------------------------------------
+
+
+def test_a_tenant_refused_again_and_again_is_answered_later_and_later(start):
+    """gms/server/tarpit.py: past its first refusals in a second, each of the
+    attacker's refused handshakes is answered DELAY_S late (what took the
+    layout-table flood from 57 000 refusals in 20 s to about 2 000, and its
+    victim's p99 from 1.75 to 0.93 of the quiet one); the refusal is the same."""
+    from gms.server.tarpit import DELAY_S, FREE_PER_S
+
+    server = start()
+    for n in range(MAX_LAYOUTS):
+        conn = connect_as(server.socket, ATTACKER)
+        assert conn.handshake("RW", layout=f"x-{n}").success
+        assert conn.call(m.CommitRequest("unpinned")).success
+        conn.close()
+    sent, took, codes = [], [], set()
+    for n in range(FREE_PER_S + 24):
+        conn = connect_as(server.socket, ATTACKER)
+        started = time.monotonic()
+        conn.send(m.HandshakeRequest("RW", 5000, f"x-new-{n}"))
+        answer, _ = conn.recv(30)
+        sent.append(started)
+        took.append(time.monotonic() - started)
+        codes.add((answer.code, answer.limit))
+        conn.close()
+    assert codes == {("LIMIT_EXCEEDED", "max_layouts")}
+    # The tarpit's seconds, as it counts them: past FREE_PER_S refusals in one,
+    # each waits (those near a second's end are left out: the two clocks differ).
+    must_wait, window, count = [], sent[0], 0
+    for n, at in enumerate(sent):
+        if at - window >= 1.0:
+            window, count = at, 0
+        count += 1
+        if count > FREE_PER_S and at - window < 0.9:
+            must_wait.append(n)
+    assert must_wait, "the refusals came faster than FREE_PER_S a second"
+    assert all(took[n] >= DELAY_S for n in must_wait), [round(took[n], 4) for n in must_wait]
