@@ -500,3 +500,36 @@ def test_adopted_memory_counts_in_the_fd_budget_once_and_the_keeper_holds_it_all
     for fd in fds:
         os.close(fd)
     server.stop()
+
+
+def test_a_keeper_slow_to_read_is_waited_for_not_dropped(tmp_path):
+    """A keeper that reads nothing for a moment (stopped here for half a second
+    while 32 MiB of events pile up, past its socket's buffer) is waited for.
+    The server used to fail the send with EAGAIN (a Trio socket on a dup of the
+    keeper's had made the shared file non-blocking) and serve on without a
+    keeper: the next crash lost the node.  Here a crash afterwards loses nothing."""
+    import threading
+
+    server = kept(tmp_path)
+    writer = GMSClientMemoryManager(server.socket)
+    writer.connect(RequestedLockType.RW)
+    va = writer.create_mapping(size=2 * MiB, tag="weights")
+    allocation_id = next(mp.allocation_id for mp in writer.mappings if mp.va == va)
+    os.kill(server.pid, signal.SIGSTOP)  # the keeper
+    resumed = threading.Timer(0.5, os.kill, (server.pid, signal.SIGCONT))
+    resumed.start()
+    try:
+        for n in range(32):
+            assert writer.metadata_put(f"k{n}", allocation_id, 0, bytes([n]) * (MiB - 64))
+    finally:
+        resumed.join()
+        os.kill(server.pid, signal.SIGCONT)
+    assert writer.commit()
+    writer.close()
+    assert "the keeper went away" not in server.log
+    killed(server)
+    reader = GMSClientMemoryManager(server.socket)
+    reader.connect(RequestedLockType.RO)
+    assert reader.metadata_get("k31")[2] == bytes([31]) * (MiB - 64), "the last event reached the keeper"
+    reader.close()
+    server.stop()

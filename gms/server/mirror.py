@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 
@@ -49,6 +50,7 @@ log = logging.getLogger("gms.server.restart")
 
 MIN_TAIL_BYTES = 1 << 20  # a new base no sooner than this many bytes of events
 SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
+SEND_TIMEOUT_S = 2  # a keeper that reads nothing for this long is gone (a send may wait twice: the frame, its rest)
 LISTENER = "listener"
 
 
@@ -92,6 +94,10 @@ class KeeperLink:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         except OSError:
             pass
+        # A send waits for the keeper to read (an event reaches it before its
+        # answer goes out), but not for ever: a keeper that reads nothing for
+        # this long is taken for gone (the kernel's send timeout; reads are apart).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
         self.sock = sock
         self.alive = True
         self._keeper_keys: set[str] = set()
@@ -192,10 +198,15 @@ class KeeperLink:
 
     async def wait_for_stop(self) -> str:
         """Read what the keeper says (in Trio): ``stop`` (stop cleanly), or
-        ``gone`` when the channel ends."""
+        ``gone`` when the channel ends.
+
+        Reads wait in Trio and take what is there with ``MSG_DONTWAIT``: the
+        socket itself stays blocking for the sends.  (A Trio socket made on a
+        dup of it had set ``O_NONBLOCK`` on the shared file: the first send
+        that found the keeper's buffer full then failed with EAGAIN, and the
+        server went on without a keeper for good.)"""
         import trio
 
-        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=os.dup(self.sock.fileno())))
         reader = frames.FrameReader()
         try:
             while True:
@@ -205,7 +216,13 @@ class KeeperLink:
                     if frame.kind == "stop":
                         return "stop"
                     continue
-                data, ancillary, flags, _ = await sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES)
+                await trio.lowlevel.wait_readable(self.sock)
+                try:
+                    data, ancillary, flags, _ = self.sock.recvmsg(
+                        frames.RECV_BYTES, frames.ANCILLARY_BYTES, socket.MSG_DONTWAIT
+                    )
+                except BlockingIOError:
+                    continue
                 fds = frames.received_fds(ancillary)
                 frames.check_flags(flags, fds)
                 if not data and not fds:
@@ -216,7 +233,6 @@ class KeeperLink:
             return "gone"
         finally:
             reader.close()
-            sock.close()
 
     # -- inside ------------------------------------------------------------------------
 
