@@ -371,9 +371,8 @@ def test_a_tenants_history_shows_only_what_it_may_read(start):
 
 def test_a_tenant_refused_again_and_again_is_answered_later_and_later(start):
     """gms/server/tarpit.py: past its first refusals in a second, each of the
-    attacker's refused handshakes is answered DELAY_S late (what took the
-    layout-table flood from 57 000 refusals in 20 s to about 2 000, and its
-    victim's p99 from 1.75 to 0.93 of the quiet one); the refusal is the same."""
+    attacker's refused handshakes is answered DELAY_S late (the layout-table
+    flood's figures before and after: docs/reliability.md); the refusal is the same."""
     from gms.server.tarpit import DELAY_S, FREE_PER_S
 
     server = start()
