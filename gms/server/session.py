@@ -106,7 +106,6 @@ class Session:
         # Big frames: a few per uid at once.  Not handed over: a session that goes on
         # elsewhere takes a slot there again when it needs one.
         self._slot = core.inflight.slot(self.peer.uid)
-        self._admin = core.policy.is_admin(self.peer.uid, self.peer.gid, core.server_uid)
         self._scope = trio.CancelScope()
         self._revoked = False
         self._on_take_over = on_take_over
@@ -295,11 +294,18 @@ class Session:
                 return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
             return self.core.requests.handle(self.conn, request)
         except Rejection as rejection:
-            if isinstance(rejection, (OverLimit, QuotaExceeded)) and not self._admin:
-                delay = self.core.tarpit.delay(self.peer.uid)  # a uid that keeps asking past its limits
-                if delay:
-                    await trio.sleep(delay)
+            if isinstance(rejection, (OverLimit, QuotaExceeded)):
+                await self._pace_refusal()
             return error_reply(rejection)
+
+    async def _pace_refusal(self) -> None:
+        """A uid that keeps asking past its limits waits for its refusals (admins never)."""
+        core, peer = self.core, self.peer
+        if core.policy.is_admin(peer.uid, peer.gid, core.server_uid):
+            return
+        delay = core.tarpit.delay(peer.uid)
+        if delay:
+            await trio.sleep(delay)
 
     def on_grant(self, grant: Grant) -> None:
         """The ledger granted this session's lock (maybe while a take-over paused it)."""
