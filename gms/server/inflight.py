@@ -71,6 +71,11 @@ class FrameSlot:
             await self.semaphore.acquire()
             self.held = True
 
+    def read_size(self, buffered: int, wanted: int) -> int:
+        """How much the next read may take of the ``wanted`` bytes a frame lacks:
+        all of them with a slot, else no more than keeps it within ``SMALL``."""
+        return wanted if self.held else min(wanted, max(0, self.owner.small - buffered))
+
     def settle(self, buffered: int) -> None:
         """Give the slot back once what is buffered is small again."""
         if self.held and buffered <= self.owner.small:

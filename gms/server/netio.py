@@ -19,6 +19,7 @@ import trio
 from .peer import Peer, peer_of
 
 _RECV_BYTES = 16 * 1024
+_BIG_RECV_BYTES = 256 * 1024  # at most, for the rest of a frame known to be big
 _YIELD_EVERY = 16
 
 
@@ -61,12 +62,16 @@ class Channel:
             self._unyielded = 0
             await trio.lowlevel.cancel_shielded_checkpoint()
 
-    async def receive(self) -> memoryview:
-        """The next bytes; empty when the peer closed (a reset counts as a close)."""
+    async def receive(self, wanted: int = 0) -> memoryview:
+        """The next bytes; empty when the peer closed (a reset counts as a close).
+        ``wanted``: what the frame begun still lacks; past the usual buffer, one
+        read takes up to 256 KiB of it (a 1 MiB frame had cost 64 reads, each a
+        pass through the scheduler)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        buffer = self._buffer if wanted <= _RECV_BYTES else bytearray(min(wanted, _BIG_RECV_BYTES))
         while True:
             try:
-                n = self.sock.recv_into(self._buffer)
+                n = self.sock.recv_into(buffer)
             except BlockingIOError:
                 self._unyielded = 0
                 await trio.lowlevel.wait_readable(self.sock)
@@ -74,7 +79,7 @@ class Channel:
             except OSError:
                 return self._view[:0]
             await self._after_ready_call()
-            return self._view[:n]
+            return self._view[:n] if buffer is self._buffer else memoryview(buffer)[:n]
 
     async def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
         """Send a whole frame; ``fds`` ride with its first byte (SCM_RIGHTS)."""

@@ -249,11 +249,13 @@ class Session:
     async def _receive(self) -> memoryview:
         """The next bytes; before the first whole request, only until its deadline;
         past a small frame's worth held, only with one of the uid's slots."""
-        await self._slot.before_read(self.protocol.buffered)
+        buffered = self.protocol.buffered
+        await self._slot.before_read(buffered)
+        wanted = self._slot.read_size(buffered, self.protocol.wanted)
         if self.protocol.requests:
-            return await self.channel.receive()
+            return await self.channel.receive(wanted)
         with trio.move_on_at(self.first_by):
-            return await self.channel.receive()
+            return await self.channel.receive(wanted)
         raise FirstRequestLate
 
     async def _until_gone(self) -> None:

@@ -137,6 +137,14 @@ class FrameDecoder:
     def pending(self) -> int:
         return len(self._buffer)
 
+    @property
+    def wanted(self) -> int:
+        """Bytes the frame begun still lacks (0 until its header is whole)."""
+        if len(self._buffer) < HEADER.size:
+            return 0
+        (length,) = HEADER.unpack_from(self._buffer)
+        return max(0, HEADER.size + min(length, self.max_frame_bytes) - len(self._buffer))
+
     def next_frame(self) -> bytes | None:
         buffer = self._buffer
         if len(buffer) < HEADER.size:

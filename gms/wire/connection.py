@@ -111,6 +111,11 @@ class ServerConnection:
         """Bytes received and not yet handed out as a request (the server holds them)."""
         return self._decoder.pending
 
+    @property
+    def wanted(self) -> int:
+        """Bytes the request begun still lacks: how much a read may ask for at once."""
+        return self._decoder.wanted
+
     def next_request(self):
         """The next request (a message, an :class:`UnknownMessageType`, or a
         :class:`Refused`), ``NEED_DATA`` or ``PEER_CLOSED``.  Raises
