@@ -3,17 +3,21 @@ driven frame by frame as the server drives it (gms/server/copier_link.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from gms.copier import messages as msg
-from gms.cuda import open_backend, open_host_tier
+from gms.copier.engine import HostEngine
+from gms.copier.process import Copier as CopierLoop
+from gms.cuda import open_backend, open_host_tier, open_mapper
 
 from .helpers import MiB
 
@@ -46,6 +50,16 @@ class Copier:
 @pytest.fixture
 def made(backend):
     """Device memory and host chunks made as the server makes them; released after."""
+    yield from _making(backend)
+
+
+@pytest.fixture
+def made_host():
+    """``made`` on the host backend, for the copier's loop run in this process."""
+    yield from _making("host")
+
+
+def _making(backend: str):
     gpu, host = open_backend(backend, 0), open_host_tier(backend, 0)
     held = []
 
@@ -64,8 +78,6 @@ def fill(backend: str, held, data: bytes) -> None:
         with mmap.mmap(held.fd, held.size) as view:
             view[: len(data)] = data
     else:
-        from gms.cuda import open_mapper
-
         mapper = open_mapper("cuda", 0)
         va = mapper.reserve(held.size)
         handle = mapper.map(os.dup(held.fd), va, held.size, True)
@@ -78,8 +90,6 @@ def contents(backend: str, held, size: int) -> bytes:
     if backend == "host":
         with mmap.mmap(held.fd, held.size) as view:
             return bytes(view[:size])
-    from gms.cuda import open_mapper
-
     mapper = open_mapper("cuda", 0)
     va = mapper.reserve(held.size)
     handle = mapper.map(os.dup(held.fd), va, held.size, False)
@@ -178,18 +188,31 @@ def test_the_selftest_checks_the_engine(backend):
     assert out.returncode == 0 and out.stdout.startswith("copier selftest OK"), out
 
 
-def test_a_copy_is_not_held_up_by_chunks_being_unmapped():
+@contextlib.contextmanager
+def copier_loop(engine, gate: threading.Event):
+    """The copier's loop (``gms.copier.process.Copier``) in a thread of this process,
+    on a socketpair: our end, its Ready read.  ``gate`` is set on the way out, so
+    an engine that blocks on it lets the loop end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(30)
+    loop = threading.Thread(target=CopierLoop(engine, theirs).run)
+    loop.start()
+    try:
+        assert isinstance(msg.receive(ours)[0], msg.Ready)
+        yield ours
+    finally:
+        gate.set()
+        ours.close()
+        loop.join(30)
+    assert not loop.is_alive()
+
+
+def test_a_copy_is_not_held_up_by_chunks_being_unmapped(made_host):
     """Unmapping a replaced layout's chunks is slow on CUDA (16 GiB: 0.85 s);
     done where the link is read, it held the next publish's copy up behind it.
     Here the unmapping of released chunks blocks until the test lets it go, and
     a copy sent after the release is answered meanwhile (in process, host
     engine; the real process's threads are the same code)."""
-    import threading
-
-    from gms.copier.engine import HostEngine
-    from gms.copier.process import Copier as CopierLoop
-    from gms.cuda import open_mapper
-
     gate, unmapping = threading.Event(), threading.Event()
 
     class SlowUnmaps(HostEngine):
@@ -199,18 +222,12 @@ def test_a_copy_is_not_held_up_by_chunks_being_unmapped():
                 gate.wait(30)
             super().unmap(mapped)
 
-    gpu, host = open_backend("host", 0), open_host_tier("host", 0)
-    device = gpu.create(4 * MiB, "test-gpu")
-    released = [host.create(2 * MiB, "test-host") for _ in range(3)]
-    kept = host.create(4 * MiB, "test-host")
+    device = made_host("gpu", 4 * MiB)
+    released = [made_host("host", 2 * MiB) for _ in range(3)]
+    kept = made_host("host", 4 * MiB)
     data = os.urandom(4 * MiB)
     fill("host", device, data)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(30)
-    loop = threading.Thread(target=CopierLoop(SlowUnmaps(open_mapper("host", 0)), theirs).run)
-    loop.start()
-    try:
-        assert isinstance(msg.receive(ours)[0], msg.Ready)
+    with copier_loop(SlowUnmaps(open_mapper("host", 0)), gate) as ours:
         msg.send(ours, msg.MapChunks(["r0", "r1", "r2", "k"], [2 * MiB] * 3 + [4 * MiB]),
                  [os.dup(c.fd) for c in [*released, kept]])
         msg.send(ours, msg.UnmapChunks(["r0", "r1", "r2"]))
@@ -218,27 +235,13 @@ def test_a_copy_is_not_held_up_by_chunks_being_unmapped():
         msg.send(ours, msg.Copy(1, True, [4 * MiB], [0], [0], ["k"], [4 * MiB]), [os.dup(device.fd)])
         assert msg.receive(ours)[0] == msg.Done(1), "answered while the released chunks were still being unmapped"
         assert contents("host", kept, 4 * MiB) == data
-    finally:
-        gate.set()
-        ours.close()
-        loop.join(30)
-        for one in released + [kept]:
-            host.release(one)
-        gpu.release(device)
-    assert not loop.is_alive()
 
 
-def test_a_copy_waits_for_the_chunks_it_names_being_mapped_and_for_no_others():
+def test_a_copy_waits_for_the_chunks_it_names_being_mapped_and_for_no_others(made_host):
     """The pool's new chunks are mapped as they come (1 ms each on CUDA; 150 in
     a row had held a restore's copy up by 0.12 s): a copy of chunks mapped
     already is answered meanwhile, and one into a chunk still being mapped
     waits for it, then lands (in process, host engine)."""
-    import threading
-
-    from gms.copier.engine import HostEngine
-    from gms.copier.process import Copier as CopierLoop
-    from gms.cuda import open_mapper
-
     gate, mapping = threading.Event(), threading.Event()
 
     class SlowMaps(HostEngine):
@@ -248,17 +251,10 @@ def test_a_copy_waits_for_the_chunks_it_names_being_mapped_and_for_no_others():
                 gate.wait(30)
             return super().map_chunk(fd, size)
 
-    gpu, host = open_backend("host", 0), open_host_tier("host", 0)
-    device = gpu.create(4 * MiB, "test-gpu")
-    old, new = host.create(4 * MiB, "test-host"), host.create(2 * MiB, "test-host")
-    data = os.urandom(4 * MiB)
-    fill("host", device, data)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(30)
-    loop = threading.Thread(target=CopierLoop(SlowMaps(open_mapper("host", 0)), theirs).run)
-    loop.start()
-    try:
-        assert isinstance(msg.receive(ours)[0], msg.Ready)
+    device = made_host("gpu", 4 * MiB)
+    old, new = made_host("host", 4 * MiB), made_host("host", 2 * MiB)
+    fill("host", device, os.urandom(4 * MiB))
+    with copier_loop(SlowMaps(open_mapper("host", 0)), gate) as ours:
         msg.send(ours, msg.MapChunks(["old"], [4 * MiB]), [os.dup(old.fd)])
         msg.send(ours, msg.MapChunks(["new"], [2 * MiB]), [os.dup(new.fd)])
         assert mapping.wait(30)
@@ -268,23 +264,9 @@ def test_a_copy_waits_for_the_chunks_it_names_being_mapped_and_for_no_others():
         gate.set()
         assert msg.receive(ours)[0] == msg.Done(1), "the copy into the new chunk landed once it was mapped"
         assert contents("host", new, 2 * MiB) == contents("host", old, 2 * MiB)
-    finally:
-        gate.set()
-        ours.close()
-        loop.join(30)
-        for one in (old, new):
-            host.release(one)
-        gpu.release(device)
-    assert not loop.is_alive()
 
 
-def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped():
-    import threading
-
-    from gms.copier.engine import HostEngine
-    from gms.copier.process import Copier as CopierLoop
-    from gms.cuda import open_mapper
-
+def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped(made_host):
     gate, mapping, unmapped = threading.Event(), threading.Event(), threading.Event()
 
     class SlowMaps(HostEngine):
@@ -298,14 +280,8 @@ def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped():
             if mapped.size == 2 * MiB:
                 unmapped.set()
 
-    gpu, host = open_backend("host", 0), open_host_tier("host", 0)
-    device, chunk = gpu.create(2 * MiB, "test-gpu"), host.create(2 * MiB, "test-host")
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.settimeout(30)
-    loop = threading.Thread(target=CopierLoop(SlowMaps(open_mapper("host", 0)), theirs).run)
-    loop.start()
-    try:
-        assert isinstance(msg.receive(ours)[0], msg.Ready)
+    device, chunk = made_host("gpu", 2 * MiB), made_host("host", 2 * MiB)
+    with copier_loop(SlowMaps(open_mapper("host", 0)), gate) as ours:
         msg.send(ours, msg.MapChunks(["c"], [2 * MiB]), [os.dup(chunk.fd)])
         assert mapping.wait(30)
         msg.send(ours, msg.UnmapChunks(["c"]))
@@ -313,10 +289,3 @@ def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped():
         assert "not mapped" in msg.receive(ours)[0].error, "released: no copy may use it"
         gate.set()
         assert unmapped.wait(30), "unmapped as soon as it was mapped"
-    finally:
-        gate.set()
-        ours.close()
-        loop.join(30)
-        host.release(chunk)
-        gpu.release(device)
-    assert not loop.is_alive()

@@ -41,8 +41,8 @@ def serve_trio(path: str) -> None:
             if not data:
                 return
             buffer += data
-            while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack(">I", buffer[:4])[0]:
-                buffer = buffer[4 + struct.unpack(">I", buffer[:4])[0]:]
+            while len(buffer) >= 4 and len(buffer) >= (end := 4 + struct.unpack(">I", buffer[:4])[0]):
+                buffer = buffer[end:]
                 await stream.send_all(ANSWER)
 
     async def main() -> None:

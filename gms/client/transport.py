@@ -84,9 +84,10 @@ CLIENT_MAX_FRAME_BYTES = 1 << 30
 # clients on 2 cores (answers in ~200 µs) polling clients took CPU the server
 # needed (docs/performance.md, section 3).  Only polled answers count: a
 # blocked one's time includes the wake-up, so counting it kept a request
-# that had once been slow out of polling for good (a metadata put: 125 µs
-# blocked, 47 µs polled); and a median, not a mean, so that a few slow
-# answers (a keeper waking on the same cores) do not stop it.  Every
+# that had once been slow out of polling for good (a metadata put on the
+# 2-core host, bench/peers/run.py --backend host: 136 µs, 55 µs since); and
+# a median, not a mean, so that a few slow answers (a keeper waking on the
+# same cores) do not stop it.  Every
 # PROBE_EVERY-th unpolled call polls anyway, so a kind that became quick
 # again is seen to.  Handshakes always poll: their time includes lock waits,
 # which say nothing about the server's speed.  The window is 200 µs where the

@@ -106,7 +106,8 @@ class FdBudget:
 
     def check_memory(self, more: int) -> None:
         held = self.memory()
-        if held + more <= self.memory_budget and self.used() + more <= self.budget:
+        used = self.base + self.connections + self.lent + held  # self.used(), the tables summed once
+        if held + more <= self.memory_budget and used + more <= self.budget:
             return  # the common case: no message made
         why = f"the server has no file descriptor to spare for more memory (its fd limit is {self.limit})"
         if held + more > self.memory_budget:
@@ -115,7 +116,7 @@ class FdBudget:
                 f"{why}: every allocation and host copy holds one, and memory may hold three quarters "
                 "of what is not kept for admins",
             )
-        raise FdsExhausted("fds", "node", self.used(), more, self.budget, why)
+        raise FdsExhausted("fds", "node", used, more, self.budget, why)
 
     def lend(self, count: int) -> None:
         """Fds an export is about to dup; give them back with :meth:`returned`."""

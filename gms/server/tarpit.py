@@ -26,7 +26,6 @@ class Tarpit:
         self.clock = clock
         self.free_per_s = free_per_s
         self.delay_s = delay_s
-        self.delayed = 0  # refusals answered late, in all
         self._windows: dict[int, tuple[float, int]] = {}  # uid -> (the second's start, refusals in it)
 
     def delay(self, uid: int) -> float:
@@ -38,7 +37,4 @@ class Tarpit:
         if len(self._windows) >= _MAX_UIDS and uid not in self._windows:
             self._windows.clear()
         self._windows[uid] = (start, count + 1)
-        if count + 1 <= self.free_per_s:
-            return 0.0
-        self.delayed += 1
-        return self.delay_s
+        return 0.0 if count + 1 <= self.free_per_s else self.delay_s
