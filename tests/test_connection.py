@@ -135,3 +135,58 @@ def test_read_ahead_while_serving_is_one_frame_at_most():
     assert conn.overflowed and conn.state is ConnectionState.ERROR
     with pytest.raises(ProtocolError, match="pipelined while waiting for the answer to HandshakeRequest"):
         conn.next_request()
+
+
+def test_a_big_request_is_read_into_its_own_buffer_and_handed_out_as_it_is():
+    """Past DIRECT_BYTES the rest of a frame goes straight into a buffer of its
+    frame's size (no copies as it grows); bytes fed or written mix freely, and the
+    frame after it is untouched."""
+    value = bytes(range(256)) * 1024  # 256 KiB
+    big, small = encode(m.MetadataPutRequest("k", "a", 0, value)), encode(m.MetadataGetRequest("k"))
+    conn = ServerConnection(1 << 20)
+    conn.receive_data(big[:1000])
+    space = conn.body_space()
+    assert space is not None and len(space) == len(big) - 1000 == conn.wanted
+    space[:5000] = big[1000:6000]
+    conn.wrote(5000)
+    assert conn.buffered == 6000 and conn.next_request() is NEED_DATA
+    conn.receive_data(big[6000:] + small[:3])  # fed, not written: the surplus is the next frame's
+    assert conn.body_space() is None, "the body is whole"
+    assert conn.next_request() == m.MetadataPutRequest("k", "a", 0, value)
+    conn.send(m.MetadataPutResponse(True))
+    assert conn.freeze()["buffered"] == small[:3]
+    conn.receive_data(small[3:])
+    assert conn.next_request() == m.MetadataGetRequest("k")
+
+
+def test_a_small_or_oversized_frame_gets_no_buffer_of_its_own():
+    conn = fed(m.MetadataGetRequest("k"))
+    assert conn.body_space() is None
+    huge = ServerConnection(CAP * 100)
+    huge.receive_data(HEADER.pack(CAP * 1000))
+    assert huge.body_space() is None, "nothing is made for a frame over the cap"
+    with pytest.raises(ProtocolError):
+        huge.next_request()
+
+
+def test_a_big_frame_half_read_is_handed_over_as_it_came():
+    frame = encode(m.MetadataPutRequest("k", "a", 0, b"x" * (200 << 10)))
+    conn = ServerConnection(1 << 20)
+    conn.receive_data(frame[:70_000])
+    conn.body_space()[:10] = frame[70_000:70_010]
+    conn.wrote(10)
+    frozen = conn.freeze()
+    assert frozen["buffered"] == frame[:70_010]
+    thawed = ServerConnection.thaw(1 << 20, frozen)
+    thawed.receive_data(frame[70_010:])
+    assert thawed.next_request() == m.MetadataPutRequest("k", "a", 0, b"x" * (200 << 10))
+
+
+def test_a_peer_that_closes_inside_a_big_frame_is_an_error():
+    frame = encode(m.MetadataPutRequest("k", "a", 0, b"x" * (200 << 10)))
+    conn = ServerConnection(1 << 20)
+    conn.receive_data(frame[:100_000])
+    assert conn.body_space() is not None
+    conn.wrote(0)  # the read found the peer gone
+    with pytest.raises(ProtocolError, match="closed inside a frame"):
+        conn.next_request()

@@ -25,9 +25,11 @@ def cmd_keeper(args: argparse.Namespace) -> int:
     )
     import trio
 
+    from ..heap import keep_big_blocks
     from ..keeper.run import keep_listening
     from .serve import _raise_fd_limit
 
     # It holds an fd for every fd its servers' memory tables hold: as many as they may.
     _raise_fd_limit()
+    keep_big_blocks()
     return trio.run(keep_listening, args.keeper_socket)

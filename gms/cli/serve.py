@@ -9,6 +9,7 @@ import traceback
 
 from .. import paths
 from ..fds import reserve_fd_slots
+from ..heap import keep_big_blocks
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .common import byte_count
 
@@ -236,6 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"gms serve: {exc}", file=sys.stderr)
         return 1
     _raise_fd_limit()
+    keep_big_blocks()
     if args.devices:
         from ..supervisor import supervise
 

@@ -361,7 +361,7 @@ class RpcTransport:
             raise _Deadline
 
     def _receive(
-        self, sock: socket.socket, buffer: bytearray, sent_at: float | None, kind: type, deadline: float | None
+        self, sock: socket.socket, buffer: bytearray | memoryview, sent_at: float | None, kind: type, deadline: float | None
     ) -> tuple[int, list, int]:
         """One recvmsg; the first of a response may spin before it blocks."""
         polled = sent_at is not None and self._spin_s > 0 and _polls(kind, self._spin_s)
@@ -419,7 +419,8 @@ class RpcTransport:
                 body = self._decoder.next_frame()
                 if body is not None:
                     return body, fds
-                n, ancillary, flags = self._receive(sock, buffer, sent_at, kind, deadline)
+                space = self._decoder.body_space()  # a big answer: read straight into its own buffer
+                n, ancillary, flags = self._receive(sock, buffer if space is None else space, sent_at, kind, deadline)
                 sent_at = None  # only the first read of a response polls
                 for level, kind_, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind_ == socket.SCM_RIGHTS:
@@ -430,7 +431,10 @@ class RpcTransport:
                 if not n:
                     _close_all(fds)
                     return None, []
-                self._decoder.feed(memoryview(buffer)[:n])
+                if space is None:
+                    self._decoder.feed(memoryview(buffer)[:n])
+                else:
+                    self._decoder.wrote(n)
         except BaseException:
             _close_all(fds)
             raise

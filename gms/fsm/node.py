@@ -239,9 +239,7 @@ def _owner(layout: LayoutState) -> str | None:
     return None if layout.vacant else layout.owner
 
 
-def _charge(tenants: Map, name: str | None, held: int, metadata: int, refs: int, layout: str, event: Event) -> Map:
-    if name is None or (held, metadata, refs) == (0, 0, 0):
-        return tenants
+def _charge(tenants: Map, name: str, held: int, metadata: int, refs: int, layout: str, event: Event) -> Map:
     tenant = tenants.get(name)
     if tenant is None:
         raise InvariantViolation(f"{event.KIND}: layout owned by unknown tenant {name!r}")
@@ -270,30 +268,29 @@ def _settle(
     node: NodeState, before: LayoutState, after: LayoutState, event: Event, tick: int
 ) -> NodeState:
     tenants = node.tenants
-    was, now = _owner(before), _owner(after)
-    if was == now:
-        held = after.held_bytes - before.held_bytes
-        tenants = _charge(tenants, now, held, after.metadata_bytes - before.metadata_bytes, 0, after.name, event)
-    else:
-        tenants = _charge(tenants, was, -before.held_bytes, -before.metadata_bytes, -1, after.name, event)
-        tenants = _charge(tenants, now, after.held_bytes, after.metadata_bytes, 1, after.name, event)
-    if after.vacant:
-        layouts = node.layouts.delete(after.name) if after.name in node.layouts else node.layouts
-    else:
-        layouts = node.layouts.set(after.name, after)
+    vacant = after.vacant
+    was, now = _owner(before), None if vacant else after.owner
+    held = after.held_bytes - before.held_bytes
+    metadata = after.metadata_bytes - before.metadata_bytes
+    if was != now:
+        if was is not None:
+            tenants = _charge(tenants, was, -before.held_bytes, -before.metadata_bytes, -1, after.name, event)
+        if now is not None:
+            tenants = _charge(tenants, now, after.held_bytes, after.metadata_bytes, 1, after.name, event)
+    elif now is not None and (held or metadata):
+        tenants = _charge(tenants, now, held, metadata, 0, after.name, event)
+    layouts = node.layouts
+    if not vacant:
+        layouts = layouts.set(after.name, after)
+        if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
+            raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
+    elif after.name in layouts:
+        layouts = layouts.delete(after.name)
     gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
     host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
-    metadata_bytes = node.metadata_bytes - before.metadata_bytes + after.metadata_bytes
-    if (
-        after.held_bytes > before.held_bytes
-        or gpu_bytes > node.gpu_bytes
-        or host_bytes > node.host_bytes
-        or metadata_bytes > node.metadata_bytes
-        or was != now
-    ):
+    metadata_bytes = node.metadata_bytes + metadata
+    if held > 0 or metadata > 0 or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes or was != now:
         _hold_bounds(node, after, event, tenants, gpu_bytes, host_bytes, metadata_bytes)
-    if len(layouts) > max(len(node.layouts), node.limits.max_layouts):
-        raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     return replace(
         node, layouts=layouts, tenants=tenants, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
         metadata_bytes=metadata_bytes, tick=tick,

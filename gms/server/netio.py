@@ -67,19 +67,24 @@ class Channel:
         ``wanted``: what the frame begun still lacks; past the usual buffer, one
         read takes up to 256 KiB of it (a 1 MiB frame had cost 64 reads, each a
         pass through the scheduler)."""
+        view = self._view if wanted <= _RECV_BYTES else memoryview(bytearray(min(wanted, _BIG_RECV_BYTES)))
+        return view[: await self.receive_into(view)]
+
+    async def receive_into(self, space: memoryview) -> int:
+        """Read into ``space`` (up to 256 KiB of it); 0 when the peer closed."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        buffer = self._buffer if wanted <= _RECV_BYTES else bytearray(min(wanted, _BIG_RECV_BYTES))
+        space = space[:_BIG_RECV_BYTES]
         while True:
             try:
-                n = self.sock.recv_into(buffer)
+                n = self.sock.recv_into(space)
             except BlockingIOError:
                 self._unyielded = 0
                 await trio.lowlevel.wait_readable(self.sock)
                 continue
             except OSError:
-                return self._view[:0]
+                return 0
             await self._after_ready_call()
-            return self._view[:n] if buffer is self._buffer else memoryview(buffer)[:n]
+            return n
 
     async def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> None:
         """Send a whole frame; ``fds`` ride with its first byte (SCM_RIGHTS)."""

@@ -211,8 +211,7 @@ class Session:
             self._slot.settle(protocol.buffered)
             if request is NEED_DATA:
                 with quiesce.interruptible():
-                    data = await self._receive()
-                protocol.receive_data(data)
+                    await self._read()
                 continue
             if request is PEER_CLOSED:
                 return
@@ -246,17 +245,28 @@ class Session:
             reply = error_reply(rejection)
         await self._send(reply)
 
-    async def _receive(self) -> memoryview:
-        """The next bytes; before the first whole request, only until its deadline;
-        past a small frame's worth held, only with one of the uid's slots."""
-        buffered = self.protocol.buffered
+    async def _read(self) -> None:
+        """Read what comes next into the connection; before the first whole request,
+        only until its deadline; past a small frame's worth held, only with one of
+        the uid's slots, which lets the rest of a big frame go straight into a
+        buffer of its own."""
+        protocol = self.protocol
+        buffered = protocol.buffered
         await self._slot.before_read(buffered)
-        wanted = self._slot.read_size(buffered, self.protocol.wanted)
-        if self.protocol.requests:
-            return await self.channel.receive(wanted)
+        wanted = self._slot.read_size(buffered, protocol.wanted)
+        if protocol.requests:
+            return await self._take(wanted)
         with trio.move_on_at(self.first_by):
-            return await self.channel.receive(wanted)
+            return await self._take(wanted)
         raise FirstRequestLate
+
+    async def _take(self, wanted: int) -> None:
+        protocol = self.protocol
+        space = protocol.body_space() if self._slot.held else None
+        if space is None:
+            protocol.receive_data(await self.channel.receive(wanted))
+        else:
+            protocol.wrote(await self.channel.receive_into(space))
 
     async def _until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
@@ -268,7 +278,7 @@ class Session:
         client cannot keep its own socket alive in our receive queue."""
         protocol = self.protocol
         while not protocol.eof and not protocol.overflowed:
-            protocol.receive_data(await self._receive())
+            await self._read()
 
     async def _answer(self, request: object) -> Reply:
         if isinstance(request, Refused):

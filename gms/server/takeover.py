@@ -242,7 +242,7 @@ def _answer(sock: socket.socket, reader: frames.FrameReader):
     while True:
         body = decoder.next_frame()
         if body is not None:
-            rest = bytes(decoder._buffer)
+            rest = decoder.unread()
             if rest or fds:  # the hand-over's first frames, read with the answer
                 reader.feed(rest, fds)
             return decode(body)

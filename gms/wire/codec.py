@@ -21,6 +21,7 @@ from .messages import REGISTRY
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
+DIRECT_BYTES = 64 << 10  # a frame body past this may be read into a buffer of its own
 
 
 class ProtocolError(Exception):
@@ -102,7 +103,7 @@ def encode(message: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Any:
+def decode(body: bytes | bytearray) -> Any:
     try:
         raw = msgpack.unpackb(body, raw=False)
     except Exception as exc:  # the trust boundary: any failure means "cannot decode"
@@ -124,28 +125,79 @@ def decode(body: bytes) -> Any:
 
 
 class FrameDecoder:
-    """Feed bytes in, take whole frame bodies out."""
+    """Feed bytes in, take whole frame bodies out.
+
+    A big frame (past ``DIRECT_BYTES``) can be read straight into a buffer of
+    its own: :meth:`body_space` gives the part still to fill, :meth:`wrote`
+    says how much a read put there, and :meth:`next_frame` hands the buffer
+    out as it is.  Fed through :meth:`feed` instead, a 1 MiB body had been
+    copied four times (into the buffer as it grew, out of it twice) in the
+    one step of the event loop that decoded it."""
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # headers and small frames (and bytes after a big body)
+        self._body: bytearray | None = None  # a big frame's body, being filled
+        self._filled = 0
 
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        body = self._body
+        if body is None:
+            self._buffer += data
+            return
+        take = min(len(data), len(body) - self._filled)
+        body[self._filled : self._filled + take] = data[:take]
+        self._filled += take
+        if take < len(data):
+            self._buffer += data[take:]
+
+    def body_space(self) -> memoryview | None:
+        """Where the rest of the big frame begun may be read to (None: no such frame).
+        Its buffer is made here, at its whole size: a caller that bounds what a
+        peer makes it hold asks only once it allows that much."""
+        if self._body is None:
+            buffer = self._buffer
+            if len(buffer) < HEADER.size:
+                return None
+            (length,) = HEADER.unpack_from(buffer)
+            if length <= DIRECT_BYTES or length > self.max_frame_bytes:
+                return None
+            self._body = bytearray(length)
+            have = min(len(buffer) - HEADER.size, length)
+            self._body[:have] = memoryview(buffer)[HEADER.size : HEADER.size + have]
+            self._filled = have
+            del buffer[: HEADER.size + have]
+        if self._filled == len(self._body):
+            return None
+        return memoryview(self._body)[self._filled :]
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were read into :meth:`body_space`."""
+        self._filled += n
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        """Bytes fed (or written) and not yet handed out."""
+        body = 0 if self._body is None else HEADER.size + self._filled
+        return body + len(self._buffer)
 
     @property
     def wanted(self) -> int:
         """Bytes the frame begun still lacks (0 until its header is whole)."""
+        if self._body is not None:
+            return len(self._body) - self._filled
         if len(self._buffer) < HEADER.size:
             return 0
         (length,) = HEADER.unpack_from(self._buffer)
         return max(0, HEADER.size + min(length, self.max_frame_bytes) - len(self._buffer))
 
-    def next_frame(self) -> bytes | None:
+    def next_frame(self) -> bytes | bytearray | None:
+        body = self._body
+        if body is not None:
+            if self._filled < len(body):
+                return None
+            self._body = None
+            return body
         buffer = self._buffer
         if len(buffer) < HEADER.size:
             return None
@@ -158,3 +210,9 @@ class FrameDecoder:
         body = bytes(buffer[HEADER.size : end])
         del buffer[:end]
         return body
+
+    def unread(self) -> bytes:
+        """Every byte fed and not handed out, as it came (a take-over hands them on)."""
+        if self._body is None:
+            return bytes(self._buffer)
+        return HEADER.pack(len(self._body)) + bytes(self._body[: self._filled]) + bytes(self._buffer)

@@ -92,6 +92,18 @@ class ServerConnection:
         if self.state is ConnectionState.SERVING and self._decoder.pending > self._read_ahead_limit:
             self.state = ConnectionState.ERROR
 
+    def body_space(self) -> memoryview | None:
+        """Where the rest of a big request begun may be read to, with no copy
+        (``FrameDecoder.body_space``); None: read and :meth:`receive_data`."""
+        return self._decoder.body_space()
+
+    def wrote(self, n: int) -> None:
+        """``n`` bytes were read into :meth:`body_space`; 0: the peer closed."""
+        if not n:
+            self._eof = True
+            return
+        self._decoder.wrote(n)
+
     @property
     def overflowed(self) -> bool:
         """More than a frame was pipelined while a request was served."""
@@ -193,7 +205,7 @@ class ServerConnection:
             "state": self.state.value,
             "handshaken": self.handshaken,
             "requests": self.requests,
-            "buffered": bytes(self._decoder._buffer),
+            "buffered": self._decoder.unread(),
             "eof": self._eof,
             "one_shot": self._one_shot,
             "serving": encode_body(serving) if serving is not None else b"",

@@ -218,6 +218,7 @@ JUSTIFIED = {
     ("keeper/run.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words",
     ("server/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
+    ("heap.py", "ctypes.CDLL"): "libc (the process itself), for mallopt",
     ("cuda/vmm.py", "ctypes.CDLL"): "libnvidia-ml, for device memory figures",
 }
 
