@@ -361,7 +361,12 @@ class RpcTransport:
             raise _Deadline
 
     def _receive(
-        self, sock: socket.socket, buffer: bytearray | memoryview, sent_at: float | None, kind: type, deadline: float | None
+        self,
+        sock: socket.socket,
+        buffer: bytearray | memoryview,
+        sent_at: float | None,
+        kind: type,
+        deadline: float | None,
     ) -> tuple[int, list, int]:
         """One recvmsg; the first of a response may spin before it blocks."""
         polled = sent_at is not None and self._spin_s > 0 and _polls(kind, self._spin_s)
@@ -420,7 +425,8 @@ class RpcTransport:
                 if body is not None:
                     return body, fds
                 space = self._decoder.body_space()  # a big answer: read straight into its own buffer
-                n, ancillary, flags = self._receive(sock, buffer if space is None else space, sent_at, kind, deadline)
+                into = buffer if space is None else space
+                n, ancillary, flags = self._receive(sock, into, sent_at, kind, deadline)
                 sent_at = None  # only the first read of a response polls
                 for level, kind_, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind_ == socket.SCM_RIGHTS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import socket
 import time
@@ -41,6 +42,8 @@ class AsUid:
                 os.setuid(uid)
                 os.read(go, 1)
                 result = target(*args)
+                used = resource.getrusage(resource.RUSAGE_SELF)
+                result["cpu_s"] = round(used.ru_utime + used.ru_stime, 2)  # what it took of the box
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 result, code = {"crashed": f"{type(exc).__name__}: {exc}"}, 1
             data = json.dumps(result).encode()
@@ -155,6 +158,15 @@ def metadata_flood(path: str, seconds: float, value_bytes: int) -> dict:
     for conn, _ in conns:
         conn.close()
     return {"puts": puts, "refusals": refusals, "first_refusal": first}
+
+
+def cpu_hog(path: str, seconds: float) -> dict:
+    """No request at all: one core's worth of computing, the floor any busy
+    neighbour on the same box sets for the victim."""
+    spins, stop = 0, time.monotonic() + seconds
+    while time.monotonic() < stop:
+        spins += 1
+    return {"spins": spins}
 
 
 def connection_flood(path: str, seconds: float) -> dict:

@@ -37,6 +37,7 @@ from .tenants import (
     AsUid,
     allocation_flood,
     connection_flood,
+    cpu_hog,
     layout_flood,
     metadata_flood,
     partial_frames,
@@ -159,7 +160,7 @@ def attack(server: ServerProcess, attacker_uid: int, workload, *args) -> tuple[d
     return quiet, hit, got, watch
 
 
-def victim_figures(quiet: dict, hit: dict, watch: Watch, base_rss: int, bound_rss: int) -> dict:
+def victim_figures(quiet: dict, hit: dict, got: dict, watch: Watch, base_rss: int, bound_rss: int) -> dict:
     """Assert what the issue asks of a victim under attack; return the figures."""
     assert quiet["error_count"] == 0, quiet["errors"]
     assert hit["error_count"] == 0, hit["errors"]
@@ -178,11 +179,23 @@ def victim_figures(quiet: dict, hit: dict, watch: Watch, base_rss: int, bound_rs
         "p99_ratio": round(ratio, 2), "victim_reads": loud["count"], "victim_errors": 0,
         "status_probes": len(watch.probes), "status_max_ms": round(max(watch.probes) * 1000, 1),
         "rss_before_mib": round(base_rss / MiB, 1), "rss_max_mib": round(max(watch.rss) / MiB, 1),
-        "rss_bound_mib": round(bound_rss / MiB, 1),
+        "rss_bound_mib": round(bound_rss / MiB, 1), "attacker_cpu_s": got["cpu_s"],
     }
 
 
 # -- the attacks ----------------------------------------------------------------------------
+
+
+def test_a_neighbour_that_only_computes_sets_the_floor(start):
+    """Not an attack on gms: a process of another uid that keeps one core busy
+    and sends nothing.  What it does to the victim is what sharing the box
+    costs, whatever the daemon does: each attack's ratio is read against it."""
+    server = start()
+    base = rss_bytes(server.pid)
+    quiet, hit, got, watch = attack(server, ATTACKER, cpu_hog, ATTACK_S)
+    figures = victim_figures(quiet, hit, got, watch, base, base + SLACK)
+    assert got["cpu_s"] > ATTACK_S / 2, got  # it did keep a core busy
+    record("isolation", "control: a neighbour computing, no requests", **figures)
 
 
 def test_a_metadata_flood_is_held_to_the_tenants_metadata_quota(start):
@@ -191,7 +204,7 @@ def test_a_metadata_flood_is_held_to_the_tenants_metadata_quota(start):
     base = rss_bytes(server.pid)
     quiet, hit, got, watch = attack(server, ATTACKER, metadata_flood, ATTACK_S, MiB)
     bound = base + METADATA_QUOTA + EVENT_LOG_BYTES * 17 // 16 + SLACK
-    figures = victim_figures(quiet, hit, watch, base, bound)
+    figures = victim_figures(quiet, hit, got, watch, base, bound)
     first = got["first_refusal"]
     assert (first["code"], first["limit"], first["scope"], first["quota"]) == (
         "LIMIT_EXCEEDED", "metadata_quota", "tenant", METADATA_QUOTA,
@@ -216,7 +229,7 @@ def test_a_connection_flood_by_a_stranger_is_capped_and_admins_still_get_in(star
     quiet, hit, got, watch = attack(server, STRANGER, connection_flood, ATTACK_S)
     # Each connection the cap lets in: a socket, a task, a read buffer and at most a 64 KiB frame.
     bound = base + PER_UID * 160 * 1024 + SLACK
-    figures = victim_figures(quiet, hit, watch, base, bound)
+    figures = victim_figures(quiet, hit, got, watch, base, bound)
     first = got["first_refusal"]
     assert (first["code"], first["limit"], first["scope"], first["quota"]) == (
         "LIMIT_EXCEEDED", "max_connections_per_uid", "uid", PER_UID,
@@ -248,7 +261,7 @@ def test_half_sent_big_frames_are_read_a_few_at_a_time(start):
     quiet, hit, got, watch = attack(server, ATTACKER, partial_frames, ATTACK_S, PER_UID, 16 * MiB)
     assert got["sessions"] == PER_UID, got
     bound = base + 2 * 2 * 16 * MiB + PER_UID * 160 * 1024 + SLACK
-    figures = victim_figures(quiet, hit, watch, base, bound)
+    figures = victim_figures(quiet, hit, got, watch, base, bound)
     record("isolation", "half-sent big frames from every connection of a uid", attacker_sessions=got["sessions"],
            attacker_sent_mib=got["sent_mib"], would_hold_mib=PER_UID * 16, **figures)
 
@@ -267,7 +280,7 @@ def test_a_writers_fd_flood_is_refused_at_once_and_readers_keep_reading(start):
     since = server.state().last_event_seq
     quiet, hit, got, watch = attack(server, HOG, allocation_flood, "y-fds", ATTACK_S)
     bound = base + 2 * EVENT_LOG_BYTES + SLACK
-    figures = victim_figures(quiet, hit, watch, base, bound)
+    figures = victim_figures(quiet, hit, got, watch, base, bound)
     refusal = got["refusal"]
     assert (refusal["code"], refusal["limit"], refusal["scope"]) == ("RESOURCE_EXHAUSTED", "fds", "node"), refusal
     assert got["again"]["code"] == "RESOURCE_EXHAUSTED"
@@ -291,7 +304,7 @@ def test_a_layout_table_flood_is_held_to_the_tenants_max_layouts(start):
     port = wait_until(lambda: metrics_port(server), what="the metrics port")
     base = rss_bytes(server.pid)
     quiet, hit, got, watch = attack(server, ATTACKER, layout_flood, ATTACK_S)
-    figures = victim_figures(quiet, hit, watch, base, base + SLACK)
+    figures = victim_figures(quiet, hit, got, watch, base, base + SLACK)
     first = got["first_refusal"]
     assert got["committed"] == MAX_LAYOUTS, got
     assert (first["code"], first["limit"], first["scope"], first["used"], first["asked"], first["quota"]) == (
