@@ -31,6 +31,7 @@ class AsUid:
     def __init__(self, uid: int, target, *args) -> None:
         self._out, out = os.pipe()
         go, self._go = os.pipe()
+        self.cpu_s: float | None = None  # the child's CPU seconds, once its result is in
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns into pytest
             code = 0
@@ -42,11 +43,10 @@ class AsUid:
                 os.setuid(uid)
                 os.read(go, 1)
                 result = target(*args)
-                used = resource.getrusage(resource.RUSAGE_SELF)
-                result["cpu_s"] = round(used.ru_utime + used.ru_stime, 2)  # what it took of the box
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 result, code = {"crashed": f"{type(exc).__name__}: {exc}"}, 1
-            data = json.dumps(result).encode()
+            used = resource.getrusage(resource.RUSAGE_SELF)  # what it took of the box
+            data = json.dumps({"result": result, "cpu_s": round(used.ru_utime + used.ru_stime, 2)}).encode()
             while data:
                 data = data[os.write(out, data):]
             os._exit(code)
@@ -71,7 +71,9 @@ class AsUid:
             chunks.append(chunk)
         os.close(self._out)
         os.waitpid(self.pid, 0)
-        result = json.loads(b"".join(chunks))
+        sent = json.loads(b"".join(chunks))
+        self.cpu_s = sent["cpu_s"]
+        result = sent["result"]
         assert "crashed" not in result, result["crashed"]
         return result
 

@@ -157,6 +157,7 @@ def attack(server: ServerProcess, attacker_uid: int, workload, *args) -> tuple[d
         victim.go()
         hit = victim.result(ATTACK_S + 60)
         got = attacker.result(ATTACK_S + 60)
+    got["cpu_s"] = attacker.cpu_s
     return quiet, hit, got, watch
 
 
