@@ -98,15 +98,16 @@ class FdBudget:
     def memory_budget(self) -> int:
         return self.budget * 3 // 4
 
-    def used(self) -> int:
-        return self.base + self.connections + self.lent + self.memory()
+    def used(self, memory: int | None = None) -> int:
+        """Fds in use; ``memory``: the memory tables' count, if the caller has it already."""
+        return self.base + self.connections + self.lent + (self.memory() if memory is None else memory)
 
     def room(self, more: int = 1) -> bool:
         return self.used() + more <= self.budget
 
     def check_memory(self, more: int) -> None:
         held = self.memory()
-        used = self.base + self.connections + self.lent + held  # self.used(), the tables summed once
+        used = self.used(held)  # the tables summed once
         if held + more <= self.memory_budget and used + more <= self.budget:
             return  # the common case: no message made
         why = f"the server has no file descriptor to spare for more memory (its fd limit is {self.limit})"

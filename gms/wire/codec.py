@@ -151,16 +151,17 @@ class FrameDecoder:
         if take < len(data):
             self._buffer += data[take:]
 
+    def _length(self) -> int | None:
+        """The body length the buffer's next frame declares (None: its header is not whole)."""
+        return HEADER.unpack_from(self._buffer)[0] if len(self._buffer) >= HEADER.size else None
+
     def body_space(self) -> memoryview | None:
         """Where the rest of the big frame begun may be read to (None: no such frame).
         Its buffer is made here, at its whole size: a caller that bounds what a
         peer makes it hold asks only once it allows that much."""
         if self._body is None:
-            buffer = self._buffer
-            if len(buffer) < HEADER.size:
-                return None
-            (length,) = HEADER.unpack_from(buffer)
-            if length <= DIRECT_BYTES or length > self.max_frame_bytes:
+            buffer, length = self._buffer, self._length()
+            if length is None or length <= DIRECT_BYTES or length > self.max_frame_bytes:
                 return None
             self._body = bytearray(length)
             have = min(len(buffer) - HEADER.size, length)
@@ -186,9 +187,9 @@ class FrameDecoder:
         """Bytes the frame begun still lacks (0 until its header is whole)."""
         if self._body is not None:
             return len(self._body) - self._filled
-        if len(self._buffer) < HEADER.size:
+        length = self._length()
+        if length is None:
             return 0
-        (length,) = HEADER.unpack_from(self._buffer)
         return max(0, HEADER.size + min(length, self.max_frame_bytes) - len(self._buffer))
 
     def next_frame(self) -> bytes | bytearray | None:
@@ -198,10 +199,9 @@ class FrameDecoder:
                 return None
             self._body = None
             return body
-        buffer = self._buffer
-        if len(buffer) < HEADER.size:
+        buffer, length = self._buffer, self._length()
+        if length is None:
             return None
-        (length,) = HEADER.unpack_from(buffer)
         if length > self.max_frame_bytes:
             raise FrameTooLarge(f"frame of {length} bytes exceeds {self.max_frame_bytes}")
         end = HEADER.size + length
