@@ -54,7 +54,7 @@ from .events import (
 )
 from .folding import fold_layout
 from .limits import Limits
-from .replace import replace
+from .replace import replace, stamp
 from .state import LayoutState
 
 DEFAULT_TENANT = "default"
@@ -300,29 +300,38 @@ def _settle(
 def _hold_bounds(
     node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int, metadata: int
 ) -> None:
-    """Only for steps that grew something: every bound the growth could break."""
-    _hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
-    _hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
-    _hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
+    """Only for steps that grew something: every bound the growth could break
+    (each asked only where its total grew: most steps grow one or two)."""
+    if gpu > node.gpu_bytes:
+        _hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
+    if host > node.host_bytes:
+        _hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
+    if metadata > node.metadata_bytes:
+        _hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
     owner = _owner(after)
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
-        _hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
-        _hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota, "tenant {!r}'s metadata bytes", owner)
-        _hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
+        if new is not old:
+            if new.used_bytes > old.used_bytes:
+                _hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
+            if new.metadata_bytes > old.metadata_bytes:
+                _hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota,
+                      "tenant {!r}'s metadata bytes", owner)
+            if new.layout_refs is not old.layout_refs:
+                _hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
     if after.writer is not None:
         limit = node.sessions[after.writer].limit_bytes
-        _hold(event, 0, after.held_bytes, limit, "layout {!r}'s bytes (its writer's limit)", after.name)
+        if limit is not None:
+            _hold(event, 0, after.held_bytes, limit, "layout {!r}'s bytes (its writer's limit)", after.name)
 
 
-def _layout_event(node: NodeState, event: Event, tick: int) -> NodeState:
-    before = node.layout(event.layout)
+def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState) -> NodeState:
     after = fold_layout(before, event)
     kind = type(event)
     if kind is RwConnect:
-        after = replace(after, owner=node.sessions[event.conn].tenant, last_use=tick)
+        after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)
     elif kind in _USES:
-        after = replace(after, last_use=tick)
+        after = stamp(after, before, last_use=tick)
     return _settle(node, before, after, event, tick)
 
 
@@ -333,10 +342,10 @@ def fold(node: NodeState, event: Event) -> NodeState:
         return replace(_server_started(node, event), tick=node.tick + 1)
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
-    rules.check(node, event)
+    layout = rules.check(node, event)
     step = _NODE_STEPS.get(type(event))
     if step is None:
-        return _layout_event(node, event, node.tick + 1)
+        return _layout_event(node, event, node.tick + 1, layout)
     return step(node, event, node.tick + 1)
 
 

@@ -21,17 +21,19 @@ def layout_of(node, conn: int) -> LayoutState:
 
 
 def require_view(state: LayoutState, conn: int, action: str) -> None:
-    require(state, conn, Who.HOLDER, action)
-    if conn in state.readers and not (state.committed and state.resident):
-        raise InvariantViolation(f"reader {conn} sees a layout that is not committed and resident")
+    if conn in state.readers:  # the common case, asked first
+        if not (state.committed and state.tier is Tier.GPU):
+            raise InvariantViolation(f"reader {conn} sees a layout that is not committed and resident")
+    elif conn != state.writer and conn != state.restorer:
+        require(state, conn, Who.HOLDER, action)  # raises why
 
 
 def exportable(state: LayoutState, conn: int, allocation_ids: list[str]) -> list[Allocation]:
     """What a holder may export: the restorer only once the GPU memory exists."""
-    found = [get_allocation(state, conn, allocation_id) for allocation_id in allocation_ids]
+    require_view(state, conn, "get_allocation")
     if state.restorer == conn and state.tier is not Tier.RESTORING:
         raise StateViolation("the layout's GPU memory is not there yet")
-    return found
+    return [allocation_of(state, allocation_id) for allocation_id in allocation_ids]
 
 
 def get_allocation(state: LayoutState, conn: int, allocation_id: str) -> Allocation:

@@ -42,3 +42,17 @@ def replace(value: T, **changes: object) -> T:
     new = object.__new__(cls)
     _set(new, "__dict__", state)
     return new
+
+
+def stamp(new: T, original: object, **changes: object) -> T:
+    """``replace(new, **changes)``, in place when ``new`` is a value a step has
+    just made (not ``original``, nor anything else yet): nobody can see it
+    change, and the fold saves a copy of every field."""
+    if new is original:
+        return replace(new, **changes)
+    fields = _FIELDS.get(type(new)) or _fields(type(new))
+    if not fields.issuperset(changes):
+        raise TypeError(f"{type(new).__name__} has no field(s) {sorted(changes.keys() - fields)}")
+    new.__dict__.update(changes)
+    return new
+

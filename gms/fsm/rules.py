@@ -148,19 +148,25 @@ class Rule:
 # -- the roles --------------------------------------------------------------------------
 
 
-# Who holds the role, asked cheaply: ``require`` explains a False.
-_PLAYS: dict[Who, Callable[[LayoutState, int], bool]] = {
-    Who.WRITER: lambda layout, conn: layout.writer == conn,
-    Who.READER: lambda layout, conn: conn in layout.readers,
-    Who.RESTORER: lambda layout, conn: layout.restorer == conn,
-    Who.HOLDER: LayoutState.holds_lock,
-    Who.SESSION: lambda layout, conn: False,  # ``require`` asks the node
+def _free_session(node, layout: LayoutState, conn: int) -> bool:
+    """A session on the layout that holds no lock yet: one a grant may go to."""
+    session = node.sessions.get(conn)
+    return session is not None and session.layout == layout.name and not layout.holds_lock(conn)
+
+
+# Who holds the role, asked cheaply (ANYONE: nobody to ask); ``require`` explains a False.
+_PLAYS: dict[Who, Callable[[object, LayoutState, int], bool]] = {
+    Who.WRITER: lambda node, layout, conn: layout.writer == conn,
+    Who.READER: lambda node, layout, conn: conn in layout.readers,
+    Who.RESTORER: lambda node, layout, conn: layout.restorer == conn,
+    Who.HOLDER: lambda node, layout, conn: layout.holds_lock(conn),
+    Who.SESSION: _free_session,
 }
 
 
 def require(layout: LayoutState, conn: int, who: Who, action: str, node=None) -> None:
     """Raise the Rejection that says why ``conn`` is not ``who`` on ``layout``."""
-    if who is Who.ANYONE or _PLAYS[who](layout, conn):
+    if who is Who.ANYONE or (who is not Who.SESSION and _PLAYS[who](node, layout, conn)):
         return
     if who is Who.WRITER and layout.holds_lock(conn):
         raise ModeViolation(f"{action} needs the RW lock; this connection holds RO")
@@ -540,8 +546,10 @@ def rule_for(event: Event) -> Rule:
         raise InvariantViolation(f"no rule for {type(event).__name__}") from None
 
 
-def check(node, event: Event) -> None:
-    """Raise the Rejection that refuses ``event`` in ``node``; return if it is legal.
+def check(node, event: Event) -> LayoutState | None:
+    """Raise the Rejection that refuses ``event`` in ``node``; if it is legal,
+    return the layout it names as ``node`` holds it (None: it names none), so
+    the fold need not look it up again.
 
     Every event of the log passes here, so the common case asks as little as
     it can: a role by one comparison, the lock state only where the rule
@@ -549,9 +557,9 @@ def check(node, event: Event) -> None:
     rule = RULES.get(type(event)) or rule_for(event)
     layout = node.layout(event.layout) if event.layout else None
     if layout is not None:
-        who = rule.who
-        if who is not Who.ANYONE and not _PLAYS[who](layout, event.conn):
-            require(layout, event.conn, who, rule.action or event.KIND, node)
+        plays = _PLAYS.get(rule.who)
+        if plays is not None and not plays(node, layout, event.conn):
+            require(layout, event.conn, rule.who, rule.action or event.KIND, node)
         if not rule.anywhere and (lock_state(layout) not in rule.locks or layout.tier not in rule.tiers):
             raise rule.refusal(
                 f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
@@ -561,6 +569,7 @@ def check(node, event: Event) -> None:
         raise InvariantViolation(f"{event.KIND} names no layout")
     for step in rule.checks:
         step(node, layout, event)
+    return layout
 
 
 def lock_event_allowed(layout: LayoutState, event_type: type[Event]) -> bool:

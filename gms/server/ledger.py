@@ -48,9 +48,13 @@ class Ledger:
         A refused event raises its Rejection (nothing was appended) when a
         client's request proposed it; ``by_server`` events (evictions, grants)
         the server proposed itself, so their refusal is a broken invariant."""
-        events = list(events)
+        events = events if isinstance(events, list) else list(events)
         room = self._append(events, by_server)
-        for layout in dict.fromkeys(event.layout for event in events if event.layout):
+        touched: list[str] = []  # in order: a batch names one layout, or a few
+        for event in events:
+            if event.layout and event.layout not in touched:
+                touched.append(event.layout)
+        for layout in touched:
             room = self._grant(layout) or room
         if room:
             self._on_released()
@@ -71,6 +75,8 @@ class Ledger:
 
     def _grant(self, layout: str) -> bool:
         """Record the grants ``layout`` can make now; True if they may have made room."""
+        if not self.queues.waiting_on(layout):
+            return False
         room = False
         for grant, waiter in self.queues.take_grants(self.state.layout(layout)):
             room = self._append([grant.event], by_server=True) or room
@@ -88,13 +94,13 @@ class Ledger:
             room = room or may_make_room(event)
 
         try:
-            self.log.extend(events, observe)
+            entries = self.log.extend(events, observe)
         except Rejection as refused:
             if by_server:
                 raise InvariantViolation(f"the server proposed an illegal event: {refused.message}") from refused
             raise
-        for event in events:
-            self._on_event(event)
+        for entry in entries:
+            self._on_event(entry.event)
         for tier, allocation_ids in releases.items():
             self.tiers[tier].release(allocation_ids)
         return bool(releases) or room

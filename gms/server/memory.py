@@ -149,24 +149,26 @@ class Memory:
         an fd and the server has none to spare: at once)."""
         if self.fds is not None:
             self.fds.check_memory(len(items))
-        taken = {allocation_id: self.stock.take(size) for allocation_id, size in items}
-        missing = [(allocation_id, size) for allocation_id, size in items if taken[allocation_id] is None]
+        stock = self.stock
+        taken = [stock.take(size) for _, size in items] if stock.bytes else [None] * len(items)
+        missing = [item for item, held in zip(items, taken) if held is None]
         try:
-            made = await self._make(missing) if missing else []
+            made = iter(await self._make(missing) if missing else ())
         except NoFileDescriptors as exc:  # the count missed some: refused all the same
-            self._give_back([held for held in taken.values() if held is not None])
+            self._give_back([held for held in taken if held is not None])
             raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
         except BaseException:
-            self._give_back([held for held in taken.values() if held is not None])
+            self._give_back([held for held in taken if held is not None])
             raise
-        made_by_id = dict(zip((allocation_id for allocation_id, _ in missing), made))
-        for allocation_id, _ in items:
-            held = taken[allocation_id] or made_by_id[allocation_id]
-            self._held[allocation_id] = held
+        table = self._held
+        for (allocation_id, _), held in zip(items, taken):
+            held = held or next(made)  # the made ones come in the order they were missing
+            table[allocation_id] = held
             self._bytes += held.size
         if self.observer is not None:  # before the event that records them (the caller's)
-            self.observer.held(self.lane.name, [(i, self._held[i].fd) for i, _ in items])
-        self._restock({size for _, size in items})
+            self.observer.held(self.lane.name, [(i, table[i].fd) for i, _ in items])
+        if stock.max_bytes:
+            self._restock({size for _, size in items})
 
     async def _make(self, items: list[tuple[str, int]]) -> list[Held]:
         """On the loop where the backend allows it and they are few (a restore's
@@ -246,17 +248,17 @@ class Memory:
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
         """Fds lent to a reply: the session gives them back to the budget once sent."""
         allocation_ids = list(allocation_ids)
-        if self.fds is not None:
-            self.fds.lend(len(allocation_ids))
+        budget = self.fds
+        if budget is not None:
+            budget.lend(len(allocation_ids))
         fds: list[int] = []
         try:
-            for allocation_id in allocation_ids:
-                fds.append(self.export(allocation_id))
+            fds.extend(map(self.export, allocation_ids))
         except BaseException:
             for fd in fds:
                 os.close(fd)
-            if self.fds is not None:
-                self.fds.returned(len(allocation_ids))
+            if budget is not None:
+                budget.returned(len(allocation_ids))
             raise
         return fds
 

@@ -29,6 +29,7 @@ from ..fsm.node import EMPTY_NODE, NodeState, fold
 from .sizes import entry_bytes, pinned_bytes
 
 _MIN_CHUNK_BYTES = 64 << 10
+_NEVER = float("inf")
 
 
 @attrs.frozen
@@ -89,6 +90,7 @@ class EventLog:
         self._kept = 0
         self._bytes = 0  # of the kept entries
         self._pinned = 0  # by the snapshot, beyond the live state: recounted at chunk boundaries
+        self._trim_at = 0  # _trim sets it: the kept count at which an append must trim
 
     @classmethod
     def resumed(
@@ -148,23 +150,25 @@ class EventLog:
         leave, and if any is refused none is stored (a free and its cascade, a
         batch of metadata puts, land together or not at all).  ``observe(before,
         event)`` sees each stored event with the state it was folded on."""
-        events = tuple(events)
-        states = [self._state]
+        events = events if isinstance(events, list | tuple) else tuple(events)
+        befores = []
+        state = self._state
         for event in events:
-            states.append(fold(states[-1], event))  # raises before anything is stored
+            befores.append(state)
+            state = fold(state, event)  # raises before anything is stored
         mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
         chunks = len(self._chunks)
-        entries = []
-        for event, before in zip(events, states):
+        seq = self._next_seq
+        entries = [LogEntry(seq + i, mono_ns, wall_ns, event) for i, event in enumerate(events)]
+        for entry, before in zip(entries, befores):
             if observe is not None:
-                observe(before, event)
-            entry = LogEntry(self._next_seq, mono_ns, wall_ns, event)
+                observe(before, entry.event)
             self._store(entry, before)
-            entries.append(entry)
-        self._state = states[-1]
+        self._state = state
         if len(self._chunks) != chunks and self._max_bytes is not None:
-            self._pinned = pinned_bytes(self._chunks[0].start_state, self._state)
-        self._trim()
+            self._pinned = pinned_bytes(self._chunks[0].start_state, state)
+        if self._kept >= self._trim_at:
+            self._trim()
         return entries
 
     def _over(self) -> bool:
@@ -181,6 +185,20 @@ class EventLog:
             self._bytes -= chunk.bytes
             if self._max_bytes is not None:
                 self._pinned = pinned_bytes(chunks[0].start_state, self._state)
+        self._trim_at = self._next_trim()
+
+    def _next_trim(self) -> float:
+        """The kept count at which an append must trim again.  A byte bound may be
+        passed by any append (0: always look); the count bound only once the
+        entries past the oldest chunk reach ``retain`` (that chunk is closed
+        once another follows it, so its length is known; while it is the only
+        one, it closes at ``chunk_size``)."""
+        if self._max_bytes is not None:
+            return 0
+        if self._retain is None:
+            return _NEVER
+        chunks = self._chunks
+        return self._retain + (len(chunks[0].entries) if len(chunks) > 1 else self._chunk_size)
 
     @property
     def bytes(self) -> int:
