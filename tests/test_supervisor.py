@@ -99,6 +99,49 @@ def test_a_dead_server_is_restarted_alone_and_the_others_keep_serving(tmp_path):
         assert proc.wait(60) == 0
 
 
+@pytest.mark.gpu
+def test_on_two_gpus_a_dead_server_comes_back_alone_with_its_layout(tmp_path):
+    """`--devices all` on a host of two GPUs (real VMM memory): GPU 0's server
+    SIGKILLed; GPU 1's server, its layout and its reader are not touched, and
+    GPU 0's server comes back with its layout from its own keeper."""
+    import time
+
+    from gms.cuda import cuda_device_count
+
+    if cuda_device_count() < 2:
+        pytest.skip("needs two GPUs")
+    proc = start(tmp_path, "cuda", "all")
+    try:
+        doomed, healthy = (socket_of(tmp_path, "cuda", d) for d in (0, 1))
+        for path in (doomed, healthy):
+            wait_until(lambda path=path: _alive(path), timeout=120, what=path)
+        hashes = {}
+        for path in (doomed, healthy):
+            writer = RawConn(path)
+            writer.handshake("RW")
+            build_layout(writer, sizes=(64 * 2**20, 256 * 2**20))
+            hashes[path] = writer.call(m.CommitRequest()).memory_layout_hash
+        reader = RawConn(healthy)
+        assert reader.handshake("RO").success
+        healthy_pid, doomed_pid = _pid(healthy), _pid(doomed)
+
+        killed = time.monotonic()
+        os.kill(doomed_pid, signal.SIGKILL)
+        wait_until(lambda: _pid(doomed) not in (None, doomed_pid), timeout=60, what="restart")
+        back = time.monotonic() - killed
+        assert proc.poll() is None, "the supervisor keeps running"
+        state = get_runtime_state(healthy)
+        assert state.pid == healthy_pid, "the other GPU's server was not touched"
+        weights = state.layout("weights")
+        assert (weights.state, weights.readers, weights.memory_layout_hash) == ("RO", 1, hashes[healthy])
+        assert reader.call(m.MetadataGetRequest("t0")).found, "its client still reads"
+        assert get_runtime_state(doomed).layout("weights").memory_layout_hash == hashes[doomed]
+        print(f"\nGPU 0's server SIGKILLed: serving again, its layout back, {back:.2f} s later")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_a_bad_policy_stops_the_supervisor_before_any_server(tmp_path):
     bad = tmp_path / "policy.toml"
     bad.write_text("[[tenant]]\nname = 'a'\nuids = [1]\nquota = 'lots'\n")
