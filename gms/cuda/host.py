@@ -138,7 +138,8 @@ class HostBackend:
             if self.capacity is not None:  # counted until no client maps it (capacity makes OOM testable)
                 self._watch(held)
             os.close(held.fd)
-            self._prune_draining()
+            if self._draining:
+                self._prune_draining()
 
     def _watch(self, held: Held) -> None:
         """A second description of the same file, to watch the lock from."""

@@ -22,7 +22,7 @@ from .decide import (
     decide_metadata_put,
     decide_metadata_put_many,
 )
-from .effects import MemoryTier, Release, may_make_room, released_memory
+from .effects import MemoryTier, Release, batch_effects, may_make_room, released_memory
 from .errors import (
     BudgetExceeded,
     HostBudgetExceeded,
@@ -144,6 +144,7 @@ __all__ = [
     "holders",
     "layout_problems",
     "lock_state",
+    "batch_effects",
     "may_make_room",
     "parse_residency",
     "plan_evictions",

@@ -40,10 +40,11 @@ def decide_allocate(
 def decide_free(state: LayoutState, conn: int, allocation_id: str) -> list[Event]:
     """Free cascades: the metadata pointing into the allocation goes first (found
     through the layout's index, in O(keys of that allocation))."""
-    keys = state.keys_by_allocation.get(allocation_id, ())
-    events: list[Event] = [MetadataDeleted(conn, key, layout=state.name) for key in keys]
-    events.append(AllocationFreed(conn, allocation_id, layout=state.name))
-    return events
+    freed = AllocationFreed(conn, allocation_id, layout=state.name)
+    keys = state.keys_by_allocation.get(allocation_id)
+    if not keys:
+        return [freed]
+    return [*(MetadataDeleted(conn, key, layout=state.name) for key in keys), freed]
 
 
 def decide_metadata_put(

@@ -12,6 +12,7 @@ once it exists.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import attrs
 
@@ -48,6 +49,11 @@ _RELEASING = frozenset({RwConnect, RwAbort, AllocationFreed, LayoutEvicted, Layo
 
 
 def released_memory(before: NodeState, event: Event) -> list[Release]:
+    return [Release(*release) for release in _releases(before, event)]
+
+
+def _releases(before: NodeState, event: Event) -> list[tuple[MemoryTier, str, int]]:
+    """(tier, allocation id, aligned size) of what ``event`` releases."""
     if type(event) not in _RELEASING or event.layout not in before.layouts:
         return []
     layout = before.layouts[event.layout]
@@ -56,9 +62,9 @@ def released_memory(before: NodeState, event: Event) -> list[Release]:
         return _all(layout, gpu=gpu, host=True)
     if isinstance(event, AllocationFreed):
         allocation = layout.allocations[event.allocation_id]
-        out = [Release(MemoryTier.GPU, allocation.allocation_id, allocation.aligned_size)]
+        out = [(MemoryTier.GPU, allocation.allocation_id, allocation.aligned_size)]
         if allocation.allocation_id in layout.host_copies:
-            out.append(Release(MemoryTier.HOST, allocation.allocation_id, allocation.aligned_size))
+            out.append((MemoryTier.HOST, allocation.allocation_id, allocation.aligned_size))
         return out
     if isinstance(event, LayoutEvicted):
         return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
@@ -69,12 +75,12 @@ def released_memory(before: NodeState, event: Event) -> list[Release]:
     return []
 
 
-def _all(layout, *, gpu: bool, host: bool) -> list[Release]:
+def _all(layout, *, gpu: bool, host: bool) -> list[tuple[MemoryTier, str, int]]:
     out = []
     if gpu:
-        out += [Release(MemoryTier.GPU, a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
+        out += [(MemoryTier.GPU, a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
     if host:
-        out += [Release(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
+        out += [(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
     return out
 
 
@@ -87,3 +93,19 @@ def may_make_room(event: Event) -> bool:
     """Should sessions waiting for memory look again after ``event``?  (Releases
     aside: every release does.)"""
     return type(event) in _MAY_MAKE_ROOM
+
+
+def batch_effects(befores: Sequence[NodeState], events: Sequence[Event]) -> tuple[dict[MemoryTier, list[str]], bool]:
+    """What a batch folded on ``befores`` released, as allocation ids per tier
+    (in order), and whether sessions waiting for memory should look again
+    (a release, or :func:`may_make_room`)."""
+    released: dict[MemoryTier, list[str]] = {}
+    room = False
+    for before, event in zip(befores, events):
+        kind = type(event)
+        if kind in _RELEASING:
+            for tier, allocation_id, _ in _releases(before, event):
+                released.setdefault(tier, []).append(allocation_id)
+        if kind in _MAY_MAKE_ROOM:
+            room = True
+    return released, room or bool(released)

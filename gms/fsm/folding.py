@@ -38,7 +38,7 @@ from .events import (
     RwCommit,
     RwConnect,
 )
-from .replace import replace
+from .replace import rebuilt, replace
 from .state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 
 _EMPTY_KEYS: Map = Map()
@@ -79,32 +79,28 @@ def _ro_disconnect(state: LayoutState, event: RoDisconnect) -> LayoutState:
 
 
 def _allocation_created(state: LayoutState, event: AllocationCreated) -> LayoutState:
+    # Built by item, not by ``replace``'s keywords: the writer's steps are most of the log.
     allocation = Allocation(
         event.allocation_id, event.size, event.aligned_size, event.tag, event.layout_slot
     )
-    return replace(
-        state,
-        allocations=state.allocations.set(event.allocation_id, allocation),
-        next_layout_slot=event.layout_slot + 1,
-        held_bytes=state.held_bytes + event.aligned_size,
-    )
+    fields = state.__dict__.copy()
+    fields["allocations"] = state.allocations.set(event.allocation_id, allocation)
+    fields["next_layout_slot"] = event.layout_slot + 1
+    fields["held_bytes"] = state.held_bytes + event.aligned_size
+    return rebuilt(state, fields)
 
 
 def _allocation_freed(state: LayoutState, event: AllocationFreed) -> LayoutState:
-    allocation = state.allocations[event.allocation_id]
-    host_copies, host_bytes = state.host_copies, state.host_bytes
-    if event.allocation_id in host_copies:
-        host_bytes -= host_copies[event.allocation_id]
-        host_copies = host_copies.delete(event.allocation_id)
-    keys = state.keys_by_allocation
-    return replace(
-        state,
-        allocations=state.allocations.delete(event.allocation_id),
-        keys_by_allocation=keys.delete(event.allocation_id) if event.allocation_id in keys else keys,
-        held_bytes=state.held_bytes - allocation.aligned_size,
-        host_copies=host_copies,
-        host_bytes=host_bytes,
-    )
+    allocation_id = event.allocation_id
+    fields = state.__dict__.copy()
+    fields["allocations"] = state.allocations.delete(allocation_id)
+    fields["held_bytes"] = state.held_bytes - state.allocations[allocation_id].aligned_size
+    if allocation_id in state.host_copies:
+        fields["host_bytes"] = state.host_bytes - state.host_copies[allocation_id]
+        fields["host_copies"] = state.host_copies.delete(allocation_id)
+    if allocation_id in state.keys_by_allocation:
+        fields["keys_by_allocation"] = state.keys_by_allocation.delete(allocation_id)
+    return rebuilt(state, fields)
 
 
 def _unindex(keys: Map, allocation_id: str, key: str) -> Map:

@@ -52,10 +52,10 @@ from .events import (
     ServerResumed,
     StateDiscarded,
 )
-from .folding import fold_layout
+from .folding import LAYOUT_STEPS, fold_layout
 from .limits import Limits
-from .replace import replace, stamp
-from .state import LayoutState
+from .replace import rebuilt, replace, stamp
+from .state import LayoutState, Tier
 
 DEFAULT_TENANT = "default"
 
@@ -234,24 +234,17 @@ _NODE_STEPS: dict[type[Event], Callable[[NodeState, Event, int], NodeState]] = {
 # -- layout events: fold the layout, settle the accounting ---------------------------------
 
 
-def _owner(layout: LayoutState) -> str | None:
-    """The tenant a layout is charged to (a vacant layout is nobody's)."""
-    return None if layout.vacant else layout.owner
-
-
 def _charge(tenants: Map, name: str, held: int, metadata: int, refs: int, layout: str, event: Event) -> Map:
     tenant = tenants.get(name)
     if tenant is None:
         raise InvariantViolation(f"{event.KIND}: layout owned by unknown tenant {name!r}")
-    return tenants.set(
-        name,
-        replace(
-            tenant,
-            used_bytes=tenant.used_bytes + held,
-            metadata_bytes=tenant.metadata_bytes + metadata,
-            layout_refs=_refer(tenant.layout_refs, layout, refs) if refs else tenant.layout_refs,
-        ),
-    )
+    state = tenant.__dict__.copy()
+    state["used_bytes"] = tenant.used_bytes + held
+    if metadata:
+        state["metadata_bytes"] = tenant.metadata_bytes + metadata
+    if refs:
+        state["layout_refs"] = _refer(tenant.layout_refs, layout, refs)
+    return tenants.set(name, rebuilt(tenant, state))
 
 
 def _hold(event: Event, before: int, after: int, bound: int | None, what: str, *names: str) -> None:
@@ -267,11 +260,26 @@ def _hold(event: Event, before: int, after: int, bound: int | None, what: str, *
 def _settle(
     node: NodeState, before: LayoutState, after: LayoutState, event: Event, tick: int
 ) -> NodeState:
-    tenants = node.tenants
+    # ``before`` is the node's (never vacant: a vacant layout is dropped below)
+    # or a fresh vacant one, which no tenant owns: its owner is the charged one.
     vacant = after.vacant
-    was, now = _owner(before), None if vacant else after.owner
+    was, now = before.owner, None if vacant else after.owner
     held = after.held_bytes - before.held_bytes
     metadata = after.metadata_bytes - before.metadata_bytes
+    layouts = node.layouts
+    if not vacant:
+        layouts = layouts.set(after.name, after)
+    elif after.name in layouts:
+        layouts = layouts.delete(after.name)
+    state = node.__dict__.copy()
+    state["layouts"] = layouts
+    state["tick"] = tick
+    if (
+        was is not None and was == now and not held and not metadata
+        and after.tier is before.tier and after.host_bytes == before.host_bytes
+    ):
+        return rebuilt(node, state)  # a lock or a residency moved: no total did
+    tenants = node.tenants
     if was != now:
         if was is not None:
             tenants = _charge(tenants, was, -before.held_bytes, -before.metadata_bytes, -1, after.name, event)
@@ -279,40 +287,40 @@ def _settle(
             tenants = _charge(tenants, now, after.held_bytes, after.metadata_bytes, 1, after.name, event)
     elif now is not None and (held or metadata):
         tenants = _charge(tenants, now, held, metadata, 0, after.name, event)
-    layouts = node.layouts
-    if not vacant:
-        layouts = layouts.set(after.name, after)
-        if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
-            raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
-    elif after.name in layouts:
-        layouts = layouts.delete(after.name)
-    gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
+    if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
+        raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
+    if after.tier is before.tier:  # (most steps: the GPU's share moves with the held bytes)
+        gpu_bytes = node.gpu_bytes + (held if after.tier is not Tier.HOST else 0)
+    else:
+        gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
     host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
     metadata_bytes = node.metadata_bytes + metadata
     if held > 0 or metadata > 0 or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes or was != now:
-        _hold_bounds(node, after, event, tenants, gpu_bytes, host_bytes, metadata_bytes)
-    return replace(
-        node, layouts=layouts, tenants=tenants, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
-        metadata_bytes=metadata_bytes, tick=tick,
-    )
+        _hold_bounds(node, after, now, event, tenants, gpu_bytes, host_bytes, metadata_bytes)
+    state["tenants"] = tenants
+    state["gpu_bytes"] = gpu_bytes
+    state["host_bytes"] = host_bytes
+    state["metadata_bytes"] = metadata_bytes
+    return rebuilt(node, state)
 
 
 def _hold_bounds(
-    node: NodeState, after: LayoutState, event: Event, tenants: Map, gpu: int, host: int, metadata: int
+    node: NodeState, after: LayoutState, owner: str | None, event: Event, tenants: Map, gpu: int, host: int,
+    metadata: int,
 ) -> None:
     """Only for steps that grew something: every bound the growth could break
-    (each asked only where its total grew: most steps grow one or two)."""
-    if gpu > node.gpu_bytes:
+    (each asked only where its total grew and a bound is set: most steps grow
+    one or two, and most bounds are off)."""
+    if gpu > node.gpu_bytes and node.budget_bytes is not None:
         _hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
-    if host > node.host_bytes:
+    if host > node.host_bytes and node.host_budget_bytes is not None:
         _hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
     if metadata > node.metadata_bytes:
         _hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
-    owner = _owner(after)
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
         if new is not old:
-            if new.used_bytes > old.used_bytes:
+            if new.used_bytes > old.used_bytes and new.quota_bytes is not None:
                 _hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
             if new.metadata_bytes > old.metadata_bytes:
                 _hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota,
@@ -326,8 +334,9 @@ def _hold_bounds(
 
 
 def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState) -> NodeState:
-    after = fold_layout(before, event)
     kind = type(event)
+    step = LAYOUT_STEPS.get(kind)
+    after = step(before, event) if step is not None else fold_layout(before, event)  # (which raises)
     if kind is RwConnect:
         after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)
     elif kind in _USES:
@@ -338,7 +347,7 @@ def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState)
 def fold(node: NodeState, event: Event) -> NodeState:
     """The next node; raises the Rejection of an illegal event (``gms.fsm.rules``),
     InvariantViolation for one no state could take."""
-    if isinstance(event, ServerStarted):
+    if type(event) is ServerStarted:
         return replace(_server_started(node, event), tick=node.tick + 1)
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")

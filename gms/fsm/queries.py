@@ -17,7 +17,7 @@ def layout_of(node, conn: int) -> LayoutState:
     session = node.sessions.get(conn)
     if session is None:
         raise NotConnected("this request needs a lock: send HandshakeRequest first")
-    return node.layout(session.layout)
+    return node.layouts.get(session.layout) or node.layout(session.layout)
 
 
 def require_view(state: LayoutState, conn: int, action: str) -> None:
@@ -30,10 +30,20 @@ def require_view(state: LayoutState, conn: int, action: str) -> None:
 
 def exportable(state: LayoutState, conn: int, allocation_ids: list[str]) -> list[Allocation]:
     """What a holder may export: the restorer only once the GPU memory exists."""
+    _may_export(state, conn)
+    return [allocation_of(state, allocation_id) for allocation_id in allocation_ids]
+
+
+def export_one(state: LayoutState, conn: int, allocation_id: str) -> Allocation:
+    """:func:`exportable` for one allocation (the common request)."""
+    _may_export(state, conn)
+    return allocation_of(state, allocation_id)
+
+
+def _may_export(state: LayoutState, conn: int) -> None:
     require_view(state, conn, "get_allocation")
     if state.restorer == conn and state.tier is not Tier.RESTORING:
         raise StateViolation("the layout's GPU memory is not there yet")
-    return [allocation_of(state, allocation_id) for allocation_id in allocation_ids]
 
 
 def get_allocation(state: LayoutState, conn: int, allocation_id: str) -> Allocation:

@@ -138,11 +138,17 @@ class Rule:
     locks: tuple[LockState, ...] = attrs.field(init=False)
     tiers: tuple[Tier, ...] = attrs.field(init=False)
     anywhere: bool = attrs.field(init=False)  # every lock state, every tier: nothing to look up
+    plays: Callable[[object, LayoutState, int], bool] | None = attrs.field(init=False)  # None: anyone
+    # Where the role settles the lock state: the writer's layout is RW (see
+    # ``lock_state``), so only the tier is left to ask.
+    lock_known: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "locks", tuple(dict.fromkeys(move.before for move in self.moves)))
         object.__setattr__(self, "tiers", tuple(dict.fromkeys(move.before for move in self.tier_moves)))
         object.__setattr__(self, "anywhere", set(self.locks) == set(LockState) and set(self.tiers) == set(Tier))
+        object.__setattr__(self, "plays", _PLAYS.get(self.who))
+        object.__setattr__(self, "lock_known", self.who is Who.WRITER and RW in self.locks)
 
 
 # -- the roles --------------------------------------------------------------------------
@@ -236,21 +242,10 @@ def _allocation_sizes(node, layout: LayoutState, e: AllocationCreated) -> None:
         raise InvalidArgument(f"aligned size {e.aligned_size} is below the size {e.size}")
     if limits.max_allocation_bytes is not None and e.size > limits.max_allocation_bytes:
         raise LimitExceeded(f"allocation of {e.size} bytes exceeds the {limits.max_allocation_bytes}-byte limit")
-    check_text("tag", e.tag, limits.max_tag_bytes)
+    if not e.tag or len(e.tag) > limits.max_tag_bytes // 4:  # (UTF-8: at most 4 bytes a character)
+        check_text("tag", e.tag, limits.max_tag_bytes)
     if len(layout.allocations) >= limits.max_allocations:
         raise LimitExceeded(f"layout already holds {limits.max_allocations} allocations")
-
-
-def within_quotas(node, layout: LayoutState, conn: int, more: int) -> None:
-    """The writer's session limit, then its tenant's quota, for ``more`` bytes."""
-    session = node.sessions.get(conn)
-    if session is None:
-        raise InvariantViolation(f"conn {conn} spends bytes without a session")
-    if session.limit_bytes is not None and layout.held_bytes + more > session.limit_bytes:
-        raise QuotaExceeded("session", layout.held_bytes, more, session.limit_bytes)
-    tenant = node.tenants[session.tenant]
-    if tenant.quota_bytes is not None and tenant.used_bytes + more > tenant.quota_bytes:
-        raise QuotaExceeded("tenant", tenant.used_bytes, more, tenant.quota_bytes)
 
 
 def fits_budget_ever(node, layout: LayoutState, total: int) -> None:
@@ -263,12 +258,23 @@ def fits_budget_ever(node, layout: LayoutState, total: int) -> None:
 
 
 def _allocation_admitted(node, layout: LayoutState, e: AllocationCreated) -> None:
-    within_quotas(node, layout, e.conn, e.aligned_size)
-    fits_budget_ever(node, layout, layout.held_bytes + e.aligned_size)
+    """The writer's session limit, then its tenant's quota, then the budget."""
+    more = e.aligned_size
+    session = node.sessions.get(e.conn)
+    if session is None:
+        raise InvariantViolation(f"conn {e.conn} spends bytes without a session")
+    if session.limit_bytes is not None and layout.held_bytes + more > session.limit_bytes:
+        raise QuotaExceeded("session", layout.held_bytes, more, session.limit_bytes)
+    tenant = node.tenants[session.tenant]
+    if tenant.quota_bytes is not None and tenant.used_bytes + more > tenant.quota_bytes:
+        raise QuotaExceeded("tenant", tenant.used_bytes, more, tenant.quota_bytes)
+    if node.budget_bytes is not None:
+        fits_budget_ever(node, layout, layout.held_bytes + more)
 
 
 def _known_allocation(node, layout: LayoutState, e) -> None:
-    allocation_of(layout, e.allocation_id)
+    if e.allocation_id not in layout.allocations:
+        allocation_of(layout, e.allocation_id)  # says why
 
 
 def _unreferenced(node, layout: LayoutState, e: AllocationFreed) -> None:
@@ -279,7 +285,8 @@ def _unreferenced(node, layout: LayoutState, e: AllocationFreed) -> None:
 
 def _metadata_entry(node, layout: LayoutState, e: MetadataPut) -> None:
     limits = node.limits
-    check_text("metadata key", e.key, limits.max_key_bytes)
+    if not e.key or len(e.key) > limits.max_key_bytes // 4:
+        check_text("metadata key", e.key, limits.max_key_bytes)
     if len(e.value) > limits.max_metadata_value_bytes:
         raise LimitExceeded(f"metadata value of {len(e.value)} bytes exceeds {limits.max_metadata_value_bytes}")
     allocation = allocation_of(layout, e.allocation_id)
@@ -356,7 +363,8 @@ def _restore_admitted(node, layout: LayoutState, e: RestoreLoading) -> None:
 def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> None:
     if e.conn in node.sessions:
         raise StateViolation("this connection has already handshaken")
-    check_layout_name(e.layout)  # also when empty: then ``layout`` is None
+    if e.layout not in node.layouts:  # a layout's name was checked when it was made
+        check_layout_name(e.layout)  # also when empty: then ``layout`` is None
     if e.lock_type not in LOCK_TYPES:
         raise InvalidArgument(f"unknown lock type {e.lock_type!r}")
     tenant = node.tenants.get(e.tenant)
@@ -555,18 +563,30 @@ def check(node, event: Event) -> LayoutState | None:
     it can: a role by one comparison, the lock state only where the rule
     does not allow them all; ``require`` says why only when one fails."""
     rule = RULES.get(type(event)) or rule_for(event)
-    layout = node.layout(event.layout) if event.layout else None
-    if layout is not None:
-        plays = _PLAYS.get(rule.who)
-        if plays is not None and not plays(node, layout, event.conn):
-            require(layout, event.conn, rule.who, rule.action or event.KIND, node)
-        if not rule.anywhere and (lock_state(layout) not in rule.locks or layout.tier not in rule.tiers):
-            raise rule.refusal(
-                f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
-                f"{layout.lock_state.value} and {_WHERE[layout.tier]}"
-            )
+    name = event.layout
+    if name:
+        layout = node.layouts.get(name) or LayoutState(name)  # a vacant one: see NodeState.layout
+        if rule.lock_known:  # the writer's events, most of the log: asked inline
+            if layout.writer != event.conn:
+                require(layout, event.conn, rule.who, rule.action or event.KIND, node)
+            if layout.tier not in rule.tiers:
+                raise rule.refusal(
+                    f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
+                    f"{layout.lock_state.value} and {_WHERE[layout.tier]}"
+                )
+        else:
+            plays = rule.plays
+            if plays is not None and not plays(node, layout, event.conn):
+                require(layout, event.conn, rule.who, rule.action or event.KIND, node)
+            if not rule.anywhere and (lock_state(layout) not in rule.locks or layout.tier not in rule.tiers):
+                raise rule.refusal(
+                    f"{rule.action or event.KIND} cannot happen on layout {layout.name!r} while it is "
+                    f"{layout.lock_state.value} and {_WHERE[layout.tier]}"
+                )
     elif rule.needs_layout:
         raise InvariantViolation(f"{event.KIND} names no layout")
+    else:
+        layout = None
     for step in rule.checks:
         step(node, layout, event)
     return layout

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..fsm import Grant, InvariantViolation, MemoryTier, NodeState, Rejection, may_make_room, released_memory
+from ..fsm import Grant, InvariantViolation, MemoryTier, NodeState, Rejection, batch_effects
 from ..fsm.events import Event
-from ..store import EventLog
+from ..store import EventLog, Folded
 from .lock_queues import LockQueues
 from .memory import Memory
 
@@ -42,65 +42,73 @@ class Ledger:
     def state(self) -> NodeState:
         return self.log.state
 
-    def record(self, events: Iterable[Event], *, by_server: bool = False) -> bool:
+    def record(self, events: Iterable[Event] | Folded, *, by_server: bool = False) -> bool:
         """Append, release, grant, wake; returns whether memory waiters were woken.
 
-        A refused event raises its Rejection (nothing was appended) when a
-        client's request proposed it; ``by_server`` events (evictions, grants)
-        the server proposed itself, so their refusal is a broken invariant."""
-        events = events if isinstance(events, list) else list(events)
-        room = self._append(events, by_server)
-        touched: list[str] = []  # in order: a batch names one layout, or a few
-        for event in events:
-            if event.layout and event.layout not in touched:
-                touched.append(event.layout)
-        for layout in touched:
-            room = self._grant(layout) or room
+        ``events`` may come folded already (:meth:`fold`, before an ``await``):
+        stored as folded while nothing was appended since, folded again if
+        something was.  A refused event raises its Rejection (nothing was
+        appended) when a client's request proposed it; ``by_server`` events
+        (evictions, grants) the server proposed itself, so their refusal is a
+        broken invariant."""
+        folded = self._append(events, by_server)
+        room = self._released(folded)
+        events = folded.events
+        touched = (events[0].layout,) if len(events) == 1 else dict.fromkeys(event.layout for event in events)
+        for layout in touched:  # in order: one layout, or a few
+            if layout and self.queues.waiting_on(layout):
+                room = self._grant(layout) or room
         if room:
             self._on_released()
         return room
+
+    def fold(self, events: list[Event]) -> Folded:
+        """What recording ``events`` now would do, recorded nowhere (a refusal
+        raises): for a decision that spans an ``await``, which records it after."""
+        return self.log.fold(events)
 
     def grant(self, layout: str, *, waiter_left: bool = False) -> None:
         """The layout's queue changed: grant what it can grant now.  A waiter that
         left (``waiter_left``) may unblock readers behind it, and may leave a
         layout nobody waits for, which may then be evicted: room."""
-        room = self._grant(layout)
+        room = self.queues.waiting_on(layout) and self._grant(layout)
         if room or (waiter_left and layout not in self.queues.busy()):
             self._on_released()
 
     def record_grant(self, grant: Grant) -> None:
         """A grant decided without a queue (nobody waited): recorded like any other."""
-        if self._append([grant.event], by_server=True):
+        if self._released(self._append([grant.event], by_server=True)):
             self._on_released()
 
     def _grant(self, layout: str) -> bool:
         """Record the grants ``layout`` can make now; True if they may have made room."""
-        if not self.queues.waiting_on(layout):
-            return False
         room = False
         for grant, waiter in self.queues.take_grants(self.state.layout(layout)):
-            room = self._append([grant.event], by_server=True) or room
+            room = self._released(self._append([grant.event], by_server=True)) or room
             waiter.on_grant(grant)
         return room
 
-    def _append(self, events: list[Event], by_server: bool) -> bool:
-        releases: dict[MemoryTier, list[str]] = {}
-        room = False
-
-        def observe(before: NodeState, event: Event) -> None:
-            nonlocal room
-            for release in released_memory(before, event):
-                releases.setdefault(release.tier, []).append(release.allocation_id)
-            room = room or may_make_room(event)
-
+    def _append(self, events: Iterable[Event] | Folded, by_server: bool) -> Folded:
+        log = self.log
         try:
-            entries = self.log.extend(events, observe)
+            if not isinstance(events, Folded):
+                folded = log.fold(events)
+            elif events.base is log.state:
+                folded = events
+            else:  # something was recorded since it was folded: fold it again, on what is
+                folded = log.fold(events.events)
         except Rejection as refused:
             if by_server:
                 raise InvariantViolation(f"the server proposed an illegal event: {refused.message}") from refused
             raise
-        for entry in entries:
+        for entry in log.store(folded):
             self._on_event(entry.event)
-        for tier, allocation_ids in releases.items():
+        return folded
+
+    def _released(self, folded: Folded) -> bool:
+        """Hand what the stored batch released to each tier; True if it released
+        memory or may have made an idle layout evictable (room)."""
+        released, room = batch_effects(folded.befores, folded.events)
+        for tier, allocation_ids in released.items():
             self.tiers[tier].release(allocation_ids)
-        return bool(releases) or room
+        return room

@@ -150,19 +150,23 @@ class Memory:
         if self.fds is not None:
             self.fds.check_memory(len(items))
         stock = self.stock
-        taken = [stock.take(size) for _, size in items] if stock.bytes else [None] * len(items)
-        missing = [item for item, held in zip(items, taken) if held is None]
+        taken = [stock.take(size) for _, size in items] if stock.bytes else None
+        missing = items if taken is None else [item for item, held in zip(items, taken) if held is None]
         try:
-            made = iter(await self._make(missing) if missing else ())
+            made = []
+            if missing:
+                made = self._made_here(missing) or await self.lane.call(_create_all, self.backend, missing)
         except NoFileDescriptors as exc:  # the count missed some: refused all the same
-            self._give_back([held for held in taken if held is not None])
+            self._give_back([held for held in taken or () if held is not None])
             raise FdsExhausted("fds", "node", len(self._held), len(items), len(self._held), str(exc)) from None
         except BaseException:
-            self._give_back([held for held in taken if held is not None])
+            self._give_back([held for held in taken or () if held is not None])
             raise
+        if taken is not None:  # the made ones come in the order they were missing
+            made = iter(made)
+            made = [held or next(made) for held in taken]
         table = self._held
-        for (allocation_id, _), held in zip(items, taken):
-            held = held or next(made)  # the made ones come in the order they were missing
+        for (allocation_id, _), held in zip(items, made):
             table[allocation_id] = held
             self._bytes += held.size
         if self.observer is not None:  # before the event that records them (the caller's)
@@ -170,19 +174,21 @@ class Memory:
         if stock.max_bytes:
             self._restock({size for _, size in items})
 
-    async def _make(self, items: list[tuple[str, int]]) -> list[Held]:
-        """On the loop where the backend allows it and they are few (a restore's
-        thousand would stall it); on the lane where it must, or where the loop
-        found the tier full: the lane runs the releases queued before it first."""
-        if self._on_loop([size for _, size in items]):
-            try:
-                return _create_all(self.backend, items)
-            except OutOfMemory:
-                pass
-        return await self.lane.call(_create_all, self.backend, items)
-
-    def _on_loop(self, sizes: list[int]) -> bool:
-        return len(sizes) <= _ON_LOOP_MAX and sum(sizes) <= self.backend.loop_bytes
+    def _made_here(self, items: list[tuple[str, int]]) -> list[Held] | None:
+        """Made on the loop where the backend allows it and they are few (a
+        restore's thousand would stall it); None where the lane must make them,
+        or where the loop found the tier full (the lane runs the releases
+        queued before it first)."""
+        if len(items) <= _ON_LOOP_MAX:
+            total = 0
+            for _, size in items:
+                total += size
+            if total <= self.backend.loop_bytes:
+                try:
+                    return _create_all(self.backend, items)
+                except OutOfMemory:
+                    pass
+        return None
 
     async def adopt(self, items: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
         """Memory another server made, by (id, fd, aligned size), checked on the lane
@@ -245,6 +251,18 @@ class Memory:
                 ) from None
             raise
 
+    def export_lent(self, allocation_id: str) -> int:
+        """One fd lent to a reply, as :meth:`export_many` lends them."""
+        budget = self.fds
+        if budget is None:
+            return self.export(allocation_id)
+        budget.lend(1)
+        try:
+            return self.export(allocation_id)
+        except BaseException:
+            budget.returned(1)
+            raise
+
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
         """Fds lent to a reply: the session gives them back to the budget once sent."""
         allocation_ids = list(allocation_ids)
@@ -262,22 +280,26 @@ class Memory:
             raise
         return fds
 
-    def release(self, allocation_ids: Iterable[str]) -> None:
+    def release(self, allocation_ids: list[str]) -> None:
         """Forget them here at once; free them here too if that is quick, else
         the lane does, after what it has queued."""
-        allocation_ids = list(allocation_ids)
         if self._lost:
             allocation_ids = [i for i in allocation_ids if not self._was_lost(i)]
-        gone = [self._held.pop(allocation_id) for allocation_id in allocation_ids]
-        if gone and self.observer is not None:
+        if not allocation_ids:
+            return
+        table, gone, size = self._held, [], 0
+        for allocation_id in allocation_ids:
+            held = table.pop(allocation_id)
+            gone.append(held)
+            size += held.size
+        if self.observer is not None:
             self.observer.released(self.lane.name, allocation_ids)
-        if gone:
-            self._bytes -= sum(held.size for held in gone)
-            self.released += len(gone)
-            if self._on_loop([held.size for held in gone]):
-                _release_all(self.backend, gone)
-            else:
-                self.lane.post(_release_all, self.backend, gone)
+        self._bytes -= size
+        self.released += len(gone)
+        if len(gone) <= _ON_LOOP_MAX and size <= self.backend.loop_bytes:
+            _release_all(self.backend, gone)
+        else:
+            self.lane.post(_release_all, self.backend, gone)
 
     def _was_lost(self, allocation_id: str) -> bool:
         if allocation_id in self._lost:

@@ -271,8 +271,8 @@ class MirroredLog(EventLog):
 
     link: KeeperLink | None = None
 
-    def extend(self, events, observe=None) -> list[LogEntry]:
-        entries = super().extend(events, observe)
+    def store(self, folded) -> list[LogEntry]:
+        entries = super().store(folded)
         if self.link is not None and entries:
             self.link.logged(entries)
         return entries

@@ -37,6 +37,7 @@ from ..fsm import (
 )
 from ..fsm.events import AllocationOomGaveUp, AllocationOomWait, Event, RestoreLoading
 from ..fsm.queries import layout_of
+from ..store import Folded
 from ..wire import messages as m
 from .ledger import Ledger
 from .memory import Memory
@@ -62,6 +63,7 @@ class Placement:
         retry_timeout: float | None,
     ) -> None:
         self.ledger = ledger
+        self.log = ledger.log  # the state, read (the ledger alone writes)
         self.gpu = gpu
         self.signal = signal
         self.retry_interval = retry_interval
@@ -73,66 +75,77 @@ class Placement:
         aligned = align_up(size, self.gpu.granularity) if size > 0 else size  # <= 0: refused
 
         def propose() -> Event:
-            (event,) = decide_allocate(layout_of(self.ledger.state, conn), conn, allocation_id, size, aligned, tag)
+            (event,) = decide_allocate(layout_of(self.log.state, conn), conn, allocation_id, size, aligned, tag)
             return event
 
-        event = await self._create(propose, admit_allocation, [(allocation_id, aligned)])
+        event = await self._create(propose, admit_allocation, [(allocation_id, aligned)], aligned)
         return m.AllocateResponse(allocation_id, size, aligned, event.layout_slot)
 
     async def restore(self, conn: int) -> None:
         """GPU memory again for the evicted layout ``conn`` restores; OutOfMemory to wait out."""
-        layout = layout_of(self.ledger.state, conn)
+        layout = layout_of(self.log.state, conn)
         items = [(a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
-        await self._create(lambda: RestoreLoading(conn, layout=layout.name), admit_restore, items)
+        await self._create(lambda: RestoreLoading(conn, layout=layout.name), admit_restore, items, layout.held_bytes)
 
-    async def _create(self, propose: Callable[[], Event], admit, items: list[tuple[str, int]]) -> Event:
-        more = sum(size for _, size in items)
+    async def _create(self, propose: Callable[[], Event], admit, items: list[tuple[str, int]], more: int) -> Event:
+        """Memory for ``items`` (``more`` bytes in all) and the event ``propose()``
+        makes for it, recorded; raises a Rejection, or OutOfMemory to wait out."""
         while True:
-            event = propose()
-            admitted = admit(self.ledger.state, event)  # refusals cost nothing yet
-            if self.gpu.fds is not None:
-                self.gpu.fds.check_memory(len(items))  # nor do fds: never evict for memory it cannot hold
-            self._make_room(admitted)
-            decided_on = self.ledger.state
+            folded = self._fold(propose, admit, more, len(items))  # refusals cost nothing yet
             try:
                 await self.gpu.create(items)
             except OutOfMemory:
                 if not self.gpu.drop_stock() and not self._evict_one():
                     raise
                 continue
-            # The world may have changed during the await: decide again (the
-            # state is immutable: the same object is the same world, as when
-            # the memory was made on the loop without a checkpoint).
-            ids = [allocation_id for allocation_id, _ in items]
+            # The world may have changed during the await: the fold is stored
+            # as it is if nothing was recorded meanwhile (the state is
+            # immutable: the same object is the same world), else the event is
+            # decided and folded again on the state as it is now.
             try:
-                if self.ledger.state is not decided_on:
-                    if gpu_shortfall(self.ledger.state, more):
-                        self.gpu.release(ids)  # room taken meanwhile: make room again, or wait
-                        continue
-                    event = propose()
-                self.ledger.record([event])  # the fold checks it, budget included
+                if self.log.state is not folded.base:
+                    if gpu_shortfall(self.log.state, more):
+                        self.gpu.release([allocation_id for allocation_id, _ in items])
+                        continue  # room taken meanwhile: make room again, or wait
+                    folded = self.ledger.fold([propose()])
+                self.ledger.record(folded)
             except BaseException:
-                self.gpu.release(ids)
+                self.gpu.release([allocation_id for allocation_id, _ in items])
                 raise
-            return event
+            return folded.events[0]
+
+    def _fold(self, propose: Callable[[], Event], admit, more: int, count: int) -> Folded:
+        """The event folded on the state as it is, after making room for it if the
+        budget is short.  Where it fits, the fold alone judges it (the rules, the
+        budget); where it does not, ``admit`` refuses it first, so that nothing is
+        evicted for a request the rules refuse anyway, or for memory whose fds
+        the server could not hold."""
+        state = self.log.state
+        if state.budget_bytes is not None and gpu_shortfall(state, more):
+            event = propose()
+            needed = admit(self.log.state, event)
+            if self.gpu.fds is not None:
+                self.gpu.fds.check_memory(count)
+            self._make_room(needed)
+        return self.ledger.fold([propose()])
 
     def _make_room(self, needed: int) -> None:
         """Evict least-recently-used idle layouts until ``needed`` more GPU bytes fit
         the budget; OutOfMemory (the caller waits) when evicting all would not do."""
         if needed <= 0:
             return
-        plan = plan_evictions(self.ledger.state, needed, self.ledger.queues.busy())
+        plan = plan_evictions(self.log.state, needed, self.ledger.queues.busy())
         if plan is None:
             raise OutOfMemory(f"the GPU budget has no room for {needed} more bytes")
         for name in plan:
-            self.ledger.record(decide_evict(self.ledger.state, 0, name, "budget"), by_server=True)
+            self.ledger.record(decide_evict(self.log.state, 0, name, "budget"), by_server=True)
 
     def _evict_one(self) -> bool:
         """The device is full (other processes hold it): evict the LRU idle layout."""
-        candidates = eviction_candidates(self.ledger.state, self.ledger.queues.busy())
+        candidates = eviction_candidates(self.log.state, self.ledger.queues.busy())
         if not candidates:
             return False
-        self.ledger.record(decide_evict(self.ledger.state, 0, candidates[0].name, "oom"), by_server=True)
+        self.ledger.record(decide_evict(self.log.state, 0, candidates[0].name, "oom"), by_server=True)
         return True
 
     async def with_memory(
@@ -178,5 +191,5 @@ class Placement:
                     raise PeerGone("hung up while waiting for memory")
 
     def _layout_name(self, conn: int) -> str:
-        session = self.ledger.state.sessions.get(conn)
+        session = self.log.state.sessions.get(conn)
         return session.layout if session is not None else ""

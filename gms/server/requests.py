@@ -30,6 +30,9 @@ from .memory import Memory
 from .reply import Reply, UnknownRequest, allocation_info
 
 DEFAULT_SCAN_CACHE_BYTES = 64 << 20
+# Answers that are always the same (replies are frozen): made once.
+_FREED = Reply(m.FreeAllocationResponse(True))
+_PUT = Reply(m.MetadataPutResponse(True))
 
 
 class ScanCache:
@@ -68,6 +71,7 @@ class ScanCache:
 class Requests:
     def __init__(self, ledger: Ledger, gpu: Memory, scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES) -> None:
         self.ledger = ledger
+        self.log = ledger.log
         self.gpu = gpu
         self.scans = ScanCache(scan_cache_bytes)
         self._handlers: dict[type, Callable[[int, object], Reply]] = {
@@ -97,11 +101,11 @@ class Requests:
         return handler(conn, request)
 
     def _layout(self, conn: int) -> LayoutState:
-        return queries.layout_of(self.ledger.state, conn)
+        return queries.layout_of(self.log.state, conn)
 
     def _export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
-        (allocation,) = queries.exportable(self._layout(conn), conn, [req.allocation_id])
-        (fd,) = self.gpu.export_many([allocation.allocation_id])
+        allocation = queries.export_one(self._layout(conn), conn, req.allocation_id)
+        fd = self.gpu.export_lent(allocation.allocation_id)
         return Reply(allocation_info(allocation, m.ExportAllocationResponse), fds=(fd,))
 
     def _export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:
@@ -121,7 +125,7 @@ class Requests:
 
     def _free(self, conn: int, req: m.FreeAllocationRequest) -> Reply:
         self.ledger.record(decide_free(self._layout(conn), conn, req.allocation_id))
-        return Reply(m.FreeAllocationResponse(True))
+        return _FREED
 
     def _commit(self, conn: int, req: m.CommitRequest) -> Reply:
         (commit,) = decide_commit(self._layout(conn), conn, req.residency or "device")
@@ -133,7 +137,7 @@ class Requests:
     def _metadata_put(self, conn: int, req: m.MetadataPutRequest) -> Reply:
         layout = self._layout(conn)
         self.ledger.record(decide_metadata_put(layout, conn, req.key, req.allocation_id, req.offset_bytes, req.value))
-        return Reply(m.MetadataPutResponse(True))
+        return _PUT
 
     def _metadata_put_many(self, conn: int, req: m.MetadataPutManyRequest) -> Reply:
         entries = [(e.key, e.allocation_id, e.offset_bytes, e.value) for e in req.entries]

@@ -1,5 +1,5 @@
 """The event log the server appends to and the history probe reads."""
 
-from .log import EventLog, LogEntry, Snapshot, replay
+from .log import EventLog, Folded, LogEntry, Snapshot, StaleFold, replay
 
-__all__ = ["EventLog", "LogEntry", "Snapshot", "replay"]
+__all__ = ["EventLog", "Folded", "LogEntry", "Snapshot", "StaleFold", "replay"]

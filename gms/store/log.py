@@ -2,7 +2,11 @@
 
 Appending folds first: an event the state refuses raises and is not stored
 (a batch is stored all or nothing), so the log never holds an event its
-state could not accept.  Entries live in
+state could not accept.  The two halves are separate steps, :meth:`EventLog.fold`
+(what the batch would do, stored nowhere) and :meth:`EventLog.store` (only
+while the state it was folded on is still the live one): a caller that must
+decide before an ``await`` folds once, and stores that fold after it if
+nothing was appended meanwhile.  Entries live in
 fixed-size chunks, each remembering the (immutable) state before its first
 entry; retention drops whole chunks from the front, and the oldest kept
 chunk's start state becomes the snapshot.  No re-fold is needed at the cut,
@@ -20,7 +24,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -32,12 +37,32 @@ _MIN_CHUNK_BYTES = 64 << 10
 _NEVER = float("inf")
 
 
-@attrs.frozen
-class LogEntry:
+class LogEntry(NamedTuple):
+    """One stored event.  A named tuple, as immutable as a frozen attrs class
+    and made at half its cost: one is made for every event."""
+
     seq: int
     mono_ns: int
     wall_ns: int
     event: Event
+
+
+class Folded:
+    """A batch folded on ``base`` and not stored: ``befores[i]`` is the state
+    ``events[i]`` was folded on, ``state`` the state after the last.  (A plain
+    slotted class, not attrs: one is made for every append.)"""
+
+    __slots__ = ("base", "events", "befores", "state")
+
+    def __init__(self, base: NodeState, events: Sequence[Event], befores: list[NodeState], state: NodeState) -> None:
+        self.base = base
+        self.events = events
+        self.befores = befores
+        self.state = state
+
+
+class StaleFold(RuntimeError):
+    """A fold stored after the live state moved on: a bug in its caller."""
 
 
 @attrs.frozen
@@ -83,8 +108,10 @@ class EventLog:
         self._retain = retain
         self._chunk_size = chunk_size
         self._max_bytes = max_bytes
+        # The live state, every appended event folded: read it, never set it (an
+        # attribute, not a property: every request reads it, most of them more than once).
+        self.state: NodeState = EMPTY_NODE
         self._chunk_bytes = None if max_bytes is None else max(max_bytes // 16, _MIN_CHUNK_BYTES)
-        self._state = EMPTY_NODE
         self._next_seq = 1
         self._chunks: deque[_Chunk] = deque([_Chunk(1, EMPTY_NODE)])
         self._kept = 0
@@ -105,36 +132,41 @@ class EventLog:
         the snapshot's share of metadata from the start (a take-over's snapshot
         is the live state: none)."""
         log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes)
-        log._state = snapshot.state
+        log.state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
+        entries = list(entries)
+        befores = []
         for entry in entries:
-            if entry.seq != log._next_seq:
-                raise ValueError(f"event {entry.seq} cannot follow event {log._next_seq - 1}")
-            before = log._state
-            log._state = fold(before, entry.event)
-            log._store(entry, before)
+            if entry.seq != log._next_seq + len(befores):
+                raise ValueError(f"event {entry.seq} cannot follow event {log._next_seq + len(befores) - 1}")
+            befores.append(log.state)
+            log.state = fold(log.state, entry.event)
+        log._keep(entries, befores)
         if max_bytes is not None:
-            log._pinned = pinned_bytes(log._chunks[0].start_state, log._state)
+            log._pinned = pinned_bytes(log._chunks[0].start_state, log.state)
         log._trim()
         return log
 
-    def _store(self, entry: LogEntry, before: NodeState) -> None:
-        """One entry folded already, stored as :meth:`extend` stores (a chunk closes
-        at ``chunk_size`` entries or its share of the byte bound)."""
+    def _keep(self, entries: list[LogEntry], befores: list[NodeState]) -> None:
+        """Entries folded already (``befores[i]`` the state before ``entries[i]``),
+        kept in chunks: a chunk closes at ``chunk_size`` entries or its share of
+        the byte bound, remembering the state before its first entry."""
         chunk = self._chunks[-1]
-        if len(chunk.entries) == self._chunk_size or (
-            self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
-        ):
-            chunk = _Chunk(entry.seq, before)
-            self._chunks.append(chunk)
-        chunk.entries.append(entry)
-        if self._max_bytes is not None:
-            size = entry_bytes(entry.event)
-            chunk.bytes += size
-            self._bytes += size
-        self._next_seq = entry.seq + 1
-        self._kept += 1
+        for entry, before in zip(entries, befores):
+            if len(chunk.entries) == self._chunk_size or (
+                self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
+            ):
+                chunk = _Chunk(entry.seq, before)
+                self._chunks.append(chunk)
+            chunk.entries.append(entry)
+            if self._max_bytes is not None:
+                size = entry_bytes(entry.event)
+                chunk.bytes += size
+                self._bytes += size
+        if entries:
+            self._next_seq = entries[-1].seq + 1
+            self._kept += len(entries)
 
     # -- writing -----------------------------------------------------------
 
@@ -143,28 +175,36 @@ class EventLog:
         (entry,) = self.extend((event,))
         return entry
 
-    def extend(
-        self, events: Iterable[Event], observe: Callable[[NodeState, Event], None] | None = None
-    ) -> list[LogEntry]:
+    def extend(self, events: Iterable[Event]) -> list[LogEntry]:
         """Append all or nothing: each event folds on the state the ones before it
         leave, and if any is refused none is stored (a free and its cascade, a
-        batch of metadata puts, land together or not at all).  ``observe(before,
-        event)`` sees each stored event with the state it was folded on."""
+        batch of metadata puts, land together or not at all)."""
+        return self.store(self.fold(events))
+
+    def fold(self, events: Iterable[Event]) -> Folded:
+        """What appending ``events`` would do, stored nowhere (a refusal raises):
+        each folds on the state the ones before it leave."""
         events = events if isinstance(events, list | tuple) else tuple(events)
         befores = []
-        state = self._state
+        state = self.state
         for event in events:
             befores.append(state)
-            state = fold(state, event)  # raises before anything is stored
+            state = fold(state, event)
+        return Folded(self.state, events, befores, state)
+
+    def store(self, folded: Folded) -> list[LogEntry]:
+        """Store a batch folded on the live state (StaleFold if another was stored since)."""
+        if folded.base is not self.state:
+            raise StaleFold("the batch was folded on a state that is no longer the live one")
         mono_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # one moment for the batch
         chunks = len(self._chunks)
         seq = self._next_seq
-        entries = [LogEntry(seq + i, mono_ns, wall_ns, event) for i, event in enumerate(events)]
-        for entry, before in zip(entries, befores):
-            if observe is not None:
-                observe(before, entry.event)
-            self._store(entry, before)
-        self._state = state
+        entries = []
+        for event in folded.events:
+            entries.append(LogEntry(seq, mono_ns, wall_ns, event))
+            seq += 1
+        self._keep(entries, folded.befores)
+        self.state = state = folded.state
         if len(self._chunks) != chunks and self._max_bytes is not None:
             self._pinned = pinned_bytes(self._chunks[0].start_state, state)
         if self._kept >= self._trim_at:
@@ -184,7 +224,7 @@ class EventLog:
             self._kept -= len(chunk.entries)
             self._bytes -= chunk.bytes
             if self._max_bytes is not None:
-                self._pinned = pinned_bytes(chunks[0].start_state, self._state)
+                self._pinned = pinned_bytes(chunks[0].start_state, self.state)
         self._trim_at = self._next_trim()
 
     def _next_trim(self) -> float:
@@ -206,11 +246,6 @@ class EventLog:
         return self._bytes + self._pinned
 
     # -- reading -----------------------------------------------------------
-
-    @property
-    def state(self) -> NodeState:
-        """The live state: every appended event folded."""
-        return self._state
 
     @property
     def snapshot(self) -> Snapshot:
