@@ -84,6 +84,7 @@ class Done:
     error: str = ""
 
 
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # a plain int: ``int & IntFlag`` runs the enum's operator
 _TYPES = {cls.__name__: cls for cls in (MapChunks, UnmapChunks, Copy, Ready, Done)}
 
 
@@ -110,7 +111,7 @@ def unpack_fds(ancillary, flags: int) -> list[int]:
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if flags & _TRUNCATED:
         close_fds(fds)
         raise LinkError("a link frame or its fds were truncated")
     return list(fds)

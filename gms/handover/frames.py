@@ -26,6 +26,9 @@ import attrs
 import msgpack
 
 HEADER = struct.Struct(">IH")
+# One packer, made once: ``msgpack.packb`` makes one (and its buffer) per call.
+_pack = msgpack.Packer(use_bin_type=True).pack
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: ``int & IntFlag`` runs the enum's operator
 MAX_FDS = 253  # SCM_MAX_FD
 ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
 RECV_BYTES = 1 << 20
@@ -54,7 +57,7 @@ class Frame:
 def encode_frame(kind: str, body: dict | None = None, nfds: int = 0) -> bytes:
     if nfds > MAX_FDS:
         raise ValueError(f"at most {MAX_FDS} fds per frame, not {nfds}")
-    payload = msgpack.packb({**(body or {}), "t": kind}, use_bin_type=True)
+    payload = _pack({**(body or {}), "t": kind})
     return HEADER.pack(len(payload), nfds) + payload
 
 
@@ -119,7 +122,7 @@ def received_fds(ancillary) -> list[int]:
 
 
 def check_flags(flags: int, fds: list[int]) -> None:
-    if flags & socket.MSG_CTRUNC:
+    if flags & _MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
         raise FrameError("the kernel dropped fds (ancillary data truncated)")

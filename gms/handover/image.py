@@ -29,7 +29,8 @@ it has and an older writer did not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+from collections.abc import Callable, Iterable
 
 import attrs
 import msgpack
@@ -403,8 +404,7 @@ _READERS = {1: _read_v1, 2: _read_v2}
 # -- the envelope --------------------------------------------------------------------
 
 
-def _pack(value: object) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
+_pack = msgpack.Packer(use_bin_type=True).pack  # made once: ``msgpack.packb`` makes one per call
 
 
 def _unpack(data: bytes) -> object:
@@ -447,6 +447,7 @@ def decode_image(data: bytes) -> StateImage:
 # -- log entries ---------------------------------------------------------------------------
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_VALUES: dict[type, Callable[[object], tuple]] = {}  # an event's field values, in one C call
 
 
 def _fields(cls: type) -> tuple[str, ...]:
@@ -456,9 +457,17 @@ def _fields(cls: type) -> tuple[str, ...]:
     return names
 
 
+def _values(cls: type) -> Callable[[object], tuple]:
+    getter = _VALUES.get(cls)
+    if getter is None:  # (every event has two fields at least, conn and layout: a tuple)
+        getter = _VALUES[cls] = operator.attrgetter(*_fields(cls))
+    return getter
+
+
 def entry_row(entry: LogEntry) -> list:
     event = entry.event
-    fields = {name: getattr(event, name) for name in _fields(type(event))}
+    cls = type(event)
+    fields = dict(zip(_fields(cls), _values(cls)(event)))
     return [entry.seq, entry.mono_ns, entry.wall_ns, event.KIND, fields]
 
 

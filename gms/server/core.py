@@ -62,6 +62,9 @@ from .tarpit import Tarpit
 from .transfers import Transfers
 
 
+_LOCK_TYPES = {lock.value: lock for lock in RequestedLockType}  # a lookup, not the enum's call
+
+
 class ServiceCore:
     def __init__(
         self,
@@ -102,6 +105,7 @@ class ServiceCore:
             device_uuid=device.uuid, layout="",
             tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
         )
+        self.log = self.ledger.log  # read here; the ledger alone writes it
         if not self.ledger.state.started:
             self.ledger.record([self.started_event], by_server=True)
         self.requests = Requests(self.ledger, gpu, scan_cache_bytes)
@@ -141,11 +145,7 @@ class ServiceCore:
 
     @property
     def state(self) -> NodeState:
-        return self.ledger.state
-
-    @property
-    def log(self) -> EventLog:
-        return self.ledger.log
+        return self.log.state
 
     def new_conn(self) -> int:
         conn = self._next_conn
@@ -163,12 +163,47 @@ class ServiceCore:
 
     # -- sessions and locks -------------------------------------------------------
 
+    def handshake(
+        self,
+        conn: int,
+        request: m.HandshakeRequest,
+        peer: Peer,
+        on_grant: GrantCallback,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> RequestedLockType:
+        """Open the session (or record its refusal) and ask for its lock: granted at
+        once where nobody waits ahead and the layout can take it now (recorded
+        with the session, in one batch), else queued as :meth:`request_lock`
+        queues it.  Returns the lock waited for."""
+        opened = self._decide_session(conn, request, peer)
+        requested = _LOCK_TYPES[opened.lock_type]
+        folded = self.ledger.fold([opened])
+        grant = None
+        if not self.queues.waiting_on(opened.layout):
+            grants = schedule(folded.state.layout(opened.layout), [(conn, requested)])
+            if grants:
+                (grant,) = grants
+                folded = self.ledger.fold_more(folded, [grant.event])
+        self.ledger.record(folded)
+        if grant is not None:
+            on_grant(grant)
+        else:
+            self._queue(opened.layout, conn, requested, on_grant, alive)
+        return requested
+
     def open_session(self, conn: int, request: m.HandshakeRequest, peer: Peer) -> RequestedLockType:
-        """Record the session (or the refusal); returns the lock to wait for."""
-        try:
-            requested = RequestedLockType(request.lock_type)
-        except ValueError:
-            raise InvalidArgument(f"unknown lock type {request.lock_type!r}") from None
+        """The first half of :meth:`handshake`: record the session (or the refusal);
+        returns the lock to wait for (:meth:`request_lock`)."""
+        opened = self._decide_session(conn, request, peer)
+        self.ledger.record([opened])
+        return _LOCK_TYPES[opened.lock_type]
+
+    def _decide_session(self, conn: int, request: m.HandshakeRequest, peer: Peer) -> Event:
+        """The SESSION_OPENED a handshake proposes; a refusal by the policy is
+        recorded (SESSION_REFUSED) and raised."""
+        requested = _LOCK_TYPES.get(request.lock_type)
+        if requested is None:
+            raise InvalidArgument(f"unknown lock type {request.lock_type!r}")
         if request.timeout_ms is not None and request.timeout_ms < 0:
             raise InvalidArgument("timeout_ms must be >= 0")
         tenant = self.policy.tenant_for(peer.uid, peer.gid)
@@ -179,7 +214,7 @@ class ServiceCore:
                     f"({self.policy.source})"
                 )
             layout = validate_layout_name(request.layout)
-            events = decide_session(
+            (opened,) = decide_session(
                 self.state, conn, layout, requested,
                 tenant=tenant.name,
                 may_read=tenant.may_read(layout),
@@ -191,9 +226,7 @@ class ServiceCore:
         except PermissionDenied as refused:
             self.ledger.record([SessionRefused(conn, peer.uid, peer.gid, peer.pid, refused.message, layout="")])
             raise
-        self.ledger.record(events)
-        (opened,) = events
-        return RequestedLockType(opened.lock_type)
+        return opened
 
     def request_lock(
         self,
@@ -202,10 +235,11 @@ class ServiceCore:
         on_grant: GrantCallback,
         alive: Callable[[], bool] = lambda: True,
     ) -> None:
-        """Queue a handshake; ``on_grant`` runs (maybe at once) when it is granted.
-        ``alive`` is asked before a grant: False drops the waiter instead.  A
-        handshake nobody is queued ahead of, on a layout that can take it now,
-        is granted without a queue: its client is the one being answered."""
+        """The second half of :meth:`handshake`: queue the session's handshake;
+        ``on_grant`` runs (maybe at once) when it is granted.  ``alive`` is
+        asked before a grant: False drops the waiter instead.  A handshake
+        nobody is queued ahead of, on a layout that can take it now, is granted
+        without a queue: its client is the one being answered."""
         layout = layout_of(self.state, conn).name
         if not self.queues.waiting_on(layout):
             grants = schedule(self.state.layout(layout), [(conn, requested)])
@@ -214,6 +248,11 @@ class ServiceCore:
                 self.ledger.record_grant(grant)
                 on_grant(grant)
                 return
+        self._queue(layout, conn, requested, on_grant, alive)
+
+    def _queue(
+        self, layout: str, conn: int, requested: RequestedLockType, on_grant: GrantCallback, alive: Callable[[], bool]
+    ) -> None:
         self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
         self.ledger.grant(layout)
 

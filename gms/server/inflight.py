@@ -34,7 +34,9 @@ class InFlight:
         self._uids: dict[int, list] = {}  # uid -> [its semaphore, its connections]
 
     def slot(self, uid: int) -> FrameSlot:
-        entry = self._uids.setdefault(uid, [trio.Semaphore(self.slots), 0])
+        entry = self._uids.get(uid)
+        if entry is None:
+            entry = self._uids[uid] = [trio.Semaphore(self.slots), 0]
         entry[1] += 1
         return FrameSlot(self, uid, entry[0])
 

@@ -51,33 +51,52 @@ class Ledger:
         appended) when a client's request proposed it; ``by_server`` events
         (evictions, grants) the server proposed itself, so their refusal is a
         broken invariant."""
-        folded = self._append(events, by_server)
-        room = self._released(folded)
-        events = folded.events
-        touched = (events[0].layout,) if len(events) == 1 else dict.fromkeys(event.layout for event in events)
-        for layout in touched:  # in order: one layout, or a few
-            if layout and self.queues.waiting_on(layout):
-                room = self._grant(layout) or room
+        try:
+            folded = self._append(events, by_server)
+            room = self._released(folded)
+            events = folded.events
+            touched = (events[0].layout,) if len(events) == 1 else dict.fromkeys(event.layout for event in events)
+            for layout in touched:  # in order: one layout, or a few
+                if layout and self.queues.waiting_on(layout):
+                    room = self._grant(layout) or room
+        finally:
+            self.log.flush()
         if room:
             self._on_released()
         return room
 
     def fold(self, events: list[Event]) -> Folded:
         """What recording ``events`` now would do, recorded nowhere (a refusal
-        raises): for a decision that spans an ``await``, which records it after."""
+        raises): for a decision that spans an ``await``, which records it after,
+        or one that builds a batch (:meth:`fold_more`)."""
         return self.log.fold(events)
+
+    def fold_more(self, folded: Folded, events: list[Event]) -> Folded:
+        """``folded`` and then ``events``, which the server proposes (a grant, say):
+        their refusal is a broken invariant."""
+        try:
+            return self.log.fold(events, after=folded)
+        except Rejection as refused:
+            raise InvariantViolation(f"the server proposed an illegal event: {refused.message}") from refused
 
     def grant(self, layout: str, *, waiter_left: bool = False) -> None:
         """The layout's queue changed: grant what it can grant now.  A waiter that
         left (``waiter_left``) may unblock readers behind it, and may leave a
         layout nobody waits for, which may then be evicted: room."""
-        room = self.queues.waiting_on(layout) and self._grant(layout)
+        try:
+            room = self.queues.waiting_on(layout) and self._grant(layout)
+        finally:
+            self.log.flush()
         if room or (waiter_left and layout not in self.queues.busy()):
             self._on_released()
 
     def record_grant(self, grant: Grant) -> None:
         """A grant decided without a queue (nobody waited): recorded like any other."""
-        if self._released(self._append([grant.event], by_server=True)):
+        try:
+            room = self._released(self._append([grant.event], by_server=True))
+        finally:
+            self.log.flush()
+        if room:
             self._on_released()
 
     def _grant(self, layout: str) -> bool:

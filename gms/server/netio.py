@@ -54,7 +54,8 @@ class Channel:
     @classmethod
     def adopt(cls, sock: trio.socket.SocketType, peer: Peer | None = None) -> Channel:
         """Take the socket out of Trio's wrapper (which then closes nothing)."""
-        return cls(socket.socket(fileno=sock.detach()), peer)
+        # Family and type given: asking the kernel for them costs three system calls.
+        return cls(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=sock.detach()), peer)
 
     async def _after_ready_call(self) -> None:
         self._unyielded += 1

@@ -2,9 +2,9 @@
 
 A take-over needs the server still: no request half-decided, no backend
 call in flight, no answer half-sent.  :meth:`Quiesce.pause` asks for it.
-Each session marks the awaits it may be stopped in (``interruptible``):
-reading the next request, waiting for a lock, waiting for memory.  Stopped
-there, it raises :class:`Parked` and its task ends, leaving the connection
+Each session marks the awaits it may be stopped in: reading the next
+request (``reading``/``read``), waiting for a lock or for memory
+(``interruptible``).  Stopped there, it raises :class:`Parked` and its task ends, leaving the connection
 open and its state for the hand-over (the session's ``image()``).  Anywhere
 else (a lane call, a send) it is busy and runs on until its next
 interruptible await, where it parks at once.  :meth:`Quiesce.until_quiet`
@@ -42,7 +42,7 @@ class Quiesce:
         self._scopes: set[trio.CancelScope] = set()
         self._live: set[object] = set()  # sessions whose tasks run
         self.parked: dict[int, object] = {}  # conn -> parked session
-        self._changed = trio.Event()
+        self._changed: trio.Event | None = None  # made when a take-over waits on it
 
     # -- the sessions' side ----------------------------------------------------------
 
@@ -60,6 +60,24 @@ class Quiesce:
             self._scopes.discard(scope)
         if scope.cancelled_caught:
             raise Parked
+
+    def reading(self, scope: trio.CancelScope) -> None:
+        """A session waits for its next request inside ``scope``, a scope of its
+        own entered once for its life (making and entering one is among the
+        dearest steps of a request in Trio, so not one per read): a pause
+        cancels it, which stops the wait.  The session calls :meth:`read` once
+        the wait has ended, however it ended."""
+        if self.requested:
+            raise Parked
+        self._scopes.add(scope)
+
+    def read(self, scope: trio.CancelScope) -> None:
+        """The wait :meth:`reading` began has ended, however it ended.  A pause
+        that stopped it cancelled ``scope``: the session parks once the scope
+        has caught the cancellation; one that came as the wait ended finds the
+        session back from it, which parks at once (what it read stays in its
+        connection, which a hand-over carries)."""
+        self._scopes.discard(scope)
 
     def check(self) -> None:
         """At the top of a session's loop: park rather than start a request."""
@@ -90,8 +108,9 @@ class Quiesce:
     async def until_quiet(self) -> None:
         """Return once no session task runs (each parked or ended)."""
         while self._live:
-            changed = self._changed
-            await changed.wait()
+            if self._changed is None:
+                self._changed = trio.Event()
+            await self._changed.wait()
 
     def resume(self) -> dict[int, object]:
         """A take-over that did not happen: serving goes on; returns the parked
@@ -101,5 +120,8 @@ class Quiesce:
         return parked
 
     def _poke(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        """Wake a take-over waiting for the sessions (nobody waits, most of the time:
+        every connection starts and ends here)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None

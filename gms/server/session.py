@@ -42,7 +42,7 @@ from .inflight import answer_bytes
 from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
-from .quiesce import Quiesce, only_parked
+from .quiesce import Parked, Quiesce, only_parked
 from .reply import Reply, error_reply
 
 log = logging.getLogger("gms.server")
@@ -106,13 +106,17 @@ class Session:
         # Big frames: a few per uid at once.  Not handed over: a session that goes on
         # elsewhere takes a slot there again when it needs one.
         self._slot = core.inflight.slot(self.peer.uid)
+        # The session's one scope (a scope made and entered is among the dearest
+        # steps of a connection in Trio): an admin's revoke cancels it whenever
+        # it comes, a take-over's pause only while the session waits for its
+        # next request, and its deadline is the first request's until that came.
         self._scope = trio.CancelScope()
         self._revoked = False
         self._on_take_over = on_take_over
         # What a quiet point finds the session waiting on (for the hand-over):
         self.lock_wait: LockWait | None = None
         self.grant: Grant | None = None  # set by the ledger's grant, also while parked
-        self._granted = trio.Event()
+        self._granted: trio.Event | None = None  # made when a handshake has to wait
         self.waiting_for: str | None = None  # "restore" or "allocate": memory
         self._pending: object = None  # what go_on must finish first
 
@@ -155,12 +159,16 @@ class Session:
         self.core.on_revoke(self.conn, self._revoke)
         self.quiesce.started(self)
         try:
+            if not self.protocol.requests:
+                self._scope.deadline = self.first_by  # lifted once the first request is whole
             with self._scope:
                 if self._pending is not None:
                     await self._finish_pending()
                 await self._serve()
             if self._revoked:
                 log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
+            elif self._scope.cancelled_caught:
+                raise self._stopped()  # while it waited for a request
         except (ProtocolError, PeerGone, SendFailed) as exc:
             self._dropped(exc)
         except _TakeOver as asked:  # the connection is the take-over's now (no session: a one-shot)
@@ -187,6 +195,12 @@ class Session:
                 self.quiesce.ended(self)
             self._slot.close()
 
+    def _stopped(self) -> Exception:
+        """Why the session's scope was cancelled while it waited for a request,
+        an admin's revoke aside: a take-over's pause, or the first request's
+        deadline (the scope's own, while no request had come)."""
+        return Parked() if self.quiesce.requested else FirstRequestLate()
+
     def _dropped(self, exc: Exception) -> None:
         if isinstance(exc, PeerGone) and not self.protocol.overflowed:
             return  # an ordinary hang-up: the unwind says all
@@ -205,16 +219,24 @@ class Session:
     async def _serve(self) -> None:
         protocol = self.protocol
         quiesce = self.quiesce
+        scope = self._scope
         while not protocol.closing:
             quiesce.check()  # a take-over: stop before the next request, not inside it
             request = protocol.next_request()
             self._slot.settle(protocol.buffered)
             if request is NEED_DATA:
-                with quiesce.interruptible():
+                quiesce.reading(scope)
+                try:
                     await self._read()
+                finally:
+                    quiesce.read(scope)
+                if scope.cancel_called and not self._revoked:
+                    raise self._stopped()  # as the read ended: before anything else is done
                 continue
             if request is PEER_CLOSED:
                 return
+            if protocol.requests == 1:
+                scope.deadline = math.inf  # the first request came in time
             await self._send(await self._answer(request))
 
     async def _send(self, reply: Reply) -> None:
@@ -246,19 +268,15 @@ class Session:
         await self._send(reply)
 
     async def _read(self) -> None:
-        """Read what comes next into the connection; before the first whole request,
-        only until its deadline; past a small frame's worth held, only with one of
-        the uid's slots, which lets the rest of a big frame go straight into a
-        buffer of its own."""
+        """Read what comes next into the connection; past a small frame's worth
+        held, only with one of the uid's slots, which lets the rest of a big
+        frame go straight into a buffer of its own.  (Before the first whole
+        request, the session's scope has the first request's deadline.)"""
         protocol = self.protocol
         buffered = protocol.buffered
         await self._slot.before_read(buffered)
         wanted = self._slot.read_size(buffered, protocol.wanted)
-        if protocol.requests:
-            return await self._take(wanted)
-        with trio.move_on_at(self.first_by):
-            return await self._take(wanted)
-        raise FirstRequestLate
+        await self._take(wanted)
 
     async def _take(self, wanted: int) -> None:
         protocol = self.protocol
@@ -322,16 +340,19 @@ class Session:
     def on_grant(self, grant: Grant) -> None:
         """The ledger granted this session's lock (maybe while a take-over paused it)."""
         self.grant = grant
-        self._granted.set()
+        if self._granted is not None:
+            self._granted.set()
 
     def alive(self) -> bool:
         return not self.channel.hung_up()
 
     async def _handshake(self, request: m.HandshakeRequest) -> Reply:
-        requested = self.core.open_session(self.conn, request, self.peer)
+        requested = self.core.handshake(self.conn, request, self.peer, self.on_grant, self.alive)
+        if self.grant is not None:  # at once: nobody was ahead
+            self.metrics.lock_waited(requested.value, 0.0)
+            return await self._after_grant(request, self.grant)
         timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
         self.lock_wait = LockWait(request, requested, trio.current_time() + timeout)
-        self.core.request_lock(self.conn, requested, self.on_grant, self.alive)
         return await self._wait_for_lock()
 
     async def _wait_for_lock(self) -> Reply:
@@ -339,6 +360,7 @@ class Session:
         request, requested = wait.request, wait.requested
         if self.grant is None:
             hung_up = False
+            self._granted = trio.Event()
             with trio.move_on_at(wait.deadline), self.quiesce.interruptible():
                 hung_up = await wait_or_hangup(self._granted.wait, self._until_gone)
             if self.grant is None:

@@ -181,16 +181,20 @@ class EventLog:
         batch of metadata puts, land together or not at all)."""
         return self.store(self.fold(events))
 
-    def fold(self, events: Iterable[Event]) -> Folded:
+    def fold(self, events: Iterable[Event], after: Folded | None = None) -> Folded:
         """What appending ``events`` would do, stored nowhere (a refusal raises):
-        each folds on the state the ones before it leave."""
+        each folds on the state the ones before it leave; ``after``: a batch
+        folded already, which these go on (one batch, stored whole)."""
         events = events if isinstance(events, list | tuple) else tuple(events)
-        befores = []
-        state = self.state
-        for event in events:
+        if after is None:
+            base, state, befores = self.state, self.state, []
+        else:
+            base, state, befores = after.base, after.state, list(after.befores)
+            events = [*after.events, *events]
+        for event in events[len(befores):]:
             befores.append(state)
             state = fold(state, event)
-        return Folded(self.state, events, befores, state)
+        return Folded(base, events, befores, state)
 
     def store(self, folded: Folded) -> list[LogEntry]:
         """Store a batch folded on the live state (StaleFold if another was stored since)."""
@@ -210,6 +214,11 @@ class EventLog:
         if self._kept >= self._trim_at:
             self._trim()
         return entries
+
+    def flush(self) -> None:
+        """Make what was stored durable: nothing to do for a log in memory (the
+        server's ``MirroredLog`` sends it to its keeper here).  The ledger calls it
+        at the end of every write, before anything it wrote can be answered."""
 
     def _over(self) -> bool:
         first = self._chunks[0]
