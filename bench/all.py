@@ -3,7 +3,8 @@
     python bench/all.py [--quick]
 
 CPU ones always (event log, the core in process, RPC, tenants, on-demand
-weights and host-tier transfers on the host backend); GPU ones where a GPU is present (VMM calls, warm start, import
+weights and host-tier transfers on the host backend; instructions per request
+where valgrind is installed); GPU ones where a GPU is present (VMM calls, warm start, import
 phases, sleep/wake, RPC, tenants, on-demand weights and host-tier transfers on the CUDA backend).
 Run as root for the tenant benchmark's distinct uids.
 Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
@@ -12,6 +13,7 @@ Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,8 @@ def main() -> None:
 
     runs = [["event_log.py"], ["core_ops.py"], ["rpc.py", "--backend", "host"], ["tenants.py", "--backend", "host"],
             ["on_demand.py", "--backend", "host"], ["tier_floor.py", "--backend", "host"]]
+    if shutil.which("valgrind"):  # instructions per request, counted (a few minutes)
+        runs.append(["cpu_per_request.py"])
     if cuda_device_count():
         runs += [["vmm.py"], ["warm_start.py"], ["import_phases.py"], ["sleep_wake.py"],
                  ["rpc.py", "--backend", "cuda"], ["tenants.py", "--backend", "cuda"],

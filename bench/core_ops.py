@@ -3,7 +3,7 @@
 The core on host memory, driven the way the Trio shell drives it, one
 request type at a time (best of 5 loops):
 
-* handshake + close   open_session, request_lock (RO, granted at once), disconnect
+* handshake + close   handshake (RO, granted at once), disconnect
 * metadata get        on a committed layout, as a reader
 * export              one fd (closed again)
 * allocate + free     2 MiB, as a writer (the memory is made on the GPU lane's
@@ -82,8 +82,11 @@ async def _measure(loops: int) -> dict:
 
     def session(lock: str, layout: str = "weights") -> int:
         conn = core.new_conn()
-        requested = core.open_session(conn, m.HandshakeRequest(lock, None, layout), peer)
-        core.request_lock(conn, requested, lambda grant: None)
+        request = m.HandshakeRequest(lock, None, layout)
+        if hasattr(core, "handshake"):  # the shell's one call (the session and its grant in one batch)
+            core.handshake(conn, request, peer, lambda grant: None)
+        else:  # the two halves before it
+            core.request_lock(conn, core.open_session(conn, request, peer), lambda grant: None)
         return conn
 
     writer = session("RW")

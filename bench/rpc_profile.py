@@ -161,8 +161,15 @@ def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) 
 
         profile = cProfile.Profile()
         profile.enable()
+    # The server alone, in this process: under a keeper (a tree that has one,
+    # by default) this process would be the keeper and the server its child,
+    # unprofiled.  The keeper's share is in bench/cpu_per_request.py's rows.
+    import gms.cli
+
+    serve_py = Path(gms.cli.__file__).parent / "serve.py"
+    alone = ["--no-keeper"] if serve_py.exists() and "--no-keeper" in serve_py.read_text() else []
     try:
-        main(["serve", "--backend", "host", "--socket", socket_path, "--log-level", "warning"])
+        main(["serve", "--backend", "host", "--socket", socket_path, "--log-level", "warning", *alone])
     finally:
         if profile is not None:
             profile.disable()

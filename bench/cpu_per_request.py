@@ -1,0 +1,286 @@
+"""CPU instructions per request, counted, not timed: the server's and the client's.
+
+A small VM's timings move by tens of per cent from run to run (the same
+echo floor has measured 1.5x apart in one session), so an A/B of two trees
+whose costs differ by a few per cent cannot be read off a clock.  Counted
+instructions can: callgrind counts every user-space instruction a process
+executes, the same count for the same work whatever else the machine does.
+System calls' kernel time is not in it (the RPC rows of ``bench/rpc.py``
+measure that, with the clock).
+
+* Server: ``gms serve --backend host`` under callgrind; a raw client (bytes
+  on the socket, no gms code: the same client for every tree) sets up a
+  committed layout, warms up, then the counters are zeroed, N requests run,
+  the counters are dumped: instructions per request of the server process
+  alone.  Requests: a metadata get, an export (one fd), an RO handshake
+  (connect, handshake, close), an allocate and a free (2 MiB, one writer).
+  Without the keeper (``--no-keeper``; a tree from before the keeper has
+  none), and for this tree also with it (the default): the keeper is
+  another process, and what the server does to feed it is counted.
+* Client: the tree's ``RpcTransport`` against an echo server (the floor of
+  ``bench/rpc.py``), polling off: instructions per call of the client process.
+
+    python bench/cpu_per_request.py [--quick | --n 2000] [--json PATH]
+    python bench/cpu_per_request.py --compare /tmp/gms-before      # that tree, then this one
+
+Needs valgrind (``apt-get install valgrind``) and takes a few minutes: each
+server starts under callgrind (about 20 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import cpu_name, print_table, write_json  # noqa: E402
+
+OPS = ("metadata_get", "export", "handshake", "allocate_free")
+_HEADER = struct.Struct(">I")
+
+SETUP = r"""
+import sys
+from gms import GMSClientMemoryManager
+writer = GMSClientMemoryManager(sys.argv[1])
+writer.connect("RW")
+ids = [writer.allocate_handle(2 << 20, "weights")[0] for _ in range(4)]
+for i in range(100):
+    writer.metadata_put(f"key.{i}", ids[i % 4], i, b"v" * 64)
+writer.commit()
+"""
+
+CLIENT_CALLS = r"""
+import sys
+from gms.client.transport import RpcTransport
+from gms.wire import messages as m
+transport = RpcTransport(sys.argv[1])
+message = m.GetStateHashResponse("x" * 24)
+for _ in range(int(sys.argv[2])):
+    transport.call(message, m.GetStateHashResponse)
+"""
+
+
+# -- the raw client (no gms code) --------------------------------------------------------
+
+
+def _frame(message: dict) -> bytes:
+    import msgpack
+
+    body = msgpack.packb(message, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def _call(sock: socket.socket, frame: bytes) -> dict:
+    import msgpack
+
+    sock.sendall(frame)
+    got = b""
+    while True:
+        data, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+        for _, _, payload in ancillary:  # an export's fd: closed at once
+            for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                os.close(fd)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        got += data
+        if len(got) >= 4 and len(got) >= 4 + _HEADER.unpack_from(got)[0]:
+            return msgpack.unpackb(got[4:], raw=False)
+
+
+def _connect(path: str, lock: str, layout: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    _call(sock, _frame({"type": "HandshakeRequest", "lock_type": lock, "layout": layout}))
+    return sock
+
+
+def run_ops(path: str, op: str, n: int) -> None:
+    """``n`` requests of ``op``, one after the other (what is counted)."""
+    if op == "handshake":
+        hello = _frame({"type": "HandshakeRequest", "lock_type": "RO", "layout": "weights"})
+        for _ in range(n):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            _call(sock, hello)
+            sock.close()
+            time.sleep(0.0005)  # the server's unwind of the last, before the next connects
+        return
+    if op == "allocate_free":
+        sock = _connect(path, "RW", "scratch")
+        allocate = _frame({"type": "AllocateRequest", "size": 2 << 20, "tag": "scratch"})
+        for _ in range(n):
+            made = _call(sock, allocate)
+            _call(sock, _frame({"type": "FreeAllocationRequest", "allocation_id": made["allocation_id"]}))
+        sock.close()
+        return
+    sock = _connect(path, "RO", "weights")
+    if op == "metadata_get":
+        request = _frame({"type": "MetadataGetRequest", "key": "key.42"})
+    else:
+        listed = _call(sock, _frame({"type": "ListAllocationsRequest"}))
+        request = _frame({"type": "ExportAllocationRequest", "allocation_id": listed["allocations"][0]["allocation_id"]})
+    for _ in range(n):
+        _call(sock, request)
+    sock.close()
+
+
+# -- counting --------------------------------------------------------------------------------
+
+
+def _has_keeper(tree: Path) -> bool:
+    serve = tree / "gms" / "cli" / "serve.py"
+    return serve.exists() and "--no-keeper" in serve.read_text()
+
+
+def _totals(path: str) -> int:
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start (exit {proc.poll()})")
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
+def server_instructions(tree: Path, op: str, n: int, keeper: bool) -> int:
+    """Instructions the server process executed per ``op``, counted while only those ran."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
+        sock = os.path.join(folder, "gms.sock")
+        args = ["serve", "--backend", "host", "--socket", sock, "--log-level", "warning"]
+        if _has_keeper(tree) and not keeper:
+            args.append("--no-keeper")
+        out = os.path.join(folder, "cg.%p")
+        proc = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={out}",
+             sys.executable, "-m", "gms", *args],
+            env=env, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            _wait_for(sock, proc)
+            subprocess.run([sys.executable, "-c", SETUP, sock], env=env, check=True)
+            server_pid = _served_by(sock)
+            run_ops(sock, op, 200)  # warm: the code paths and the server's caches
+            subprocess.run(["callgrind_control", "-z", str(server_pid)], check=True, capture_output=True)
+            run_ops(sock, op, n)
+            subprocess.run(["callgrind_control", "-d", str(server_pid)], check=True, capture_output=True)
+            time.sleep(0.5)
+            dumps = sorted(glob.glob(os.path.join(folder, f"cg.{server_pid}.*")))
+            if not dumps:
+                raise RuntimeError("callgrind wrote no dump")
+            return _totals(dumps[-1]) // n
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+def _served_by(sock: str) -> int:
+    """The pid of the process that answers on ``sock``: the server, not the keeper
+    that made the listening socket (whose pid the peer credentials would name)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.connect(sock)
+    try:
+        return _call(probe, _frame({"type": "GetRuntimeStateRequest"}))["pid"]
+    finally:
+        probe.close()
+
+
+def client_instructions(tree: Path, n: int) -> int:
+    """Instructions of the tree's client per call against an echo server (polling off)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), GMS_CLIENT_SPIN_US="0")
+    source = (HERE / "rpc.py").read_text()
+    echo = re.search(r'ECHO_SERVER = r"""(.*?)"""', source, re.S).group(1)
+    with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
+        sock = os.path.join(folder, "echo.sock")
+        server = subprocess.Popen([sys.executable, "-c", echo, sock])
+        try:
+            _wait_for(sock, server)
+
+            def count(calls: int) -> int:
+                out = os.path.join(folder, f"client.{calls}.cg")
+                subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                                "-c", CLIENT_CALLS, sock, str(calls)], env=env, check=True, capture_output=True)
+                return _totals(out)
+
+            return (count(200 + n) - count(200)) // n
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+def measure(tree: Path, n: int, with_keeper: bool) -> dict:
+    jobs = [(op, False) for op in OPS] + ([(op, True) for op in OPS] if with_keeper else [])
+    counts = max(1, min(len(jobs), (os.cpu_count() or 2)))
+    with ThreadPoolExecutor(counts) as pool:  # one valgrind per CPU: counts do not depend on it
+        futures = {
+            (op, keeper): pool.submit(server_instructions, tree, op, n // 2 if op in ("handshake", "allocate_free") else n,
+                                      keeper)
+            for op, keeper in jobs
+        }
+        client = pool.submit(client_instructions, tree, n)
+        out = {f"server_{op}{'_keeper' if keeper else ''}": future.result() for (op, keeper), future in futures.items()}
+        out["client_call"] = client.result()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="--n 400")
+    parser.add_argument("--n", type=int, default=2000, help="requests counted per row (half for handshakes, allocations)")
+    parser.add_argument("--compare", type=Path, metavar="TREE", help="another checkout, counted the same way")
+    parser.add_argument("--json", default="bench/results/cpu_per_request.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.n = 400
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("cpu_per_request: needs valgrind (callgrind and callgrind_control)")
+    results: dict = {"cpu": cpu_name(), "cores": os.cpu_count(), "n": args.n, "note": (
+        "instructions per request (callgrind, user space): the server process alone; "
+        "the client per call against an echo server"
+    )}
+    this = measure(ROOT, args.n, with_keeper=_has_keeper(ROOT))
+    results["this"] = {"tree": str(ROOT), **this}
+    rows = []
+    if args.compare:
+        other = measure(args.compare, args.n, with_keeper=False)
+        results["other"] = {"tree": str(args.compare), **other}
+        for name, value in this.items():
+            base = other.get(name) if not name.endswith("_keeper") else other.get(name.removesuffix("_keeper"))
+            ratio = f"{value / base:.2f}" if base else "-"
+            rows.append((name, f"{base:,}" if base else "-", f"{value:,}", ratio))
+        print_table(f"instructions per request ({results['cpu']}); {args.compare} -> this tree",
+                    rows, header=("row", "other", "this", "this / other"))
+    else:
+        rows = [(name, f"{value:,}") for name, value in this.items()]
+        print_table(f"instructions per request ({results['cpu']})", rows, header=("row", "instructions"))
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
