@@ -11,21 +11,26 @@ the fields, so a change that names anything else makes it grow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import attrs
 
 T = TypeVar("T")
 
-_CHECKED: set[type] = set()
+# Per class, checked once: the setter of its instances' ``__dict__`` (the slot's
+# own descriptor: a third cheaper than ``object.__setattr__``, which looks it up).
+_SETTERS: dict[type, Callable[[object, dict], None]] = {}
 
 
-def _check(cls: type) -> None:
+def _setter(cls: type) -> Callable[[object, dict], None]:
     """Once per class: is it one this module copies correctly?"""
     fields = attrs.fields(cls)
     if any(f.validator or f.converter for f in fields) or "__slots__" in vars(cls):
         raise TypeError(f"replace() needs a dict-backed attrs class without validators: {cls.__name__}")
-    _CHECKED.add(cls)
+    slot = next(vars(base)["__dict__"] for base in cls.__mro__ if "__dict__" in vars(base))
+    setter = _SETTERS[cls] = slot.__set__
+    return setter
 
 
 def _unknown(value: object, changes: dict) -> TypeError:
@@ -33,21 +38,19 @@ def _unknown(value: object, changes: dict) -> TypeError:
     return TypeError(f"{type(value).__name__} has no field(s) {sorted(changes.keys() - names)}")
 
 
-_set = object.__setattr__  # a frozen class refuses its own __setattr__
-_new = object.__new__
+_new = object.__new__  # a frozen class refuses its own __setattr__: its dict is set whole
 
 
 def replace(value: T, **changes: object) -> T:
     cls = type(value)
-    if cls not in _CHECKED:
-        _check(cls)
+    setter = _SETTERS.get(cls) or _setter(cls)
     state = value.__dict__.copy()
     size = len(state)
     state.update(changes)
     if len(state) != size:
         raise _unknown(value, changes)
     new = _new(cls)
-    _set(new, "__dict__", state)
+    setter(new, state)
     return new
 
 
@@ -58,8 +61,9 @@ def rebuilt(value: T, state: dict) -> T:
     that is no field makes ``state`` grow, and is refused here."""
     if len(state) != len(value.__dict__):
         raise _unknown(value, state)
-    new = _new(type(value))
-    _set(new, "__dict__", state)
+    cls = type(value)
+    new = _new(cls)
+    (_SETTERS.get(cls) or _setter(cls))(new, state)
     return new
 
 
