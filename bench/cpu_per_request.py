@@ -24,7 +24,10 @@ measure that, with the clock).
     python bench/cpu_per_request.py --compare /tmp/gms-before      # that tree, then this one
 
 Needs valgrind (``apt-get install valgrind``) and takes a few minutes: each
-server starts under callgrind (about 20 s).
+server starts under callgrind (about 20 s).  Run it alone: on a loaded
+machine requests reach the server later, its event loop wakes more often
+per request, and that work is counted too (rows came out up to 20 % higher
+beside another benchmark); alone, a row repeats to within about 1 %.
 """
 
 from __future__ import annotations
