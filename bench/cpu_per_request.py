@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import array
 import glob
-import json
 import os
 import re
 import shutil
@@ -137,7 +136,8 @@ def run_ops(path: str, op: str, n: int) -> None:
         request = _frame({"type": "MetadataGetRequest", "key": "key.42"})
     else:
         listed = _call(sock, _frame({"type": "ListAllocationsRequest"}))
-        request = _frame({"type": "ExportAllocationRequest", "allocation_id": listed["allocations"][0]["allocation_id"]})
+        first = listed["allocations"][0]["allocation_id"]
+        request = _frame({"type": "ExportAllocationRequest", "allocation_id": first})
     for _ in range(n):
         _call(sock, request)
     sock.close()
@@ -218,7 +218,7 @@ def client_instructions(tree: Path, n: int) -> int:
     """Instructions of the tree's client per call against an echo server (polling off)."""
     env = dict(os.environ, PYTHONPATH=str(tree), GMS_CLIENT_SPIN_US="0")
     source = (HERE / "rpc.py").read_text()
-    echo = re.search(r'ECHO_SERVER = r"""(.*?)"""', source, re.S).group(1)
+    echo = re.search(r'ECHO_SERVER = r"""(.*?)"""', source, re.DOTALL).group(1)
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         sock = os.path.join(folder, "echo.sock")
         server = subprocess.Popen([sys.executable, "-c", echo, sock])
@@ -239,15 +239,14 @@ def client_instructions(tree: Path, n: int) -> int:
 
 def measure(tree: Path, n: int, with_keeper: bool) -> dict:
     jobs = [(op, False) for op in OPS] + ([(op, True) for op in OPS] if with_keeper else [])
-    counts = max(1, min(len(jobs), (os.cpu_count() or 2)))
-    with ThreadPoolExecutor(counts) as pool:  # one valgrind per CPU: counts do not depend on it
-        futures = {
-            (op, keeper): pool.submit(server_instructions, tree, op, n // 2 if op in ("handshake", "allocate_free") else n,
-                                      keeper)
-            for op, keeper in jobs
-        }
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
+    with ThreadPoolExecutor(workers) as pool:  # one valgrind per CPU
+        futures = {}
+        for op, keeper in jobs:
+            count = n // 2 if op in ("handshake", "allocate_free") else n  # the slow ones
+            futures[op, keeper] = pool.submit(server_instructions, tree, op, count, keeper)
         client = pool.submit(client_instructions, tree, n)
-        out = {f"server_{op}{'_keeper' if keeper else ''}": future.result() for (op, keeper), future in futures.items()}
+        out = {f"server_{op}{'_keeper' if keeper else ''}": f.result() for (op, keeper), f in futures.items()}
         out["client_call"] = client.result()
     return out
 
@@ -255,7 +254,8 @@ def measure(tree: Path, n: int, with_keeper: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="--n 400")
-    parser.add_argument("--n", type=int, default=2000, help="requests counted per row (half for handshakes, allocations)")
+    parser.add_argument("--n", type=int, default=2000,
+                        help="requests counted per row (half for handshakes, allocations)")
     parser.add_argument("--compare", type=Path, metavar="TREE", help="another checkout, counted the same way")
     parser.add_argument("--json", default="bench/results/cpu_per_request.json")
     args = parser.parse_args()

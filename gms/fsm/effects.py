@@ -95,7 +95,9 @@ def may_make_room(event: Event) -> bool:
     return type(event) in _MAY_MAKE_ROOM
 
 
-def batch_effects(befores: Sequence[NodeState], events: Sequence[Event]) -> tuple[dict[MemoryTier, list[str]], bool]:
+def batch_effects(
+    befores: Sequence[NodeState], events: Sequence[Event]
+) -> tuple[dict[MemoryTier, list[str]], bool]:
     """What a batch folded on ``befores`` released, as allocation ids per tier
     (in order), and whether sessions waiting for memory should look again
     (a release, or :func:`may_make_room`)."""

@@ -251,7 +251,8 @@ class ServiceCore:
         self._queue(layout, conn, requested, on_grant, alive)
 
     def _queue(
-        self, layout: str, conn: int, requested: RequestedLockType, on_grant: GrantCallback, alive: Callable[[], bool]
+        self, layout: str, conn: int, requested: RequestedLockType, on_grant: GrantCallback,
+        alive: Callable[[], bool],
     ) -> None:
         self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
         self.ledger.grant(layout)

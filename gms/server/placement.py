@@ -85,9 +85,15 @@ class Placement:
         """GPU memory again for the evicted layout ``conn`` restores; OutOfMemory to wait out."""
         layout = layout_of(self.log.state, conn)
         items = [(a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
-        await self._create(lambda: RestoreLoading(conn, layout=layout.name), admit_restore, items, layout.held_bytes)
 
-    async def _create(self, propose: Callable[[], Event], admit, items: list[tuple[str, int]], more: int) -> Event:
+        def propose() -> Event:
+            return RestoreLoading(conn, layout=layout.name)
+
+        await self._create(propose, admit_restore, items, layout.held_bytes)
+
+    async def _create(
+        self, propose: Callable[[], Event], admit, items: list[tuple[str, int]], more: int
+    ) -> Event:
         """Memory for ``items`` (``more`` bytes in all) and the event ``propose()``
         makes for it, recorded; raises a Rejection, or OutOfMemory to wait out."""
         while True:

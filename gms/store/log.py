@@ -54,7 +54,9 @@ class Folded:
 
     __slots__ = ("base", "events", "befores", "state")
 
-    def __init__(self, base: NodeState, events: Sequence[Event], befores: list[NodeState], state: NodeState) -> None:
+    def __init__(
+        self, base: NodeState, events: Sequence[Event], befores: list[NodeState], state: NodeState
+    ) -> None:
         self.base = base
         self.events = events
         self.befores = befores
