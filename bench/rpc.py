@@ -9,6 +9,10 @@ Operations: metadata get, export (an fd per answer), RO handshake (connect,
 handshake, close), allocate+free (one writer: RW is exclusive).  The floor is
 the same clients doing a 40-byte round trip with a Trio echo server, so it
 runs the gms client's own code and a Trio server, without the protocol.
+Beside the latency, the server's CPU per request (user + system time of the
+serving process over the timed window, from /proc, divided by the requests
+answered in it): on a machine the clients share with the server, what the
+server takes is what the clients lack.
 
     python bench/rpc.py [--quick] [--backend host|cuda] [--clients 1,16,64,256]
     # before/after in one run, turn about (the tree of another commit, same host):
@@ -31,6 +35,8 @@ import tempfile
 import threading
 import time
 import traceback
+
+from gms import get_runtime_state
 
 from _common import compare_trees, cpu_name, percentile, print_comparison, print_table, write_json
 
@@ -170,9 +176,18 @@ def worker(kind, path, ids, threads, ready, go, start, duration, rate, queue) ->
 
 
 MAX_PROCESSES = 64
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float, rate: float = 0.0) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system time a process has used (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float, rate: float = 0.0,
+             server_pid: int | None = None) -> dict:
     # One process per client up to 64: threads sharing a GIL would measure the
     # harness.  Beyond 64, threads share processes (the server is saturated).
     processes = min(clients, MAX_PROCESSES)
@@ -188,12 +203,16 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
             break
     start.value = time.perf_counter() + 0.5  # time for every worker to wake and wait for it
     go.set()
+    if server_pid is not None:
+        time.sleep(max(0.0, start.value - time.perf_counter()))
+        cpu_at_start = cpu_seconds(server_pid)
     samples: list[float] = []
     errors: list[str] = []
     for _ in procs:
         got, failed = queue.get(timeout=duration * 2 + 120)  # a worker that died sends nothing
         samples += got
         errors += failed
+    server_cpu = None if server_pid is None else cpu_seconds(server_pid) - cpu_at_start
     for p in procs:
         p.join()
     if errors or not samples:
@@ -204,6 +223,7 @@ def run_load(kind: str, path: str, ids: list[str], clients: int, duration: float
         "p99_us": percentile(samples, 0.99) * 1e6,
         "ops_per_s": len(samples) / duration,
         "n": len(samples),
+        "server_cpu_us": None if server_cpu is None else server_cpu / len(samples) * 1e6,
     }
 
 
@@ -250,9 +270,10 @@ def main() -> None:
     if args.compare:
         passed = ["--backend", args.backend, "--clients", ",".join(map(str, counts)), "--duration", str(duration)]
         compared = compare_trees(__file__, args.compare, args.runs, passed)
-        names = [name for name in compared["median"]["after"] if name.endswith("_p50_us")]
-        print_comparison(f"RPC p50 on the {args.backend} backend, {os.cpu_count()} cores of {cpu_name()} "
-                         f"(µs, median of {args.runs} runs each)", compared, names)
+        for field, what in (("_p50_us", "p50"), ("_server_cpu_us", "the server's CPU per request")):
+            names = [name for name in compared["median"]["after"] if name.endswith(field)]
+            print_comparison(f"RPC {what} on the {args.backend} backend, {os.cpu_count()} cores of {cpu_name()} "
+                             f"(µs, median of {args.runs} runs each)", compared, names)
         write_json(json_path, {"backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), **compared})
         return
 
@@ -267,36 +288,40 @@ def main() -> None:
             wait_for(gms_path, server)
             wait_for(echo_path, echo)
             ids = setup_layout(gms_path)
+            # The process that answers: under its keeper, not the one started here.
+            pids = {gms_path: get_runtime_state(gms_path).pid, echo_path: echo.pid}
             for kind, path in (("echo", echo_path), ("metadata_get", gms_path), ("export", gms_path),
                                ("handshake", gms_path)):
-                results["closed"][kind] = [run_load(kind, path, ids, n, duration) for n in counts]
+                results["closed"][kind] = [run_load(kind, path, ids, n, duration, server_pid=pids[path])
+                                           for n in counts]
             for kind, path in (("echo", echo_path), ("metadata_get", gms_path)):
-                results["open"][kind] = run_load(kind, path, ids, 64, duration * 2, rate=100.0)
+                results["open"][kind] = run_load(kind, path, ids, 64, duration * 2, rate=100.0,
+                                                 server_pid=pids[path])
             os.environ["GMS_CLIENT_SPIN_US"] = "0"  # one client, no polling: the plain blocking path
-            results["closed"]["metadata_get_no_spin"] = [run_load("metadata_get", gms_path, ids, 1, duration)]
-            results["closed"]["echo_no_spin"] = [run_load("echo", echo_path, ids, 1, duration)]
+            results["closed"]["metadata_get_no_spin"] = [run_load("metadata_get", gms_path, ids, 1, duration,
+                                                                  server_pid=pids[gms_path])]
+            results["closed"]["echo_no_spin"] = [run_load("echo", echo_path, ids, 1, duration,
+                                                          server_pid=pids[echo_path])]
             del os.environ["GMS_CLIENT_SPIN_US"]
             # Last: a writer's RW_CONNECT clears the committed layout the readers used.
-            results["closed"]["allocate_free"] = [run_load("allocate_free", gms_path, ids, 1, duration)]
+            results["closed"]["allocate_free"] = [run_load("allocate_free", gms_path, ids, 1, duration,
+                                                           server_pid=pids[gms_path])]
         finally:
             server.terminate()
             echo.terminate()
             server.wait(30)
             echo.wait(30)
 
-    rows = []
-    for kind, runs in results["closed"].items():
-        for r in runs:
-            rows.append((kind, r["clients"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}", f"{r['ops_per_s']:,.0f}"))
-    for kind, r in results["open"].items():
-        rows.append((f"{kind} (open, 100/s each)", r["clients"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}",
-                     f"{r['ops_per_s']:,.0f}"))
-    print_table(f"RPC on the {args.backend} backend, {results['cores']} cores of {results['cpu']}", rows,
-                header=("operation", "clients", "p50 µs", "p99 µs", "ops/s"))
-    if json_path == "-":  # for --compare: each p50 by name
-        p50s = {f"{kind}_x{r['clients']}_p50_us": r["p50_us"] for kind, runs in results["closed"].items() for r in runs}
-        p50s |= {f"{kind}_open_x{r['clients']}_p50_us": r["p50_us"] for kind, r in results["open"].items()}
-        print(json.dumps(p50s))
+    named = {f"{kind}_x{r['clients']}": r for kind, runs in results["closed"].items() for r in runs}
+    named |= {f"{kind}_open_x{r['clients']}": r for kind, r in results["open"].items()}
+    rows = [(name, r["clients"], f"{r['p50_us']:.0f}", f"{r['p99_us']:.0f}", f"{r['ops_per_s']:,.0f}",
+             f"{r['server_cpu_us']:.1f}") for name, r in named.items()]
+    print_table(f"RPC on the {args.backend} backend, {results['cores']} cores of {results['cpu']} "
+                "(open: 100/s each)", rows,
+                header=("operation", "clients", "p50 µs", "p99 µs", "ops/s", "server CPU µs/req"))
+    if json_path == "-":  # for --compare: each p50 and the server's CPU per request, by name
+        print(json.dumps({f"{name}_{field}": r[field] for name, r in named.items()
+                          for field in ("p50_us", "server_cpu_us")}))
         return
     write_json(json_path, results)
 

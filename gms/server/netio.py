@@ -37,9 +37,15 @@ class Channel:
     Reads and writes are tried at once and wait (``trio.lowlevel.wait_readable``
     / ``wait_writable``) only when the kernel says they would block: Trio's own
     socket wrapper yields to the scheduler after every call that succeeded,
-    which cost a round trip about 6 of its 25 µs (bench/rpc_profile.py).  To
-    stay fair, a channel that never had to wait yields every ``_YIELD_EVERY``
-    operations, and every operation is a cancellation point, as Trio's are."""
+    which cost a round trip about 6 of its 25 µs (bench/rpc_profile.py).  A
+    send is the exception: it yields once it is done, off the round trip (the
+    answer is on its way).  Reading at once after an answer found the next
+    request missing every time (a read that would block, an ``epoll_ctl``, a
+    park and a wake-up: with 16 clients on 2 cores, 1.1 to 1.3x the server's
+    CPU per export, docs/performance.md section 10); after the other
+    sessions' turns, the client has often sent it already.  To stay fair, a
+    channel that never had to wait yields every ``_YIELD_EVERY`` reads, and
+    every operation is a cancellation point, as Trio's are."""
 
     def __init__(self, sock: socket.socket, peer: Peer | None = None) -> None:
         sock.setblocking(False)
@@ -110,7 +116,8 @@ class Channel:
             raise SendFailed(str(exc) or type(exc).__name__) from exc
         finally:
             self._sending = False
-        await self._after_ready_call()
+        self._unyielded = 0
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def send_nowait(self, frame: bytes) -> bool:
         """Best effort, never waits: write a small frame if the socket takes it now
