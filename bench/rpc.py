@@ -36,8 +36,6 @@ import threading
 import time
 import traceback
 
-from gms import get_runtime_state
-
 from _common import compare_trees, cpu_name, percentile, print_comparison, print_table, write_json
 
 ECHO_SERVER = r"""
@@ -288,24 +286,25 @@ def main() -> None:
             wait_for(gms_path, server)
             wait_for(echo_path, echo)
             ids = setup_layout(gms_path)
+            from gms import get_runtime_state
+
             # The process that answers: under its keeper, not the one started here.
             pids = {gms_path: get_runtime_state(gms_path).pid, echo_path: echo.pid}
+
+            def load(kind: str, path: str, clients: int, seconds: float = duration, rate: float = 0.0) -> dict:
+                return run_load(kind, path, ids, clients, seconds, rate, server_pid=pids[path])
+
             for kind, path in (("echo", echo_path), ("metadata_get", gms_path), ("export", gms_path),
                                ("handshake", gms_path)):
-                results["closed"][kind] = [run_load(kind, path, ids, n, duration, server_pid=pids[path])
-                                           for n in counts]
+                results["closed"][kind] = [load(kind, path, n) for n in counts]
             for kind, path in (("echo", echo_path), ("metadata_get", gms_path)):
-                results["open"][kind] = run_load(kind, path, ids, 64, duration * 2, rate=100.0,
-                                                 server_pid=pids[path])
+                results["open"][kind] = load(kind, path, 64, duration * 2, rate=100.0)
             os.environ["GMS_CLIENT_SPIN_US"] = "0"  # one client, no polling: the plain blocking path
-            results["closed"]["metadata_get_no_spin"] = [run_load("metadata_get", gms_path, ids, 1, duration,
-                                                                  server_pid=pids[gms_path])]
-            results["closed"]["echo_no_spin"] = [run_load("echo", echo_path, ids, 1, duration,
-                                                          server_pid=pids[echo_path])]
+            results["closed"]["metadata_get_no_spin"] = [load("metadata_get", gms_path, 1)]
+            results["closed"]["echo_no_spin"] = [load("echo", echo_path, 1)]
             del os.environ["GMS_CLIENT_SPIN_US"]
             # Last: a writer's RW_CONNECT clears the committed layout the readers used.
-            results["closed"]["allocate_free"] = [run_load("allocate_free", gms_path, ids, 1, duration,
-                                                           server_pid=pids[gms_path])]
+            results["closed"]["allocate_free"] = [load("allocate_free", gms_path, 1)]
         finally:
             server.terminate()
             echo.terminate()
