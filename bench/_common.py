@@ -115,6 +115,13 @@ def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> N
             print("  " + "  ".join("-" * w for w in widths))
 
 
+def tree_env(tree: str) -> dict[str, str]:
+    """The environment that runs ``tree``'s gms.  Run it with ``cwd=tree`` too: ``python -m
+    gms`` (how the benches start servers) puts the working directory before PYTHONPATH,
+    so a run started from another checkout's root would serve that checkout's code."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+
+
 def compare_trees(script: str, before: str, runs: int, args: list[str]) -> dict:
     """Run ``script`` on another checkout (``before``) and on this one, turn
     about, ``runs`` times each (same host, same run); each run prints its
@@ -123,10 +130,9 @@ def compare_trees(script: str, before: str, runs: int, args: list[str]) -> dict:
     here = str(Path(__file__).resolve().parent.parent)
     results: dict[str, list] = {"before": [], "after": []}
     for _ in range(runs):
-        for label, tree in (("before", before), ("after", here)):
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
-            out = subprocess.run([sys.executable, script, *args, "--json", "-"], env=env, capture_output=True,
-                                 text=True, check=True)
+        for label, tree in (("before", str(Path(before).resolve())), ("after", here)):
+            out = subprocess.run([sys.executable, script, *args, "--json", "-"], env=tree_env(tree), cwd=tree,
+                                 capture_output=True, text=True, check=True)
             results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
     names = [name for name, value in results["after"][0].items() if isinstance(value, int | float)]
     median = {label: {name: statistics.median(run[name] for run in rows) for name in names}

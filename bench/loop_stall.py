@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Server, cpu_name, percentile, print_table, write_json  # noqa: E402
+from _common import Server, cpu_name, percentile, print_table, tree_env, write_json  # noqa: E402
 
 PHASES = ("abort", "evict", "restore")
 
@@ -143,11 +142,11 @@ def compare(before: str, args) -> dict:
     here = str(Path(__file__).resolve().parent.parent)
     runs: dict[str, list] = {"before": [], "after": []}
     for _ in range(args.runs):
-        for label, tree in (("before", before), ("after", here)):
+        for label, tree in (("before", str(Path(before).resolve())), ("after", here)):
             out = subprocess.run(
                 [sys.executable, __file__, "--backend", args.backend, "--count", str(args.count),
                  "--size-mib", str(args.size_mib), "--json", "-"],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True, check=True,
+                env=tree_env(tree), cwd=tree, capture_output=True, text=True, check=True,
             )
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
     return runs

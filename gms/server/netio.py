@@ -41,8 +41,8 @@ class Channel:
     send is the exception: it yields once it is done, off the round trip (the
     answer is on its way).  Reading at once after an answer found the next
     request missing every time (a read that would block, an ``epoll_ctl``, a
-    park and a wake-up: with 16 clients on 2 cores, 1.1 to 1.3x the server's
-    CPU per export, docs/performance.md section 10); after the other
+    park and a wake-up: with 16 clients on 2 cores, 2.0 reads per export
+    against 1.2 to 1.5 now, docs/performance.md section 10); after the other
     sessions' turns, the client has often sent it already.  To stay fair, a
     channel that never had to wait yields every ``_YIELD_EVERY`` reads, and
     every operation is a cancellation point, as Trio's are."""
