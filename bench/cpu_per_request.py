@@ -206,12 +206,9 @@ def server_instructions(tree: Path, op: str, n: int, keeper: bool) -> int:
 def _served_by(sock: str) -> int:
     """The pid of the process that answers on ``sock``: the server, not the keeper
     that made the listening socket (whose pid the peer credentials would name)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.connect(sock)
-    try:
-        return _call(probe, _frame({"type": "GetRuntimeStateRequest"}))["pid"]
-    finally:
-        probe.close()
+    from gms import get_runtime_state
+
+    return get_runtime_state(sock).pid
 
 
 def client_instructions(tree: Path, n: int) -> int:

@@ -141,7 +141,7 @@ def instrument(stamps: list) -> None:
             setattr(session_mod, name, stamped(getattr(session_mod, name), before, after))
     if hasattr(Session, "_dispatch"):
         Session._dispatch = stamped_async(Session._dispatch, "dispatch", "dispatched")
-    for name in ("open_session", "request_lock", "handle", "allocate", "disconnect", "record"):
+    for name in ("handshake", "open_session", "request_lock", "handle", "allocate", "disconnect", "record"):
         if hasattr(core_mod.ServiceCore, name):
             setattr(core_mod.ServiceCore, name,
                     stamped(getattr(core_mod.ServiceCore, name), f"core.{name}", f"core.{name} done"))

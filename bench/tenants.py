@@ -238,8 +238,7 @@ def quota_check_cost(tenants: int, layouts: int = 1024, calls: int = 200_000) ->
     def session(layout: str, tenant: int, limit: int | None = None) -> int:
         conn = core.new_conn()
         peer = Peer(os.getpid(), UID_BASE + tenant, UID_BASE + tenant)
-        requested = core.open_session(conn, m.HandshakeRequest("RW", None, layout, limit), peer)
-        core.request_lock(conn, requested, lambda grant: None)
+        core.handshake(conn, m.HandshakeRequest("RW", None, layout, limit), peer, lambda grant: None)
         return conn
 
     for n in range(layouts):

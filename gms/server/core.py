@@ -171,16 +171,19 @@ class ServiceCore:
         on_grant: GrantCallback,
         alive: Callable[[], bool] = lambda: True,
     ) -> RequestedLockType:
-        """Open the session (or record its refusal) and ask for its lock: granted at
-        once where nobody waits ahead and the layout can take it now (recorded
-        with the session, in one batch), else queued as :meth:`request_lock`
-        queues it.  Returns the lock waited for."""
+        """Open the session (or record its refusal) and ask for its lock; returns
+        the lock asked for.  A handshake nobody is queued ahead of, on a layout
+        that can take it now, is granted at once, recorded with the session in
+        one batch: its client is the one being answered.  Else it is queued, and
+        ``on_grant`` runs when it is granted; ``alive`` is asked before a grant
+        (False drops the waiter instead)."""
         opened = self._decide_session(conn, request, peer)
         requested = _LOCK_TYPES[opened.lock_type]
+        layout = opened.layout
         folded = self.ledger.fold([opened])
         grant = None
-        if not self.queues.waiting_on(opened.layout):
-            grants = schedule(folded.state.layout(opened.layout), [(conn, requested)])
+        if not self.queues.waiting_on(layout):
+            grants = schedule(folded.state.layout(layout), [(conn, requested)])
             if grants:
                 (grant,) = grants
                 folded = self.ledger.fold_more(folded, [grant.event])
@@ -188,15 +191,9 @@ class ServiceCore:
         if grant is not None:
             on_grant(grant)
         else:
-            self._queue(opened.layout, conn, requested, on_grant, alive)
+            self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
+            self.ledger.grant(layout)
         return requested
-
-    def open_session(self, conn: int, request: m.HandshakeRequest, peer: Peer) -> RequestedLockType:
-        """The first half of :meth:`handshake`: record the session (or the refusal);
-        returns the lock to wait for (:meth:`request_lock`)."""
-        opened = self._decide_session(conn, request, peer)
-        self.ledger.record([opened])
-        return _LOCK_TYPES[opened.lock_type]
 
     def _decide_session(self, conn: int, request: m.HandshakeRequest, peer: Peer) -> Event:
         """The SESSION_OPENED a handshake proposes; a refusal by the policy is
@@ -227,35 +224,6 @@ class ServiceCore:
             self.ledger.record([SessionRefused(conn, peer.uid, peer.gid, peer.pid, refused.message, layout="")])
             raise
         return opened
-
-    def request_lock(
-        self,
-        conn: int,
-        requested: RequestedLockType,
-        on_grant: GrantCallback,
-        alive: Callable[[], bool] = lambda: True,
-    ) -> None:
-        """The second half of :meth:`handshake`: queue the session's handshake;
-        ``on_grant`` runs (maybe at once) when it is granted.  ``alive`` is
-        asked before a grant: False drops the waiter instead.  A handshake
-        nobody is queued ahead of, on a layout that can take it now, is granted
-        without a queue: its client is the one being answered."""
-        layout = layout_of(self.state, conn).name
-        if not self.queues.waiting_on(layout):
-            grants = schedule(self.state.layout(layout), [(conn, requested)])
-            if grants:
-                (grant,) = grants
-                self.ledger.record_grant(grant)
-                on_grant(grant)
-                return
-        self._queue(layout, conn, requested, on_grant, alive)
-
-    def _queue(
-        self, layout: str, conn: int, requested: RequestedLockType, on_grant: GrantCallback,
-        alive: Callable[[], bool],
-    ) -> None:
-        self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
-        self.ledger.grant(layout)
 
     def cancel_lock_request(self, conn: int) -> None:
         session = self.state.sessions.get(conn)

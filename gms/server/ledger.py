@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..fsm import Grant, InvariantViolation, MemoryTier, NodeState, Rejection, batch_effects
+from ..fsm import InvariantViolation, MemoryTier, NodeState, Rejection, batch_effects
 from ..fsm.events import Event
 from ..store import EventLog, Folded
 from .lock_queues import LockQueues
@@ -88,15 +88,6 @@ class Ledger:
         finally:
             self.log.flush()
         if room or (waiter_left and layout not in self.queues.busy()):
-            self._on_released()
-
-    def record_grant(self, grant: Grant) -> None:
-        """A grant decided without a queue (nobody waited): recorded like any other."""
-        try:
-            room = self._released(self._append([grant.event], by_server=True))
-        finally:
-            self.log.flush()
-        if room:
             self._on_released()
 
     def _grant(self, layout: str) -> bool:

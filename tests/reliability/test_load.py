@@ -191,8 +191,7 @@ async def test_a_retained_log_replays_to_the_live_state():
         conn = core.new_conn()
         layout = f"l{n % 3}"
         lock = RequestedLockType.RW if n % 10 == 0 else RequestedLockType.RW_OR_RO
-        requested = core.open_session(conn, m.HandshakeRequest(lock.value, 0, layout), peer)
-        core.request_lock(conn, requested, granted.append)
+        core.handshake(conn, m.HandshakeRequest(lock.value, 0, layout), peer, granted.append)
         if core.state.layout(layout).writer == conn:
             allocation = await core.placement.allocate(conn, 2 * MiB, "w")
             core.requests.handle(conn, m.MetadataPutRequest("k", allocation.allocation_id, 0, b"v"))
