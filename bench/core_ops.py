@@ -63,7 +63,7 @@ def measure(loops: int) -> dict:
 async def _measure(loops: int) -> dict:
     from gms.cuda.host import HostBackend
     from gms.server import core as core_module
-    from gms.server.peer import Peer
+    from gms.peer import Peer
     from gms.wire import messages as m
 
     peer = Peer(os.getpid(), os.getuid(), os.getgid())

@@ -31,6 +31,7 @@ from .errors import (
     ServerGoneError,
     SessionEndedError,
     StaleMemoryLayoutError,
+    UntrustedServerError,
 )
 from .fsm import GrantedLockType, RequestedLockType, Residency
 from .paths import socket_path
@@ -60,6 +61,7 @@ __all__ = [
     "ServerGoneError",
     "SessionEndedError",
     "StaleMemoryLayoutError",
+    "UntrustedServerError",
     "get_event_history",
     "get_runtime_state",
     "socket_path",

@@ -11,6 +11,13 @@ class GMSConnectionError(GMSError):
     """No server at the socket, or the connection broke."""
 
 
+class UntrustedServerError(GMSConnectionError):
+    """The process answering on the socket is run by a uid the client does not
+    trust as its server (root, its own, or one in ``$GMS_SERVER_UIDS``): a
+    squatter on the path, or a daemon run as a user the client was not told
+    of.  Nothing was sent to it."""
+
+
 class ResponseTimeoutError(GMSConnectionError, TimeoutError):
     """The server did not answer within the call's deadline (a hung or overloaded
     server).  The connection is closed: a manager is left disconnected and can

@@ -10,6 +10,14 @@ that every other client waits behind.  So a server process raises both:
 blocks up to 32 MiB (a 16 MiB frame and its value) come from the heap, and
 up to 64 MiB freed at its top is kept for the next request rather than
 unmapped.  What is kept is what the process used at its peak, no more.
+
+A keeper wants the opposite (:func:`return_big_blocks`): it is on no
+request's path, and its big blocks (frames of events and of the state's
+parts, a megabyte each when a tenant stores values that big) come and go
+in sizes that never quite match: from the heap they left holes the next
+ones did not fit, and a keeper holding 63 MiB of a tenant's values grew to
+two and a half times that.  Given back to the kernel each time, they cost
+a page fault per page, which nobody waits for.
 """
 
 from __future__ import annotations
@@ -25,11 +33,39 @@ TRIM_THRESHOLD_BYTES = 64 << 20
 def keep_big_blocks() -> bool:
     """Raise glibc's thresholds for this process; False where there is no glibc
     (another allocator keeps its own rules)."""
+    return _set(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+
+
+def return_big_blocks() -> bool:
+    """Blocks past 128 KiB from mappings of their own, always (setting the
+    threshold stops glibc from raising it as such blocks are freed), and freed
+    heap past 1 MiB given back: for a process whose memory should follow what
+    it holds (the keeper)."""
+    return _set(RETURN_MMAP_THRESHOLD_BYTES, RETURN_TRIM_THRESHOLD_BYTES)
+
+
+RETURN_MMAP_THRESHOLD_BYTES = 128 << 10
+RETURN_TRIM_THRESHOLD_BYTES = 1 << 20
+
+
+def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    )
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def give_back_free_memory() -> bool:
+    """Return the free pages inside the heap to the kernel (glibc's
+    ``malloc_trim(0)``): the holes big blocks of slightly different sizes leave
+    as they come and go, which the heap's top alone never gives back.  A few
+    milliseconds for a heap of hundreds of MiB; False where there is no glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    return bool(trim(0))
+

@@ -1,8 +1,15 @@
 """Where a server listens by default: one socket per device.
 
-``<dir>/gms_<device-id>.sock`` where ``<dir>`` is ``$GMS_SOCKET_DIR``
-or the system temp folder, and ``<device-id>`` is the GPU's UUID for the CUDA
-backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
+``<dir>/gms_<device-id>.sock``.  ``<dir>`` is ``$GMS_SOCKET_DIR`` when set;
+else ``/run/gms`` (:data:`SYSTEM_DIR`) for a server run by root, and for a
+client where that socket exists; else the user's own folder (``gms`` in
+``$XDG_RUNTIME_DIR``, or ``/tmp/gms-<uid>``).  Both are folders only their
+owner can create a file in, so nobody else can put a socket of their own
+where a client looks (the temp folder, the default before, let any local
+user bind the path first and serve clients its own "weights"); and a client
+talks only to a server run by root, its own uid or one it names
+(``gms.peer.trusted_server_uids``).  ``<device-id>`` is the GPU's UUID for
+the CUDA backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
 ``host-<N>`` for the host backend.  Where that path would not fit in a Unix
 socket address (a deep ``$GMS_SOCKET_DIR``), a digest of the device id
 replaces it: servers and clients derive the same name either way.
@@ -12,13 +19,29 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes, with the terminating NUL
+SYSTEM_DIR = "/run/gms"
 
 
-def socket_dir() -> str:
-    return os.environ.get("GMS_SOCKET_DIR") or tempfile.gettempdir()
+def user_dir() -> str:
+    """A non-root user's own folder for its server's socket."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "gms")
+    return f"/tmp/gms-{os.getuid()}"
+
+
+def socket_dir(*, serving: bool = False) -> str:
+    """The folder of the default sockets: where this process serves (``serving``)
+    or, for a client, where a server of root's listens (if one does) or else its
+    own user's."""
+    configured = os.environ.get("GMS_SOCKET_DIR")
+    if configured:
+        return configured
+    if os.geteuid() == 0 or (not serving and os.path.isdir(SYSTEM_DIR)):
+        return SYSTEM_DIR
+    return user_dir()
 
 
 def device_id(device: int, backend: str = "auto") -> str:
@@ -32,9 +55,14 @@ def device_id(device: int, backend: str = "auto") -> str:
     return f"host-{device}"
 
 
-def socket_path(device: int = 0, backend: str = "auto") -> str:
-    """The socket of the server for ``device``; every layout on it is reached here."""
-    return socket_path_in(socket_dir(), device_id(device, backend))
+def socket_path(device: int = 0, backend: str = "auto", *, serving: bool = False) -> str:
+    """The socket of the server for ``device``; every layout on it is reached here.
+    ``serving``: where this process would serve it."""
+    dev = device_id(device, backend)
+    if not serving and not os.environ.get("GMS_SOCKET_DIR") and os.geteuid() != 0:
+        system = socket_path_in(SYSTEM_DIR, dev)
+        return system if os.path.exists(system) else socket_path_in(user_dir(), dev)
+    return socket_path_in(socket_dir(serving=serving), dev)
 
 
 def socket_path_in(directory: str, device_id: str) -> str:

@@ -126,6 +126,8 @@ def replay_rows(lines: Iterable[str]) -> Replayed:
             raise LogFileError(f"line {number}: not an event row: {exc}") from None
         if kind == "GMS_JOURNAL":
             continue
+        if kind == "STATE_PARTS":
+            raise LogFileError(f"line {number}: the keeper's base in parts that do not make up a state")
         if kind == "RAW_ENTRIES":
             raise LogFileError(f"line {number}: log entries the server could not decode; replay stops here")
         if kind == "STATE_IMAGE" and count == 0 and not from_image:

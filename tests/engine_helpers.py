@@ -16,7 +16,7 @@ import httpx
 from gms.client.probes import get_runtime_state, iter_event_history
 from gms.errors import GMSError
 
-from .helpers import wait_until
+from .helpers import kill_tree, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = str(ROOT / "examples" / "engine")
@@ -132,8 +132,10 @@ class RankServers:
         return list(iter_event_history(self.socket))
 
     def stop(self) -> None:
+        """SIGKILL the keeper and its server together (a server whose keeper alone
+        died would start another: gms.server.succession.find_keeper)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            kill_tree(self.proc.pid)
             self.proc.wait()
 
 

@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 
-from .helpers import descendants
+from .helpers import descendants, kill_tree
 
 _UCRED = struct.Struct("3i")
 
@@ -126,13 +126,10 @@ class FakeSystemd:
         return pid
 
     def kill(self) -> None:
-        """SIGKILL the main process and every process under it (the control group)."""
+        """SIGKILL the main process and every process under it (the control group:
+        frozen first, as a cgroup is, so that none starts another meanwhile)."""
         pids = descendants(self.main_pid) + [self.main_pid]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(self.main_pid)
         for pid in pids:
             try:
                 os.waitpid(pid, 0)

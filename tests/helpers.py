@@ -103,7 +103,9 @@ class ServerProcess:
         return get_event_history(self.socket, since, limit)
 
     def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
+        """The serving process's (under a keeper: the server's, not the keeper's)."""
+        pid = self.server_pid() if self.keeper else self.pid
+        return len(os.listdir(f"/proc/{pid}/fd"))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.proc.poll() is None:
@@ -115,17 +117,35 @@ class ServerProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL it (under a keeper: the keeper, then the server it ran, so none is restarted)."""
-        children = descendants(self.proc.pid) if self.keeper else []
+        """SIGKILL it, and under a keeper everything under it: each process is
+        stopped first (a server whose keeper died starts another, a keeper
+        whose server died starts another), then all are killed."""
+        if self.keeper:
+            kill_tree(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
-        for pid in children:
+        self.proc.wait()
+        self._log.close()
+
+
+def kill_tree(pid: int) -> None:
+    """Stop ``pid`` and every process under it (until no new one appears), then kill them all."""
+    stopped: list[int] = []
+    while True:
+        new = [p for p in [pid, *descendants(pid)] if p not in stopped]
+        if not new:
+            break
+        for p in new:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(p, signal.SIGSTOP)
             except ProcessLookupError:
                 pass
-        self._log.close()
+        stopped += new
+    for p in stopped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def descendants(pid: int) -> list[int]:

@@ -22,7 +22,7 @@ from gms.fsm import OverLimit
 from gms.policy import OPEN_POLICY, parse_policy
 from gms.server import Server, ServerConfig
 from gms.server.admission import Admission, FdBudget, FdsExhausted, refusal_frame
-from gms.server.peer import Peer
+from gms.peer import Peer
 from gms.server.ratelimit import RateLimit
 from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m

@@ -264,7 +264,12 @@ def test_tensors_outlive_a_server_restart_and_wake_on_the_same_layout(start_serv
 
     gt.sleep(reader)
     second.kill()
-    start_server(socket_path=first.socket)  # empty
+    third = start_server(socket_path=first.socket)  # empty: the wake waits for a commit
+    with pytest.raises(gms.LockTimeoutError):
+        gt.wake_weights(reader, timeout_ms=200)
+    other = writer(third)
+    other.create_mapping(size=3 << 20, tag="other")
+    other.commit()
     with pytest.raises(gms.StaleMemoryLayoutError):
         gt.wake_weights(reader)
     for mgr in (reader, kv, publisher, again):

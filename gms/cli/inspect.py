@@ -60,6 +60,20 @@ def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
 
 
+def keeper_line(state: m.GetRuntimeStateResponse) -> str:
+    """What holds the node if this server dies (docs/operations.md, 'Restarts')."""
+    words = {
+        "attached": "attached: a crash loses nothing",
+        "behind": f"behind: {format_bytes(state.keeper_backlog_bytes)} unread for {state.keeper_behind_s:.1f} s "
+        "(answers to commits wait for it)",
+        "gone": "GONE: a crash now loses every layout (until a keeper is back)",
+        "starting": "starting",
+        "none": "none (--no-keeper): a crash loses every layout",
+    }
+    line = words.get(state.keeper, state.keeper)
+    return line + (f"; {state.keepers_lost} lost since start" if state.keepers_lost else "")
+
+
 def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
     budget = state.budget_bytes
     rows = [
@@ -76,6 +90,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             + (f", pool {format_bytes(state.host_pool_bytes)} made ahead" if state.host_pool_bytes else ""),
         ),
         ("copier", state.copier + (f" (pid {state.copier_pid})" if state.copier_pid else "")),
+        ("keeper", keeper_line(state)),
         ("metadata", f"{format_bytes(state.metadata_bytes)} of {format_bytes(state.max_metadata_bytes)} (server RAM)"),
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (

@@ -14,8 +14,13 @@ import logging
 
 def register(sub) -> None:
     keeper = sub.add_parser("keeper", help="hold the memory of servers in other containers across their restarts")
-    keeper.add_argument("--keeper-socket", required=True, metavar="PATH", help="where servers connect (mode 0600)")
+    where = keeper.add_mutually_exclusive_group(required=True)
+    where.add_argument("--keeper-socket", metavar="PATH", help="where servers connect (mode 0600)")
+    # A server whose own keeper died starts one in its place: this channel is that
+    # server's, and the words after "--" start the next server when it dies.
+    where.add_argument("--adopt-fd", type=int, help=argparse.SUPPRESS)
     keeper.add_argument("--log-level", default="info")
+    keeper.add_argument("server_argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     keeper.set_defaults(handler=cmd_keeper)
 
 
@@ -25,11 +30,19 @@ def cmd_keeper(args: argparse.Namespace) -> int:
     )
     import trio
 
-    from ..heap import keep_big_blocks
+    from ..heap import return_big_blocks
     from ..keeper.run import keep_listening
     from .serve import _raise_fd_limit
 
     # It holds an fd for every fd its servers' memory tables hold: as many as they may.
     _raise_fd_limit()
-    keep_big_blocks()
+    return_big_blocks()
+    if args.adopt_fd is not None:
+        import socket
+
+        from ..keeper.run import keep_spawning
+
+        argv = [word for word in args.server_argv if word != "--"]
+        adopted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=args.adopt_fd)
+        return trio.run(keep_spawning, argv, adopted)
     return trio.run(keep_listening, args.keeper_socket)

@@ -9,7 +9,7 @@ import traceback
 
 from .. import paths
 from ..fds import reserve_fd_slots
-from ..heap import keep_big_blocks
+from ..heap import keep_big_blocks, return_big_blocks
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .common import byte_count
 
@@ -156,7 +156,7 @@ def server_config(args: argparse.Namespace):
         tenant_max_layouts=args.tenant_max_layouts,
     )
     return ServerConfig(
-        socket_path=args.socket or paths.socket_path(args.device, args.backend),
+        socket_path=args.socket or paths.socket_path(args.device, args.backend, serving=True),
         device=args.device,
         backend=args.backend,
         host_capacity=args.host_capacity,
@@ -237,20 +237,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"gms serve: {exc}", file=sys.stderr)
         return 1
     _raise_fd_limit()
-    keep_big_blocks()
     if args.devices:
         from ..supervisor import supervise
 
         return supervise(args)
     if not (args.no_keeper or args.keeper_fd is not None or args.keeper_socket):
+        return_big_blocks()  # this process is the keeper (gms.heap)
         return _keep(args)
+    keep_big_blocks()
     reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
 
     import trio
 
     from ..server import SocketPathError, run_server
 
-    from ..server.resume import TakeOverRefused
+    from ..server.resume import TakeOverRefused, Unresumable
 
     try:
         trio.run(run_server, config)
@@ -260,6 +261,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for e in found:
                 print(f"gms serve: the take-over did not happen (the old server serves on): {e}", file=sys.stderr)
             return EXIT_REFUSED
+        if all(isinstance(e, Unresumable) for e in found):
+            for e in found:
+                print(f"gms serve: the kept node cannot be served (its keeper keeps it): {e}", file=sys.stderr)
+            return EXIT_CONFIG
         if all(isinstance(e, SocketPathError | OSError | ValueError) for e in found):
             for e in found:
                 print(f"gms serve: {e}", file=sys.stderr)

@@ -56,6 +56,7 @@ log = logging.getLogger("gms.client")
 HandleInfo = m.GetAllocationResponse
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
+HEARTBEAT_MS = 1000  # asked of a server while a handshake waits for its lock
 DEFAULT_RECONNECT_TIMEOUT_S = 30.0
 # Requests that may wait for memory on the server (its --alloc-retry-timeout
 # decides how long): bounded by ``memory_timeout_s``, not ``call_timeout_s``.
@@ -225,11 +226,15 @@ class GMSClientMemoryManager:
         ``limit_bytes`` narrows this session's byte limit below its tenant's
         quota (allocating past it raises QuotaExceededError).  On timeout
         raises LockTimeoutError and stays reusable; the answer itself must
-        come within ``timeout_ms`` plus ``call_timeout_s`` (else
-        ResponseTimeoutError).  A reader whose mappings came from a committed
-        layout (a wake) asks for exactly that layout: if the server holds
-        another, or none, StaleMemoryLayoutError at once.  A layout evicted to
-        the host tier is restored here first, if this reader is the one asked to.
+        come within ``timeout_ms`` plus ``call_timeout_s``, and without
+        ``timeout_ms`` the server must say at least every ``call_timeout_s``
+        that the lock is still waited for (else ResponseTimeoutError: a
+        server that accepted and hangs).  A reader waking (``unmap_all_vas``,
+        ``abort``, ``connect(RO)``, ``remap_all_vas``, the seed's flow) is
+        granted whatever is committed then, as any reader is, waiting for a
+        writer still building; ``remap_all_vas`` raises StaleMemoryLayoutError
+        if it is not the layout it mapped.  A layout evicted to the host tier
+        is restored here first, if this reader is the one asked to.
         """
         with self._lock:
             self._settle()
@@ -242,14 +247,11 @@ class GMSClientMemoryManager:
                     )
                 self.layout = layout
             lock = RequestedLockType(lock_type)
-            expect = ""
-            if lock is RequestedLockType.RO and self._res.mappings and self._layout_hash:
-                expect = self._layout_hash
             self._lost = None
             reply = None
             if timeout_ms is not None and self.call_timeout_s is not None:
                 reply = timeout_ms / 1000 + self.call_timeout_s
-            self._open(lock, timeout_ms, reply, limit_bytes=limit_bytes, expect_hash=expect)
+            self._open(lock, timeout_ms, reply, limit_bytes=limit_bytes)
 
     def _open(
         self,
@@ -263,8 +265,12 @@ class GMSClientMemoryManager:
         connect_timeout = 10.0 if reply_timeout is None else min(10.0, reply_timeout)
         transport = RpcTransport(self.socket_path, connect_timeout=connect_timeout, timeout=self.call_timeout_s)
         try:
-            request = m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes, expect_hash)
-            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout)
+            # A lock may take as long as it takes; a server that says nothing for
+            # call_timeout_s (one that accepted and hangs, or a squatter) does not.
+            idle = self.call_timeout_s
+            heartbeat = None if idle is None else max(100, min(HEARTBEAT_MS, int(idle * 1000 / 4)))
+            request = m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes, expect_hash, heartbeat)
+            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle)
             if not response.success:
                 raise LockTimeoutError(
                     f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "

@@ -43,7 +43,9 @@ from ..errors import (
     ServerGoneError,
     SessionEndedError,
     StaleMemoryLayoutError,
+    UntrustedServerError,
 )
+from ..peer import SERVER_UIDS_ENV, UntrustedPeer, require_peer, trusted_server_uids
 from ..wire import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
 from ..wire import messages as m
 from ..wire.codec import HEADER
@@ -141,6 +143,14 @@ def _connect(socket_path: str, timeout: float | None) -> socket.socket:
             raise GMSConnectionError(f"no gms server at {socket_path}: {exc}") from exc
         if left is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # calls keep their own deadlines
+        try:  # before a byte is sent: whoever answers here gets nothing from us, nor we from it
+            require_peer(sock, trusted_server_uids(), f"the process serving {socket_path}")
+        except UntrustedPeer as exc:
+            sock.close()
+            raise UntrustedServerError(
+                f"{exc}: not a gms server this client trusts (set {SERVER_UIDS_ENV} to trust a daemon "
+                "run as another user)"
+            ) from None
         return sock
 
 
@@ -191,6 +201,27 @@ def session_ended_error(notice: m.SessionEnded, where: str) -> SessionEndedError
     if notice.reason == "revoked":
         return LockRevokedError(notice.reason, f"an admin revoked this session's lock at {where}")
     return SessionEndedError(notice.reason, f"the server at {where} ended the session: {notice.reason}")
+
+
+def _sooner(deadline: float | None, idle: float | None) -> float | None:
+    """The earlier of ``deadline`` and ``idle`` seconds from now (None: none)."""
+    if idle is None:
+        return deadline
+    now_idle = time.monotonic() + idle
+    return now_idle if deadline is None else min(deadline, now_idle)
+
+
+_LOCK_WAITING = b"LockWaiting"
+
+
+def _is_lock_waiting(body) -> bool:
+    """A ``LockWaiting`` notice (told apart without decoding every answer)."""
+    if _LOCK_WAITING not in bytes(body[:64]):
+        return False
+    try:
+        return isinstance(decode(body), m.LockWaiting)
+    except (ProtocolError, UnknownMessageType):
+        return False
 
 
 class _Deadline(Exception):
@@ -251,10 +282,13 @@ class RpcTransport:
         with self._lock:
             return self._broken(None)
 
-    def call(self, request: object, expect: type[T], timeout=_DEFAULT) -> tuple[T, list[int]]:
+    def call(self, request: object, expect: type[T], timeout=_DEFAULT, *, idle: float | None = None) -> tuple[T, list[int]]:
         """Send ``request``; return the ``expect`` response and the fds that came with it.
 
         ``timeout`` (seconds, None: no deadline) defaults to the transport's.
+        ``idle``: the answer may take longer, as long as the server says at
+        least this often that it still waits (``LockWaiting``, to a handshake
+        that asked for it): silence for ``idle`` seconds is a timeout.
         The caller owns (and must close) the returned fds.
         """
         frame = encode(request)
@@ -271,10 +305,14 @@ class RpcTransport:
             sock = self._sock
             if sock is None:
                 raise GMSConnectionError("the connection is closed")
-            deadline = None if timeout is None else time.monotonic() + timeout
+            overall = None if timeout is None else time.monotonic() + timeout
+            deadline = _sooner(overall, idle)
             try:
                 self._send(sock, frame, deadline)
                 body, fds = self._read_frame(sock, time.perf_counter(), type(request), deadline)
+                while idle is not None and body is not None and not fds and _is_lock_waiting(body):
+                    deadline = _sooner(overall, idle)  # it still waits: silence is counted afresh
+                    body, fds = self._read_frame(sock, None, type(request), deadline)
             except _Deadline:
                 self._close()  # the reply may still come: this stream cannot be trusted again
                 raise ResponseTimeoutError(

@@ -68,7 +68,7 @@ from .residency import (
     plan_evictions,
     why_not_evictable,
 )
-from .resume import decide_resume, held_memory
+from .resume import LASTING, decide_resume, held_memory
 from .rules import RULES, Rule, Who, parse_residency
 from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
@@ -135,6 +135,7 @@ __all__ = [
     "decide_restore_finished",
     "decide_restore_loading",
     "decide_resume",
+    "LASTING",
     "decide_session",
     "eviction_candidates",
     "fold",

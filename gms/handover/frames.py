@@ -61,11 +61,25 @@ def encode_frame(kind: str, body: dict | None = None, nfds: int = 0) -> bytes:
     return HEADER.pack(len(payload), nfds) + payload
 
 
+BIG_BYTES = 64 << 10  # a frame past this is read straight into a buffer of its own
+
+
 class FrameReader:
-    """Feed what the socket gave (bytes, fds); take whole frames with their fds."""
+    """Feed what the socket gave (bytes, fds); take whole frames with their fds.
+
+    A big frame (a state's part, a batch of events carrying a tenant's values)
+    is read into a buffer of its size, through :meth:`space` and :meth:`wrote`
+    (the kernel writes straight into it) or :meth:`feed`, and decoded in place:
+    each byte is copied once on the way in, not at every read as a growing
+    buffer copied it (the keeper took 1.35 ms per MiB; bench numbers in
+    docs/performance.md)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._start = 0  # bytes of _buffer already taken as frames
+        self._big: bytearray | None = None  # the body of a big frame being read
+        self._big_filled = 0
+        self._big_head = (0, 0)  # its (length, nfds)
         self._fds: deque[int] = deque()
         self.eof = False
         self._scratch: bytearray | None = None
@@ -77,35 +91,95 @@ class FrameReader:
             self._scratch = bytearray(SCRATCH_BYTES)
         return self._scratch
 
-    def feed(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    @property
+    def in_big_frame(self) -> bool:
+        """Is a big frame being read (its rest goes to :meth:`space`)?"""
+        return self._big is not None
+
+    def space(self) -> memoryview:
+        """Where the next bytes should go: the rest of a big frame, or the scratch
+        buffer (then :meth:`wrote` says how many came)."""
+        if self._big is not None:
+            return memoryview(self._big)[self._big_filled:]
+        return memoryview(self.scratch)
+
+    def wrote(self, n: int, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """``n`` bytes were received into :meth:`space` (0 and no fds: the end)."""
+        if self._big is not None:
+            if not n and not fds:
+                self.eof = True
+            self._fds.extend(fds)
+            self._big_filled += n
+        else:
+            self.feed(memoryview(self.scratch)[:n], fds)
+
+    def feed(self, data, fds: list[int] | tuple[int, ...] = ()) -> None:
         if not data and not fds:
             self.eof = True
-        self._buffer += data
         self._fds.extend(fds)
+        if self._big is not None and data:
+            take = min(len(data), len(self._big) - self._big_filled)
+            self._big[self._big_filled : self._big_filled + take] = data[:take]
+            self._big_filled += take
+            data = data[take:]
+        if data:
+            self._buffer += data
 
     def next_frame(self) -> Frame | None:
         """The next whole frame, or None; raises ChannelClosed at a clean end and
         FrameError inside a frame or for a frame without its fds."""
-        buffer = self._buffer
-        if len(buffer) >= HEADER.size:
-            length, nfds = HEADER.unpack_from(buffer)
-            end = HEADER.size + length
+        if self._big is not None:
+            if self._big_filled < len(self._big):
+                if self.eof:
+                    raise FrameError(f"the channel closed inside a frame ({self._big_filled} bytes)")
+                return None
+            body, (_, nfds) = memoryview(self._big), self._big_head
+            self._big = None
+            return self._frame(body, nfds)
+        buffer, start = self._buffer, self._start
+        if len(buffer) - start >= HEADER.size:
+            length, nfds = HEADER.unpack_from(buffer, start)
+            body_at = start + HEADER.size
+            end = body_at + length
             if len(buffer) >= end:
-                if len(self._fds) < nfds:
-                    raise FrameError(f"a frame announced {nfds} fds and {len(self._fds)} came")
-                try:
-                    body = msgpack.unpackb(bytes(buffer[HEADER.size : end]), raw=False, strict_map_key=False)
-                    kind = body.pop("t")
-                except Exception as exc:  # the peer is ours, but a broken frame ends the channel
-                    raise FrameError(f"an undecodable frame: {exc!r}") from None
-                del buffer[:end]
-                fds = tuple(self._fds.popleft() for _ in range(nfds))
-                return Frame(kind, body, fds)
+                frame = self._frame(memoryview(buffer)[body_at:end], nfds)  # (decoded before the bytes go)
+                self._take(end)
+                return frame
+            if length > BIG_BYTES:  # the rest goes straight into a buffer of its own
+                big = bytearray(length)
+                have = len(buffer) - body_at
+                big[:have] = memoryview(buffer)[body_at:]
+                self._big, self._big_filled, self._big_head = big, have, (length, nfds)
+                self._take(len(buffer))
+                return self.next_frame()
         if self.eof:
-            if buffer:
-                raise FrameError(f"the channel closed inside a frame ({len(buffer)} bytes)")
+            if len(buffer) > start:
+                raise FrameError(f"the channel closed inside a frame ({len(buffer) - start} bytes)")
             raise ChannelClosed("the other side closed the channel")
         return None
+
+    def _take(self, end: int) -> None:
+        """Bytes up to ``end`` were taken: forget them (all at once, now and then)."""
+        if end >= len(self._buffer):
+            self._buffer, self._start = bytearray(), 0
+        elif end > SCRATCH_BYTES:
+            del self._buffer[:end]
+            self._start = 0
+        else:
+            self._start = end
+
+    def _frame(self, body: memoryview, nfds: int) -> Frame:
+        if len(self._fds) < nfds:
+            raise FrameError(f"a frame announced {nfds} fds and {len(self._fds)} came")
+        try:
+            decoded = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            kind = decoded.pop("t")
+        except Exception as exc:  # the peer is ours, but a broken frame ends the channel
+            raise FrameError(f"an undecodable frame: {exc!r}") from None
+        finally:
+            body.release()
+        fds = tuple(self._fds.popleft() for _ in range(nfds))
+        return Frame(kind, decoded, fds)
 
     def close(self) -> None:
         """Close fds received for frames never read."""
@@ -152,10 +226,10 @@ def send_fds(sock: socket.socket, kind: str, keyed: list[tuple[str, int]], body:
 
 def recv_into(sock: socket.socket, reader: FrameReader) -> None:
     """One receive; blocks (or times out, as the socket is set)."""
-    n, ancillary, flags, _ = sock.recvmsg_into([reader.scratch], ANCILLARY_BYTES)
+    n, ancillary, flags, _ = sock.recvmsg_into([reader.space()], ANCILLARY_BYTES)
     fds = received_fds(ancillary)
     check_flags(flags, fds)
-    reader.feed(memoryview(reader.scratch)[:n], fds)
+    reader.wrote(n, fds)
 
 
 def recv_frame(sock: socket.socket, reader: FrameReader) -> Frame:

@@ -131,7 +131,31 @@ def _limits_v1(limits: Limits) -> dict:
     return limits.as_dict()
 
 
+def metadata_rows(entries: Iterable[MetadataEntry]) -> list[list]:
+    """Metadata entries as a layout's ``metadata`` column holds them, sorted by key."""
+    return [[e.key, e.allocation_id, e.offset_bytes, e.value] for e in sorted(entries, key=_by_key)]
+
+
+_by_key = operator.attrgetter("key")
+
+
 def _layout_v1(layout: LayoutState) -> dict:
+    return with_metadata(layout_head(layout), metadata_rows(layout.metadata.values()))
+
+
+def with_metadata(head: dict, rows: list[list]) -> dict:
+    """A layout head and its metadata column, in the order the formats write them."""
+    body = {}
+    for key, value in head.items():
+        body[key] = value
+        if key == "allocations":
+            body["metadata"] = rows
+    return body
+
+
+def layout_head(layout: LayoutState) -> dict:
+    """A layout as version 1 and 2 write it, but for its ``metadata`` column
+    (the keeper's journal keeps that in parts of its own: ``gms.handover.journal``)."""
     return {
         "name": layout.name,
         "writer": layout.writer,
@@ -141,7 +165,6 @@ def _layout_v1(layout: LayoutState) -> dict:
             [a.allocation_id, a.size, a.aligned_size, a.tag, a.layout_slot]
             for a in sorted(layout.allocations.values(), key=lambda a: a.layout_slot)
         ],
-        "metadata": [[e.key, e.allocation_id, e.offset_bytes, e.value] for _, e in sorted(layout.metadata.items())],
         "metadata_bytes": layout.metadata_bytes,
         "layout_hash": layout.layout_hash,
         "next_layout_slot": layout.next_layout_slot,
@@ -411,11 +434,30 @@ def _unpack(data: bytes) -> object:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def encode_image(image: StateImage, version: int = STATE_VERSION) -> bytes:
+def image_body(image: StateImage, version: int = STATE_VERSION) -> dict:
+    """The body of ``image`` in ``version`` (only the current one is written)."""
     writer = _WRITERS.get(version)
     if writer is None:
         raise UnsupportedVersion(version)
-    return _pack([MAGIC, version, _pack(writer(image))])
+    return writer(image)
+
+
+def read_body(version: int, body: object) -> StateImage:
+    """An image from a body of ``version``: UnsupportedVersion for one this server
+    does not read, ImageError for a body that does not parse."""
+    reader = _READERS.get(version)
+    if reader is None:
+        raise UnsupportedVersion(version)
+    try:
+        return reader(body)
+    except ImageError:
+        raise
+    except Exception as exc:  # a malformed body of a known version
+        raise ImageError(f"a version-{version} state image that does not parse: {exc!r}") from None
+
+
+def encode_image(image: StateImage, version: int = STATE_VERSION) -> bytes:
+    return _pack([MAGIC, version, _pack(image_body(image, version))])
 
 
 def image_version(data: bytes) -> int:
@@ -433,15 +475,13 @@ def decode_image(data: bytes) -> StateImage:
     """Raises UnsupportedVersion for a version this server does not read,
     ImageError for anything else it cannot parse."""
     version = image_version(data)
-    reader = _READERS.get(version)
-    if reader is None:
+    if version not in _READERS:
         raise UnsupportedVersion(version)
     try:
-        return reader(_unpack(_unpack(data)[2]))
-    except ImageError:
-        raise
-    except Exception as exc:  # a malformed body of a known version
+        body = _unpack(_unpack(data)[2])
+    except Exception as exc:
         raise ImageError(f"a version-{version} state image that does not parse: {exc!r}") from None
+    return read_body(version, body)
 
 
 # -- log entries ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import trio
 
 from .. import sdnotify
 from ..handover import frames
+from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
 from .store import Store
 from .systemd import SystemdMirror, restore
 
@@ -39,9 +40,11 @@ log = logging.getLogger("gms.keeper")
 
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+UNRESUMABLE_BACKOFF_S = 5.0  # a server that could not serve the kept node: the next tries after this
 HEALTHY_AFTER_S = 60.0
 STOP_GRACE_S = 30.0
 BATCH_S = 0.005  # a keeper reads its server's frames at most this often (unless they pile up)
+EXIT_FATAL = 70  # EX_SOFTWARE: the server failed (a broken invariant, a bug)
 EXIT_CONFIG = 78
 EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
 
@@ -72,16 +75,17 @@ async def _recv(sock: trio.socket.SocketType, reader: frames.FrameReader, lazy: 
     per batch instead of once per event costs the server nothing but a little
     of the socket's buffer (on a small machine, a wake-up per event cost a
     request tens of microseconds)."""
-    buffer = reader.scratch  # one buffer per channel: recvmsg() would allocate its size each call
     while True:
         frame = reader.next_frame()
         if frame is not None:
             return frame
-        n, ancillary, flags, _ = await sock.recvmsg_into([buffer], frames.ANCILLARY_BYTES)
+        space = reader.space()  # the scratch buffer, or the rest of a big frame: no copy of its own
+        n, ancillary, flags, _ = await sock.recvmsg_into([space], frames.ANCILLARY_BYTES)
         fds = frames.received_fds(ancillary)
         frames.check_flags(flags, fds)
-        reader.feed(memoryview(buffer)[:n], fds)
-        if lazy and 0 < n < len(buffer) and not fds:
+        big = reader.in_big_frame  # (before it is whole: a big frame is read on at once)
+        reader.wrote(n, fds)
+        if lazy and not big and 0 < n < len(space) and not fds:
             await trio.sleep(BATCH_S)
 
 
@@ -110,8 +114,10 @@ async def converse(
         await hand_back(sock, store, hello)
         while True:
             said = store.apply(await _recv(sock, reader, lazy=True))
-            if said == "ready":
-                outcome.ready = True
+            if said == "released":  # its fds are closed: a session waiting for memory may try again
+                await _send(sock, "released")
+            elif said == "ready":  # (again after a stopping: a take-over that did not happen)
+                outcome.ready, outcome.why = True, None
                 on_ready()
             elif said is not None and said.startswith("stopping:"):
                 outcome.why = said.split(":", 1)[1]
@@ -124,8 +130,26 @@ async def converse(
     return outcome
 
 
-def settle(store: Store, outcome: Outcome, reason: str) -> None:
-    """What the keeper keeps after a server went, by how it went."""
+# Deaths that say the server itself failed (what a journal that breaks it would
+# cause), as opposed to being killed or stopped from outside.
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+def failed_by_itself(code: int | None) -> bool:
+    """Did a server that exited with ``code`` fail on its own (a fatal error or a
+    crash signal)?  A kill (SIGKILL, SIGTERM), a configuration it could not use,
+    or an unknown end (a server in another container) is not its fault."""
+    if code is None:
+        return False
+    if code < 0:
+        return -code in _CRASH_SIGNALS
+    return code == EXIT_FATAL
+
+
+def settle(store: Store, outcome: Outcome, reason: str, code: int | None = None) -> None:
+    """What the keeper keeps after a server went, by how it went.  It lets go of
+    a node only when told to (a shutdown, a take-over): whatever else happened,
+    the node waits for the next server."""
     why = outcome.why
     if why == "taken-over":
         store.drop_node(keep_listener=False)
@@ -133,11 +157,42 @@ def settle(store: Store, outcome: Outcome, reason: str) -> None:
     elif why in ("shutdown", "refused"):
         store.drop_node(keep_listener=False)
     else:
-        if not outcome.ready and store.base is not None:
+        if not outcome.ready and store.base is not None and failed_by_itself(code):
             store.failed_resumes += 1
         if why == "left":
             reason = f"it left its node to the keeper on a signal ({reason})"
+        elif why == "unresumable":
+            reason = f"it could not serve the node ({reason})"
         store.old_pid, store.reason = outcome.pid, reason
+
+
+class _Adopted:
+    """A server this keeper did not start: it cannot wait for it, nor learn how it
+    ended (its channel closing says it did).  Killed only if asked to stop and it
+    does not."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    async def wait(self) -> None:
+        """Until the process is gone (how it ended is not ours to know: None)."""
+        while True:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            await trio.sleep(0.05)
+        self.returncode = 0  # (gone; its code went to its parent)
+        return None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def describe(code: int | None) -> str:
@@ -176,9 +231,20 @@ def _notify(state: str) -> None:
 # -- spawn -----------------------------------------------------------------------------
 
 
-async def keep_spawning(server_argv: list[str]) -> int:
-    """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code."""
+async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None) -> int:
+    """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code.
+
+    ``adopted``: the channel of a server already running, whose keeper died and
+    which started this one in its place (``gms keeper --adopt-fd``): it is kept
+    first, and the servers after it are this keeper's children."""
     store, _ = open_store()
+    import os as _os
+    if _os.environ.get("GMS_DBG"):
+        import signal as _sig
+        def _dump(*a):
+            b = store.base
+            log.warning("DBG base=%s tails=%d/%d staged=%d fds=%d", (len(b), sum(map(len,b.values()))) if isinstance(b, dict) else (b and len(b)), len(store.tails), sum(map(len, store.tails)), sum(map(len, store._staged.values())), len(store.fds))
+        _sig.signal(_sig.SIGUSR1, _dump)
     stopping = trio.Event()
     backoff = 0.0
     notified_ready = False
@@ -196,13 +262,18 @@ async def keep_spawning(server_argv: list[str]) -> int:
             nursery.start_soon(on_signal)
             code = 0
             while True:
-                here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                argv = [*server_argv, "--keeper-fd", str(there.fileno())]
                 started = trio.current_time()
-                try:
-                    proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
-                finally:
-                    there.close()
+                if adopted is not None:  # a server that runs already: not our child
+                    here, adopted = adopted, None
+                    proc = _Adopted(peer_of(here).pid)
+                    log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
+                else:
+                    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                    argv = [*server_argv, "--keeper-fd", str(there.fileno())]
+                    try:
+                        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
+                    finally:
+                        there.close()
                 sock = trio.socket.from_stdlib_socket(here)
 
                 def on_ready() -> None:
@@ -233,7 +304,7 @@ async def keep_spawning(server_argv: list[str]) -> int:
                     inner.cancel_scope.cancel()
                 sock.close()
                 reason = describe(code)
-                settle(store, outcome, reason)
+                settle(store, outcome, reason, code)
                 if stopping.is_set() or outcome.why == "shutdown":
                     store.close()
                     nursery.cancel_scope.cancel()
@@ -248,12 +319,15 @@ async def keep_spawning(server_argv: list[str]) -> int:
                     store.close()
                     nursery.cancel_scope.cancel()
                     return EXIT_REFUSED
-                if code == EXIT_CONFIG or (code == 1 and not outcome.ready):
-                    # The same options would fail again (a socket another server holds, say).
+                if (code == EXIT_CONFIG or (code == 1 and not outcome.ready)) and not store.holds_node():
+                    # The same options would fail again (a socket another server holds, say),
+                    # and there is no node to keep for a server that could.
                     log.error("the server could not start (%s); not starting another", reason)
                     store.close()
                     nursery.cancel_scope.cancel()
                     return code
+                if outcome.why == "unresumable" or code == EXIT_CONFIG:
+                    backoff = max(backoff, UNRESUMABLE_BACKOFF_S)  # a changed option or policy may serve it
                 if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
                     backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
                 delay = 0.0 if outcome.why == "left" else backoff
@@ -299,7 +373,6 @@ async def keep_listening(path: str) -> int:
     conversations: dict[str, trio.socket.SocketType] = {}
     listener = trio.socket.from_stdlib_socket(bind_keeper_socket(path))
     inode = os.stat(path).st_ino
-    uid = os.getuid()
     log.info("keeping for servers that connect to %s", path)
     _notify("READY=1\nSTATUS=waiting for servers")
     try:
@@ -307,15 +380,13 @@ async def keep_listening(path: str) -> int:
             async with trio.open_nursery() as nursery:
 
                 async def one(sock: trio.socket.SocketType) -> None:
-                    from ..server.peer import peer_of
-
-                    try:
-                        peer = peer_of(sock)
-                    except OSError:
+                    try:  # it will hand this server every fd it keeps: only one of ours
+                        peer = require_peer(sock, own_uids(), "a server connecting")
+                    except UntrustedPeer as refused:
+                        log.warning("refusing %s", refused)
                         sock.close()
                         return
-                    if peer.uid not in (0, uid):
-                        log.warning("refusing a server of uid %d (this keeper's uid is %d)", peer.uid, uid)
+                    except OSError:
                         sock.close()
                         return
                     reader = frames.FrameReader()

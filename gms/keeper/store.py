@@ -1,13 +1,16 @@
-"""What a keeper holds for one device: fds by key, and the journal (a base image and the events after it).
+"""What a keeper holds for one device: fds by key, and the journal (a base and the events after it).
 
-The keeper never reads what it keeps: images and log entries are opaque
-bytes, fds are numbers under keys the server chose (``listener``,
+The keeper never reads what it keeps: the base's parts and log entries are
+opaque bytes, fds are numbers under keys the server chose (``listener``,
 ``gpu:<id>``, ``host:<id>``).  :meth:`Store.apply` takes the server's frames
 (``gms.server.mirror`` says what each means) in the order they came; the
 hand-back is what the next server gets.  An fd is kept until the server
-releases it, a base leaves it out, or the node is dropped; the journal is
-replaced by each base.  Pure but for closing fds, and tested without
-processes.
+releases it, a base leaves it out, or the node is dropped.  The base is kept
+in parts (``gms.handover.journal``): ``part`` frames stage the parts that
+changed, and ``base`` names every part of the new base, taking the others
+from the one it replaces, and how many of the events sent meanwhile are
+after it (an older server sends whole images instead).  Pure but for
+closing fds, and tested without processes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from ..handover.frames import Frame
 
 LISTENER = "listener"
+FEATURES = ["parts"]  # what this keeper understands beyond the first version's frames
 
 
 class Store:
@@ -25,8 +29,9 @@ class Store:
         """``on_fd(key, fd)`` is told of every fd kept (``fd``) or let go (None):
         systemd's fd store mirrors the keeper's (``gms.keeper.systemd``)."""
         self.fds: dict[str, int] = {}
-        self.base: bytes | None = None
+        self.base: bytes | dict[str, bytes] | None = None  # an image, or its parts by key
         self.tails: list[bytes] = []
+        self._staged: dict[str, bytes] = {}  # parts of a base on its way
         self.provisional: int | None = None  # a take-over's node, not committed: the old server's pid
         self.failed_resumes = 0
         self.retired = False
@@ -55,10 +60,15 @@ class Store:
         for key in [k for k in self.fds if k not in keys]:
             self.release(key)
 
+    def holds_node(self) -> bool:
+        """A journal, or memory: something a server could still serve."""
+        return self.base is not None or any(key != LISTENER for key in self.fds)
+
     def drop_node(self, *, keep_listener: bool) -> None:
         """Forget the node: its memory's fds and journal (and the listener unless kept)."""
         self.keep_only({LISTENER} if keep_listener else set())
         self.base, self.tails, self.provisional, self.failed_resumes = None, [], None, 0
+        self._staged = {}
         self.on_journal("base", b"")
 
     # -- the server's frames ----------------------------------------------------------
@@ -79,16 +89,15 @@ class Store:
         if kind == "release":
             for key in body.get("keys", []):
                 self.release(key)
+            if body.get("ack"):
+                return "released"
         elif kind == "events":
             self.tails.append(body["entries"])
             self.on_journal("events", body["entries"])
+        elif kind == "part":
+            self._staged[body["key"]] = body["data"]
         elif kind == "base":
-            self.base, self.tails = body["image"], []
-            self.on_journal("base", body["image"])
-            if "keys" in body:
-                self.keep_only(set(body["keys"]))
-            if "provisional" in body:
-                self.provisional = body["provisional"]
+            self._new_base(body)
         elif kind == "confirm":
             self.provisional = None
         elif kind == "ready":
@@ -98,6 +107,26 @@ class Store:
             return f"stopping:{body.get('why', '')}"
         return None
 
+    def _new_base(self, body: dict) -> None:
+        if "parts" in body:
+            old = self.base if isinstance(self.base, dict) else {}
+            staged, self._staged = self._staged, {}
+            try:
+                base = {key: staged[key] if key in staged else old[key] for key in body["parts"]}
+            except KeyError as missing:
+                raise ValueError(f"a base names part {missing} that was never sent") from None
+            keep = body.get("tails", 0)
+            self.base, self.tails = base, self.tails[len(self.tails) - keep:] if keep else []
+        else:
+            self.base, self.tails = body["image"], []
+        self.on_journal("base", self.base)
+        for tail in self.tails:
+            self.on_journal("events", tail)
+        if "keys" in body:
+            self.keep_only(set(body["keys"]))
+        if "provisional" in body:
+            self.provisional = body["provisional"]
+
     # -- the next server --------------------------------------------------------------
 
     def handback(self) -> tuple[dict, list[tuple[str, int]]]:
@@ -106,11 +135,11 @@ class Store:
         empty node; the listener if the keeper holds one, else the server binds
         or takes over) or ``resume`` (the last server's journal and fds)."""
         if self.retired:
-            return {"mode": "retired"}, []
+            return {"mode": "retired", "features": FEATURES}, []
         if self.base is None:
-            return {"mode": "fresh"}, self._listener()
+            return {"mode": "fresh", "features": FEATURES}, self._listener()
         body = {
-            "mode": "resume", "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
+            "mode": "resume", "features": FEATURES, "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
             "reason": self.reason, "failed_resumes": self.failed_resumes,
         }
         if self.provisional is not None:

@@ -8,9 +8,10 @@ is, and removes it when it lets go (``FDSTOREREMOVE=1``):
 * ``gms-gpu-<id>``, ``gms-host-<id>``: an allocation's memory, a host copy (one
   chunk of a copy of several: ``gms-host-<id>/<offset>/<length>``);
 * ``gms-journal-<n>``: a memfd holding the journal as records (a kind byte,
-  an 8-byte big-endian length, the bytes): one ``base`` image, then each batch
-  of log entries appended as it comes; each base starts a new memfd (the
-  next ``n``), stored before the old one is removed.
+  an 8-byte big-endian length, the bytes): one base (an image, or its parts
+  as one msgpack map), then each batch of log entries appended as it comes;
+  each base starts a new memfd (the next ``n``), stored before the old one is
+  removed.
 
 So if the keeper itself dies (and systemd, ``Restart=``, starts the unit
 again), the new keeper gets everything back from ``$LISTEN_FDS`` and
@@ -26,13 +27,15 @@ import os
 import socket
 import struct
 
+import msgpack
+
 from .. import sdnotify
 from .store import LISTENER, Store
 
 log = logging.getLogger("gms.keeper")
 
 _RECORD = struct.Struct(">BQ")
-_BASE, _EVENTS = 1, 2
+_BASE, _EVENTS, _PARTS = 1, 2, 3
 JOURNAL_PREFIX = "gms-journal-"
 
 
@@ -73,12 +76,15 @@ class SystemdMirror:
         else:
             if self.journal is None:
                 self._new_journal(None)
-            os.write(self.journal, _RECORD.pack(_EVENTS, len(data)) + data)
+            _write_all(self.journal, _RECORD.pack(_EVENTS, len(data)) + data)
 
-    def _new_journal(self, base: bytes | None) -> None:
+    def _new_journal(self, base: bytes | dict | None) -> None:
         fd = os.memfd_create("gms-journal", os.MFD_CLOEXEC)
-        if base:
-            os.write(fd, _RECORD.pack(_BASE, len(base)) + base)
+        if isinstance(base, dict):
+            data = msgpack.packb(base, use_bin_type=True)
+            _write_all(fd, _RECORD.pack(_PARTS, len(data)) + data)
+        elif base:
+            _write_all(fd, _RECORD.pack(_BASE, len(base)) + base)
         old, old_generation = self.journal, self.generation
         self.generation += 1
         try:
@@ -95,7 +101,13 @@ class SystemdMirror:
         store._on_fd = self.on_fd
         store.on_journal = self.on_journal
 
-def read_journal(fd: int) -> tuple[bytes | None, list[bytes]]:
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_journal(fd: int) -> tuple[bytes | dict | None, list[bytes]]:
     """(base, tails) from a journal memfd; a torn last record is left out."""
     data = b""
     offset = 0
@@ -113,6 +125,8 @@ def read_journal(fd: int) -> tuple[bytes | None, list[bytes]]:
             break  # torn: the keeper died writing it
         if kind == _BASE:
             base, tails = data[start:end], []
+        elif kind == _PARTS:
+            base, tails = msgpack.unpackb(data[start:end], raw=False), []
         elif kind == _EVENTS:
             tails.append(data[start:end])
         at = end

@@ -31,7 +31,7 @@ import os
 import resource
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -40,7 +40,7 @@ from ..fsm import OverLimit
 from ..policy import Policy
 from ..wire import encode
 from ..wire import messages as m
-from .peer import Peer, peer_of
+from ..peer import Peer, peer_of
 from .reply import error_reply
 
 log = logging.getLogger("gms.server")
@@ -200,8 +200,7 @@ _ACCEPT_CAPACITY = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 async def serve(
     admission: Admission,
     listener: trio.socket.SocketType,
-    handle: Callable[[trio.socket.SocketType, Peer, Ticket], Awaitable[None]],
-    nursery: trio.Nursery,
+    admitted: Callable[[trio.socket.SocketType, Peer, Ticket], None],
     on_refused: Callable[[str], None] = lambda limit: None,
 ) -> None:
     """Accept until cancelled; judge each connection before it costs a task.
@@ -210,7 +209,9 @@ async def serve(
     cost a task's start and end: a stranger opening connections as fast as it
     can kept the listen queue full, and everyone else's connect waited behind
     it.  Here a refusal is a few system calls in the accept loop (the error
-    written, the socket closed) and only admitted connections get a task."""
+    written, the socket closed) and only admitted connections get a task:
+    ``admitted`` starts it, and makes the session at once (a take-over's
+    quiet point then counts it, though its task has not run yet)."""
     accepting = trio.SocketListener(listener)  # Trio's accept: it skips ECONNABORTED, EPROTO and the like
     while True:
         try:
@@ -237,7 +238,7 @@ async def serve(
             on_refused(refused.limit)
             admission.refusals.note(peer.uid, refused)
             continue
-        nursery.start_soon(handle, sock, peer, ticket)
+        admitted(sock, peer, ticket)
 
 
 def refusal_frame(refused: OverLimit) -> bytes:

@@ -53,7 +53,7 @@ from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
 from .memory import Memory
 from .memory_signal import MemorySignal
-from .peer import Peer
+from ..peer import Peer
 from .placement import Placement
 from .probes import Probes
 from .reply import Reply, UnknownRequest
@@ -86,7 +86,10 @@ class ServiceCore:
         alloc_retry_timeout: float | None = None,
         copier: CopierLink | None = None,
         scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
+        keeper=None,
     ) -> None:
+        """``keeper``: the server's keeper link, told of nothing here but shown
+        by the probes and the metrics (``gms.server.mirror``)."""
         if host is not None and not isinstance(host, HostMemory):
             host = HostMemory(host)  # exact host copies, no copier: clients copy
         self.device = device
@@ -117,9 +120,10 @@ class ServiceCore:
         self.transfers = None if self.copier is None else Transfers(self.ledger, gpu, host, self.copier, self.requests)
         if host is not None:
             host.room = self._host_room
+        self.keeper = keeper
         self.probes = Probes(
             self.ledger, gpu, host, policy, server_uid,
-            history_max_events=history_max_events, history_max_bytes=history_max_bytes,
+            history_max_events=history_max_events, history_max_bytes=history_max_bytes, keeper=keeper,
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}

@@ -15,6 +15,10 @@ class MemorySignal:
         self._watched = True
         return self._event
 
+    def watched(self) -> bool:
+        """Does a session wait for the next release?"""
+        return self._watched
+
     def released(self) -> None:
         if self._watched:  # else nobody waits: most releases (every free) cost nothing here
             self._event.set()

@@ -72,6 +72,19 @@ class _StateCollector:
             if tenant.quota_bytes is not None:
                 quota.add_metric([name], tenant.quota_bytes)
         yield from (layout_bytes, readers, info, waiting, used, quota, sessions)
+        keeper = core.keeper
+        if keeper is not None:  # (a server without one has no keeper series)
+            yield GaugeMetricFamily(
+                "gms_keeper_attached", "1 while a keeper holds the node (a crash then loses nothing), else 0",
+                value=1 if keeper.state in ("attached", "behind") else 0,
+            )
+            yield GaugeMetricFamily(
+                "gms_keeper_backlog_bytes", "Bytes waiting for the keeper to read", value=keeper.backlog_bytes()
+            )
+            yield GaugeMetricFamily(
+                "gms_keeper_behind_seconds", "How long the keeper has had bytes waiting", value=keeper.behind_s()
+            )
+            yield CounterMetricFamily("gms_keepers_lost", "Keepers that went away", value=keeper.lost)
 
 
 class _EventCounts:

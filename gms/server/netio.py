@@ -10,13 +10,16 @@ shell reasons about peers, not errnos.
 from __future__ import annotations
 
 import array
+import fcntl
 import select
 import socket
+import sys
+import termios
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from .peer import Peer, peer_of
+from ..peer import Peer, peer_of
 
 _RECV_BYTES = 16 * 1024
 _BIG_RECV_BYTES = 256 * 1024  # at most, for the rest of a frame known to be big
@@ -55,6 +58,7 @@ class Channel:
         self._buffer = bytearray(_RECV_BYTES)  # recv() would allocate one per call
         self._view = memoryview(self._buffer)
         self._sending = False
+        self.sent = 0  # bytes sent, all told (a take-over tells a stuck send from a slow one by it)
         self._unyielded = 0
 
     @classmethod
@@ -112,12 +116,19 @@ class Channel:
                     await trio.lowlevel.wait_writable(self.sock)
                     continue
                 view = view[sent:]
+                self.sent += sent
         except OSError as exc:
             raise SendFailed(str(exc) or type(exc).__name__) from exc
         finally:
             self._sending = False
+        self.sent = 0  # bytes sent, all told (a take-over tells a stuck send from a slow one by it)
         self._unyielded = 0
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    @property
+    def sending(self) -> bool:
+        """Is an answer being sent (and maybe waiting for the client to read)?"""
+        return self._sending
 
     def send_nowait(self, frame: bytes) -> bool:
         """Best effort, never waits: write a small frame if the socket takes it now
@@ -130,6 +141,21 @@ class Channel:
             return self.sock.send(frame) == len(frame)
         except OSError:
             return False
+
+    def send_if_idle(self, frame: bytes) -> bool:
+        """Send a small frame only if nothing waits to go out (no answer being
+        sent, nothing the client has not read yet): then the kernel takes it
+        whole, and a frame is never cut short.  False: not sent (no matter:
+        for notices that say the same again later)."""
+        if self._sending:
+            return False
+        try:
+            queued = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            if int.from_bytes(queued, sys.byteorder) or self.sock.send(frame) != len(frame):
+                return False
+        except OSError:
+            return False
+        return True
 
     def hung_up(self) -> bool:
         """Has the peer closed (or half-closed, or reset) the connection?  The

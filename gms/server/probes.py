@@ -26,7 +26,7 @@ from ..store import LogEntry
 from ..wire import messages as m
 from .ledger import Ledger
 from .memory import Memory
-from .peer import Peer
+from ..peer import Peer
 
 SEED_LAYOUT = "weights"  # what the seed's single-layout clients read at the top level
 
@@ -79,6 +79,16 @@ def history_entry(entry: LogEntry) -> dict:
     return row
 
 
+def keeper_status(keeper) -> dict:
+    """The keeper's fields of the runtime state (``none``: the server runs without one)."""
+    if keeper is None:
+        return {"keeper": "none"}
+    return {
+        "keeper": keeper.state, "keeper_backlog_bytes": keeper.backlog_bytes(),
+        "keeper_behind_s": round(keeper.behind_s(), 3), "keepers_lost": keeper.lost,
+    }
+
+
 class Probes:
     def __init__(
         self,
@@ -90,10 +100,13 @@ class Probes:
         *,
         history_max_events: int,
         history_max_bytes: int,
+        keeper=None,
     ) -> None:
+        """``keeper``: the server's ``KeeperLink`` (None: it runs without one)."""
         self.ledger = ledger
         self.gpu = gpu
         self.host = host
+        self.keeper = keeper
         self.policy = policy
         self.server_uid = server_uid
         self.history_max_events = history_max_events
@@ -169,6 +182,7 @@ class Probes:
             copier=copier,
             copier_pid=copier_pid,
             host_pool_bytes=getattr(self.host, "pool_bytes", 0),
+            **keeper_status(self.keeper),
         )
 
     def history(

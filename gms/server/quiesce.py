@@ -24,6 +24,9 @@ from contextlib import contextmanager
 import trio
 
 
+STUCK_S = 0.5  # at a quiet point, an answer that moved no byte for this long is its client's to lose
+
+
 class Parked(Exception):
     """A session stopped at a quiet point for a hand-over."""
 
@@ -39,6 +42,7 @@ def only_parked(exc: BaseException) -> bool:
 class Quiesce:
     def __init__(self) -> None:
         self.requested = False
+        self.paused_at: float | None = None  # (trio time) when a take-over asked for the quiet point
         self._scopes: set[trio.CancelScope] = set()
         self._live: set[object] = set()  # sessions whose tasks run
         self.parked: dict[int, object] = {}  # conn -> parked session
@@ -102,6 +106,8 @@ class Quiesce:
     def pause(self) -> None:
         """Stop every interruptible await now, and every later one at once."""
         self.requested = True
+        # A connection's first-request deadline stops here: the pause is the server's, not its client's.
+        self.paused_at = trio.current_time()
         for scope in list(self._scopes):
             scope.cancel()
 
@@ -112,10 +118,27 @@ class Quiesce:
                 self._changed = trio.Event()
             await self._changed.wait()
 
+    async def until_quiet_dropping_stuck(self, stuck_s: float = STUCK_S) -> None:
+        """:meth:`until_quiet`, but a session whose answer has not moved a byte
+        towards a client that reads nothing for ``stuck_s`` is dropped (it
+        could never park half-sent, and would hold every other session paused
+        until the take-over gave up).  A client that reads, however slowly, is
+        waited for."""
+        seen: dict[object, int] = {}
+        while self._live:
+            with trio.move_on_after(stuck_s):
+                await self.until_quiet()
+                return
+            for session in list(self._live):
+                sent = session.channel.sent if session.channel.sending else None
+                if sent is not None and seen.get(session) == sent:
+                    session.drop_stuck()
+                seen[session] = sent
+
     def resume(self) -> dict[int, object]:
         """A take-over that did not happen: serving goes on; returns the parked
         sessions (their owner starts them again) and forgets them."""
-        self.requested = False
+        self.requested, self.paused_at = False, None
         parked, self.parked = self.parked, {}
         return parked
 

@@ -33,7 +33,8 @@ import attrs
 from ..cuda import DeviceInfo, align_up
 from ..fsm import InvariantViolation, MemoryTier, Rejection, check_invariants, decide_resume, held_memory
 from ..fsm.events import ServerResumed
-from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries, decode_image
+from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries, decode_image, encode_image
+from ..handover.journal import decode_parts
 from ..postmortem import event_row
 from ..store import EventLog, Snapshot
 from .core import ServiceCore
@@ -51,6 +52,12 @@ class Unreplayable(Exception):
 
 class TakeOverRefused(Exception):
     """This server will not take the running one's place (it serves on)."""
+
+
+class Unresumable(Exception):
+    """This server cannot serve the node its keeper kept (another device, a
+    configuration that cannot hold it): it leaves it to the keeper, which keeps
+    every fd and its journal and starts another server later."""
 
 
 @attrs.frozen
@@ -75,13 +82,18 @@ class Handed:
         self.conn_fds.clear()
 
 
+def decode_base(base: bytes | dict) -> StateImage:
+    """A keeper's base: an image, or its parts (``gms.handover.journal``)."""
+    return decode_parts(base) if isinstance(base, dict) else decode_image(base)
+
+
 def rebuild(
-    base: bytes, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
+    base: bytes | dict, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
     log_class: type[EventLog] = EventLog,
 ) -> tuple[StateImage, EventLog, int]:
     """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
     try:
-        image = decode_image(base)
+        image = decode_base(base)
         entries = [entry for tail in tails for entry in decode_entries(tail)]
         log_ = log_class.resumed(
             Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes
@@ -93,7 +105,9 @@ def rebuild(
     return image, log_, next_conn
 
 
-def save_journal(folder: str, label: str, base: bytes | None, tails: Iterable[bytes], reason: str) -> str:
+def save_journal(
+    folder: str, label: str, base: bytes | dict | None, tails: Iterable[bytes], reason: str
+) -> str:
     """Write a journal that did not rebuild where ``gms replay`` reads it: one
     JSON line per event, after a first line with the base image (hex) when
     there is one; what does not decode is kept as hex too.  Returns the path."""
@@ -104,10 +118,16 @@ def save_journal(folder: str, label: str, base: bytes | None, tails: Iterable[by
         out.write(json.dumps({"kind": "GMS_JOURNAL", "reason": reason}) + "\n")
         if base is not None:
             try:
-                last_seq = decode_image(base).last_seq
+                image = decode_base(base)
             except ImageError:
-                last_seq = None
-            out.write(json.dumps({"kind": "STATE_IMAGE", "seq": last_seq, "image": base.hex()}) + "\n")
+                image = None
+            # An image as one hex string: a base in parts is put back together first.
+            data = encode_image(image) if isinstance(base, dict) and image is not None else base
+            if isinstance(data, dict):  # parts that do not make up a state: each as it came
+                row = {"kind": "STATE_PARTS", "parts": {key: part.hex() for key, part in data.items()}}
+            else:
+                row = {"kind": "STATE_IMAGE", "seq": image and image.last_seq, "image": data.hex()}
+            out.write(json.dumps(row) + "\n")
         for tail in tails:
             try:
                 entries = decode_entries(tail)
@@ -206,8 +226,17 @@ def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:
 
 async def resume_core(core: ServiceCore, handed: Handed) -> None:
     """Adopt the memory and record the resume; raises TakeOverRefused for a take-over
-    that cannot go on (memory lost, the new configuration refused)."""
-    check_compatible(handed.image.server, core.device)
+    that cannot go on (memory lost, the new configuration refused), Unresumable
+    for a restart whose configuration cannot hold the node (nothing adopted)."""
+    refusal = TakeOverRefused if handed.mode == "take-over" else Unresumable
+    try:
+        check_compatible(handed.image.server, core.device)
+        # Judged before any fd is adopted: a refused restart leaves them all to the keeper.
+        core.ledger.fold([resumed_event(core, handed)])
+    except TakeOverRefused as refused:
+        raise refusal(str(refused)) from None
+    except Rejection as refused:  # the new configuration cannot hold the node
+        raise refusal(refused.message) from None
     lost = await adopt_memory(core, handed)
     for tier, allocation_id, why in lost:
         log.error("%s memory of allocation %s is lost: %s", tier, allocation_id, why)
@@ -219,6 +248,6 @@ async def resume_core(core: ServiceCore, handed: Handed) -> None:
     )
     try:
         core.ledger.record(events)
-    except Rejection as refused:  # the new configuration cannot hold the node
-        raise TakeOverRefused(refused.message) from None
+    except Rejection as refused:  # (judged above: only a loss could change it)
+        raise refusal(refused.message) from None
     core.continue_conns(handed.next_conn)

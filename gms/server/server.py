@@ -38,13 +38,15 @@ from .memory_signal import MemorySignal
 from .metrics import Metrics
 from .mirror import MirroredLog
 from .netio import Channel
-from .peer import Peer
+from ..peer import Peer, own_uids
 from .quiesce import Quiesce
-from .resume import TakeOverRefused
-from .session import Session
+from .resume import TakeOverRefused, Unresumable
+from .session import Session, is_cancellation
 from .startup import open_link, prepare
 
 logger = logging.getLogger("gms.server")
+
+DRAIN_S = 5.0  # at the end, the longest wait for the keeper to take what is queued
 
 
 class SocketPathError(Exception):
@@ -83,11 +85,17 @@ def make_socket_dir(directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
     finally:
         os.umask(old_umask)
-    mode = os.stat(directory).st_mode
-    if mode & 0o022 and not mode & stat.S_ISVTX:
+    st = os.stat(directory)
+    if st.st_uid not in own_uids():
+        # Its owner can replace our socket with one of their own: serve nowhere near it.
+        raise SocketPathError(
+            f"the socket folder {directory} belongs to uid {st.st_uid}, not to this server's uid "
+            f"{os.getuid()} or root: choose another (--socket, GMS_SOCKET_DIR)"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         logger.warning(
             "socket folder %s is writable by others (mode %o) without the sticky bit: "
-            "anyone who can write it can replace the socket", directory, stat.S_IMODE(mode),
+            "anyone who can write it can replace the socket", directory, stat.S_IMODE(st.st_mode),
         )
 
 
@@ -146,6 +154,7 @@ class Server:
         self.admission: Admission | None = None
         self.log_limit: ratelimit.RateLimit | None = None
         self.quiesce = Quiesce()
+        self.signal = MemorySignal()  # memory released: told by the ledger, and by the keeper's acks
         self.listener = None
         self.link = None
         # How serving ended without releasing anything: "taken-over" (another
@@ -182,7 +191,7 @@ class Server:
             gpu,
             host,
             device=device,
-            signal=MemorySignal(),
+            signal=self.signal,
             on_event=self.metrics.observe,
             policy=config.policy,
             limits=effective_limits(config, capacity),
@@ -196,6 +205,7 @@ class Server:
             alloc_retry_timeout=config.alloc_retry_timeout,
             copier=copier,
             scan_cache_bytes=config.scan_cache_bytes,
+            keeper=self.link,
         )
         self.metrics.watch(self.core)
         if self.link is not None:  # it sends nothing before it is attached (succession.take_the_node)
@@ -216,6 +226,11 @@ class Server:
             except TakeOverRefused:
                 self._refused()
                 raise
+            except Unresumable as why:
+                logger.error("%s", why)
+                self.link.stopping("unresumable")
+                self.link.drain(DRAIN_S)
+                raise
             if start.retired:
                 gpu.lane.stop()
                 self._close_backends()
@@ -231,9 +246,14 @@ class Server:
             raise
         self.listener = listener
         self.log_limit = ratelimit.install()  # repeated warnings: one summary line per interval
+        crashed = False
         try:
             core = await self._open_core(gpu, start.handed.log if start.handed else None)
-            await succession.take_the_node(self, core, start)
+            try:
+                await succession.take_the_node(self, core, start)
+            except Unresumable:
+                self.left_as = "unresumable"
+                raise
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
             self.admission = open_admission(core, self.config, uncounted=succession.handed_sockets(start))
@@ -247,6 +267,7 @@ class Server:
                     nursery.start_soon(task)
                 nursery.start_soon(ratelimit.flush_every, self.log_limit)
                 if self.link is not None:
+                    nursery.start_soon(self.link.run)
                     nursery.start_soon(succession.watch_keeper, self)
                 if start.handed is not None and start.handed.mode == "take-over":
                     succession.spawn_handed(self, start.handed)
@@ -259,24 +280,35 @@ class Server:
                     self.link.ready()
                 task_status.started(self)
                 await self._accept_until_cancelled(listener)
+        except BaseException as exc:
+            crashed = not is_cancellation(exc)
+            raise
         finally:
             succession.ready_file(self.config.ready_file, False)
             self.metrics.close()
+            link = self.link
+            if self.left_as is None and crashed and link is not None and link.alive:
+                # A crash under a keeper: it holds the node and starts the next server,
+                # which resumes it.  Nothing is released, the socket stays (the keeper's).
+                logger.error("the server failed: its keeper keeps the node for the next one")
+                self.left_as = "crashed"
             if self.left_as is None:
                 listener.close()
                 _remove_if_ours(path, inode)
                 if core is not None:
                     with trio.CancelScope(shield=True):
                         await core.aclose()
-                if self.link is not None:
-                    self.link.stopping("shutdown")
+                if link is not None:
+                    link.stopping("shutdown")
             else:
                 listener.close()  # another process holds the socket: nothing is released
                 if core is not None:
                     for tier in core.ledger.tiers.values():
                         tier.lane.stop()
-                if self.link is not None:  # (a take-over told it already)
-                    self.link.stopping(self.left_as)
+                if link is not None and self.left_as != "crashed":  # (a take-over told it already)
+                    link.stopping(self.left_as)
+            if link is not None:
+                link.drain(DRAIN_S)
             self._close_backends()
             ratelimit.uninstall(self.log_limit)
 
@@ -290,7 +322,7 @@ class Server:
         while True:
             self._accepting = trio.CancelScope()
             with self._accepting:
-                await serve_admitted(self.admission, listener, self._handle, self._nursery, self.metrics.refused_one)
+                await serve_admitted(self.admission, listener, self._admitted, self.metrics.refused_one)
             self._accept_again = trio.Event()
             await self._accept_again.wait()
 
@@ -314,12 +346,15 @@ class Server:
             if backend is not None:
                 backend.close()
 
-    async def _handle(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
+    def _admitted(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
+        """A connection admission let in: its session is made now (a take-over's
+        quiet point counts it from here: one whose task had not started yet was
+        left out of a hand-over, and its client reset), its task starts soon."""
         session = Session(
             self.core, self.config, Channel.adopt(sock, peer), self.metrics, self.quiesce,
             on_take_over=self._taken_over_by,
         )
-        await self.run_session(session, ticket)
+        self._nursery.start_soon(self.run_session, session, ticket)
 
     async def run_session(self, session: Session, ticket: Ticket) -> None:
         """A session's task; its admission ticket goes when the task ends (a parked

@@ -32,7 +32,7 @@ import trio
 
 from ..fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
 from ..fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
-from ..wire import ProtocolError, UnknownMessageType
+from ..wire import ProtocolError, UnknownMessageType, encode
 from ..wire import messages as m
 from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTES, Refused, ServerConnection
 from .admission import FdsExhausted
@@ -46,6 +46,8 @@ from .quiesce import Parked, Quiesce, only_parked
 from .reply import Reply, error_reply
 
 log = logging.getLogger("gms.server")
+
+MIN_HEARTBEAT_MS = 100  # a client asking for more is told this often at most
 
 
 def is_cancellation(exc: BaseException) -> bool:
@@ -112,6 +114,7 @@ class Session:
         # next request, and its deadline is the first request's until that came.
         self._scope = trio.CancelScope()
         self._revoked = False
+        self._stuck = False  # dropped at a quiet point: its client read nothing of its answer
         self._on_take_over = on_take_over
         # What a quiet point finds the session waiting on (for the hand-over):
         self.lock_wait: LockWait | None = None
@@ -119,12 +122,19 @@ class Session:
         self._granted: trio.Event | None = None  # made when a handshake has to wait
         self.waiting_for: str | None = None  # "restore" or "allocate": memory
         self._pending: object = None  # what go_on must finish first
+        self.quiesce.started(self)  # counted from here, before its task runs: a quiet point waits for it
 
     def _revoke(self) -> None:
         """An admin took the lock: say so (best effort: the client then knows not to
         ride through, as it would a server that went away), then end the task."""
         self._revoked = True
         self.channel.send_nowait(self.protocol.notice(m.SessionEnded("revoked")))
+        self._scope.cancel()
+
+    def drop_stuck(self) -> None:
+        """A take-over's quiet point found this session's answer stuck (its client
+        reads nothing): end the session, as a failed send would."""
+        self._stuck = True
         self._scope.cancel()
 
     def go_on(
@@ -157,7 +167,6 @@ class Session:
     async def run(self) -> None:
         unwind = close = True
         self.core.on_revoke(self.conn, self._revoke)
-        self.quiesce.started(self)
         try:
             if not self.protocol.requests:
                 self._scope.deadline = self.first_by  # lifted once the first request is whole
@@ -165,6 +174,8 @@ class Session:
                 if self._pending is not None:
                     await self._finish_pending()
                 await self._serve()
+            if self._stuck:
+                raise SendFailed("its client read none of its answer while the server waited for a quiet point")
             if self._revoked:
                 log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
             elif self._scope.cancelled_caught:
@@ -237,13 +248,26 @@ class Session:
                 return
             if protocol.requests == 1:
                 scope.deadline = math.inf  # the first request came in time
-            await self._send(await self._answer(request))
+            since = self.core.log.added(self.conn)
+            reply = await self._answer(request)
+            if isinstance(request, m.PROBES):  # it only describes: nothing to wait for
+                await self._send(reply)
+            else:
+                await self._send(reply, (self._layout_name() or getattr(request, "layout", ""),), since)
 
-    async def _send(self, reply: Reply) -> None:
+    async def _send(self, reply: Reply, durable: tuple[str, ...] = ("",), since: int = 0) -> None:
+        """The answer tells of the state of ``durable``'s layouts (and the node's):
+        it waits until the keeper has their last lasting change, and (``since``:
+        what this connection had added to the keeper's stream before the
+        request) while what the request added waits behind a keeper far behind
+        (at once, unless the keeper is behind: ``gms.server.mirror``)."""
         protocol = self.protocol
         try:
             if protocol.closing:
                 return  # revoked while it was served: the notice went in its place
+            log = self.core.log
+            if log.behind(durable, self.conn, since):
+                await log.durable(durable, self.conn, since)
             await self._slot.before_send(answer_bytes(reply.message))
             await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
             self._slot.settle(protocol.buffered)
@@ -256,6 +280,7 @@ class Session:
     async def _finish_pending(self) -> None:
         kind, self._pending = self._pending, None
         request = self.protocol.serving
+        since = self.core.log.added(self.conn)
         try:
             if kind == "lock":
                 reply = await self._wait_for_lock()
@@ -265,7 +290,7 @@ class Session:
                 reply = await self._allocate(request)
         except Rejection as rejection:
             reply = error_reply(rejection)
-        await self._send(reply)
+        await self._send(reply, (self._layout_name(),), since)
 
     async def _read(self) -> None:
         """Read what comes next into the connection; past a small frame's worth
@@ -362,7 +387,7 @@ class Session:
             hung_up = False
             self._granted = trio.Event()
             with trio.move_on_at(wait.deadline), self.quiesce.interruptible():
-                hung_up = await wait_or_hangup(self._granted.wait, self._until_gone)
+                hung_up = await wait_or_hangup(self._until_granted, self._until_gone)
             if self.grant is None:
                 self.lock_wait = None
                 self.core.cancel_lock_request(self.conn)
@@ -375,6 +400,21 @@ class Session:
         self.lock_wait = None
         self.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
         return await self._after_grant(request, self.grant)
+
+    async def _until_granted(self) -> None:
+        """Wait for the grant, saying so now and then to a client that asked
+        (``heartbeat_ms``): it then tells a wait from a server that hangs."""
+        heartbeat_ms = getattr(self.lock_wait.request, "heartbeat_ms", None)
+        if not heartbeat_ms:
+            await self._granted.wait()
+            return
+        every = max(heartbeat_ms, MIN_HEARTBEAT_MS) / 1000
+        while True:
+            with trio.move_on_after(every):
+                await self._granted.wait()
+                return
+            waited = int((trio.current_time() - self.lock_wait.asked_at) * 1000)
+            self.channel.send_if_idle(encode(m.LockWaiting(waited)))
 
     async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
         restored = False  # by the copier: then the reader is granted a plain RO

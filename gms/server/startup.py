@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import attrs
 
 from ..cuda import DeviceInfo
 from ..paths import device_id
+from ..peer import own_uids, require_peer
 from .config import ServerConfig
 from .mirror import KeeperLink, MirroredLog
-from .resume import Handed, TakeOverRefused, Unreplayable, check_compatible, rebuild, save_journal
+from .resume import Handed, TakeOverRefused, Unreplayable, Unresumable, check_compatible, rebuild, save_journal
 from .takeover import Offer, abort, request_take_over
 
 MAX_FAILED_RESUMES = 2  # servers that died resuming a journal before it is given up
@@ -95,16 +98,59 @@ def open_link(config: ServerConfig) -> KeeperLink | None:
         # The keeper may be starting too (another container): give it a while.
         deadline = time.monotonic() + KEEPER_WAIT_S
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(config.keeper_socket)
-                return KeeperLink(sock)
+                return KeeperLink(connect_keeper(config.keeper_socket))
             except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
     return None
+
+
+def connect_keeper(path: str) -> socket.socket:
+    """A channel to the keeper listening on ``path``: it will be sent every fd and
+    every event, so it must be run by root or this server's uid (UntrustedPeer)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        require_peer(sock, own_uids(), f"the keeper on {path}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def spawn_keeper(argv: list[str]) -> socket.socket:
+    """A new keeper for this running server (its own keeper died): ``gms keeper
+    --adopt-fd``, which keeps this server's node and starts the next server with
+    ``argv`` when this one ends.  It stays in this server's process group, as
+    the keeper it replaces was: what stops the group stops it.  Returns our end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "gms", "keeper", "--adopt-fd", str(theirs.fileno()), "--", *argv],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return ours
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """How the keeper started this server (``argv``: its ``sys.argv[1:]``), without
+    the channel to that keeper: what a new keeper starts the next one with."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--keeper-fd":
+            skip = True
+        elif not word.startswith("--keeper-fd="):
+            out.append(word)
+    return [sys.executable, "-m", "gms", *out]
 
 
 def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -> Start:
@@ -131,7 +177,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             listener.close()
         return take_over(config, device, link)
     if handback.failed_resumes >= MAX_FAILED_RESUMES:
-        why_not = f"the last {handback.failed_resumes} servers died resuming it"
+        why_not = f"the last {handback.failed_resumes} servers failed resuming it (a crash, not a kill)"
     try:
         if why_not is not None:
             raise Unreplayable(why_not)
@@ -139,10 +185,16 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
             log_class=MirroredLog,
         )
-        check_compatible(image.server, device)
-    except (Unreplayable, TakeOverRefused) as exc:
+    except Unreplayable as exc:
         folder = config.state_dir or os.path.dirname(os.path.abspath(config.socket_path))
-        saved = save_journal(folder, _label(config), handback.base, handback.tails, str(exc))
+        try:
+            saved = save_journal(folder, _label(config), handback.base, handback.tails, str(exc))
+        except OSError as failed:  # a full disk, say: without a copy, nothing is let go
+            _close_handback(handback, listener)
+            raise Unresumable(
+                f"the state cannot be resumed ({exc}) and could not be saved to {folder} ({failed}): "
+                "the keeper keeps it"
+            ) from None
         log.error(
             "the state handed back by the keeper cannot be resumed (%s): saved to %s for `gms replay`; "
             "its memory is released and this server starts EMPTY", exc, saved,
@@ -150,9 +202,22 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         for fd in handback.fds.values():
             os.close(fd)
         return Start(listener, discarded=Discarded(str(exc), saved, handback.old_pid), link=link)
+    try:
+        check_compatible(image.server, device)
+    except TakeOverRefused as exc:  # another device: the node is not this server's to serve
+        _close_handback(handback, listener)
+        raise Unresumable(str(exc)) from None
     old_pid = handback.old_pid or image.server.pid
     handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown")
     return Start(listener, handed=handed, link=link)
+
+
+def _close_handback(handback, listener) -> None:
+    """This server's copies of what the keeper handed back (the keeper keeps its own)."""
+    for fd in handback.fds.values():
+        os.close(fd)
+    if listener is not None:
+        listener.close()
 
 
 def old_server_serves(path: str, pid: int) -> bool:

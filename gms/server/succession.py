@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import socket
+import sys
 
 import attrs
 import trio
@@ -28,18 +29,20 @@ from .config import ServerConfig
 from .core import ServiceCore
 from .lock_queues import Waiter
 from .metrics import Metrics
-from .mirror import LISTENER, memory_key
+from ..peer import peer_of
+from .mirror import LISTENER, KeeperGone, memory_key
 from .netio import Channel
 from .resume import Handed, TakeOverRefused, resume_core
 from .session import Session, granted_as
-from .startup import Start
+from .startup import Start, connect_keeper, server_argv, spawn_keeper
 from .takeover import abort, commit, node_image, session_image
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
 # whose repeated lines are rate-limited (gms.server.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
-EXIT_KEEPER_GONE = 1
+KEEPER_RETRY_S = 0.2  # a keeper gone: the first try for another after this, doubling up to ...
+MAX_KEEPER_RETRY_S = 5.0  # ... this
 
 
 async def take_the_node(server, core: ServiceCore, start: Start) -> None:
@@ -59,8 +62,19 @@ async def take_the_node(server, core: ServiceCore, start: Start) -> None:
     if start.discarded is not None:
         d = start.discarded
         core.ledger.record([StateDiscarded(0, d.reason, d.saved_to, d.old_pid, layout="")], by_server=True)
-    if server.link is not None:
-        server.link.attach(lambda: keeper_image(server), held_fds(server), provisional=offer.old_pid if offer else None)
+    link = server.link
+    if link is not None:
+        link.attach(
+            lambda: keeper_image(server), lambda: held_fds(server), provisional=offer.old_pid if offer else None,
+            wants_ack=server.signal.watched, on_released=server.signal.released,
+        )
+        # Before serving (blocking is fine): a take-over commits only once its keeper
+        # holds the node, so that nothing is lost should this server die right after.
+        if not link.drain(server.config.handover_timeout) and offer is not None:
+            abort(offer.sock, "this server's keeper did not take the node in time")
+            handed.close_conn_fds()
+            refused(server)
+            raise TakeOverRefused("this server's keeper did not take the node in time")
     if offer is not None:
         try:
             commit(offer, server.config.handover_timeout)
@@ -77,6 +91,7 @@ def refused(server) -> None:
     server.left_as = "refused"
     if server.link is not None:
         server.link.stopping("refused")
+        server.link.drain(5.0)
         server.link = None
 
 
@@ -101,9 +116,10 @@ def handed_sockets(start: Start) -> int:
 
 def resume_sessions(server) -> None:
     """A take-over that did not happen: every parked session goes on where it stopped."""
+    paused = server.quiesce.paused_at
     parked = server.quiesce.resume()
     now = trio.current_time()
-    images = [(session_image(session, now), session.channel) for session in parked.values()]
+    images = [(session_image(session, now, paused), session.channel) for session in parked.values()]
     order = server.core.queues.order()
     for layout, conns in order:
         for conn in conns:
@@ -170,21 +186,52 @@ def spawn(server, images, order) -> None:
 
 
 async def watch_keeper(server) -> None:
-    """The keeper asks for a clean stop (``stop``) or goes away.  A keeper
-    that started this server is the service: killed, it takes its server
-    with it, at once (its memory goes with the process).  A keeper in another
-    container may come back: serve on without it meanwhile."""
+    """The keeper asks for a clean stop (``stop``), or goes away.  Then the
+    server serves on and finds another: it connects again to a keeper in
+    another container (``--keeper-socket``: the container restarted), or
+    starts one of its own in the place of the one that started it (killed,
+    say), which keeps the node and starts the next server when this one
+    ends.  Until the new keeper has the node a crash loses it: ``gms status``
+    and the metrics say so (``keeper: gone``)."""
     link = server.link
-    why = await link.wait_for_stop()
-    if why == "stop":
-        log.info("the keeper asks this server to stop")
-        server._nursery.cancel_scope.cancel()
-    elif server.config.keeper_fd is not None:
-        log.error("the keeper that started this server is gone: exiting with it")
-        logging.shutdown()
-        os._exit(EXIT_KEEPER_GONE)
-    else:
-        log.error("the keeper went away: serving on without one (a crash now loses the node)")
+    while True:
+        why = await link.watch()
+        if why == "stop":
+            log.info("the keeper asks this server to stop")
+            server._nursery.cancel_scope.cancel()
+            return
+        log.error("the keeper is gone: finding another (until then a crash loses the node)")
+        await find_keeper(server)
+
+
+async def find_keeper(server, first_delay: float = KEEPER_RETRY_S) -> None:
+    """A keeper again, and the node given to it (its base made in the background)."""
+    link, config = server.link, server.config
+    delay = first_delay
+    while True:
+        try:
+            if config.keeper_socket is not None:
+                sock = await trio.to_thread.run_sync(connect_keeper, config.keeper_socket)
+            else:
+                sock = spawn_keeper(server_argv(sys.argv[1:]))
+            link.use(sock)
+            handback = await trio.to_thread.run_sync(link.hello, server.core.device.uuid)
+        except (OSError, KeeperGone) as exc:  # (UntrustedPeer is an OSError: said, and tried again)
+            link.close()
+            log.warning("no keeper yet (%s): trying again in %.1f s", exc, delay)
+            await trio.sleep(delay)
+            delay = min(delay * 2, MAX_KEEPER_RETRY_S)
+            continue
+        # Whatever it kept is not this node's to resume (this server serves it): its fds go.
+        for fd in [*handback.fds.values(), *([handback.listener] if handback.listener is not None else [])]:
+            os.close(fd)
+        link.attach(
+            lambda: keeper_image(server), lambda: held_fds(server),
+            wants_ack=server.signal.watched, on_released=server.signal.released, now=False,
+        )
+        link.ready()
+        log.warning("a keeper holds the node again (pid %d)", peer_of(link.sock).pid)
+        return
 
 
 async def serve_retired(server, task_status) -> None:
@@ -204,18 +251,21 @@ def inode(path: str) -> int | None:
 
 
 def ready_file(path: str | None, ready: bool) -> None:
-    """Created once serving (a probe tells this server's serving from another's), removed at the end."""
+    """Created once serving (a probe tells this server's serving from another's), removed at the end.
+    A file that cannot be written (a full disk, say) is said, never fatal: the node matters more."""
     if path is None:
         return
-    if ready:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as out:
-            out.write(f"{os.getpid()}\n")
-    else:
-        try:
+    try:
+        if ready:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as out:
+                out.write(f"{os.getpid()}\n")
+        else:
             os.unlink(path)
-        except FileNotFoundError:
-            pass
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.error("the ready file %s could not be %s: %s", path, "written" if ready else "removed", exc)
 
 
 async def serve_metrics(metrics: Metrics, config: ServerConfig) -> int:

@@ -57,8 +57,10 @@ from ..handover.image import (
     decode_image,
     encode_image,
 )
+from ..fsm import check_invariants
 from ..wire import FrameDecoder, ProtocolError, decode, encode
 from ..wire import messages as m
+from ..peer import UntrustedPeer, own_uids, require_peer
 from .mirror import LISTENER, memory_key, split_key
 from .netio import Channel
 from .resume import TakeOverRefused
@@ -73,8 +75,9 @@ CONN_PREFIX = "conn:"
 # -- the old server's side ---------------------------------------------------------------
 
 
-def session_image(session, now: float) -> ConnImage:
-    """A parked session as data (its socket travels beside it)."""
+def session_image(session, now: float, paused: float | None = None) -> ConnImage:
+    """A parked session as data (its socket travels beside it); ``paused``: when
+    the pause began (a first-request deadline stops counting there)."""
     protocol = ProtocolImage(**session.protocol.freeze())
     pending = None
     grant = session.grant
@@ -90,8 +93,8 @@ def session_image(session, now: float) -> ConnImage:
             granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore),
         )
     first_left = None
-    if not protocol.requests:  # no request yet: its first one's deadline goes on
-        first_left = max(0, int((session.first_by - now) * 1000))
+    if not protocol.requests:  # no request yet: its first one's deadline goes on where the pause stopped it
+        first_left = max(0, int((session.first_by - min(now, paused or now)) * 1000))
     return ConnImage(session.conn, protocol, pending, first_left)
 
 
@@ -105,7 +108,7 @@ def node_image(server, parked: dict, *, sessions: bool = True) -> StateImage:
     take-over, without them for the keeper (a crash closes every connection)."""
     core = server.core
     now = trio.current_time()
-    conns = tuple(session_image(parked[conn], now) for conn in sorted(parked))
+    conns = tuple(session_image(parked[conn], now, server.quiesce.paused_at) for conn in sorted(parked))
     queues = tuple((layout, tuple(waiting)) for layout, waiting in core.queues.order()) if sessions else ()
     return StateImage(STATE_VERSION, server_info(server), core.log.last_seq, core.next_conn, core.state, conns, queues)
 
@@ -168,7 +171,7 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
     server.stop_accepting()
     server.quiesce.pause()
     with trio.move_on_after(config.handover_timeout) as waited:
-        await server.quiesce.until_quiet()
+        await server.quiesce.until_quiet_dropping_stuck()
     if waited.cancelled_caught:
         server.resume_serving()
         return await refuse(f"no quiet point within {config.handover_timeout} s (a client not reading its answers?)")
@@ -183,11 +186,9 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
         if verdict == "commit":
             # The keeper first: were this process to die now, its keeper must not
             # start a server of its own on a node another one serves.
-            if server.link is not None:
-                server.link.stopping("taken-over")
-                server.link = None
+            verdict = await _tell_keeper(server, config.handover_timeout)
             try:
-                frames.send_frame(sock, "bye")
+                frames.send_frame(sock, "bye" if verdict == "commit" else "refused", {"reason": verdict})
             except OSError:
                 pass  # it sees our silence, and that this process is gone
     except (OSError, frames.FrameError) as exc:
@@ -203,6 +204,22 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
     log.warning("take-over by pid %d did not happen (%s): serving on after a pause of %.1f ms",
                 peer.pid, verdict, paused_ms)
     server.resume_serving()
+
+
+async def _tell_keeper(server, timeout: float) -> str:
+    """Tell this server's keeper it was taken over; ``commit``, or why not (its
+    keeper did not take the word in time: the take-over does not happen)."""
+    link = server.link
+    if link is None or not link.alive:
+        return "commit"
+    link.stopping("taken-over")
+    with trio.move_on_after(timeout):
+        await link.durable()
+    if link.alive and link.behind():
+        link.ready()  # serving on: the keeper's last word is this one
+        return f"this server's keeper read nothing for {timeout} s"
+    server.link = None
+    return "commit"
 
 
 # -- the new server's side ----------------------------------------------------------------
@@ -261,6 +278,11 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
     sock = _connect(path, timeout)
     if sock is None:
         return None
+    try:  # it hands over memory other tenants' readers will trust: only a server of ours
+        old = require_peer(sock, own_uids(), f"the server on {path}")
+    except UntrustedPeer as exc:
+        sock.close()
+        raise TakeOverRefused(str(exc)) from None
     reader = frames.FrameReader()
     try:
         sock.sendall(encode(m.TakeOverRequest(list(READABLE_VERSIONS), os.getpid())))
@@ -274,36 +296,55 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
             raise TakeOverRefused(f"the running server refused: {answer.error}")
         if not isinstance(answer, m.TakeOverResponse):
             raise TakeOverRefused(f"the running server answered {type(answer).__name__}")
+        keyed: dict[str, int] = {}
         try:
             image_frame = frames.recv_frame(sock, reader)
-            keyed: dict[str, int] = {}
+            if image_frame.kind != "image" or not isinstance(image_frame.body.get("image"), bytes):
+                image_frame.close_fds()
+                raise frames.FrameError(f"a {image_frame.kind!r} frame where the image was due")
             while True:
                 frame = frames.recv_frame(sock, reader)
                 if frame.kind == "end":
                     break
-                keyed.update(zip(frame.body["keys"], frame.fds))
+                keys = frame.body.get("keys")
+                if (
+                    frame.kind != "fds" or not isinstance(keys, list) or len(keys) != len(frame.fds)
+                    or not all(isinstance(key, str) and key not in keyed for key in keys)
+                ):
+                    frame.close_fds()
+                    raise frames.FrameError(f"a malformed {frame.kind!r} frame among the fds")
+                keyed.update(zip(keys, frame.fds))
         except (OSError, frames.FrameError) as exc:
+            _close_fds(keyed.values())
+            abort(sock, f"the hand-over broke off: {exc}")
             raise TakeOverRefused(f"the hand-over broke off: {exc}") from None
         listener = keyed.pop(LISTENER, None)
-        conn_fds = {int(k[len(CONN_PREFIX):]): keyed.pop(k) for k in list(keyed) if k.startswith(CONN_PREFIX)}
+        conn_fds = {
+            int(k[len(CONN_PREFIX):]): keyed.pop(k)
+            for k in list(keyed) if k.startswith(CONN_PREFIX) and k[len(CONN_PREFIX):].isdigit()
+        }
         offer_fds = {k: fd for k, fd in keyed.items() if split_key(k)[0] in ("gpu", "host")}
-        for k in set(keyed) - set(offer_fds):
-            os.close(keyed[k])
+        _close_fds(keyed[k] for k in set(keyed) - set(offer_fds))
         try:
+            if listener is None:
+                raise ImageError("the running server handed over no listening socket")
             image = decode_image(image_frame.body["image"])
-        except ImageError as exc:
-            for fd in [listener, *offer_fds.values(), *conn_fds.values()]:
-                if fd is not None:
-                    os.close(fd)
+            # Checked as a restart's journal is: a forged or broken image is refused, not served.
+            check_invariants(image.state)
+        except Exception as exc:  # noqa: BLE001 - whatever does not check out is refused, not served
+            _close_fds([fd for fd in [listener, *offer_fds.values(), *conn_fds.values()] if fd is not None])
             abort(sock, str(exc))
-            raise TakeOverRefused(str(exc)) from None
-        if listener is None:
-            raise TakeOverRefused("the running server handed over no listening socket")
-        return Offer(sock, image, listener, offer_fds, conn_fds, answer.pid)
+            raise TakeOverRefused(f"the handed state is not one to serve: {exc}") from None
+        return Offer(sock, image, listener, offer_fds, conn_fds, old.pid)
     except BaseException:
         reader.close()
         sock.close()
         raise
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def abort(sock: socket.socket, reason: str) -> None:

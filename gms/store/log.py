@@ -222,6 +222,20 @@ class EventLog:
         server's ``MirroredLog`` sends it to its keeper here).  The ledger calls it
         at the end of every write, before anything it wrote can be answered."""
 
+    def added(self, conn: int) -> int:
+        """Bytes the connection's requests have handed on to be made durable (0 in memory)."""
+        return 0
+
+    def behind(self, layouts=None, conn=None, since=0) -> bool:
+        """Is something stored not durable yet (the server's keeper has not taken
+        it; ``layouts``: a lasting change of these layouts or of the node), or
+        did ``conn``'s request (``since``: its :meth:`added` before) add much to a
+        long wait?"""
+        return False
+
+    async def durable(self, layouts=None, conn=None, since=0) -> None:
+        """Return once :meth:`behind` would say no (at once, in memory)."""
+
     def _over(self) -> bool:
         first = self._chunks[0]
         if self._retain is not None and self._kept - len(first.entries) >= self._retain:

@@ -23,10 +23,10 @@ def sleep(mgr: GMSClientMemoryManager) -> None:
 def wake_weights(mgr: GMSClientMemoryManager, timeout_ms: int | None = None) -> None:
     """Read-only weights: the same committed layout comes back at the same addresses.
 
-    StaleMemoryLayoutError if another layout, or none, is committed now: at
-    once from ``connect`` (which asks for the layout it mapped), or from
-    ``remap_all_vas`` if the layout was replaced while the wake waited for
-    its lock.  Then materialize again."""
+    StaleMemoryLayoutError from ``remap_all_vas`` if the layout committed
+    when the lock is granted is not the one mapped (republished meanwhile, or
+    lost with a server): then materialize again.  With none committed, the
+    wake waits for one (``timeout_ms``: LockTimeoutError)."""
     mgr.connect(RequestedLockType.RO, timeout_ms)
     mgr.remap_all_vas()
 

@@ -25,6 +25,10 @@ class HandshakeRequest:
     layout: str = "weights"
     limit_bytes: int | None = None
     expect_hash: str = ""
+    # Extension: while the handshake waits for its lock, send ``LockWaiting``
+    # at least this often, so the client tells a wait from a server that
+    # accepted and never answers (an older server ignores it and sends none).
+    heartbeat_ms: int | None = None
 
 
 @attrs.frozen
@@ -399,6 +403,14 @@ class GetRuntimeStateResponse:
     copier: str = "off"
     copier_pid: int = 0
     host_pool_bytes: int = 0
+    # The keeper (extensions): "attached", "behind" (frames wait for it to read:
+    # answers to lasting changes wait too), "gone" (a crash now loses the node,
+    # until there is another), "starting", or "none" (--no-keeper); bytes not
+    # yet taken and for how long; keepers lost since the server started.
+    keeper: str = "none"
+    keeper_backlog_bytes: int = 0
+    keeper_behind_s: float = 0.0
+    keepers_lost: int = 0
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""
@@ -569,7 +581,15 @@ RESPONSES: tuple[type, ...] = (
     TakeOverResponse,
     ErrorResponse,
 )
-NOTICES: tuple[type, ...] = (SessionEnded,)
+@attrs.frozen
+class LockWaiting:
+    """The handshake still waits for its lock, ``waited_ms`` so far (sent only to
+    a client that asked, ``HandshakeRequest.heartbeat_ms``)."""
+
+    waited_ms: int
+
+
+NOTICES: tuple[type, ...] = (SessionEnded, LockWaiting)
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES + NOTICES}
 PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
 ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)

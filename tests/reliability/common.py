@@ -73,6 +73,20 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def daemon_rss(server: ServerProcess) -> int:
+    """What the daemon holds: the process started (the keeper, or the server alone)
+    and everything under it (the server, its copier)."""
+    from ..helpers import descendants
+
+    total = 0
+    for pid in [server.pid, *descendants(server.pid)]:
+        try:
+            total += rss_bytes(pid)
+        except (OSError, RuntimeError):  # gone meanwhile
+            pass
+    return total
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -162,6 +162,39 @@ def metadata_flood(path: str, seconds: float, value_bytes: int) -> dict:
     return {"puts": puts, "refusals": refusals, "first_refusal": first}
 
 
+def metadata_churn(path: str, seconds: float, value_bytes: int, keys: int) -> dict:
+    """Values of ``value_bytes`` put under ``keys`` keys in turn, for ever replaced:
+    within the tenant's metadata quota, never refused, every value new to the log
+    (and to the keeper, which keeps the state and the events since its base)."""
+    conn = RawConn(path)
+    assert answer(conn, m.HandshakeRequest("RW", 5000, "x-churn")).success
+    allocation = answer(conn, m.AllocateRequest(1, "w")).allocation_id
+    puts, refusals, first, n = 0, 0, None, 0
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        response = answer(conn, m.MetadataPutRequest(f"k{n % keys}", allocation, 0, bytes([n % 251]) * value_bytes))
+        if isinstance(response, m.ErrorResponse):
+            refusals += 1
+            first = first or refusal(response)
+        else:
+            puts += 1
+        n += 1
+    conn.close()
+    return {"puts": puts, "refusals": refusals, "first_refusal": first}
+
+
+def unread_scans(path: str, seconds: float, layout: str, scans: int) -> dict:
+    """Ask for the layout's whole metadata ``scans`` times in one go, and read
+    none of the answers: each waits, half sent, for a client that never reads."""
+    conn = RawConn(path)
+    assert answer(conn, m.HandshakeRequest("RO", 5000, layout)).success
+    for _ in range(scans):
+        conn.send(m.MetadataScanRequest(""))
+    time.sleep(seconds)
+    conn.close()
+    return {"scans": scans}
+
+
 def cpu_hog(path: str, seconds: float) -> dict:
     """No request at all: one core's worth of computing, the floor any busy
     neighbour on the same box sets for the victim."""

@@ -13,6 +13,11 @@ figures say how close to 2x it really is; this is a shared 2-core box), every
 probe answers within a second, RSS stays within the configured bounds, and
 the attacker gets the typed refusal that names the limit.
 
+Every attack runs twice: against the daemon as ``gms serve`` starts it (a
+keeper holding the node, which sees every event and every value), and
+against a server alone (``--no-keeper``).  RSS is the daemon's: the keeper,
+the server and its copier together.
+
 Needs root (it runs processes as other uids); CI runs the suite as root.
 """
 
@@ -32,16 +37,18 @@ from gms.client.probes import get_event_history, get_runtime_state
 from gms.wire import messages as m
 
 from ..helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
-from .common import is_root, open_dir, record, rss_bytes, scale, summary_ms
+from .common import daemon_rss, is_root, open_dir, record, scale, summary_ms
 from .tenants import (
     AsUid,
     allocation_flood,
     connection_flood,
     cpu_hog,
     layout_flood,
+    metadata_churn,
     metadata_flood,
     partial_frames,
     reader_loop,
+    unread_scans,
 )
 
 pytestmark = pytest.mark.skipif(not is_root(), reason="needs root to run tenants as other uids")
@@ -82,14 +89,17 @@ ARGS = (
 )
 
 
-@pytest.fixture
-def start():
+@pytest.fixture(params=["keeper", "no-keeper"])
+def start(request):
     started: list[tuple[ServerProcess, object]] = []
+    keeper = request.param == "keeper"
 
-    def start(*extra: str, preexec_fn=None) -> ServerProcess:
+    def start(*extra: str, preexec_fn=None, policy: str = POLICY) -> ServerProcess:
         folder = open_dir()
-        (folder / "policy.toml").write_text(POLICY)
-        server = ServerProcess(folder, *ARGS, "--policy", str(folder / "policy.toml"), *extra, preexec_fn=preexec_fn)
+        (folder / "policy.toml").write_text(policy)
+        server = ServerProcess(
+            folder, *ARGS, "--policy", str(folder / "policy.toml"), *extra, preexec_fn=preexec_fn, keeper=keeper,
+        )
         started.append((server, folder))
         publish_victim(server)
         return server
@@ -123,7 +133,7 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.rss.append(rss_bytes(self.server.pid))
+            self.rss.append(daemon_rss(self.server))
             started = time.perf_counter()
             try:
                 state = get_runtime_state(self.server.socket, timeout=5)
@@ -175,6 +185,7 @@ def victim_figures(quiet: dict, hit: dict, got: dict, watch: Watch, base_rss: in
     assert max(watch.probes) < 1.0, f"a status probe took {max(watch.probes):.3f} s"
     assert max(watch.rss) <= bound_rss, f"RSS {max(watch.rss) >> 20} MiB past its bound {bound_rss >> 20} MiB"
     return {
+        "setup": "keeper" if watch.server.keeper else "no-keeper",
         "victim_quiet_p50_ms": calm["p50_ms"], "victim_quiet_p99_ms": calm["p99_ms"],
         "victim_attack_p50_ms": loud["p50_ms"], "victim_attack_p99_ms": loud["p99_ms"],
         "p99_ratio": round(ratio, 2), "victim_reads": loud["count"], "victim_errors": 0,
@@ -192,7 +203,7 @@ def test_a_neighbour_that_only_computes_sets_the_floor(start):
     and sends nothing.  What it does to the victim is what sharing the box
     costs, whatever the daemon does: each attack's ratio is read against it."""
     server = start()
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     quiet, hit, got, watch = attack(server, ATTACKER, cpu_hog, ATTACK_S)
     figures = victim_figures(quiet, hit, got, watch, base, base + SLACK)
     assert got["cpu_s"] > ATTACK_S / 2, got  # it did keep a core busy
@@ -202,7 +213,7 @@ def test_a_neighbour_that_only_computes_sets_the_floor(start):
 def test_a_metadata_flood_is_held_to_the_tenants_metadata_quota(start):
     """The issue: 2,000 values of 1 MiB took the server from 35 MB to 2.08 GB."""
     server = start()
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     quiet, hit, got, watch = attack(server, ATTACKER, metadata_flood, ATTACK_S, MiB)
     bound = base + METADATA_QUOTA + EVENT_LOG_BYTES * 17 // 16 + SLACK
     figures = victim_figures(quiet, hit, got, watch, base, bound)
@@ -225,7 +236,7 @@ def test_a_metadata_flood_is_held_to_the_tenants_metadata_quota(start):
 def test_a_connection_flood_by_a_stranger_is_capped_and_admins_still_get_in(start):
     """The issue: ~21,000 idle connections from a uid with no tenant filled the fd table."""
     server = start()
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     base_fds = server.open_fds()
     quiet, hit, got, watch = attack(server, STRANGER, connection_flood, ATTACK_S)
     # Each connection the cap lets in: a socket, a task, a read buffer and at most a 64 KiB frame.
@@ -258,7 +269,7 @@ def test_half_sent_big_frames_are_read_a_few_at_a_time(start):
     rest would make the server hold 512 MiB no quota counts; only two of a
     uid's connections read past 128 KiB at once (gms.server.inflight)."""
     server = start()
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     quiet, hit, got, watch = attack(server, ATTACKER, partial_frames, ATTACK_S, PER_UID, 16 * MiB)
     assert got["sessions"] == PER_UID, got
     bound = base + 2 * 2 * 16 * MiB + PER_UID * 160 * 1024 + SLACK
@@ -277,7 +288,7 @@ def test_a_writers_fd_flood_is_refused_at_once_and_readers_keep_reading(start):
     makes the flood short): memory may take three quarters of 1024 less the
     reserve, and the rest stays for readers' exports and admins."""
     server = start(preexec_fn=lower_fd_limit)
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     since = server.state().last_event_seq
     quiet, hit, got, watch = attack(server, HOG, allocation_flood, "y-fds", ATTACK_S)
     bound = base + 2 * EVENT_LOG_BYTES + SLACK
@@ -303,7 +314,7 @@ def test_a_layout_table_flood_is_held_to_the_tenants_max_layouts(start):
     series goes with the layout."""
     server = start("--metrics-port", "0")
     port = wait_until(lambda: metrics_port(server), what="the metrics port")
-    base = rss_bytes(server.pid)
+    base = daemon_rss(server)
     quiet, hit, got, watch = attack(server, ATTACKER, layout_flood, ATTACK_S)
     figures = victim_figures(quiet, hit, got, watch, base, base + SLACK)
     first = got["first_refusal"]
@@ -327,6 +338,68 @@ def test_a_layout_table_flood_is_held_to_the_tenants_max_layouts(start):
     record("isolation", "layout-table flood", attacker_committed=got["committed"],
            attacker_refused=got["refused"], refusal=f"{first['code']} {first['limit']} used {first['used']} "
            f"of {first['quota']}", x_series_after_eviction=0, **figures)
+
+
+def test_a_tenant_churning_big_values_costs_the_daemon_twice_what_it_stores(start):
+    """Issue 32: 1 MiB values replaced again and again within the tenant's quota.
+    With the keeper a neighbour's p99 was 150 ms (3 ms without) and 63 MiB of
+    values grew the daemon by 165-435 MiB: the keeper re-sent the whole state
+    as its base, and its sends blocked the loop.  Now the keeper's base is
+    replaced a part at a time (what changed), its events since are bounded, a
+    request that adds much waits for the keeper, others never; so the daemon
+    holds the state twice (the server's, the keeper's) plus fixed bounds."""
+    from gms.server.mirror import BACKLOG_BYTES, MIN_TAIL_BYTES, TAIL_BOUND_BYTES
+
+    keys = 48
+    server = start("--max-metadata-bytes", "128MiB", policy=POLICY.replace(
+        f'metadata_quota = "{METADATA_QUOTA}"', 'metadata_quota = "64MiB"'))
+    base = daemon_rss(server)
+    quiet, hit, got, watch = attack(server, ATTACKER, metadata_churn, ATTACK_S, MiB, keys)
+    stored = max(watch.metadata.get("attacker", 0), keys * MiB)
+    fixed = EVENT_LOG_BYTES * 17 // 16 + TAIL_BOUND_BYTES + BACKLOG_BYTES + MIN_TAIL_BYTES + 64 * MiB + SLACK
+    figures = victim_figures(quiet, hit, got, watch, base, base + 2 * stored + fixed)
+    assert got["refusals"] == 0 and got["puts"] > 2 * keys, got
+    record("isolation", "metadata churn within the quota (1 MiB values)", attacker_puts=got["puts"],
+           stored_mib=round(stored / MiB, 1), rss_growth_mib=round((max(watch.rss) - base) / MiB, 1),
+           growth_per_stored=round((max(watch.rss) - base) / stored, 2), **figures)
+
+
+def test_unread_answers_cannot_hold_a_take_over_nor_pause_the_server(start):
+    """Issue 32: a tenant that pipelined two big metadata scans and read none of the
+    answers froze every session for ~30 s at a take-over's quiet point (a send
+    never parks), and the take-over failed after 31.7 s.  Now an answer that
+    moves no byte for a second at a quiet point loses its client."""
+    server = start()
+    writer = connect_as(server.socket, VICTIM)
+    assert writer.handshake("RW", layout="shared").success
+    (allocation,) = build_layout(writer, sizes=(2 * MiB,))
+    for n in range(16):
+        assert writer.call(m.MetadataPutRequest(f"big{n}", allocation.allocation_id, 0, bytes([n]) * MiB)).success
+    assert writer.call(m.CommitRequest()).success
+    writer.close()
+    attacker = AsUid(ATTACKER, unread_scans, server.socket, 6.0, "shared", 2)
+    victim = AsUid(VICTIM, reader_loop, server.socket, "v-model", 5.0)
+    attacker.go()
+    victim.go()
+    time.sleep(1.0)
+    old_pid = server.state().pid
+    started = time.monotonic()
+    new = ServerProcess(server.tmp_path, "--take-over", "--handover-timeout", "30", socket_path=server.socket,
+                        keeper=server.keeper)
+    wait_until(lambda: new.state().pid != old_pid, timeout=40, what="the new server serving")
+    took = time.monotonic() - started
+    try:
+        hit = victim.result(60)
+        attacker.result(60)
+        assert hit["error_count"] == 0, hit["errors"]
+        slowest = max(hit["latencies"])
+        assert took < 10 and slowest < 5, (took, slowest)
+        assert "read none of its answer" in server.log, "the old server dropped the client that read nothing"
+        record("isolation", "unread big answers at a take-over", setup="keeper" if server.keeper else "no-keeper",
+               take_over_s=round(took, 2), victim_slowest_ms=round(slowest * 1000, 1),
+               victim_reads=len(hit["latencies"]))
+    finally:
+        new.kill()
 
 
 def metrics_port(server: ServerProcess) -> int | None:

@@ -27,7 +27,7 @@ from gms import GMSClientMemoryManager
 from gms.cuda.host import HostBackend
 from gms.fsm import RequestedLockType, check_invariants
 from gms.server.core import open_core
-from gms.server.peer import Peer
+from gms.peer import Peer
 from gms.store import EventLog
 from gms.wire import messages as m
 

@@ -22,7 +22,7 @@ from gms.client import admin
 from gms.errors import GMSServerError, RequestTooLargeError
 from gms.wire import messages as m
 
-from ..helpers import RawConn, ServerProcess, dropped, wait_until
+from ..helpers import RawConn, ServerProcess, dropped, kill_tree, wait_until
 from .common import connect_as, is_root, open_dir, record, stop, unused_uid
 from .test_crash import commit_pattern
 from .test_fuzz import memfd_allocation_id
@@ -71,7 +71,7 @@ def test_socket_and_folder_modes(servers, tmp_path):
         for folder in (nested.parent, nested.parent.parent):
             assert stat.S_IMODE(folder.stat().st_mode) == 0o755, oct(folder.stat().st_mode)
     finally:
-        made.kill()
+        kill_tree(made.pid)  # the keeper and its server (which would start another keeper)
         made.wait()
     record("security", "socket and folder modes", checked="0600 default, --socket-mode 660, folders <= 0755", errors=0)
 
@@ -217,6 +217,8 @@ JUSTIFIED = {
     ("supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
     ("keeper/run.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words",
     ("server/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
+    ("server/startup.py", "subprocess.Popen"): "a server whose keeper died: `python -m gms keeper --adopt-fd` "
+    "with the server's own words",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
     ("heap.py", "ctypes.CDLL"): "libc (the process itself), for mallopt",
     ("cuda/vmm.py", "ctypes.CDLL"): "libnvidia-ml, for device memory figures",

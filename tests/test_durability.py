@@ -1,0 +1,367 @@
+"""Restart and take-over that never lose, roll back or hand a node to a stranger (issue 32).
+
+Each test is one way the keeper and the take-over lost, rolled back or gave
+away every layout, reproduced with the server as shipped (keeper on, the
+host backend, real processes and sockets), and what happens now:
+
+* a policy the node does not fit: the new server refuses, the keeper keeps
+  every fd and its journal, and the next server (the policy fixed) serves it;
+  a take-over with it is refused with 75 and the old server serves on, its
+  socket where it was;
+* a keeper that reads nothing for seconds (SIGSTOP): nothing waits on it but
+  the answers that tell of a lasting change; a reader goes on; when it reads
+  again it catches up, and a crash after brings back the node as it is, not
+  as it was before the stall;
+* SIGKILLs of the server and of two successors early in their start-up;
+  a ready file that cannot be written: nothing lost, nothing discarded;
+* a journal that cannot be resumed nor saved (its folder unwritable): kept;
+* a keeper that dies: the server starts another, which keeps the node;
+* a memory wait under a keeper is woken when the keeper lets the memory go;
+* a server that accepts and never answers: ``connect()`` gives up;
+* the seed's wake: ``remap_all_vas``, not ``connect``, says the layout changed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gms import GMSClientMemoryManager, RequestedLockType, ResponseTimeoutError, StaleMemoryLayoutError
+from gms.client.probes import get_runtime_state
+from gms.errors import GMSError, LockTimeoutError
+from gms.wire import messages as m
+
+from .helpers import MiB, RawConn, build_layout, descendants, kill_tree, wait_until
+from .test_restart import _kill_servers, kept, killed, listing, pattern, publish_raw, read_through  # noqa: F401
+
+AS_ROOT = os.geteuid() == 0
+POLICY = """
+[[tenant]]
+name = "team"
+uids = [{uid}]
+quota = "{quota}"
+write = ["*"]
+"""
+
+
+def policy(tmp_path, quota: str):
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY.format(uid=os.getuid(), quota=quota))
+    return path
+
+
+def server_pids(server) -> list[int]:
+    """The keeper's children (its servers), as the kernel lists them."""
+    return [pid for pid in descendants(server.pid) if _cmdline(pid).count("serve")]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+# -- a configuration the node does not fit ------------------------------------------------------------
+
+
+def test_a_policy_the_node_does_not_fit_keeps_the_node_for_the_next_server(tmp_path):
+    """Was: the next server exited 70 on resume and its clean-up released every
+    layout; the keeper exited too and the socket was gone."""
+    path = policy(tmp_path, "64MiB")
+    server = kept(tmp_path, "--policy", str(path))
+    layout_hash, allocations = publish_raw(server.socket, "weights", (8 * MiB, 8 * MiB))
+    path.write_text(POLICY.format(uid=os.getuid(), quota="4MiB"))  # lowered under what the team holds
+    os.kill(server.server_pid(), signal.SIGKILL)
+    wait_until(lambda: "cannot be served (its keeper keeps it)" in server.log, timeout=30,
+               what="the next server refuses the node")
+    assert server.proc.poll() is None, "the keeper is still there, holding the node"
+    assert os.path.exists(server.socket), "and the socket"
+    assert "quota" in server.log
+    path.write_text(POLICY.format(uid=os.getuid(), quota="64MiB"))  # fixed: the keeper's next try serves it
+    state = wait_until(lambda: _state(server.socket), timeout=30, what="a server that serves the node")
+    assert state.layout("weights").memory_layout_hash == layout_hash
+    reader = RawConn(server.socket)
+    assert reader.handshake("RO").success
+    for n, a in enumerate(allocations):
+        assert read_through(reader, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
+
+
+def _state(path: str):
+    try:
+        return get_runtime_state(path, timeout=1)
+    except GMSError:
+        return None
+
+
+def test_a_take_over_whose_policy_the_node_does_not_fit_is_refused_and_the_old_one_serves_on(tmp_path):
+    """Was: exit 70 (docs promise 75) and the live socket unlinked."""
+    path = policy(tmp_path, "64MiB")
+    old = kept(tmp_path, "--policy", str(path))
+    layout_hash, _ = publish_raw(old.socket, "weights", (8 * MiB,))
+    tight = tmp_path / "tight.toml"
+    tight.write_text(POLICY.format(uid=os.getuid(), quota="1MiB"))
+    new = subprocess.run(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", old.socket, "--take-over",
+         "--no-keeper", "--policy", str(tight)], capture_output=True, text=True, timeout=60,
+    )
+    assert new.returncode == 75, new.stderr
+    assert "the old server serves on" in new.stderr and "quota" in new.stderr
+    assert os.path.exists(old.socket), "the live socket is where it was"
+    assert old.layout("weights").memory_layout_hash == layout_hash
+
+
+# -- a keeper that stalls ----------------------------------------------------------------------
+
+
+def test_a_stopped_keeper_holds_up_only_lasting_answers_and_a_crash_after_it_rolls_nothing_back(tmp_path):
+    """Was: every client froze ~4 s, the server took the keeper for gone and never
+    reattached, and the next crash brought the node back as before the stall."""
+    server = kept(tmp_path)
+    first_hash, _ = publish_raw(server.socket, "weights", (2 * MiB,))
+    publish_raw(server.socket, "other", (MiB,))
+    keeper = server.pid
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        # Writes pile up past the keeper's socket buffer: the writer's own requests
+        # are answered (a writer building loses its build in a crash anyway), its
+        # commit waits for the keeper.
+        writer = RawConn(server.socket)
+        assert writer.handshake("RW", layout="weights").success  # clears the committed layout
+        allocation = writer.call(m.AllocateRequest(2 * MiB, "w"))
+        for n in range(192):
+            value = bytes([n]) * (32 << 10)
+            assert writer.call(m.MetadataPutRequest(f"k{n}", allocation.allocation_id, 0, value), 5).success
+        writer.send(m.CommitRequest())
+        assert not writer.readable(3.0), "the commit is not answered before the keeper has it"
+        state = server.state()
+        assert state.keeper == "behind" and state.keeper_backlog_bytes > 0 and state.keeper_behind_s > 1
+        # A reader of another layout is not held up meanwhile.
+        started = time.monotonic()
+        reader = RawConn(server.socket)
+        assert reader.handshake("RO", layout="other").success
+        reader.close()
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    committed, _ = writer.recv(timeout=30)
+    assert committed.success
+    wait_until(lambda: server.state().keeper == "attached", what="the keeper caught up")
+    assert "the keeper went away" not in server.log
+    killed(server)
+    after = server.layout("weights")
+    assert after.memory_layout_hash == committed.memory_layout_hash != first_hash, "not rolled back"
+    reader = RawConn(server.socket)
+    assert reader.handshake("RO").success
+    assert reader.call(m.MetadataGetRequest("k191")).value == bytes([191]) * (32 << 10)
+
+
+# -- kills early in start-up, a full disk --------------------------------------------------------
+
+
+def test_three_kills_in_a_row_early_in_start_up_lose_nothing(tmp_path):
+    """Was: the server, then two successors early in start-up, SIGKILLed within 0.8 s:
+    the keeper took it for a crash loop and discarded a good journal."""
+    server = kept(tmp_path)
+    layout_hash, _ = publish_raw(server.socket, "weights", (4 * MiB,))
+    killed_pids = {server.server_pid()}
+    os.kill(server.server_pid(), signal.SIGKILL)
+    for _ in range(2):  # each successor as soon as it exists
+        pid = wait_until(lambda: next((p for p in server_pids(server) if p not in killed_pids), None),
+                         timeout=30, interval=0.001, what="the next server")
+        os.kill(pid, signal.SIGKILL)
+        killed_pids.add(pid)
+    state = wait_until(lambda: _state(server.socket), timeout=60, what="a server again")
+    assert state.pid not in killed_pids
+    assert state.layout("weights").memory_layout_hash == layout_hash
+    assert "starts EMPTY" not in server.log and "discard" not in server.log.lower()
+
+
+def test_a_ready_file_that_cannot_be_written_costs_nothing(tmp_path):
+    """Was: a full disk under --ready-dir made the resumed server's clean-up release every layout."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")  # a file where the folder should be: every write there fails
+    server = kept(tmp_path, "--ready-dir", str(blocked / "ready"))
+    layout_hash, _ = publish_raw(server.socket, "weights", (4 * MiB,))
+    killed(server)
+    assert server.layout("weights").memory_layout_hash == layout_hash
+    assert "the ready file" in server.log
+
+
+def test_a_journal_that_cannot_be_resumed_nor_saved_is_kept(tmp_path):
+    """Was: a full disk under --state-dir at resume lost the node (the server exited 1
+    and its keeper, taking it for a bad option, closed every fd).  The journal here
+    does not rebuild and cannot be saved: the server refuses it, and its keeper
+    (this test, standing in) still holds every fd and the journal."""
+    from gms.fsm.events import RoConnect
+    from gms.handover import frames
+    from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, encode_entries, encode_image
+    from gms.keeper.store import Store
+    from gms.store import LogEntry
+
+    from .handover_fixtures import rich_log
+
+    log = rich_log()
+    base = encode_image(StateImage(STATE_VERSION, ServerInfo(1, "host", 0, "host-0", True), log.last_seq, 20,
+                                   log.state))
+    bad = encode_entries([LogEntry(log.last_seq + 1, 0, 0, RoConnect(8, layout="nothing"))])
+    store = Store()
+    store.base, store.tails = base, [bad]
+    store.fds = {f"gpu:{i}": os.memfd_create(i) for i in ("w0", "w1")}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    keeper_path = str(tmp_path / "keeper.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(keeper_path)
+    listener.listen(1)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", str(tmp_path / "gms.sock"),
+         "--keeper-socket", keeper_path, "--state-dir", str(blocked / "saved")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            reader = frames.FrameReader()
+            assert frames.recv_frame(conn, reader).kind == "hello"
+            body, keyed = store.handback()
+            frames.send_frame(conn, "handback", body)
+            frames.send_fds(conn, "fds", keyed)
+            frames.send_frame(conn, "end")
+            said = []
+            try:
+                while True:
+                    said.append(store.apply(frames.recv_frame(conn, reader)))
+            except frames.ChannelClosed:
+                pass
+        output = server.communicate(timeout=30)[0]
+        assert server.returncode == 78, output
+        assert said == ["stopping:unresumable"], "it told its keeper to keep the node"
+        assert sorted(store.fds) == ["gpu:w0", "gpu:w1"] and store.base == base, "nothing let go"
+        assert "could not be saved" in output
+    finally:
+        server.kill()
+        listener.close()
+        store.close()
+
+
+# -- a keeper that dies ------------------------------------------------------------------
+
+
+def test_a_server_whose_keeper_died_starts_another_which_keeps_the_node(tmp_path):
+    """Was: the server exited with its keeper (and every layout with it)."""
+    server = kept(tmp_path)
+    layout_hash, _ = publish_raw(server.socket, "weights", (4 * MiB,))
+    serving = server.server_pid()
+    os.kill(server.pid, signal.SIGKILL)
+    state = wait_until(lambda: (s := _state(server.socket)) and s.keeper == "attached" and s.keepers_lost and s,
+                       timeout=30, what="a new keeper attached")
+    assert state.pid == serving, "the same server serves on"
+    new_keeper = next(p for p in descendants(serving) if "gms keeper" in _cmdline(p))  # the server's child
+    try:
+        os.kill(serving, signal.SIGKILL)  # and the new keeper brings the node back
+        state = wait_until(lambda: (s := _state(server.socket)) and s.pid != serving and s, timeout=30,
+                           what="the new keeper's server")
+        assert state.layout("weights").memory_layout_hash == layout_hash
+    finally:
+        kill_tree(new_keeper)
+
+
+# -- memory freed wakes its waiter -------------------------------------------------------------
+
+
+def test_memory_freed_under_a_keeper_wakes_the_allocation_waiting_for_it(tmp_path):
+    """Was: the waiter noticed only on its retry timer (0.52 s at --alloc-retry-interval 5,
+    against 3-9 ms without a keeper): the keeper still held the freed memory's fd."""
+    server = kept(tmp_path, "--host-capacity", "16MiB", "--alloc-retry-interval", "5")
+    holder = RawConn(server.socket)
+    assert holder.handshake("RW", layout="a").success
+    held = holder.call(m.AllocateRequest(12 * MiB, "w"))
+    waiter = RawConn(server.socket)
+    assert waiter.handshake("RW", layout="b").success
+    waiter.send(m.AllocateRequest(12 * MiB, "w"))
+    wait_until(lambda: any(e.kind == "ALLOCATION_OOM_WAIT" for e in server.events()), what="the wait")
+    time.sleep(3)  # its retry timer has backed off to seconds
+    freed_at = time.monotonic()
+    assert holder.call(m.FreeAllocationRequest(held.allocation_id)).success
+    got, _ = waiter.recv(timeout=20)
+    assert isinstance(got, m.AllocateResponse), got
+    assert time.monotonic() - freed_at < 1.0, "woken by the keeper's word, not the timer"
+
+
+# -- a server that accepts and never answers -----------------------------------------------------
+
+
+def test_connect_gives_up_on_a_server_that_accepts_and_never_answers(tmp_path):
+    """Was: connect() without timeout_ms blocked for good (still blocked after 100 s
+    with call_timeout_s=5)."""
+    path = str(tmp_path / "mute.sock")
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(path)
+    mute.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(mute.accept()), daemon=True).start()
+    mgr = GMSClientMemoryManager(path, call_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(ResponseTimeoutError):
+        mgr.connect(RequestedLockType.RO)
+    assert time.monotonic() - started < 5
+    mute.close()
+
+
+def test_a_lock_wait_longer_than_call_timeout_s_is_waited_out(tmp_path):
+    """The heartbeat's other side: a real wait is told apart from a hang."""
+    server = kept(tmp_path)
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW").success
+    mgr = GMSClientMemoryManager(server.socket, call_timeout_s=1.0)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(mgr.connect(RequestedLockType.RO)))
+    thread.start()
+    time.sleep(2.5)
+    build_layout(writer, (MiB,))
+    assert writer.call(m.CommitRequest()).success
+    thread.join(10)
+    assert done == [None] and mgr.granted_lock_type.value == "RO"
+    mgr.close()
+
+
+# -- the seed's wake ---------------------------------------------------------------------------
+
+
+def test_the_seed_s_wake_raises_stale_from_remap_not_connect(tmp_path):
+    """``unmap_all_vas(); abort(); ... connect(RO); remap_all_vas()``: code written to
+    the seed catches StaleMemoryLayoutError around remap_all_vas."""
+    server = kept(tmp_path)
+    publish_raw(server.socket, "weights", (MiB,))
+    mgr = GMSClientMemoryManager(server.socket)
+    mgr.connect(RequestedLockType.RO)
+    mgr.create_mapping(allocation_id=listing(server.socket, "weights")[0][0])
+    mgr.unmap_all_vas()
+    mgr.abort()
+    publish_raw(server.socket, "weights", (MiB, MiB))  # republished while it slept
+    mgr.connect(RequestedLockType.RO)  # granted: the seed's connect does not judge the layout
+    with pytest.raises(StaleMemoryLayoutError):
+        mgr.remap_all_vas()
+    mgr.abort()
+    # A writer building: the wake waits for its commit, then remap says stale.
+    writer = RawConn(server.socket)
+    assert writer.handshake("RW").success
+    with pytest.raises(LockTimeoutError):
+        mgr.connect(RequestedLockType.RO, timeout_ms=300)
+    woke = threading.Thread(target=mgr.connect, args=(RequestedLockType.RO,))
+    woke.start()
+    build_layout(writer, (2 * MiB,))  # (another structure: the hash is structural)
+    assert writer.call(m.CommitRequest()).success
+    woke.join(10)
+    with pytest.raises(StaleMemoryLayoutError):
+        mgr.remap_all_vas()
+    mgr.close()
