@@ -238,13 +238,6 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
     which started this one in its place (``gms keeper --adopt-fd``): it is kept
     first, and the servers after it are this keeper's children."""
     store, _ = open_store()
-    import os as _os
-    if _os.environ.get("GMS_DBG"):
-        import signal as _sig
-        def _dump(*a):
-            b = store.base
-            log.warning("DBG base=%s tails=%d/%d staged=%d fds=%d", (len(b), sum(map(len,b.values()))) if isinstance(b, dict) else (b and len(b)), len(store.tails), sum(map(len, store.tails)), sum(map(len, store._staged.values())), len(store.fds))
-        _sig.signal(_sig.SIGUSR1, _dump)
     stopping = trio.Event()
     backoff = 0.0
     notified_ready = False

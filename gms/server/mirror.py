@@ -77,6 +77,7 @@ BACKLOG_BYTES = 8 << 20  # past this, or past ...
 TAIL_BOUND_BYTES = 4 * MIN_TAIL_BYTES  # ... this much of events since the keeper's base, a request that added
 SMALL_BYTES = 64 << 10  # ... more than this to the keeper's stream waits for the keeper to catch up
 _COUNTED_BYTES = 16 << 10  # batches of events counted against their connection (smaller ones never wait)
+TRIM_AFTER_BYTES = 64 << 20  # the heap's free pages given back after this many bytes of frames (gms.heap)
 LISTENER = "listener"
 PARTS = "parts"  # the feature a keeper names in its hand-back when it keeps its base in parts
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
@@ -148,6 +149,7 @@ class KeeperLink:
         self._tail_before = 0  # while a base is made: the events between the last one and it
         self._added: dict[int, int] = {}  # conn -> bytes its big batches of events added
         self._base_cost = 0  # bytes the last base sent
+        self._since_trim = 0  # bytes of frames made since the heap's free pages were last given back
         self._tails_since = 0  # events frames queued since the base being made was taken
         self._rebasing = False
         # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
@@ -296,6 +298,7 @@ class KeeperLink:
         lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
         self._queue("events", {"entries": blob}, lasting=lasting)
         self._tail_bytes += len(blob)
+        self._since_trim += len(blob)
         if len(blob) > _COUNTED_BYTES:
             added = self._added
             if len(added) > 1024:  # connections long gone: their next big request counts afresh
@@ -625,7 +628,10 @@ class KeeperLink:
         self._send("base", {"parts": names, "tails": self._tails_since, "keys": self._held_keys()})
         self._base_cost, self._tail_before, self._based = cost, 0, True
         self._moved()  # a client held back by a long tail may go on
-        give_back_free_memory()  # what the events and parts since the last base left behind (gms.heap)
+        self._since_trim += cost
+        if self._since_trim >= TRIM_AFTER_BYTES:  # (a trim stalls the loop ~0.1 ms per MiB it returns)
+            self._since_trim = 0
+            give_back_free_memory()  # what the events and parts since the last trim left behind (gms.heap)
 
     # -- inside ------------------------------------------------------------------------
 

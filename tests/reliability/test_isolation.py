@@ -393,7 +393,7 @@ def test_unread_answers_cannot_hold_a_take_over_nor_pause_the_server(start):
         attacker.result(60)
         assert hit["error_count"] == 0, hit["errors"]
         slowest = max(hit["latencies"])
-        assert took < 10 and slowest < 5, (took, slowest)
+        assert took < 10 and slowest < 3, (took, slowest)  # (was: every session paused until the attacker left)
         assert "read none of its answer" in server.log, "the old server dropped the client that read nothing"
         record("isolation", "unread big answers at a take-over", setup="keeper" if server.keeper else "no-keeper",
                take_over_s=round(took, 2), victim_slowest_ms=round(slowest * 1000, 1),
