@@ -365,3 +365,28 @@ def test_the_seed_s_wake_raises_stale_from_remap_not_connect(tmp_path):
     with pytest.raises(StaleMemoryLayoutError):
         mgr.remap_all_vas()
     mgr.close()
+
+
+def test_a_server_reattaches_to_a_keeper_container_that_restarted(tmp_path):
+    """``--keeper-socket``: was, a keeper container that restarted left its server
+    serving without one for good (the next crash lost the node)."""
+    from .test_restart import server_process, start_keeper
+
+    keeper_path = str(tmp_path / "keeper.sock")
+    with open(tmp_path / "keeper.log", "wb") as log:
+        keeper = start_keeper(keeper_path, log)
+        first = server_process(tmp_path, "--keeper-socket", keeper_path)
+        try:
+            layout_hash, _ = publish_raw(first.socket, "weights", (2 * MiB,))
+            keeper.kill()
+            keeper.wait()
+            wait_until(lambda: first.state().keeper == "gone", what="the keeper missed")
+            assert first.state().keepers_lost == 1
+            os.unlink(keeper_path)
+            keeper = start_keeper(keeper_path, log)  # the container again
+            wait_until(lambda: first.state().keeper == "attached", timeout=30, what="the server attached again")
+            first.kill()  # and a crash now loses nothing
+            second = server_process(tmp_path, "--keeper-socket", keeper_path, socket_path=first.socket)
+            assert second.layout("weights").memory_layout_hash == layout_hash
+        finally:
+            keeper.kill()
