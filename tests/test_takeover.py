@@ -236,6 +236,7 @@ class OldServer:
     its listening socket and one idle client's socket; then waits for the verdict."""
 
     def __init__(self, path: str, image: bytes) -> None:
+        self.path = path
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(path)
         self.listener.listen(8)

@@ -155,15 +155,20 @@ def _forged_tenant_image() -> bytes:
     return encode_image(attrs.evolve(image, state=forged, version=2))
 
 
+def take_over_from(old: OldServer) -> subprocess.CompletedProcess:
+    """``gms serve --take-over`` (no keeper) of the stand-in ``old``, run to its end."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host", "--socket", old.path,
+         "--take-over"], capture_output=True, text=True, timeout=60,
+    )
+    old.thread.join(10)
+    return out
+
+
 def test_a_handed_image_that_breaks_an_invariant_is_refused_and_the_old_server_serves_on(tmp_path):
-    path = str(tmp_path / "old.sock")
-    old = OldServer(path, _forged_tenant_image())
+    old = OldServer(str(tmp_path / "old.sock"), _forged_tenant_image())
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host", "--socket", path,
-             "--take-over"], capture_output=True, text=True, timeout=60,
-        )
-        old.thread.join(10)
+        out = take_over_from(old)
         assert out.returncode == 75, out.stderr
         assert "not one to serve" in out.stderr and "charged" in out.stderr
         assert old.verdict.startswith("abort: ")
@@ -172,8 +177,6 @@ def test_a_handed_image_that_breaks_an_invariant_is_refused_and_the_old_server_s
 
 
 def test_a_malformed_fd_frame_is_refused_with_75_not_70(tmp_path):
-    path = str(tmp_path / "old.sock")
-
     class Garbled(OldServer):
         def _serve(self) -> None:
             conn = self.asked()
@@ -189,13 +192,9 @@ def test_a_malformed_fd_frame_is_refused_with_75_not_70(tmp_path):
                 self.verdict = "silence"
             conn.close()
 
-    old = Garbled(path, FIXTURE.read_bytes())
+    old = Garbled(str(tmp_path / "old.sock"), FIXTURE.read_bytes())
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "gms", "serve", "--no-keeper", "--backend", "host", "--socket", path,
-             "--take-over"], capture_output=True, text=True, timeout=60,
-        )
-        old.thread.join(10)
+        out = take_over_from(old)
         assert out.returncode == 75, out.stderr
         assert "broke off" in out.stderr and "Traceback" not in out.stderr
         assert old.verdict.startswith("abort: ")

@@ -73,6 +73,7 @@ log = logging.getLogger("gms.server.restart")
 MIN_TAIL_BYTES = 4 << 20  # a new base once this many bytes of events were sent since the last one
 SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 BEHIND_WARNING_S = 1.0  # a keeper that read nothing for this long is said to be behind, once
+DRAIN_S = 5.0  # at a server's end, the longest wait for its keeper to take what is queued
 BACKLOG_BYTES = 8 << 20  # past this, or past ...
 TAIL_BOUND_BYTES = 4 * MIN_TAIL_BYTES  # ... this much of events since the keeper's base, a request that added
 SMALL_BYTES = 64 << 10  # ... more than this to the keeper's stream waits for the keeper to catch up

@@ -36,7 +36,7 @@ from .lanes import Lane
 from .memory import Memory
 from .memory_signal import MemorySignal
 from .metrics import Metrics
-from .mirror import MirroredLog
+from .mirror import DRAIN_S, MirroredLog
 from .netio import Channel
 from ..peer import Peer, own_uids
 from .quiesce import Quiesce
@@ -45,8 +45,6 @@ from .session import Session, is_cancellation
 from .startup import open_link, prepare
 
 logger = logging.getLogger("gms.server")
-
-DRAIN_S = 5.0  # at the end, the longest wait for the keeper to take what is queued
 
 
 class SocketPathError(Exception):

@@ -30,7 +30,7 @@ from .core import ServiceCore
 from .lock_queues import Waiter
 from .metrics import Metrics
 from ..peer import peer_of
-from .mirror import LISTENER, KeeperGone, memory_key
+from .mirror import DRAIN_S, LISTENER, KeeperGone, memory_key
 from .netio import Channel
 from .resume import Handed, TakeOverRefused, resume_core
 from .session import Session, granted_as
@@ -91,7 +91,7 @@ def refused(server) -> None:
     server.left_as = "refused"
     if server.link is not None:
         server.link.stopping("refused")
-        server.link.drain(5.0)
+        server.link.drain(DRAIN_S)
         server.link = None
 
 
