@@ -154,3 +154,27 @@ def write_json(path: str, results: dict) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {target}")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def gpu() -> dict:
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    name, driver, total = (q.stdout.strip().splitlines() or ["?,?,?"])[0].split(", ")
+    return {"name": name, "driver": driver, "memory": total}
+
+
+def versions(*names: str) -> dict:
+    """Python's version and each named distribution's (None where not installed)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out

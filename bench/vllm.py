@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -51,14 +50,13 @@ import sys
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
 import httpx
-from _common import print_table, wait_served, write_json
+from _common import gpu, log, print_table, versions, wait_served, write_json
 from failover import Nvml
 from llama_checkpoint import evict, warm
-from vllm_engines import GiB, Engine, serve_argv, serve_env
+from vllm_engines import Engine, GiB, serve_argv, serve_env
 
 # This file is bench/vllm.py: with bench/ first on sys.path, "import vllm" here
 # would find this script rather than vLLM.  Nothing below imports vLLM, but
@@ -72,27 +70,6 @@ TOKENS = 32
 PORTS = {"baseline": 18200, "A": 18201, "B": 18202, "failover-A": 18211, "failover-B": 18212}
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("vllm", "torch", "gms", "transformers", "cuda-bindings"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def gpu() -> dict:
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                       capture_output=True, text=True)
-    name, driver, total = (q.stdout.strip().splitlines() or ["?,?,?"])[0].split(", ")
-    return {"name": name, "driver": driver, "memory": total}
-
-
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
@@ -101,7 +78,7 @@ class Bench:
         self.cache = args.cache_root
         self.kv_bytes = int(args.kv_gib * GiB)
         self.engines: dict[str, Engine] = {}
-        self.results: dict = {"gpu": gpu(), "versions": versions(), "kv_cache_bytes": self.kv_bytes,
+        self.results: dict = {"gpu": gpu(), "versions": versions("vllm", "torch", "gms", "transformers", "cuda-bindings"), "kv_cache_bytes": self.kv_bytes,
                               "prompt": PROMPT, "completion_tokens": TOKENS,
                               "page_cache": "cold" if args.cold else "warm"}
         self.model = self._model()

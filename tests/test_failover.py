@@ -4,7 +4,8 @@
   transformers decode, sleep and wake at the same addresses, the canary.
 * A cluster: gms servers, a primary and a shadow engine set, and the
   coordinator (``gms failover``), all real processes; SIGKILL the serving
-  engine, then hang (SIGSTOP) the next one.
+  engine, then hang (SIGSTOP) the next one, then stop the next one's model
+  while its HTTP server answers on (its progress stands still).
 
 One tiny model; every process is started once, all at the same time (engine
 start-up is mostly importing torch and transformers: on 2 cores, starting
@@ -51,7 +52,8 @@ class Cluster:
         self.ports = {"A": free_port(), "B": free_port()}
         self.events_path = folder / "events.jsonl"
         command = [sys.executable, ENGINE, "--model", str(self.model), "--gms-socket", "{socket}",
-                   "--port", "{port}", "--rank", "{rank}", "--world-size", "{world_size}", "--max-seq-len", "64"]
+                   "--port", "{port}", "--rank", "{rank}", "--world-size", "{world_size}", "--max-seq-len", "64",
+                   "--stall-file", str(folder / "stall-{set}")]
         config = {
             "lock": f"file:{folder / 'serving.lock'}", "initial": "A", "ranks": [self.servers.socket],
             "interval_s": 0.2, "failures": 2, "canary_timeout_s": 1.0, "wake_timeout_s": 60.0,
@@ -364,6 +366,35 @@ def test_a_hung_serving_engine_is_detected_by_its_canary_and_revoked(cluster):
     response = complete(cluster.url(standby), cluster.prompt, 6, ignore_eos=True)
     assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == cluster.reference
     wait_until(lambda: not _alive(pid), timeout=10, what="the hung engine killed")  # not left behind
+
+
+def test_a_model_that_stops_while_its_http_server_answers_is_failed_over_on_its_progress(cluster):
+    """A hung kernel, not a dead process: the engine answers its health checks at
+    once, with work pending and its steps standing still.  Its canaries never
+    fail twice in a row (a busy engine answers with its progress instead), so
+    only the progress can tell."""
+    serving, standby = cluster.serving()
+    wait_until(lambda: _phase(cluster, standby) == "asleep", timeout=120, what=f"set {standby} back as the shadow")
+    before = len(cluster.events())
+    stall = cluster.folder / f"stall-{serving}"
+    stall.touch()
+    try:
+        event = cluster.wait_event(lambda e: e["event"] == "failover", 30, "failover event", before)
+    finally:
+        stall.unlink(missing_ok=True)
+    assert (event["failed"], event["serving"], event["ok"]) == (serving, standby, True)
+    assert "made no progress" in event["reason"] and "requests pending" in event["reason"]
+    response = complete(cluster.url(standby), cluster.prompt, 6, ignore_eos=True)
+    assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == cluster.reference
+    body = httpx.get(f"{cluster.url(standby)}/health", timeout=10).json()
+    assert body["status"] == "serving" and body["progress"]["steps"] > 0
+
+
+def _phase(cluster, name: str) -> str | None:
+    try:
+        return cluster.state(name)["phase"]
+    except httpx.HTTPError:
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -60,7 +60,14 @@ def test_configuration_is_checked():
     assert isinstance(c.set("B"), cfg.KubernetesSetConfig) and c.set("B").rank_label == "gms.failover/rank"
     assert c.health_path == "/health"
     assert cfg.parse({**base, "health_path": "/gms/health"}).health_path == "/gms/health"  # vLLM engines
+    sglang = cfg.parse({**base, "engine": "sglang"})
+    assert (sglang.health_path, sglang.sleep_path, sglang.wake_path) == (
+        "/gms/health", "/release_memory_occupation", "/resume_memory_occupation")
+    assert cfg.parse({**base, "engine": "vllm", "wake_path": "/mine"}).wake_path == "/mine"
+    assert (c.sleep_path, c.wake_path) == ("/sleep", "/wake_up")
     for broken in ({**base, "ranks": []}, {**base, "initial": "C"}, {**base, "health_path": "gms/health"},
+                   {**base, "engine": "trtllm"}, {**base, "engine": "sglang", "revoke": "engines"},
+                   {**base, "sleep_path": 3},
                    {**base, "sets": {"A": base["sets"]["A"]}},
                    {**base, "sets": {**base["sets"], "A": {"kind": "local", "ports": [1], "command": ["x"]}}},
                    {**base, "sets": {**base["sets"], "B": {"kind": "kubernetes"}}},
@@ -105,3 +112,44 @@ def test_lock_specs(tmp_path):
     for bad in ("", "file:", "lease:nonamespace", "zookeeper:/x"):
         with pytest.raises(ValueError):
             make_lock(bad)
+
+
+def test_a_rank_with_work_pending_and_no_step_done_for_stall_s_has_stalled():
+    from gms.failover.health import Probe, Progress, pace
+
+    def probe(steps, pending, url="u0"):
+        return Probe(url, True, "serving", "", 0.0, 0.01, {}, Progress(steps, pending))
+
+    seen, stalled = pace({}, [probe(10, 0)], now=0.0, stall_s=1.0)
+    seen, stalled = pace(seen, [probe(10, 2)], now=0.5, stall_s=1.0)  # work arrived, steps not yet
+    assert stalled == []
+    seen, stalled = pace(seen, [probe(10, 2)], now=0.9, stall_s=1.0)
+    assert stalled == []
+    seen, stalled = pace(seen, [probe(10, 2)], now=1.0, stall_s=1.0)  # 1 s since the last change
+    assert [(p.url, since) for p, since in stalled] == [("u0", 0.0)]
+    # saturated: slow to answer, but its steps go on: never stalled
+    seen = {}
+    for t in range(20):
+        seen, stalled = pace(seen, [probe(100 + t, 8)], now=t * 0.5, stall_s=1.0)
+        assert stalled == []
+    # idle: nothing pending, nothing expected
+    seen = {}
+    for t in range(5):
+        seen, stalled = pace(seen, [probe(7, 0)], now=t * 1.0, stall_s=1.0)
+        assert stalled == []
+    # an engine that does not report progress is left to its canaries
+    quiet = Probe("u1", True, "serving", "", 0.0, 0.01)
+    seen, stalled = pace({"u1": None}, [quiet], now=9.0, stall_s=1.0)
+    assert stalled == [] and "u1" not in seen
+
+
+def test_progress_is_read_only_from_well_formed_answers():
+    from gms.failover.health import Progress
+
+    assert Progress.parse({"steps": 3, "pending": 1}) == Progress(3, 1)
+    for bad in (None, [], {"steps": 3}, {"steps": -1, "pending": 0}, {"steps": True, "pending": 0},
+                {"steps": "3", "pending": 0}):
+        assert Progress.parse(bad) is None
+    assert cfg.parse({"ranks": ["/s"], "sets": {"A": {"kind": "local", "ports": [1], "command": ["x"]},
+                                                "B": {"kind": "local", "ports": [2], "command": ["x"]}},
+                      "stall_s": 0.5}).stall_s == 0.5

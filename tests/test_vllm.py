@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from gms.fsm.sessions import validate_layout_name
-from gms.integrations.vllm import config, names
-from gms.integrations.vllm.errors import ConfigError, LayoutMismatchError, MissingWorkerError
+from gms.integrations.common import config, names
+from gms.integrations.common.errors import ConfigError, LayoutMismatchError, MissingWorkerError
 
 from .helpers import ServerProcess, wait_until
 
@@ -35,11 +35,11 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pi
 
 def test_extra_config_defaults_and_pass_through():
     gms, rest = config.parse({"num_threads": 4, "enable_multithread_load": True})
-    assert gms == config.GmsVllmConfig()
+    assert gms == config.EngineConfig()
     assert (gms.read_only, gms.load_format, gms.residency, gms.exit_with_parent) == (False, "auto", "device", True)
     assert gms.lock_timeout_ms is None and gms.socket_for(3) is None
     assert rest == {"num_threads": 4, "enable_multithread_load": True}  # vLLM's own loader gets these
-    assert config.parse(None) == (config.GmsVllmConfig(), {})
+    assert config.parse(None) == (config.EngineConfig(), {})
 
 
 def test_extra_config_reads_every_key():
@@ -77,8 +77,8 @@ def test_extra_config_refuses(extra):
 
 
 def identity(**changes) -> names.ModelIdentity:
-    fields = dict(model="/models/meta-llama/Llama-3.1-8B-Instruct", revision=None, dtype="bfloat16",
-                  architecture="LlamaForCausalLM", vllm_version="0.26.0")
+    fields = dict(engine="vllm", engine_version="0.26.0", model="/models/meta-llama/Llama-3.1-8B-Instruct",
+                  revision=None, dtype="bfloat16", architecture="LlamaForCausalLM")
     return names.ModelIdentity(**{**fields, **changes})
 
 
@@ -87,9 +87,9 @@ def test_weights_layout_is_per_model_and_per_rank():
     assert one.startswith("vllm/Llama-3.1-8B-Instruct/bfloat16/") and one.count("/") == 3
     assert names.weights_layout(identity()) == one  # the same model: the same layout, in any process
     others = {names.weights_layout(identity(**c)) for c in (
-        {"model": "/models/Qwen3-8B"}, {"dtype": "float16"}, {"revision": "r2"}, {"vllm_version": "0.27.0"},
+        {"model": "/models/Qwen3-8B"}, {"dtype": "float16"}, {"revision": "r2"}, {"engine_version": "0.27.0"}, {"engine": "sglang"},
         {"architecture": "MistralForCausalLM"}, {"tp_size": 2}, {"pp_size": 2})}
-    assert len(others) == 7 and one not in others
+    assert len(others) == 8 and one not in others
     ranks = [names.weights_layout(identity(tp_rank=r, tp_size=2)) for r in range(2)]
     assert ranks[0].endswith("/tp0of2") and ranks[1].endswith("/tp1of2")
     assert ranks[0].rsplit("/", 1)[0] == ranks[1].rsplit("/", 1)[0]  # one model: one digest for every rank
@@ -99,15 +99,15 @@ def test_weights_layout_is_per_model_and_per_rank():
 
 
 def test_kv_layout_is_per_engine():
-    a, b = (names.kv_layout(identity(), pid) for pid in (100, 200))
+    a, b = (names.scratch_layout(identity(), "kv_cache", pid) for pid in (100, 200))
     assert a != b and a.startswith("vllm-kv/Llama-3.1-8B-Instruct/") and a.endswith("/tp0of1/pid100")
-    assert names.kv_layout(identity(tp_rank=1, tp_size=4), 7).endswith("/tp1of4/pid7")
+    assert names.scratch_layout(identity(tp_rank=1, tp_size=4), "kv_cache", 7).endswith("/tp1of4/pid7")
     validate_layout_name(a)
 
 
 def test_layout_names_hold_any_model_name():
     long = identity(model="/m/" + "x" * 300, tp_rank=7, tp_size=8, pp_rank=3, pp_size=4)
-    for name in (names.weights_layout(long), names.kv_layout(long, 4194304)):
+    for name in (names.weights_layout(long), names.scratch_layout(long, "cuda_graph", 4194304)):
         assert len(name.encode()) <= names.MAX_LAYOUT_BYTES
         validate_layout_name(name)
     odd = identity(model="hub user/Model (v2)!")
@@ -118,7 +118,7 @@ def test_layout_names_hold_any_model_name():
 def test_layout_overrides_keep_the_rank_suffix():
     assert names.weights_layout(identity(), "llama") == "llama"
     assert names.weights_layout(identity(tp_rank=1, tp_size=2), "llama") == "llama/tp1of2"
-    assert names.kv_layout(identity(tp_rank=1, tp_size=2), 5, "kv-a") == "kv-a/tp1of2"
+    assert names.scratch_layout(identity(tp_rank=1, tp_size=2), "kv_cache", 5, "kv-a") == "kv-a/tp1of2"
     for bad in ("-starts-badly", "has space", "é", "x" * 200):
         with pytest.raises(ConfigError):
             names.weights_layout(identity(), bad)
@@ -170,11 +170,11 @@ def test_installed_metadata_carries_the_entry_points():
 
 
 def engine_memory(server, ident, pid, **options):
-    from gms.integrations.vllm.memory import EngineMemory
+    from gms.integrations.common.memory import KV_CACHE, EngineMemory
 
-    gms_config = config.GmsVllmConfig(**options)
+    gms_config = config.EngineConfig(**options)
     return EngineMemory.open(gms_config, server.socket, 0, names.weights_layout(ident),
-                             names.kv_layout(ident, pid), ident)
+                             {KV_CACHE: names.scratch_layout(ident, KV_CACHE, pid)}, ident)
 
 
 def test_first_engine_writes_later_ones_read_and_sleep_releases(tmp_path):
@@ -188,7 +188,7 @@ def test_first_engine_writes_later_ones_read_and_sleep_releases(tmp_path):
         assert first.connect() is GrantedLockType.RW and first.writer
         weights_va = first.weights.create_mapping(size=4 << 20, tag="weights")
         first.weights.write(weights_va, b"published")
-        first.weights.metadata_put(names.FINGERPRINT_KEY, first.weights.mappings[0].allocation_id, 0,
+        first.weights.metadata_put(names.identity_key("vllm"), first.weights.mappings[0].allocation_id, 0,
                                    ident.to_json())
         first.weights.commit()
         first.weights.connect(RequestedLockType.RO)
@@ -251,21 +251,22 @@ def test_read_only_waits_for_a_commit_and_a_republished_layout_fails_the_wake(tm
 
 def test_loader_without_the_worker_says_what_to_add():
     pytest.importorskip("torch")
+    from gms.integrations.common import memory as common
     from gms.integrations.vllm import memory
 
-    saved, memory._current = memory._current, None
+    saved, common._current = common._current, None
     try:
         with pytest.raises(MissingWorkerError, match="--worker-cls gms.integrations.vllm.worker.GMSWorker"):
             memory.current()
     finally:
-        memory._current = saved
+        common._current = saved
 
 
 # -- exit with the parent ------------------------------------------------------------------
 
 CHILD = """
 import sys, time
-from gms.integrations.vllm.parent import exit_with_parent
+from gms.integrations.common.parent import exit_with_parent
 print("watching" if exit_with_parent() else "not watching", flush=True)
 time.sleep(120)
 """
@@ -402,3 +403,60 @@ def test_the_bench_drives_the_coordinator_with_vllms_command_lines(tmp_path):
     fields = {"rank": 0, "world_size": 1, "port": 18211, "socket": socket, "set": "A"}
     assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
     assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"gms_socket": socket}
+
+
+# -- every release in the range (tests/data/vllm_surface, scripts/vllm_surface.py) ----------------
+
+SURFACES = ROOT / "tests" / "data" / "vllm_surface"
+
+
+@pytest.mark.parametrize("release", __import__("gms.integrations.vllm.surface", fromlist=["RELEASES"]).RELEASES)
+def test_the_plugin_finds_what_it_uses_in_every_release_of_its_range(release):
+    from gms.integrations.vllm import surface
+
+    kept = json.loads((SURFACES / f"{release}.json").read_text())
+    assert kept["vllm"] == release
+    # The kept surface answers for every use the plugin has now (else: run scripts/vllm_surface.py again).
+    assert set(kept["uses"]) == {use.key for use in surface.USES}, "re-read the wheels: scripts/vllm_surface.py"
+    assert surface.check(kept["uses"]) == []
+
+
+def test_the_extra_s_range_is_exactly_the_releases_checked():
+    from gms.integrations.vllm import surface
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert f"vllm>={surface.RELEASES[0]},<={surface.RELEASES[-1]}" in extra
+    assert sorted(p.stem for p in SURFACES.glob("*.json")) == sorted(surface.RELEASES)
+
+
+def test_the_release_check_names_what_moved():
+    from gms.integrations.vllm.surface import USES, Use, check, problems
+
+    call = Use("m", "f", "call", positional=2, keywords=("device",))
+    assert problems(call, None) == ["m:f: not found"]
+    assert problems(call, {"params": [["a", "either", False], ["b", "either", False], ["device", "keyword", True]]}) == []
+    assert "takes 1 positional" in problems(call, {"params": [["a", "either", False], ["device", "keyword", True]]})[0]
+    assert "no parameter 'device'" in problems(call, {"params": [["a", "either", False], ["b", "either", False]]})[0]
+    assert "requires c" in problems(call, {"params": [["a", "either", False], ["b", "either", False],
+                                                      ["c", "keyword", False], ["device", "keyword", True]]})[0]
+    override = Use("m", "C.g", "override", params=("tag",))
+    assert "parameters are ('tag', 'stream')" in problems(override, {"params": [["tag", "either", False],
+                                                                                ["stream", "either", True]]})[0]
+    subclass = Use("m", "C", "subclass", defines=("g",))
+    assert "abstract h" in problems(subclass, {"abstract": ["g", "h"]})[0]
+    assert "is 'x'" in problems(Use("m", "K", "constant", value="y"), {"value": "x"})[0]
+    assert len(check({})) == len(USES)  # an empty release lacks everything
+
+
+def test_every_name_the_plugin_imports_from_vllm_is_in_the_table():
+    import ast
+
+    from gms.integrations.vllm.surface import USES
+
+    listed = {(use.module, use.name.split(".")[0]) for use in USES}
+    imported = set()
+    for path in (ROOT / "gms" / "integrations" / "vllm").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm" and not node.level:
+                imported |= {(node.module, alias.name) for alias in node.names}
+    assert imported and imported <= listed, sorted(imported - listed)

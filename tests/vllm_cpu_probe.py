@@ -13,7 +13,7 @@ up; no forward pass runs.  Then:
 
 1. vLLM's default loader reads the checkpoint (the reference);
 2. its tensors are published to gms as the writer's path leaves them (every
-   parameter and buffer under ``names.TENSOR_PREFIX``, plus the identity);
+   parameter and buffer under ``names.tensor_prefix("vllm")``, plus the identity);
 3. ``GMSModelLoader`` (``--load-format gms``), with the worker's
    ``EngineMemory`` connected ``RW_OR_RO`` and so granted ``RO``, builds the
    model with its parameters on ``meta`` and maps the published tensors;
@@ -55,9 +55,10 @@ from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 
 import gms.torch  # noqa: E402
 from gms import GMSClientMemoryManager, RequestedLockType  # noqa: E402
-from gms.integrations.vllm import memory, names, register  # noqa: E402
-from gms.integrations.vllm.config import GmsVllmConfig  # noqa: E402
-from gms.integrations.vllm.errors import LayoutMismatchError  # noqa: E402
+from gms.integrations.common import memory, names  # noqa: E402
+from gms.integrations.common.config import EngineConfig  # noqa: E402
+from gms.integrations.common.errors import LayoutMismatchError  # noqa: E402
+from gms.integrations.vllm import register  # noqa: E402
 
 
 def engine_config(model: str, load_format: str):
@@ -99,17 +100,19 @@ def main() -> None:
             vllm_config=reference_config, model_config=reference_config.model_config)
 
     identity = names.ModelIdentity(model=model_dir, revision=None, dtype="float32",
-                                   architecture="LlamaForCausalLM", vllm_version=vllm.__version__)
-    weights, kv = names.weights_layout(identity), names.kv_layout(identity, os.getpid())
+                                   architecture="LlamaForCausalLM", engine="vllm",
+                                   engine_version=vllm.__version__)
+    weights = names.weights_layout(identity)
+    kv = {memory.KV_CACHE: names.scratch_layout(identity, memory.KV_CACHE, os.getpid())}
     writer = GMSClientMemoryManager(socket, layout=weights)
     writer.connect(RequestedLockType.RW)
     published = gms.torch.publish_tensors(writer, list(gms.torch.module_tensors(reference)),
-                                          prefix=names.TENSOR_PREFIX)
-    writer.metadata_put(names.FINGERPRINT_KEY, writer.mappings[0].allocation_id, 0, identity.to_json())
+                                          prefix=names.tensor_prefix("vllm"))
+    writer.metadata_put(names.identity_key("vllm"), writer.mappings[0].allocation_id, 0, identity.to_json())
     writer.commit()
     writer.close()
 
-    engine = memory.EngineMemory.open(GmsVllmConfig(), socket, 0, weights, kv, identity)
+    engine = memory.EngineMemory.open(EngineConfig(), socket, 0, weights, kv, identity)
     granted = engine.connect().value
     memory.install(engine)
     gms_config = engine_config(model_dir, "gms")
@@ -121,7 +124,8 @@ def main() -> None:
     params = list(model.named_parameters())
 
     other = names.ModelIdentity(model=model_dir, revision=None, dtype="bfloat16",
-                                architecture="LlamaForCausalLM", vllm_version=vllm.__version__)
+                                architecture="LlamaForCausalLM", engine="vllm",
+                                engine_version=vllm.__version__)
     refused = None
     engine.identity = other  # this engine now stands for a bfloat16 one: the layout is not for it
     try:

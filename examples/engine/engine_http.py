@@ -5,14 +5,19 @@
 ``GET /state`` (phase, addresses, timings: for tests and operators).  Model
 and gms work runs in one worker thread at a time (a capacity limiter of 1),
 so requests, sleeps and wakes never interleave, and the event loop keeps
-answering while the model computes.
+answering while the model computes.  The canary's answer carries the
+engine's progress (``{"steps", "pending"}``: forward passes done, requests
+admitted and not finished); while the worker is busy the health check
+answers with that at once instead of queueing a canary behind the work, so
+a saturated engine is judged by its steps going on, a hung one by their
+standing still (docs/failover.md).
 """
 
 from __future__ import annotations
 
 import json
-
 import logging
+import threading
 import time
 import uuid
 
@@ -34,9 +39,28 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 def build_app(engine: Engine) -> Starlette:
     worker = anyio.CapacityLimiter(1)
+    pending = [0]  # requests admitted and not answered, a canary included
+    # Model work running in a thread now.  Not the limiter's count: a canary that
+    # timed out is abandoned, its token given back, while its thread may still hang.
+    running = [0]
+    running_lock = threading.Lock()
+
+    def tracked(fn):
+        def call(*args):
+            with running_lock:
+                running[0] += 1
+            try:
+                return fn(*args)
+            finally:
+                with running_lock:
+                    running[0] -= 1
+        return call
 
     async def run(fn, *args):
-        return await anyio.to_thread.run_sync(fn, *args, limiter=worker)
+        return await anyio.to_thread.run_sync(tracked(fn), *args, limiter=worker)
+
+    def progress() -> dict:
+        return {"steps": engine.steps, "pending": max(pending[0], running[0])}
 
     async def completions(request: Request) -> JSONResponse:
         try:
@@ -65,12 +89,15 @@ def build_app(engine: Engine) -> Starlette:
                 out.append((ids, tokens, reason))
             return out
 
+        pending[0] += 1
         try:
             results = await run(complete)
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request_error")
         except EngineError as exc:
             return _error(503, str(exc), "unavailable")
+        finally:
+            pending[0] -= 1
         choices = [
             {"index": i, "text": engine.detokenize(tokens), "token_ids": tokens, "logprobs": None,
              "finish_reason": reason}
@@ -142,23 +169,31 @@ def build_app(engine: Engine) -> Starlette:
             return JSONResponse({"status": "asleep"})
         if phase != "serving":
             return JSONResponse({"status": phase}, status_code=503)
+        if running[0]:  # busy: its progress says more than a canary queued behind it would
+            return JSONResponse({"status": "serving", "progress": progress()})
 
         def check():
             notes = engine.check_gms(gms_timeout)
             return notes, engine.canary()
 
+        pending[0] += 1
         try:
             with anyio.fail_after(engine.options.canary_timeout_s):
                 # abandon_on_cancel: a hung forward must not hang the probe too
-                notes, seconds = await anyio.to_thread.run_sync(check, limiter=worker, abandon_on_cancel=True)
+                notes, seconds = await anyio.to_thread.run_sync(tracked(check), limiter=worker,
+                                                                abandon_on_cancel=True)
         except TimeoutError:
-            return JSONResponse({"status": "serving", "error": "canary timed out"}, status_code=503)
+            return JSONResponse({"status": "serving", "error": "canary timed out", "progress": progress()},
+                                status_code=503)
         except EngineError:  # went to sleep meanwhile
             return JSONResponse({"status": engine.phase}, status_code=503)
         except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
             log.exception("canary failed")
             return JSONResponse({"status": "serving", "error": repr(exc)}, status_code=503)
-        body = {"status": "serving", "canary_s": seconds, **({"gms": notes} if notes else {})}
+        finally:
+            pending[0] -= 1
+        body = {"status": "serving", "canary_s": seconds, "progress": progress(),
+                **({"gms": notes} if notes else {})}
         revoked = [layout for layout, note in notes.items() if note.startswith("revoked")]
         if revoked:
             return JSONResponse({**body, "error": f"gms lock revoked: {', '.join(revoked)}"}, status_code=503)

@@ -72,6 +72,7 @@ class Engine:
         self.timings: dict[str, float] = {}
         # Per layout, what happened to its gms connection since the last wake (none: nothing).
         self.gms_notes: dict[str, str] = {}
+        self.steps = 0  # forward passes done: the progress the coordinator watches
 
     # -- start --------------------------------------------------------------
 
@@ -306,8 +307,10 @@ class Engine:
             ids = torch.tensor([prompt], device=self.device)
             positions = torch.arange(len(prompt), device=self.device)
             while True:
+                self._maybe_stall()
                 logits = self.model(input_ids=ids, past_key_values=cache, cache_position=positions,
                                     use_cache=True).logits
+                self.steps += 1
                 token = int(logits[0, -1].argmax())
                 out.append(token)
                 if token in eos:
@@ -316,6 +319,10 @@ class Engine:
                     return out, "length"
                 ids = torch.tensor([[token]], device=self.device)
                 positions = positions[-1:] + 1
+
+    def _maybe_stall(self) -> None:
+        while self.options.stall_file and os.path.exists(self.options.stall_file):
+            time.sleep(0.05)
 
     def canary(self) -> float:
         """One token through the whole model; returns its seconds."""

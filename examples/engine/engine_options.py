@@ -38,6 +38,9 @@ class EngineOptions:
     served_model_name: str | None = None
     canary_timeout_s: float = 10.0
     lock_timeout_s: float | None = None  # waiting for the weights or KV lock; None: forever
+    # For drills and tests: while this file exists the model stops between steps, as a
+    # hung kernel would, and the HTTP server goes on answering.
+    stall_file: str | None = None
 
     @property
     def name(self) -> str:
@@ -64,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name")
     p.add_argument("--canary-timeout-s", type=float, default=10.0)
     p.add_argument("--lock-timeout-s", type=float, default=None)
+    p.add_argument("--stall-file", help="drills: while this file exists the model stops between steps "
+                   "(a hung kernel), the HTTP server answering on")
     p.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
                    help="which backend's default socket to use when --gms-socket is not given")
     return p
@@ -86,5 +91,5 @@ def parse(argv: list[str] | None = None) -> EngineOptions:
         device=args.device, host=args.host, port=args.port, max_seq_len=args.max_seq_len,
         kv_bytes=args.kv_bytes, kv_chunk_bytes=args.kv_chunk_bytes, dtype=args.dtype,
         served_model_name=args.served_model_name, canary_timeout_s=args.canary_timeout_s,
-        lock_timeout_s=args.lock_timeout_s,
+        lock_timeout_s=args.lock_timeout_s, stall_file=args.stall_file,
     )

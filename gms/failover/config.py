@@ -7,12 +7,18 @@
     ranks = ["/tmp/gms_GPU-0.sock", "/tmp/gms_GPU-1.sock"]   # each rank's gms server (one per GPU)
     interval_s = 0.5                         # between probes
     failures = 3                             # failed canaries in a row that make a failure
+    stall_s = 1.0                            # an engine that reports its progress: this long with
+                                             # work pending and no model step done is a failure
     canary_timeout_s = 5.0                   # a probe slower than this failed
     wake_timeout_s = 600.0                   # a wake may wait for memory a dead engine still holds
     ready_timeout_s = 600.0                  # a (re)started set must be ready within this
     events = "/var/log/gms-failover.jsonl"   # optional: JSON lines also go there
-    health_path = "/health"                  # the canary's path ("/gms/health" for vLLM engines:
-                                             # docs/vllm.md)
+    engine = "sglang"                        # optional: the paths of vLLM's or SGLang's gms plugin
+                                             # (ENGINES below); each path may also be set alone:
+    health_path = "/health"                  # the canary's path ("/gms/health" for vLLM and SGLang
+                                             # engines: docs/vllm.md, docs/sglang.md)
+    sleep_path = "/sleep"                    # put an engine to sleep, wake it (POST)
+    wake_path = "/wake_up"
     revoke = "server"                        # or "engines": the new set's engines revoke the KV
                                              # layout on their own node as they wake (a coordinator
                                              # off the GPU nodes cannot reach the sockets; ranks
@@ -49,6 +55,16 @@ class ConfigError(ValueError):
     pass
 
 
+# Where each engine answers the canary, sleeps and wakes: the example engine
+# and vLLM (with the gms plugins) by vLLM's names; SGLang by its own endpoints.
+ENGINES = {
+    "example": {"health_path": "/health", "sleep_path": "/sleep", "wake_path": "/wake_up"},
+    "vllm": {"health_path": "/gms/health", "sleep_path": "/sleep", "wake_path": "/wake_up"},
+    "sglang": {"health_path": "/gms/health", "sleep_path": "/release_memory_occupation",
+               "wake_path": "/resume_memory_occupation"},
+}
+
+
 @attrs.frozen
 class LocalSetConfig:
     name: str
@@ -79,6 +95,7 @@ class CoordinatorConfig:
     sets: tuple[SetConfig, ...]
     interval_s: float = 0.5
     failures: int = 3
+    stall_s: float = 1.0
     canary_timeout_s: float = 5.0
     wake_timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
@@ -90,6 +107,8 @@ class CoordinatorConfig:
     # Where an engine answers the canary ({"status": "serving" | "asleep"}):
     # the example engine at /health, vLLM with the gms plugin at /gms/health.
     health_path: str = "/health"
+    sleep_path: str = "/sleep"
+    wake_path: str = "/wake_up"
 
     def set(self, name: str) -> SetConfig:
         return next(s for s in self.sets if s.name == name)
@@ -130,21 +149,28 @@ def parse(data: dict) -> CoordinatorConfig:
     initial = data.get("initial", sets[0].name)
     if initial not in tables:
         raise ConfigError(f"initial: {initial!r} is not a set")
-    fields = {k: data[k] for k in ("interval_s", "canary_timeout_s", "wake_timeout_s", "ready_timeout_s")
+    fields = {k: data[k] for k in ("interval_s", "canary_timeout_s", "wake_timeout_s", "ready_timeout_s", "stall_s")
               if k in data}
     revoke = data.get("revoke", "server")
     if revoke not in ("server", "engines"):
         raise ConfigError(f"revoke: 'server' or 'engines', not {revoke!r}")
-    health_path = data.get("health_path", "/health")
-    if not isinstance(health_path, str) or not health_path.startswith("/"):
-        raise ConfigError(f"health_path: a path starting with '/', not {health_path!r}")
+    engine = data.get("engine", "example")
+    if engine not in ENGINES:
+        raise ConfigError(f"engine: one of {', '.join(ENGINES)}, not {engine!r}")
+    paths = {key: data.get(key, default) for key, default in ENGINES[engine].items()}
+    for key, path in paths.items():
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ConfigError(f"{key}: a path starting with '/', not {path!r}")
+    if revoke == "engines" and engine == "sglang":
+        raise ConfigError("revoke = 'engines' needs the engines' own revocation on wake (the example "
+                          "engine's and vLLM's); SGLang engines: revoke = 'server'")
     config = CoordinatorConfig(
         lock=str(data.get("lock", "file:" + os.path.join(os.path.dirname(ranks[0]) or ".", "gms-serving.lock"))),
         initial=initial, ranks=ranks, sets=sets, failures=int(data.get("failures", 3)),
-        events=data.get("events"), revoke=revoke, health_path=health_path, **{k: float(v) for k, v in fields.items()},
+        events=data.get("events"), revoke=revoke, **paths, **{k: float(v) for k, v in fields.items()},
     )
-    if config.failures < 1 or config.interval_s <= 0:
-        raise ConfigError("failures must be >= 1 and interval_s > 0")
+    if config.failures < 1 or config.interval_s <= 0 or config.stall_s <= 0:
+        raise ConfigError("failures must be >= 1, interval_s and stall_s > 0")
     return config
 
 

@@ -3,13 +3,16 @@
 It holds the serving lock on behalf of the serving set and probes both sets:
 the serving set's canary must answer ``serving`` on every rank, the shadow's
 ``asleep``.  When a rank of the serving set dies, or its canary fails
-``failures`` times in a row (an error, or no answer in ``canary_timeout_s``):
+``failures`` times in a row (an error, or no answer in ``canary_timeout_s``),
+or it reports work pending and no model step done for ``stall_s`` (an
+engine that reports its progress: ``health.py``):
 
 1. **revoke** the ``kv_cache`` layout on every rank's gms server, so the
    failed engines' KV sessions are dropped even if they hang (SIGSTOP);
 2. **release** the serving lock;
 3. **take** it for the shadow set and **wake** every rank in parallel
-   (``POST /wake_up``), then check a **first token** on every rank.  The
+   (``POST /wake_up``, or the engine's own: ``wake_path``), then check a
+   **first token** on every rank.  The
    failed set is killed meanwhile: a hung engine's mappings keep its memory
    alive (revoke frees the lock, not another process's mappings), and a
    large KV cache needs that memory back;
@@ -43,7 +46,7 @@ import trio
 from ..client import admin
 from . import probes
 from .config import CoordinatorConfig, KubernetesSetConfig
-from .health import Watch, gms_reports, observe
+from .health import Pace, Watch, gms_reports, observe, pace
 from .lock import FileServingLock, ServingLock
 from .sets import EngineSet, KubernetesPodSet, LocalProcessSet
 
@@ -125,6 +128,7 @@ class Coordinator:
         self._probing: trio.CancelScope | None = None  # the monitor's round of probes, while in flight
         self.failovers = 0
         self._gms_notes: dict[str, dict] = {}  # url -> what its engine last said of gms
+        self._pace: dict[str, Pace] = {}  # url -> its steps, and since when they stood with work pending
 
     def _make_set(self, s) -> EngineSet:
         if isinstance(s, KubernetesSetConfig):
@@ -192,10 +196,10 @@ class Coordinator:
                     # Pods always start as shadows; and an engine may come up in the wrong role.
                     if p.status == "asleep" and want == "serving":
                         log.info("set %s: waking %s", name, url)
-                        await probes.post(self.client, url, "/wake_up", self.config.wake_timeout_s)
+                        await probes.post(self.client, url, self.config.wake_path, self.config.wake_timeout_s, {})
                     elif p.status == "serving" and want == "asleep":
                         log.info("set %s: putting %s to sleep", name, url)
-                        await probes.post(self.client, url, "/sleep", self.config.canary_timeout_s)
+                        await probes.post(self.client, url, self.config.sleep_path, self.config.canary_timeout_s, {})
                 await trio.sleep(min(self.config.interval_s, 0.2))
 
     async def _probe(self, name: str, want: str):
@@ -246,6 +250,12 @@ class Coordinator:
         if dead:
             return f"ranks {dead} of set {name} exited", self.exited.pop(name, time.monotonic())
         round_ = await self._probe(name, "serving")
+        self._pace, stalled = pace(self._pace, round_, time.monotonic(), self.config.stall_s)
+        if stalled:
+            self.watch[name] = Watch()
+            p, since = stalled[0]
+            return (f"{p.url} of set {name} made no progress for {time.monotonic() - since:.1f} s with "
+                    f"{p.progress.pending} requests pending (steps {p.progress.steps})", since)
         self.watch[name], failed = observe(self.watch[name], round_, self.config.failures)
         bad = [p for p in round_ if not p.ok]
         if bad:
@@ -301,8 +311,9 @@ class Coordinator:
         killed = trio.Event()
         self.restarting[failed] = trio.Event()
         self.nursery.start_soon(self._kill, failed, killed)
-        wake_body = {"revoke_kv": True} if self.config.revoke == "engines" else None
-        wake = await self._post_all(new, "/wake_up", self.config.wake_timeout_s, wake_body)
+        # A JSON object always: SGLang's endpoints need one ({}: every memory tag).
+        wake_body = {"revoke_kv": True} if self.config.revoke == "engines" else {}
+        wake = await self._post_all(new, self.config.wake_path, self.config.wake_timeout_s, wake_body)
         if self.config.revoke == "engines":
             revoked = {f"rank {i}": body.get("revoked") if isinstance(body, dict) else body
                        for i, (_, body, _) in enumerate(wake)}
@@ -312,6 +323,7 @@ class Coordinator:
         ok = all(code == 200 for code, _, _ in wake + tokens)
         self.failovers += 1
         self.watch[new] = Watch()
+        self._pace = {}  # the sets swapped roles: no rank's pace carries over
         self.events.emit(
             "failover", ok=ok, failed=failed, serving=new, reason=reason, decided_at=decided_at,
             revoked=revoked, wake=[_brief(r) for r in wake], first_token=[_brief(r) for r in tokens],

@@ -7,14 +7,14 @@ import time
 import httpx
 import trio
 
-from .health import Probe
+from .health import Probe, Progress
 
 CANARY_PROMPT = [0]  # one token id that every vocabulary has
 
 
 async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float, path: str = "/health") -> Probe:
     started = time.monotonic()
-    status, detail, ok, notes = None, "", False, {}
+    status, detail, ok, notes, progress = None, "", False, {}, None
     with trio.move_on_after(timeout) as scope:  # a stopped engine accepts and never answers
         try:
             response = await client.get(f"{url}{path}", timeout=timeout)
@@ -23,11 +23,12 @@ async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float,
             ok = response.status_code == 200 and status == want
             detail = f"{response.status_code} {body}"
             notes = body.get("gms") if isinstance(body.get("gms"), dict) else {}
+            progress = Progress.parse(body.get("progress"))
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
     if scope.cancelled_caught:
         detail = f"no answer in {timeout} s"
-    return Probe(url, ok, status, detail, started, time.monotonic() - started, notes)
+    return Probe(url, ok, status, detail, started, time.monotonic() - started, notes, progress)
 
 
 async def post(client: httpx.AsyncClient, url: str, path: str, timeout: float, body: dict | None = None):

@@ -1,6 +1,7 @@
 """PyTorch integration (``pip install gms[torch]``).
 
-* ``use_memory(mgr, tag)``: tensors created inside live in gms memory (CUDA).
+* ``use_memory(mgr, tag)``: tensors created inside live in gms memory (CUDA);
+  ``memory_pool`` and ``routed`` the same for a CUDA graph's private pool.
 * ``publish_module`` / ``publish_tensors``: describe a model's tensors (RW).
 * ``materialize_module`` / ``import_tensors``: zero-copy tensors in a reader.
 * ``load_safetensors``: a checkpoint straight from disk into gms (RW).
@@ -10,7 +11,14 @@
 On the host backend the same calls yield CPU tensors.
 """
 
-from .allocator import build_shim, pluggable_allocator, use_memory
+from .allocator import (
+    build_shim,
+    memory_pool,
+    pluggable_allocator,
+    routed,
+    use_memory,
+    without_expandable_segments,
+)
 from .encoding import TensorMeta, TensorMetaError, decode, encode
 from .loader import CheckpointError, load_safetensors, read_header
 from .modules import (
@@ -35,6 +43,7 @@ __all__ = [
     "import_tensors",
     "load_safetensors",
     "materialize_module",
+    "memory_pool",
     "module_tensors",
     "plan_packs",
     "pluggable_allocator",
@@ -42,8 +51,10 @@ __all__ = [
     "publish_tensors",
     "read_header",
     "rebuild_kv_cache",
+    "routed",
     "sleep",
     "use_memory",
     "wake_kv_cache",
     "wake_weights",
+    "without_expandable_segments",
 ]

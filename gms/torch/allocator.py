@@ -149,22 +149,50 @@ def pluggable_allocator():
 
 
 @contextlib.contextmanager
-def use_memory(mgr: GMSClientMemoryManager, tag: str = "weights") -> Iterator[torch.cuda.MemPool]:
-    """Tensors created inside live in ``mgr``'s memory (which must hold RW)."""
+def without_expandable_segments() -> Iterator[None]:
+    """A MemPool over a pluggable allocator cannot use expandable segments
+    (pytorch/pytorch#147851): off inside, as vLLM's own CuMem pool does."""
+    on = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if on:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if on:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def memory_pool(mgr: GMSClientMemoryManager) -> torch.cuda.MemPool:
+    """A ``MemPool`` over the gms allocator, alive as long as ``mgr`` (or until the
+    caller drops it from ``mgr._torch_pools``): then torch may free its segments.
+    Its memory comes from whichever manager is routed (``routed``) when torch
+    asks for a segment."""
+    pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+    mgr._torch_pools = [*getattr(mgr, "_torch_pools", []), pool]
+    return pool
+
+
+@contextlib.contextmanager
+def routed(mgr: GMSClientMemoryManager, tag: str) -> Iterator[None]:
+    """Inside, the gms allocator's mallocs go to ``mgr`` (which must hold RW), tagged ``tag``."""
     if mgr.granted_lock_type is not GrantedLockType.RW:
-        raise RuntimeError("use_memory needs a manager holding the RW lock")
+        raise RuntimeError("gms memory for torch needs a manager holding the RW lock")
     if mgr.backend != "cuda":
         raise RuntimeError("the pluggable allocator needs the CUDA backend")
-    pool = torch.cuda.MemPool(pluggable_allocator().allocator())
     route = Route(mgr, tag)
-    # The pool lives as long as the manager (or until the caller drops it
-    # from ``mgr._torch_pools``): then torch may free its segments.
-    mgr._torch_pools = [*getattr(mgr, "_torch_pools", []), pool]
     with _router.lock:
         _router.active.append(route)
     try:
-        with torch.cuda.use_mem_pool(pool, device=torch.device("cuda", mgr.device)):
-            yield pool
+        yield
     finally:
         with _router.lock:
             _router.active.remove(route)
+
+
+@contextlib.contextmanager
+def use_memory(mgr: GMSClientMemoryManager, tag: str = "weights") -> Iterator[torch.cuda.MemPool]:
+    """Tensors created inside live in ``mgr``'s memory (which must hold RW)."""
+    with routed(mgr, tag):
+        pool = memory_pool(mgr)
+        with torch.cuda.use_mem_pool(pool, device=torch.device("cuda", mgr.device)):
+            yield pool

@@ -18,10 +18,12 @@ vLLM finds this package through its plugin entry points (pyproject.toml):
 ``vllm.endpoint_plugins`` offers ``GET /gms/health`` (``endpoints.py``) to servers
 that allow it (``VLLM_PLUGINS=gms``).
 
-Modules: ``config`` (the ``gms_*`` keys), ``names`` (layout names and the
-published identity), ``memory`` (the two layouts, sleep and wake),
-``parent`` (exit with the API server) need no vLLM; ``loader``, ``worker``,
-``sleep`` and ``endpoints`` import it.
+What every engine shares is in ``gms.integrations.common``: ``config`` (the
+``gms_*`` keys), ``names`` (layout names and the published identity),
+``memory`` (the layouts, sleep and wake), ``parent`` (exit with the API
+server).  Here ``memory`` (finding the worker's) and ``surface`` (every
+name taken from vLLM, and the check of a release against them) need no
+vLLM; ``loader``, ``worker``, ``sleep`` and ``endpoints`` import it.
 """
 
 from __future__ import annotations
@@ -55,4 +57,13 @@ def register() -> None:
         SleepModeBackendFactory.register_backend(NAME, "gms.integrations.vllm.sleep", "GMSSleepBackend")
     except ValueError:  # registered already, by an earlier import of this package
         pass
+    # The shared modules log under "gms.integrations": into vLLM's handlers too,
+    # which only its own logger has.
+    shared, ours = logging.getLogger("gms.integrations"), logging.getLogger("vllm")
+    for handler in ours.handlers:
+        if handler not in shared.handlers:
+            shared.addHandler(handler)
+    if ours.handlers:
+        shared.setLevel(ours.getEffectiveLevel())
+        shared.propagate = False
     _registered = True

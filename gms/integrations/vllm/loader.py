@@ -27,10 +27,7 @@ in ways a reader would have to repeat on read-only memory.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import os
 import time
 
 import torch
@@ -43,38 +40,22 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from ... import torch as gms_torch
-from ...fsm import RequestedLockType
-from . import config as gms_config
-from .errors import LayoutMismatchError, UnsupportedModelError
-from .memory import WEIGHTS, EngineMemory, current
-from .names import FINGERPRINT_KEY, TENSOR_PREFIX, ModelIdentity
+from ..common import config as gms_config
+from ..common import weights
+from ..common.errors import UnsupportedModelError
+from ..common.memory import WEIGHTS, EngineMemory
+from ..common.names import tensor_prefix
+from .memory import current
 
 log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
 LOAD_FORMAT = "gms"
-
-
-@contextlib.contextmanager
-def without_expandable_segments():
-    """A MemPool over a pluggable allocator cannot use expandable segments
-    (pytorch/pytorch#147851): off inside, as vLLM's own CuMem pool does."""
-    on = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if on:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    try:
-        yield
-    finally:
-        if on:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+ENGINE = "vllm"  # the layout names' and metadata keys' first part (names.py)
 
 
 class GMSModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        self.gms, inner_extra = gms_config.parse(load_config.model_loader_extra_config)
-        # What the first engine reads from disk: vLLM's default loader with the
-        # format and the extra keys that are not ours.
-        self.disk_config = dataclasses.replace(load_config, load_format=self.gms.load_format,
-                                               model_loader_extra_config=inner_extra)
+        self.gms, self.disk_config = gms_config.for_disk(load_config)  # disk: vLLM's default loader
 
     def download_model(self, model_config: ModelConfig) -> None:
         DefaultModelLoader(self.disk_config).download_model(model_config)
@@ -106,28 +87,12 @@ class GMSModelLoader(BaseModelLoader):
                           prefix: str) -> nn.Module:
         mgr = memory.weights
         started = time.perf_counter()
-        with without_expandable_segments(), gms_torch.use_memory(mgr, tag=WEIGHTS):
+        with gms_torch.without_expandable_segments(), gms_torch.use_memory(mgr, tag=WEIGHTS):
             model = DefaultModelLoader(self.disk_config).load_model(
                 vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         loaded = time.perf_counter()
-        device = torch.device("cuda", memory.device)
-        # Tensors a model keeps on the host stay out: a reader computes those itself.
-        tensors = [(name, t) for name, t in gms_torch.module_tensors(model) if t.device == device]
-        count = gms_torch.publish_tensors(mgr, tensors, prefix=TENSOR_PREFIX, tag=WEIGHTS)
-        if not mgr.mappings:
-            raise UnsupportedModelError("the model has no tensors on the GPU to publish")
-        mgr.metadata_put(FINGERPRINT_KEY, mgr.mappings[0].allocation_id, 0, memory.identity.to_json())
-        mgr.commit(residency=self.gms.residency)
-        # From here on this engine reads its weights like every other one.
-        mgr.connect(RequestedLockType.RO, self.gms.lock_timeout_ms)
-        mgr.remap_all_vas()
-        copied = _private_buffers(model, mgr)
         memory.timings["disk_load_s"] = loaded - started
-        memory.timings["publish_s"] = time.perf_counter() - loaded
-        tensor_bytes = sum(t.numel() * t.element_size() for t in _distinct(tensors))
-        log.info("gms: published %d tensors (%.2f GiB of tensors in %.2f GiB of gms memory), "
-                 "%d buffers copied out, commit took %.3f s", count, tensor_bytes / (1 << 30),
-                 mgr.total_bytes / (1 << 30), copied, memory.timings["publish_s"])
+        weights.publish(memory, model, ENGINE, self.gms.residency, self.gms.lock_timeout_ms, loaded)
         return model
 
     # -- RO: every later engine ----------------------------------------------------------
@@ -135,18 +100,11 @@ class GMSModelLoader(BaseModelLoader):
     def _import(self, memory: EngineMemory, vllm_config: VllmConfig, model_config: ModelConfig,
                 prefix: str) -> nn.Module:
         mgr = memory.weights
-        entry = mgr.metadata_get(FINGERPRINT_KEY)
-        if entry is None:
-            raise LayoutMismatchError(f"layout {mgr.layout!r} holds no weights published by vLLM")
-        published = ModelIdentity.from_json(entry[2])
-        differences = memory.identity.differences(published)
-        if differences:
-            raise LayoutMismatchError(f"layout {mgr.layout!r} was published for another engine: "
-                                      + "; ".join(differences))
+        weights.check_published(memory, ENGINE)
         target = torch.device(self.load_config.device or vllm_config.device_config.device)
         with set_default_torch_dtype(model_config.dtype), target, gms_torch.empty_parameters():
             model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        gms_torch.materialize_module(model, mgr, prefix=TENSOR_PREFIX)
+        gms_torch.materialize_module(model, mgr, prefix=tensor_prefix(ENGINE))
         process_weights_after_loading(model, model_config, target)
         return model
 
@@ -161,27 +119,3 @@ def _check_supported(vllm_config: VllmConfig, model_config: ModelConfig, load_co
     if load_config.device not in (None, "cuda") and not str(load_config.device).startswith("cuda"):
         raise UnsupportedModelError(f"--load-format gms loads onto the GPU, not {load_config.device!r}")
 
-
-def _private_buffers(model: nn.Module, mgr) -> int:
-    """Buffers lying in the (now read-only) gms memory get a private copy."""
-    spans = [(mp.va, mp.va + mp.size) for mp in mgr.mappings]
-    copied = 0
-    for module in model.modules():
-        for name, buffer in list(module._buffers.items()):
-            if buffer is None or buffer.device.type != "cuda":
-                continue
-            ptr = buffer.data_ptr()
-            if any(lo <= ptr < hi for lo, hi in spans):
-                module._buffers[name] = buffer.clone()
-                copied += 1
-    return copied
-
-
-def _distinct(tensors):
-    """Each tensor once, whatever the names it is published under (ties)."""
-    seen = set()
-    for _, tensor in tensors:
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            yield tensor

@@ -35,19 +35,23 @@ import os
 
 import torch
 import vllm
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.v1.worker.utils import request_memory
 
 from ... import torch as gms_torch
 from ...paths import socket_path
-from . import config as gms_config
-from . import names
-from .errors import MissingWorkerError
-from .loader import LOAD_FORMAT, without_expandable_segments
-from .memory import KV_CACHE, EngineMemory, install
-from .parent import exit_with_parent
+from ..common import config as gms_config
+from ..common import names
+from ..common.errors import MissingWorkerError
+from ..common.memory import KV_CACHE, EngineMemory, install
+from ..common.parent import exit_with_parent
+from .loader import ENGINE, LOAD_FORMAT
 from .sleep import NAME as SLEEP_BACKEND
 
 log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
@@ -73,7 +77,7 @@ class GMSWorker(Worker):
         memory = EngineMemory.open(
             self.gms_config, socket, device,
             names.weights_layout(identity, self.gms_config.layout),
-            names.kv_layout(identity, os.getpid(), self.gms_config.kv_layout),
+            {KV_CACHE: names.scratch_layout(identity, KV_CACHE, os.getpid(), self.gms_config.kv_layout)},
             identity,
         )
         memory.connect()
@@ -107,7 +111,7 @@ class GMSWorker(Worker):
 
 @contextlib.contextmanager
 def _kv_pool(memory: EngineMemory):
-    with without_expandable_segments(), gms_torch.use_memory(memory.kv, tag=KV_CACHE) as pool:
+    with gms_torch.without_expandable_segments(), gms_torch.use_memory(memory.kv, tag=KV_CACHE) as pool:
         yield pool
 
 
@@ -119,11 +123,12 @@ def model_identity(vllm_config) -> names.ModelIdentity:
         model = os.path.realpath(model)
     pp = get_pp_group()
     return names.ModelIdentity(
+        engine=ENGINE,
+        engine_version=vllm.__version__,
         model=model,
         revision=model_config.revision,
         dtype=str(model_config.dtype).removeprefix("torch."),
         architecture=model_config.architecture,
-        vllm_version=vllm.__version__,
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=get_tensor_model_parallel_world_size(),
         pp_rank=pp.rank_in_group,

@@ -15,21 +15,23 @@ key                         default  meaning
 ``gms_kv_layout``           derived  the KV cache's layout name (the same suffix); must differ
                                      between engines that are awake together
 ``gms_lock_timeout_s``      none     how long to wait for a lock (``none``: for ever)
-``gms_load_format``         "auto"   what the first engine reads from disk (vLLM's own format)
+``gms_load_format``         "auto"   what the first engine reads from disk (the engine's own format)
 ``gms_residency``           device   the committed weights' residency (device, system, unpinned;
                                      docs/operations.md)
 ``gms_exit_with_parent``    true     the worker exits at once when the process that started
                                      it dies, so its GPU memory comes back
 ==========================  =======  ==========================================================
 
-Other keys go to the loader that reads from disk (vLLM's default loader takes
-``enable_multithread_load``, ``num_threads``, ``enable_weights_track``).  An
-unknown ``gms_*`` key is an error: a typo must not silently mean the default.
-Pure: no vLLM, no I/O.
+vLLM and SGLang both take the keys through ``--model-loader-extra-config``.
+Other keys go to the engine's loader that reads from disk (vLLM's default
+loader takes ``enable_multithread_load``, ``num_threads``, ...).  An unknown
+``gms_*`` key is an error: a typo must not silently mean the default.
+Pure: no engine, no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,7 +67,7 @@ def _timeout(value: Any, key: str) -> float | None:
 
 
 @attrs.frozen
-class GmsVllmConfig:
+class EngineConfig:
     read_only: bool = False
     socket: str | None = None
     layout: str | None = None
@@ -94,7 +96,7 @@ _READERS = {
 }
 
 
-def parse(extra: Mapping[str, Any] | None) -> tuple[GmsVllmConfig, dict[str, Any]]:
+def parse(extra: Mapping[str, Any] | None) -> tuple[EngineConfig, dict[str, Any]]:
     """``(gms config, the other keys)`` from a model loader's extra config."""
     if extra is None:
         extra = {}
@@ -120,4 +122,12 @@ def parse(extra: Mapping[str, Any] | None) -> tuple[GmsVllmConfig, dict[str, Any
         else:
             known = ", ".join(PREFIX + k for k in sorted([*_READERS, "load_format", "residency"]))
             raise ConfigError(f"unknown key {key!r} in --model-loader-extra-config (known: {known})")
-    return GmsVllmConfig(**fields), rest
+    return EngineConfig(**fields), rest
+
+
+def for_disk(load_config: Any) -> tuple[EngineConfig, Any]:
+    """``(the gms keys, the engine's load config for what the first engine reads
+    from disk)``: the engine's own loader with the format and the extra keys
+    that are not ours.  ``load_config`` is the engine's (a dataclass)."""
+    gms, rest = parse(load_config.model_loader_extra_config)
+    return gms, dataclasses.replace(load_config, load_format=gms.load_format, model_loader_extra_config=rest)

@@ -1,7 +1,8 @@
 """Exit with the parent: a worker whose API server died must not keep its GPU memory.
 
-vLLM runs the model in a child of the API server process (its engine core).
-When the API server is SIGKILLed, nothing tells that child, and it keeps its
+An engine runs the model in a child of its API server process (vLLM's engine
+core, SGLang's schedulers).  When the API server is SIGKILLed, nothing tells
+that child, and it keeps its
 KV cache and its CUDA context: a shadow engine waking after a failover would
 wait for memory held by an orphan.  ``exit_with_parent`` watches the parent
 through a pidfd (readable once that process has exited) in a daemon thread
@@ -18,7 +19,7 @@ import select
 import signal
 import threading
 
-log = logging.getLogger("vllm.gms")  # see LOGGER in __init__.py
+log = logging.getLogger("gms.integrations")
 
 _started: set[int] = set()  # parents already watched by this process
 

@@ -1,0 +1,89 @@
+"""Launch SGLang engines for the benchmark and the GPU tests (docs/sglang.md).
+
+``python -m sglang.launch_server`` as a user types it, plus the settings the
+GPU host needs: its wheel set leaves out FlashAttention-3's 1.1 GB kernel
+library and FlashInfer's JIT (``scripts/gpu-sglang-wheels.txt``), so the
+attention backend is Triton and sampling is PyTorch's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import httpx
+from vllm_engines import Engine
+
+SERVE = [sys.executable, "-m", "sglang.launch_server"]
+LOAD_LINE = re.compile(r"Load weight end\. elapsed=([\d.]+) s.*?mem usage=([\d.]+) GB")
+GMS_LINE = re.compile(r"gms: weights (loaded from disk and published|imported) \(layout '([^']*)', "
+                      r"([\d.]+) GiB\) in ([\d.]+) s")
+
+
+def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict | None = None,
+               memory_saver: bool = True, max_total_tokens: int = 8192, mem_fraction: float = 0.3,
+               graph_max_bs: int = 4) -> list[str]:
+    argv = [*SERVE, "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
+            "--load-format", load_format, "--max-total-tokens", str(max_total_tokens),
+            "--mem-fraction-static", str(mem_fraction), "--cuda-graph-max-bs-decode", str(graph_max_bs),
+            "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--skip-server-warmup", "--log-level", "info",
+            # SGLang's prefill graphs (its "breakable" backend) refuse its memory saver:
+            # decode graphs only, for SGLang alone and on gms alike.
+            "--disable-prefill-cuda-graph"]
+    if memory_saver:
+        argv += ["--enable-memory-saver"]
+    if extra:
+        argv += ["--model-loader-extra-config", json.dumps(extra)]
+    return argv
+
+
+def serve_env(*, graphs_in_saver: bool = True) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+    if graphs_in_saver:
+        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"  # SGLang's switch: graphs' memory under the saver too
+    return env
+
+
+class SGLangEngine(Engine):
+    """One ``sglang.launch_server`` (and its scheduler) in a process group of its own."""
+
+    def complete(self, prompt, max_tokens: int = 32, timeout: float = 120) -> dict:
+        """Greedy, ``ignore_eos``, through SGLang's native ``/generate``."""
+        started = time.perf_counter()
+        r = httpx.post(f"{self.url}/generate", timeout=timeout, json={
+            "input_ids": list(prompt),
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}})
+        r.raise_for_status()
+        body = r.json()
+        return {"token_ids": body.get("output_ids"), "text": body.get("text"),
+                "seconds": time.perf_counter() - started}
+
+    def release(self, tags: list[str] | None = None) -> float:
+        return self._post_json("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume(self, tags: list[str] | None = None) -> float:
+        return self._post_json("/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def _post_json(self, path: str, body: dict, timeout: float = 300) -> float:
+        started = time.perf_counter()
+        r = httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
+        r.raise_for_status()
+        return time.perf_counter() - started
+
+    def gms_health(self) -> tuple[int, dict]:
+        r = httpx.get(f"{self.url}/gms/health", timeout=10)
+        return r.status_code, r.json()
+
+    def load_line(self) -> dict:
+        out: dict = {}
+        text = self.log()
+        if m := LOAD_LINE.search(text):
+            out["sglang_load_s"], out["sglang_load_gb"] = float(m.group(1)), float(m.group(2))
+        if m := GMS_LINE.search(text):
+            out["gms_how"], out["gms_layout"] = m.group(1), m.group(2)
+            out["gms_gib"], out["gms_load_s"] = float(m.group(3)), float(m.group(4))
+        return out

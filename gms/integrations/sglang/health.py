@@ -1,0 +1,77 @@
+"""``GET /gms/health`` on SGLang's HTTP server: what the failover coordinator
+asks every engine (``{"status": "serving" | "asleep"}``, docs/failover.md).
+
+SGLang's own ``/health`` says 200 whether or not the engine released its
+memory.  This answers ``asleep`` while any tag is released (the launcher
+sees every ``/release_memory_occupation`` and ``/resume_memory_occupation``
+go by, through the hooks on its tokenizer manager), 503 while SGLang starts
+or stops, ``serving`` otherwise; at once, never queued behind the engine's
+work.  With it the engine's progress (``{"steps", "pending"}``): ``steps``
+is the millisecond of the last output the launcher received from the
+scheduler (it moves with every batch the model finishes), ``pending`` the
+requests in flight; the coordinator fails over an engine whose steps stand
+still while requests are pending (docs/failover.md).  No SGLang imported at
+module level.
+"""
+
+from __future__ import annotations
+
+ROUTE = "/gms/health"
+ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang releases when a request names none
+
+_released: set[str] = set()
+
+
+def released() -> frozenset[str]:
+    return frozenset(_released)
+
+
+def _tags(obj) -> set[str]:
+    tags = getattr(obj, "tags", None)
+    return set(tags) if tags else set(ALL_TAGS)
+
+
+def track_release(original, self, obj, *args, **kwargs):
+    async def run():
+        result = await original(self, obj, *args, **kwargs)
+        _released.update(_tags(obj))
+        return result
+
+    return run()
+
+
+def track_resume(original, self, obj, *args, **kwargs):
+    async def run():
+        result = await original(self, obj, *args, **kwargs)
+        _released.difference_update(_tags(obj))
+        return result
+
+    return run()
+
+
+def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0) -> tuple[int, dict]:
+    """(HTTP code, body) from SGLang's server status ("Starting", "Up", "UnHealthy"), the
+    time of the last output the launcher received and the requests in flight.  Pure."""
+    if exiting or server_status in ("Starting", "UnHealthy"):
+        return 503, {"status": "unavailable", "sglang": server_status}
+    body = {"status": "asleep" if _released else "serving", "gms": {"released": sorted(_released)},
+            "progress": {"steps": int(last_output * 1000), "pending": in_flight}}
+    return 200, body
+
+
+def add_route(*args, **kwargs) -> None:
+    from fastapi.responses import JSONResponse
+    from sglang.srt.entrypoints import http_server
+
+    if any(getattr(r, "path", None) == ROUTE for r in http_server.app.routes):
+        return
+
+    async def gms_health() -> JSONResponse:
+        manager = http_server._global_state.tokenizer_manager
+        server_status = getattr(manager.server_status, "name", str(manager.server_status))
+        code, body = status(server_status, bool(manager.gracefully_exit),
+                            float(getattr(manager, "last_receive_tstamp", 0.0) or 0.0),
+                            len(getattr(manager, "rid_to_state", ()) or ()))
+        return JSONResponse(body, status_code=code)
+
+    http_server.app.add_api_route(ROUTE, gms_health, methods=["GET"])

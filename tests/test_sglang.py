@@ -1,0 +1,188 @@
+"""gms.integrations.sglang without a GPU or SGLang: the entry point, the
+process's activation from SGLang's server args, the hook table, the memory
+saver's release and resume on a real (host-backend) server, ``/gms/health``'s
+answers; and, where SGLang is installed, every hook's target found in it.
+The real engine runs in tests/test_sglang_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pkgutil
+import tomllib
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gms.integrations.common import names
+from gms.integrations.common.errors import ConfigError, MissingWorkerError
+from gms.integrations.sglang import health, hooks, process
+
+from .helpers import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+@pytest.fixture(autouse=True)
+def fresh_process():
+    process.deactivate()
+    yield
+    process.deactivate()
+
+
+def server_args(load_format="gms", extra=None, saver=True):
+    return SimpleNamespace(load_format=load_format, enable_memory_saver=saver,
+                           model_loader_extra_config=json.dumps(extra) if extra is not None else "")
+
+
+# -- registration ---------------------------------------------------------------------
+
+
+def test_pyproject_registers_the_plugin_with_sglang():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["sglang.srt.plugins"] == {"gms": "gms.integrations.sglang:register"}
+    assert any(req.startswith("sglang>=0.5.11") for req in project["optional-dependencies"]["sglang"])
+    import gms.integrations.sglang as plugin  # without SGLang too: it imports SGLang only when called
+
+    assert callable(plugin.register)
+    found = {ep.name: ep.value for ep in metadata.entry_points(group="sglang.srt.plugins")}
+    if found:  # an installed gms (CI's editable install) carries it
+        assert found.get("gms") == "gms.integrations.sglang:register"
+
+
+def test_every_hook_names_a_dotted_target_a_kind_and_a_reason():
+    kinds = {"before", "after", "around"}
+    targets = [h.target for h in hooks.HOOKS]
+    assert len(targets) == len(set(targets))
+    for hook in hooks.HOOKS:
+        assert hook.target.startswith("sglang.srt.") and hook.kind in kinds and hook.why and callable(hook.function)
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed (pip install 'gms[sglang]')")
+def test_every_hook_target_is_where_sglang_keeps_it():
+    for hook in hooks.HOOKS:
+        assert callable(pkgutil.resolve_name(hook.target)), hook.target
+
+
+# -- activation ---------------------------------------------------------------------------
+
+
+def test_only_the_gms_load_format_activates():
+    assert process.activate(server_args(load_format="auto")) is None and process.active() is None
+    state = process.activate(server_args(extra={"gms_read_only": True, "gms_socket": "/run/x{device}.sock",
+                                                "gms_exit_with_parent": False}), device=3)
+    assert process.active() is state and state.memory_saver and state.config.read_only
+    assert state.socket == "/run/x3.sock"
+    launcher = process.activate(server_args(extra={"gms_exit_with_parent": False}))
+    with pytest.raises(RuntimeError):
+        launcher.socket  # noqa: B018 - the launcher has no GPU
+
+
+def test_a_wrong_key_fails_at_start_up():
+    with pytest.raises(ConfigError, match="gms_read_onyl"):
+        process.activate(server_args(extra={"gms_read_onyl": True}))
+    with pytest.raises(ConfigError, match="not JSON"):
+        process.activate(SimpleNamespace(load_format="gms", model_loader_extra_config="{nope"))
+    assert process.active() is None
+
+
+def test_the_memory_saver_is_gms_only_where_asked_for():
+    from gms.integrations.sglang.saver import GMSMemorySaver, saver_for
+
+    assert saver_for(True) is None  # not --load-format gms
+    process.activate(server_args(saver=False, extra={"gms_exit_with_parent": False}))
+    assert saver_for(True) is None  # --load-format gms without --enable-memory-saver
+    process.activate(server_args(extra={"gms_exit_with_parent": False}))
+    assert saver_for(False) is None  # SGLang asked for its no-op adapter
+    mine = saver_for(True)
+    assert isinstance(mine, GMSMemorySaver) and saver_for(True) is mine and mine.enabled
+    assert hooks.memory_saver(lambda *a, **k: "sglang's", enable=True) is mine
+    process.deactivate()
+    assert hooks.memory_saver(lambda *a, **k: "sglang's", enable=True) == "sglang's"
+    with mine.configure_subprocess():
+        pass
+    with pytest.raises(ValueError, match="gms knows"):
+        mine.pause("activations")
+
+
+def test_the_load_format_hook_leaves_other_formats_to_sglang():
+    config = SimpleNamespace(load_format="safetensors")
+    assert hooks.load_format_is_the_loader(lambda self: "checked", config) == "checked"
+    assert config.load_format == "safetensors"
+
+
+# -- the memory saver on a real server --------------------------------------------------------
+
+
+def test_release_and_resume_through_the_saver(tmp_path):
+    pytest.importorskip("torch")
+    from gms.fsm import GrantedLockType
+    from gms.integrations.common import memory
+    from gms.integrations.common.config import EngineConfig
+    from gms.integrations.sglang.saver import GMSMemorySaver, _scratch
+
+    server = ServerProcess(tmp_path)
+    ident = names.ModelIdentity(engine="sglang", engine_version="0.5.17", model="/m/llama", revision=None,
+                                dtype="bfloat16", architecture="LlamaForCausalLM")
+    saver = GMSMemorySaver()
+    saved = memory._current
+    try:
+        memory._current = None
+        with pytest.raises(MissingWorkerError):
+            saver.pause("kv_cache")
+        writer = memory.EngineMemory.open(EngineConfig(), server.socket, 0, names.weights_layout(ident),
+                                          identity=ident)
+        assert writer.connect_weights() is GrantedLockType.RW
+        writer.weights.create_mapping(size=2 << 20, tag="weights")
+        writer.weights.commit()
+        engine = memory.EngineMemory.open(EngineConfig(read_only=True), server.socket, 0,
+                                          names.weights_layout(ident), identity=ident)
+        memory.install(engine)
+        engine.connect_weights()
+        engine.weights.create_mappings([h.allocation_id for h in engine.weights.list_handles()])
+        kv, graph = _scratch(engine, "kv_cache"), _scratch(engine, "cuda_graph")
+        kv_va, graph_va = kv.create_mapping(size=2 << 20, tag="kv_cache"), graph.create_mapping(size=2 << 20,
+                                                                                                 tag="cuda_graph")
+        assert kv.layout.startswith("sglang-kv/llama/") and graph.layout.startswith("sglang-graph/llama/")
+
+        for tag in ("kv_cache", "weights", "cuda_graph"):  # SGLang's order
+            saver.pause(tag)
+        assert engine.asleep == {"kv_cache", "weights", "cuda_graph"}
+        assert server.layout(kv.layout).state == "EMPTY" and server.layout(graph.layout).state == "EMPTY"
+        assert server.layout(engine.weights.layout).readers == 0
+        saver.pause("kv_cache")  # released already: nothing happens
+        for tag in ("cuda_graph", "weights", "kv_cache"):
+            saver.resume(tag)
+        assert not engine.asleep
+        assert [mp.va for mp in kv.mappings] == [kv_va] and [mp.va for mp in graph.mappings] == [graph_va]
+        assert server.layout(engine.weights.layout).readers == 1 and server.layout(kv.layout).writer
+        assert engine.weights.granted_lock_type is GrantedLockType.RO
+        for m in (engine, writer):
+            m.close()
+    finally:
+        memory._current = saved
+        server.kill()
+
+
+# -- /gms/health ----------------------------------------------------------------------------------
+
+
+def test_health_says_asleep_between_a_release_and_a_resume():
+    import asyncio
+
+    async def sglang_call(self, obj, request=None):
+        return "done"
+
+    health._released.clear()
+    assert health.status("Starting", False)[0] == 503 and health.status("Up", True)[0] == 503
+    assert health.status("Up", False, 12.5, 3) == (
+        200, {"status": "serving", "gms": {"released": []}, "progress": {"steps": 12500, "pending": 3}})
+    assert asyncio.run(health.track_release(sglang_call, None, SimpleNamespace(tags=["kv_cache"]))) == "done"
+    assert health.status("Up", False)[1]["status"] == "asleep"
+    asyncio.run(health.track_release(sglang_call, None, SimpleNamespace(tags=None)))  # None: every tag
+    assert health.released() == {"weights", "kv_cache", "cuda_graph"}
+    asyncio.run(health.track_resume(sglang_call, None, SimpleNamespace(tags=None)))
+    assert health.status("Up", False)[1]["status"] == "serving"
