@@ -131,6 +131,22 @@ def test_status_shows_layouts_and_tenants(server):
     assert as_json["tenants"][0]["name"] == "default"
 
 
+def test_status_into_a_reader_that_went_away_ends_quietly(server):
+    """``gms status | head``: the reader may leave before gms writes; gms then ends
+    as a Unix tool killed by SIGPIPE would (141), without a traceback."""
+    import os
+
+    publish(server.socket, "model-a", b"a")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before a byte is written
+    try:
+        out = subprocess.run([sys.executable, "-m", "gms", "status", "--socket", server.socket],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141 and out.stderr == ""
+
+
 def test_metrics_endpoint(start_server):
     server = start_server("--metrics-port", "0", "--log-level", "info")
     port = wait_until(lambda: _metrics_port(server), what="metrics port in the log")

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from . import admin, failover, inspect, keeper, ray, serve
@@ -30,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a keeper starts its server with the same words
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (``gms status | head``): end quietly, as a Unix tool
+        # killed by SIGPIPE would, and keep the flush at exit from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
