@@ -90,6 +90,7 @@ def test_a_wrong_key_fails_at_start_up():
 
 
 def test_the_memory_saver_is_gms_only_where_asked_for():
+    pytest.importorskip("torch")
     from gms.integrations.sglang.saver import GMSMemorySaver, saver_for
 
     assert saver_for(True) is None  # not --load-format gms

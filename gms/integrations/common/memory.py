@@ -58,11 +58,12 @@ class EngineMemory:
 
     @classmethod
     def open(cls, config: EngineConfig, socket: str, device: int, weights_layout: str,
-             scratch_layouts: Mapping[str, str] = {}, identity: ModelIdentity | None = None) -> EngineMemory:
+             scratch_layouts: Mapping[str, str] | None = None,
+             identity: ModelIdentity | None = None) -> EngineMemory:
         """Managers only; ``connect`` takes the locks."""
         memory = cls(config, socket, device, GMSClientMemoryManager(socket, device=device, layout=weights_layout),
                      identity=identity)
-        for tag, layout in scratch_layouts.items():
+        for tag, layout in (scratch_layouts or {}).items():
             memory.add_scratch(tag, layout)
         return memory
 

@@ -4,7 +4,7 @@
 Targets are SGLang's names as of 0.5.17; ``tests/test_sglang.py`` checks each
 one against the SGLang installed, so a release that moves one fails there,
 not in a user's engine.  The functions import nothing from SGLang at module
-level: SGLang calls them with its own objects.
+level (nor torch): SGLang calls them with its own objects.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import attrs
 
 from . import health, process
 from .process import LOAD_FORMAT
-from .saver import saver_for
 
 
 @attrs.frozen
@@ -53,6 +52,8 @@ def note_scheduler(self, *args, **kwargs) -> None:
 
 def memory_saver(original, *args, **kwargs) -> Any:
     """gms's memory saver where ``--load-format gms --enable-memory-saver``; SGLang's elsewhere."""
+    from .saver import saver_for  # torch: only where SGLang asks for a saver
+
     enable = kwargs["enable"] if "enable" in kwargs else (args[0] if args else False)
     return saver_for(bool(enable)) or original(*args, **kwargs)
 

@@ -118,8 +118,9 @@ def _engine_memory(config, model_config: ModelConfig, device_config: DeviceConfi
     """This process's ``EngineMemory`` (one model per scheduler process)."""
     memory = installed()
     if memory is not None:
-        raise UnsupportedModelError("--load-format gms loads one model per process (a speculative decoding "
-                                    "draft model is not supported)")
+        raise UnsupportedModelError("--load-format gms loads one model per process: a speculative decoding "
+                                    "draft model, or weights reloaded in place (published weights are "
+                                    "shared and read-only), is not supported")
     state = active()
     if state is None or state.device is None:
         raise MissingWorkerError("--load-format gms: the plugin's hooks did not run in this process "
