@@ -460,3 +460,24 @@ def test_every_name_the_plugin_imports_from_vllm_is_in_the_table():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm" and not node.level:
                 imported |= {(node.module, alias.name) for alias in node.names}
     assert imported and imported <= listed, sorted(imported - listed)
+
+
+def test_progress_comes_from_vllm_s_own_metrics():
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from gms.integrations.vllm.progress import progress
+
+    registry = CollectorRegistry()
+    assert progress(registry) is None  # --disable-log-stats: nothing to go by
+    labels = ["model_name", "engine"]
+    prompt = Counter("vllm:prompt_tokens", "", labels, registry=registry)
+    generated = Counter("vllm:generation_tokens", "", labels, registry=registry)
+    running = Gauge("vllm:num_requests_running", "", labels, registry=registry)
+    waiting = Gauge("vllm:num_requests_waiting", "", labels, registry=registry)
+    assert progress(registry) == {"steps": 0, "pending": 0}
+    for engine in ("0", "1"):  # data parallel: every engine's counts
+        prompt.labels("m", engine).inc(12)
+        generated.labels("m", engine).inc(3)
+        running.labels("m", engine).set(2)
+        waiting.labels("m", engine).set(1)
+    assert progress(registry) == {"steps": 30, "pending": 6}

@@ -13,6 +13,13 @@ the ``gms`` general plugin).  The canary is an ordinary request through the
 engine client, prompt ``[0]`` (every vocabulary has token 0), one greedy
 token.  ``/sleep``, ``/wake_up`` and ``/is_sleeping`` are vLLM's own
 (``VLLM_SERVER_DEV_MODE=1``).
+
+With the answer goes the engine's progress (``progress.py``).  While
+requests are running or waiting the route answers with that at once, with
+no canary and no call to the engine core: a saturated engine's canary
+would queue behind its batch, and a hung core would hold the canary (and
+even ``is_sleeping``) for ever, where its progress standing still says it
+within ``stall_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from .progress import progress
 
 PATH = "/gms/health"
 
@@ -53,6 +62,9 @@ async def health(request: Request) -> JSONResponse:
         await client.check_health()
     except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
         return JSONResponse({"status": "dead", "error": repr(exc), "pid": pid}, status_code=503)
+    busy = progress()
+    if busy is not None and busy["pending"] > 0:  # judged by its progress (an engine asleep has none pending)
+        return JSONResponse({"status": "serving", "progress": busy, "pid": pid})
     if await client.is_sleeping():
         return JSONResponse({"status": "asleep", "pid": pid})
     started = time.perf_counter()
@@ -62,4 +74,6 @@ async def health(request: Request) -> JSONResponse:
             pass
     except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
         return JSONResponse({"status": "serving", "error": repr(exc), "pid": pid}, status_code=503)
-    return JSONResponse({"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid})
+    body = {"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid}
+    done = progress()
+    return JSONResponse({**body, "progress": done} if done is not None else body)
