@@ -19,7 +19,9 @@ requests are running or waiting the route answers with that at once, with
 no canary and no call to the engine core: a saturated engine's canary
 would queue behind its batch, and a hung core would hold the canary (and
 even ``is_sleeping``) for ever, where its progress standing still says it
-within ``stall_s``.
+within ``stall_s``.  The route's own calls into the core (``is_sleeping``,
+the canary) count as pending until answered, so a core that hangs while
+idle is caught the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from fastapi.responses import JSONResponse
 from .progress import progress
 
 PATH = "/gms/health"
+# This route's own calls into the engine core not answered yet (is_sleeping, the canary):
+# pending work too, when the core hangs while idle.
+_asking = [0]
 
 
 class GmsEndpoints:
@@ -63,17 +68,22 @@ async def health(request: Request) -> JSONResponse:
     except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
         return JSONResponse({"status": "dead", "error": repr(exc), "pid": pid}, status_code=503)
     busy = progress()
-    if busy is not None and busy["pending"] > 0:  # judged by its progress (an engine asleep has none pending)
-        return JSONResponse({"status": "serving", "progress": busy, "pid": pid})
-    if await client.is_sleeping():
-        return JSONResponse({"status": "asleep", "pid": pid})
-    started = time.perf_counter()
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    if busy is not None and busy["pending"] + _asking[0] > 0:  # judged by its progress
+        return JSONResponse({"status": "serving", "pid": pid,
+                             "progress": {**busy, "pending": busy["pending"] + _asking[0]}})
+    _asking[0] += 1  # until the engine core answers: a hung core keeps it, and the next probe sees it
     try:
-        async for _ in client.generate({"prompt_token_ids": [0]}, params, f"gms-canary-{uuid.uuid4().hex}"):
-            pass
-    except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
-        return JSONResponse({"status": "serving", "error": repr(exc), "pid": pid}, status_code=503)
+        if await client.is_sleeping():
+            return JSONResponse({"status": "asleep", "pid": pid})
+        started = time.perf_counter()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            async for _ in client.generate({"prompt_token_ids": [0]}, params, f"gms-canary-{uuid.uuid4().hex}"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
+            return JSONResponse({"status": "serving", "error": repr(exc), "pid": pid}, status_code=503)
+    finally:
+        _asking[0] -= 1
     body = {"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid}
     done = progress()
     return JSONResponse({**body, "progress": done} if done is not None else body)
