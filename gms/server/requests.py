@@ -74,31 +74,13 @@ class Requests:
         self.log = ledger.log
         self.gpu = gpu
         self.scans = ScanCache(scan_cache_bytes)
-        self._handlers: dict[type, Callable[[int, object], Reply]] = {
-            m.ExportAllocationRequest: self._export,
-            m.ExportAllocationsRequest: self._export_many,
-            m.GetAllocationRequest: self._get_allocation,
-            m.ListAllocationsRequest: self._list_allocations,
-            m.FreeAllocationRequest: self._free,
-            m.CommitRequest: self._commit,
-            m.MetadataPutRequest: self._metadata_put,
-            m.MetadataPutManyRequest: self._metadata_put_many,
-            m.MetadataGetRequest: self._metadata_get,
-            m.MetadataDeleteRequest: self._metadata_delete,
-            m.MetadataListRequest: self._metadata_list,
-            m.MetadataScanRequest: self._metadata_scan,
-            m.GetStateHashRequest: self._state_hash,
-        }
-
-    def handles(self, request: object) -> bool:
-        return type(request) in self._handlers
 
     def handle(self, conn: int, request: object) -> Reply:
         """Raises a Rejection for an invalid request (the shell answers an error)."""
-        handler = self._handlers.get(type(request))
+        handler = HANDLERS.get(type(request))
         if handler is None:
             raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
-        return handler(conn, request)
+        return handler(self, conn, request)
 
     def _layout(self, conn: int) -> LayoutState:
         return queries.layout_of(self.log.state, conn)
@@ -184,3 +166,22 @@ class Requests:
 def close_fds(reply: Reply) -> None:
     for fd in reply.fds:
         os.close(fd)
+
+
+# The requests answered here, at once and in one step of the core (the session's
+# table, ``gms.server.session.ROUTES``, sends each of these types here).
+HANDLERS: dict[type, Callable[[Requests, int, object], Reply]] = {
+    m.ExportAllocationRequest: Requests._export,
+    m.ExportAllocationsRequest: Requests._export_many,
+    m.GetAllocationRequest: Requests._get_allocation,
+    m.ListAllocationsRequest: Requests._list_allocations,
+    m.FreeAllocationRequest: Requests._free,
+    m.CommitRequest: Requests._commit,
+    m.MetadataPutRequest: Requests._metadata_put,
+    m.MetadataPutManyRequest: Requests._metadata_put_many,
+    m.MetadataGetRequest: Requests._metadata_get,
+    m.MetadataDeleteRequest: Requests._metadata_delete,
+    m.MetadataListRequest: Requests._metadata_list,
+    m.MetadataScanRequest: Requests._metadata_scan,
+    m.GetStateHashRequest: Requests._state_hash,
+}

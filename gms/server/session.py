@@ -26,7 +26,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -43,7 +43,8 @@ from .metrics import Metrics
 from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
 from .quiesce import Parked, Quiesce, only_parked
-from .reply import Reply, error_reply
+from .reply import Reply, UnknownRequest, error_reply
+from .requests import HANDLERS
 
 log = logging.getLogger("gms.server")
 
@@ -331,23 +332,10 @@ class Session:
         try:
             if isinstance(request, m.TakeOverRequest) and self._on_take_over is not None:
                 raise _TakeOver(request)
-            if isinstance(request, m.PROBES):
-                return Reply(await self.core.probes.answer(request, self.peer))
-            if isinstance(request, m.ADMIN):
-                return self.core.admin(self.conn, request, self.peer)
-            if isinstance(request, m.HandshakeRequest):
-                return await self._handshake(request)
-            if isinstance(request, m.AllocateRequest):
-                return await self._allocate(request)
-            if isinstance(request, m.ExportHostCopiesRequest):
-                return await self.core.host_tier.export_copies(self.conn, request.allocation_ids)
-            if isinstance(request, m.ExportHostChunksRequest):
-                return self.core.host_tier.export_chunks(self.conn, request.allocation_ids, request.start)
-            if isinstance(request, m.CommitRequest) and self.core.transfers is not None:
-                return await self.core.transfers.commit(self.conn, request)  # the copier fills host copies
-            if isinstance(request, m.RestoreDoneRequest):
-                return Reply(m.RestoreDoneResponse(self.core.finish_restore(self.conn)))
-            return self.core.requests.handle(self.conn, request)
+            route = ROUTES.get(type(request))
+            if route is None:
+                raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
+            return await route(self, request)
         except Rejection as rejection:
             if isinstance(rejection, (OverLimit, QuotaExceeded)):
                 await self._pace_refusal()
@@ -459,6 +447,52 @@ class Session:
                 request.size, request.tag, self._until_gone, self.quiesce.interruptible,
             )
         return Reply(response)
+
+
+# -- every request a session answers, and who answers it: one table ---------------------
+
+
+async def _probe(s: Session, request) -> Reply:
+    return Reply(await s.core.probes.answer(request, s.peer))
+
+
+async def _admin(s: Session, request) -> Reply:
+    return s.core.admin(s.conn, request, s.peer)
+
+
+async def _host_copies(s: Session, request: m.ExportHostCopiesRequest) -> Reply:
+    return await s.core.host_tier.export_copies(s.conn, request.allocation_ids)
+
+
+async def _host_chunks(s: Session, request: m.ExportHostChunksRequest) -> Reply:
+    return s.core.host_tier.export_chunks(s.conn, request.allocation_ids, request.start)
+
+
+async def _commit(s: Session, request: m.CommitRequest) -> Reply:
+    if s.core.transfers is not None:  # the copier fills the host copies a residency needs
+        return await s.core.transfers.commit(s.conn, request)
+    return s.core.requests.handle(s.conn, request)
+
+
+async def _restore_done(s: Session, request: m.RestoreDoneRequest) -> Reply:
+    return Reply(m.RestoreDoneResponse(s.core.finish_restore(s.conn)))
+
+
+async def _core(s: Session, request) -> Reply:
+    return s.core.requests.handle(s.conn, request)  # at once, in one step of the core
+
+
+ROUTES: dict[type, Callable[[Session, object], Awaitable[Reply]]] = {
+    **dict.fromkeys(HANDLERS, _core),
+    **dict.fromkeys(m.PROBES, _probe),
+    **dict.fromkeys(m.ADMIN, _admin),
+    m.HandshakeRequest: Session._handshake,  # may wait for the lock
+    m.AllocateRequest: Session._allocate,  # may wait for memory
+    m.ExportHostCopiesRequest: _host_copies,
+    m.ExportHostChunksRequest: _host_chunks,
+    m.CommitRequest: _commit,
+    m.RestoreDoneRequest: _restore_done,
+}
 
 
 def granted_as(conn: int, layout: str, granted: str, restore: bool) -> Grant:
