@@ -481,3 +481,59 @@ def test_progress_comes_from_vllm_s_own_metrics():
         running.labels("m", engine).set(2)
         waiting.labels("m", engine).set(1)
     assert progress(registry) == {"steps": 30, "pending": 6}
+
+
+def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_hung_while_idle():
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from gms.integrations.vllm.progress import Health
+
+    registry = CollectorRegistry()
+    tokens = Counter("vllm:generation_tokens", "", registry=registry)
+    Counter("vllm:prompt_tokens", "", registry=registry)
+    running = Gauge("vllm:num_requests_running", "", registry=registry)
+    Gauge("vllm:num_requests_waiting", "", registry=registry)
+
+    class Client:
+        def __init__(self, sleeping=False, hang=False, dead=False):
+            self.sleeping, self.hang, self.dead, self.calls = sleeping, hang, dead, []
+
+        async def check_health(self):
+            if self.dead:
+                raise RuntimeError("engine core died")
+
+        async def is_sleeping(self):
+            self.calls.append("is_sleeping")
+            if self.hang:
+                await asyncio.Event().wait()  # a stopped engine core never answers
+            return self.sleeping
+
+    async def canary():
+        tokens.inc()
+
+    async def broken():
+        raise RuntimeError("CUDA error")
+
+    async def scenario():
+        health = Health(registry)
+        assert (await health.answer(None, canary, 1))[0] == 503
+        assert (await health.answer(Client(dead=True), canary, 1))[1]["status"] == "dead"
+        code, body = await health.answer(Client(), canary, 1)  # idle and awake: one token
+        assert code == 200 and body["status"] == "serving" and body["progress"] == {"steps": 1, "pending": 0}
+        assert (await health.answer(Client(sleeping=True), canary, 1))[1]["status"] == "asleep"
+        assert (await health.answer(Client(), broken, 1))[0] == 503
+        running.set(3)  # saturated: answered from its progress, the core not asked at all
+        busy = Client()
+        code, body = await health.answer(busy, canary, 1)
+        assert (code, body["progress"], busy.calls) == (200, {"steps": 1, "pending": 3}, [])
+        running.set(0)
+        hung = Client(hang=True)  # the core hangs while idle: the first answer never comes...
+        first = asyncio.ensure_future(health.answer(hung, canary, 1))
+        await asyncio.sleep(0.01)
+        code, body = await health.answer(hung, canary, 1)  # ...the next says so at once
+        assert (code, body["progress"]) == (200, {"steps": 1, "pending": 1}) and hung.calls == ["is_sleeping"]
+        first.cancel()
+
+    asyncio.run(scenario())

@@ -27,18 +27,15 @@ idle is caught the same way.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from .progress import progress
+from .progress import Health
 
 PATH = "/gms/health"
-# This route's own calls into the engine core not answered yet (is_sleeping, the canary):
-# pending work too, when the core hangs while idle.
-_asking = [0]
+_health = Health()  # one per API server process
 
 
 class GmsEndpoints:
@@ -57,33 +54,14 @@ class GmsEndpoints:
 
 
 async def health(request: Request) -> JSONResponse:
-    from vllm import SamplingParams
-
     client = getattr(request.app.state, "gms_engine_client", None)
-    pid = os.getpid()
-    if client is None:
-        return JSONResponse({"status": "starting", "pid": pid}, status_code=503)
-    try:
-        await client.check_health()
-    except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
-        return JSONResponse({"status": "dead", "error": repr(exc), "pid": pid}, status_code=503)
-    busy = progress()
-    if busy is not None and busy["pending"] + _asking[0] > 0:  # judged by its progress
-        return JSONResponse({"status": "serving", "pid": pid,
-                             "progress": {**busy, "pending": busy["pending"] + _asking[0]}})
-    _asking[0] += 1  # until the engine core answers: a hung core keeps it, and the next probe sees it
-    try:
-        if await client.is_sleeping():
-            return JSONResponse({"status": "asleep", "pid": pid})
-        started = time.perf_counter()
+
+    async def canary() -> None:
+        from vllm import SamplingParams
+
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        try:
-            async for _ in client.generate({"prompt_token_ids": [0]}, params, f"gms-canary-{uuid.uuid4().hex}"):
-                pass
-        except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
-            return JSONResponse({"status": "serving", "error": repr(exc), "pid": pid}, status_code=503)
-    finally:
-        _asking[0] -= 1
-    body = {"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid}
-    done = progress()
-    return JSONResponse({**body, "progress": done} if done is not None else body)
+        async for _ in client.generate({"prompt_token_ids": [0]}, params, f"gms-canary-{uuid.uuid4().hex}"):
+            pass
+
+    code, body = await _health.answer(client, canary, os.getpid())
+    return JSONResponse(body, status_code=code)

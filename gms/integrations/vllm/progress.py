@@ -7,10 +7,14 @@ recorded as the engine core's outputs arrive, so they stand still when the
 core hangs, and go on when it is merely saturated.
 
 None where vLLM records no metrics (``--disable-log-stats``): the
-coordinator then judges the engine by its canaries alone.  No vLLM imported.
+coordinator then judges the engine by its canaries alone.  ``Health`` is the
+route's whole answer, given the engine client and a canary.  No vLLM imported.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -29,3 +33,42 @@ def progress(registry: CollectorRegistry = REGISTRY) -> dict | None:
     if steps is None or pending is None:
         return None
     return {"steps": int(steps), "pending": int(pending)}
+
+
+class Health:
+    """``GET /gms/health``'s answer for one API server (``endpoints.py`` is the route).
+
+    ``asking``: this route's own calls into the engine core not answered yet
+    (``is_sleeping``, the canary): pending work too, so a core that hangs while
+    idle is seen the same way as one that hangs busy."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.asking = 0
+
+    async def answer(self, client, canary: Callable[[], Awaitable[None]], pid: int) -> tuple[int, dict]:
+        """(HTTP code, body).  ``client``: vLLM's engine client; ``canary``: one token through it."""
+        if client is None:
+            return 503, {"status": "starting", "pid": pid}
+        try:
+            await client.check_health()
+        except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
+            return 503, {"status": "dead", "error": repr(exc), "pid": pid}
+        busy = progress(self.registry)
+        if busy is not None and busy["pending"] + self.asking > 0:  # judged by its progress: no call into the core
+            return 200, {"status": "serving", "pid": pid,
+                         "progress": {**busy, "pending": busy["pending"] + self.asking}}
+        self.asking += 1  # until the core answers: a hung core keeps it, and the next probe sees it
+        try:
+            if await client.is_sleeping():
+                return 200, {"status": "asleep", "pid": pid}
+            started = time.perf_counter()
+            try:
+                await canary()
+            except Exception as exc:  # noqa: BLE001 - any failure of the model is a failed canary
+                return 503, {"status": "serving", "error": repr(exc), "pid": pid}
+        finally:
+            self.asking -= 1
+        body = {"status": "serving", "canary_s": time.perf_counter() - started, "pid": pid}
+        done = progress(self.registry)
+        return 200, ({**body, "progress": done} if done is not None else body)
