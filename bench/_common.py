@@ -61,16 +61,21 @@ def wait_served(socket_path: str, proc: subprocess.Popen, where: str = "") -> No
 class Server:
     """``gms serve`` in a subprocess on a private socket, ready when constructed."""
 
-    def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", *args: str) -> None:
+    def __init__(self, directory: str, backend: str = "cuda", name: str = "bench", *args: str,
+                 log: str | None = None) -> None:
         self.socket = os.path.join(directory, f"{name}.sock")
         level = os.environ.get("GMS_BENCH_SERVER_LOG", "warning")  # info: the copier's per-copy timings
+        self._log = open(log, "wb") if log else None  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend,
-                                      "--socket", self.socket, "--log-level", level, *args])
-        wait_served(self.socket, self.proc)
+                                      "--socket", self.socket, "--log-level", level, *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT if log else None)
+        wait_served(self.socket, self.proc, log or "")
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(120)
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> "Server":
         return self

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import gpu, log, print_table, versions, wait_served, write_json
+from _common import Server, gpu, log, print_table, versions, write_json
 from failover import Nvml
 from sglang_engines import SGLangEngine, serve_argv, serve_env
 
@@ -45,15 +45,12 @@ class Run:
         self.args = args
         self.work = Path(tempfile.mkdtemp(prefix="gms-sglang-", dir=args.work_root))
         self.nvml = Nvml()
-        self.results: dict = {"gpu": gpu(), "versions": versions("sglang", "sglang-kernel", "torch", "gms", "transformers", "torch_memory_saver"), "shape": args.shape, "prompt": PROMPT,
-                              "completion_tokens": TOKENS, "outputs": {}, "engines": {}}
+        self.results: dict = {
+            "gpu": gpu(), "shape": args.shape, "prompt": PROMPT, "completion_tokens": TOKENS, "outputs": {}, "engines": {},
+            "versions": versions("sglang", "sglang-kernel", "torch", "gms", "transformers", "torch_memory_saver")}
         self.model = self._model()
-        self.socket = str(self.work / "gms.sock")
-        self.server_log = open(self.work / "gms-server.log", "wb")
-        self.server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "cuda", "--socket",
-                                        self.socket, "--log-level", "warning"], stdout=self.server_log,
-                                       stderr=subprocess.STDOUT)
-        wait_served(self.socket, self.server, str(self.work / "gms-server.log"))
+        self.server = Server(str(self.work), "cuda", "gms", log=str(self.work / "gms-server.log"))
+        self.socket = self.server.socket
         self.engines: dict[str, SGLangEngine] = {}
 
     def _model(self) -> str:
@@ -133,8 +130,7 @@ class Run:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.stop()
-        self.server.terminate()
-        self.server.wait(30)
+        self.server.stop()
         for name, engine in self.engines.items():
             self.results["engines"].setdefault(name, {})["log_tail"] = engine.tail(40)
 
