@@ -15,12 +15,10 @@ import sys
 import time
 
 import httpx
-from vllm_engines import Engine
+from vllm_engines import GMS_LINE, Engine
 
 SERVE = [sys.executable, "-m", "sglang.launch_server"]
-LOAD_LINE = re.compile(r"Load weight end\. elapsed=([\d.]+) s.*?mem usage=([\d.]+) GB")
-GMS_LINE = re.compile(r"gms: weights (loaded from disk and published|imported) \(layout '([^']*)', "
-                      r"([\d.]+) GiB\) in ([\d.]+) s")
+LOAD_LINE = re.compile(r"Load weight end\. elapsed=(?P<sglang_load_s>[\d.]+) s.*?mem usage=(?P<sglang_load_gb>[\d.]+) GB")
 
 
 def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict | None = None,
@@ -51,6 +49,8 @@ def serve_env(*, graphs_in_saver: bool = True) -> dict[str, str]:
 class SGLangEngine(Engine):
     """One ``sglang.launch_server`` (and its scheduler) in a process group of its own."""
 
+    LOAD_LINES = (LOAD_LINE, GMS_LINE)
+
     def complete(self, prompt, max_tokens: int = 32, timeout: float = 120) -> dict:
         """Greedy, ``ignore_eos``, through SGLang's native ``/generate``."""
         started = time.perf_counter()
@@ -63,27 +63,11 @@ class SGLangEngine(Engine):
                 "seconds": time.perf_counter() - started}
 
     def release(self, tags: list[str] | None = None) -> float:
-        return self._post_json("/release_memory_occupation", {"tags": tags} if tags else {})
+        return self.post("/release_memory_occupation", body={"tags": tags} if tags else {})
 
     def resume(self, tags: list[str] | None = None) -> float:
-        return self._post_json("/resume_memory_occupation", {"tags": tags} if tags else {})
-
-    def _post_json(self, path: str, body: dict, timeout: float = 300) -> float:
-        started = time.perf_counter()
-        r = httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
-        r.raise_for_status()
-        return time.perf_counter() - started
+        return self.post("/resume_memory_occupation", body={"tags": tags} if tags else {})
 
     def gms_health(self) -> tuple[int, dict]:
         r = httpx.get(f"{self.url}/gms/health", timeout=10)
         return r.status_code, r.json()
-
-    def load_line(self) -> dict:
-        out: dict = {}
-        text = self.log()
-        if m := LOAD_LINE.search(text):
-            out["sglang_load_s"], out["sglang_load_gb"] = float(m.group(1)), float(m.group(2))
-        if m := GMS_LINE.search(text):
-            out["gms_how"], out["gms_layout"] = m.group(1), m.group(2)
-            out["gms_gib"], out["gms_load_s"] = float(m.group(3)), float(m.group(4))
-        return out

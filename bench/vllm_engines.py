@@ -71,13 +71,17 @@ def serve_env(cache_root: str, *, endpoint_plugin: bool = False) -> dict[str, st
 
 
 # V1's model runner says "GiB memory and", V2's (vLLM 0.26's default for dense models) "GiB and".
-LOAD_LINE = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")
-GMS_LINE = re.compile(r"gms: weights (loaded from disk and published|imported) \(layout '([^']*)', "
-                      r"([\d.]+) GiB\) in ([\d.]+) s")
+LOAD_LINE = re.compile(r"Model loading took (?P<vllm_load_gib>[\d.]+) GiB(?: memory)? and (?P<vllm_load_s>[\d.]+) seconds")
+# The gms loader's line (vLLM's and SGLang's alike).
+GMS_LINE = re.compile(r"gms: weights (?P<gms_how>loaded from disk and published|imported) "
+                      r"\(layout '(?P<gms_layout>[^']*)', (?P<gms_gib>[\d.]+) GiB\) in (?P<gms_load_s>[\d.]+) s")
+_NUMBER = re.compile(r"[\d.]+")
 
 
 class Engine:
     """One ``vllm serve`` process (and its engine core) in a process group of its own."""
+
+    LOAD_LINES = (LOAD_LINE, GMS_LINE)  # what the engine and the gms loader log about loading the weights
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, port: int, name: str = "model"):
         self.argv, self.port, self.name, self.log_path = argv, port, name, log_path
@@ -114,9 +118,9 @@ class Engine:
         return {"token_ids": choice.get("token_ids"), "text": choice["text"],
                 "seconds": time.perf_counter() - started}
 
-    def post(self, path: str, timeout: float = 300) -> float:
+    def post(self, path: str, timeout: float = 300, body: dict | None = None) -> float:
         started = time.perf_counter()
-        r = httpx.post(f"{self.url}{path}", timeout=timeout)
+        r = httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
         r.raise_for_status()
         return time.perf_counter() - started
 
@@ -138,14 +142,12 @@ class Engine:
         return "\n".join(self.log().splitlines()[-lines:])
 
     def load_line(self) -> dict:
-        """What vLLM and the gms loader logged about loading the weights."""
+        """What the engine and the gms loader logged about loading the weights (``LOAD_LINES``' groups)."""
         out: dict = {}
         text = self.log()
-        if m := LOAD_LINE.search(text):
-            out["vllm_load_gib"], out["vllm_load_s"] = float(m.group(1)), float(m.group(2))
-        if m := GMS_LINE.search(text):
-            out["gms_how"], out["gms_layout"] = m.group(1), m.group(2)
-            out["gms_gib"], out["gms_load_s"] = float(m.group(3)), float(m.group(4))
+        for line in self.LOAD_LINES:
+            if m := line.search(text):
+                out |= {k: float(v) if _NUMBER.fullmatch(v) else v for k, v in m.groupdict().items()}
         return out
 
     def stop(self, timeout: float = 60) -> None:

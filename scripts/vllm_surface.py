@@ -1,6 +1,6 @@
 """Read a vLLM release's API, as the gms plugin uses it, from its wheel (docs/vllm.md).
 
-    python3 scripts/vllm_surface.py WHEEL_OR_SOURCE_DIR [...] [--out tests/data/vllm_surface]
+    python3 scripts/vllm_surface.py WHEEL [...] [--out tests/data/vllm_surface]
 
 For every use in ``gms.integrations.vllm.surface.USES`` it records what the
 release has there (found or not; a function's parameters, a class's abstract
@@ -24,18 +24,16 @@ from gms.integrations.vllm.surface import USES, check  # noqa: E402
 
 
 class Source:
-    """A release's Python files: a wheel, or a folder holding ``vllm/``."""
+    """A release's Python files, read from its wheel."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.zip = zipfile.ZipFile(path) if path.suffix == ".whl" else None
+        self.zip = zipfile.ZipFile(path)
 
     def read(self, relative: str) -> str | None:
         try:
-            if self.zip is not None:
-                return self.zip.read(relative).decode()
-            return (self.path / relative).read_text()
-        except (KeyError, FileNotFoundError):
+            return self.zip.read(relative).decode()
+        except KeyError:
             return None
 
     def module(self, dotted: str) -> ast.Module | None:
@@ -47,15 +45,7 @@ class Source:
         return None
 
     def version(self) -> str:
-        if self.zip is not None:
-            return self.path.name.split("-")[1]
-        text = self.read("vllm/_version.py") or ""
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("__version__", "version")
-                                                    for t in node.targets):
-                if isinstance(node.value, ast.Constant):
-                    return str(node.value.value)
-        raise SystemExit(f"{self.path}: no version found")
+        return self.path.name.split("-")[1]  # vllm-0.33.0-cp38-abi3-....whl
 
 
 def params(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> list[tuple[str, str, bool]]:

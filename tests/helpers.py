@@ -128,6 +128,14 @@ class ServerProcess:
         self._log.close()
 
 
+def state_or_none(path: str):
+    """The server's runtime state on ``path``, or None while nothing answers there."""
+    try:
+        return get_runtime_state(path, timeout=1)
+    except GMSError:
+        return None
+
+
 def kill_tree(pid: int) -> None:
     """Stop ``pid`` and every process under it (until no new one appears), then kill them all."""
     stopped: list[int] = []

@@ -34,11 +34,10 @@ import time
 import pytest
 
 from gms import GMSClientMemoryManager, RequestedLockType, ResponseTimeoutError, StaleMemoryLayoutError
-from gms.client.probes import get_runtime_state
-from gms.errors import GMSError, LockTimeoutError
+from gms.errors import LockTimeoutError
 from gms.wire import messages as m
 
-from .helpers import MiB, RawConn, build_layout, descendants, kill_tree, wait_until
+from .helpers import MiB, RawConn, build_layout, descendants, kill_tree, state_or_none, wait_until
 from .test_restart import _kill_servers, kept, killed, listing, pattern, publish_raw, read_through  # noqa: F401
 
 AS_ROOT = os.geteuid() == 0
@@ -87,19 +86,12 @@ def test_a_policy_the_node_does_not_fit_keeps_the_node_for_the_next_server(tmp_p
     assert os.path.exists(server.socket), "and the socket"
     assert "quota" in server.log
     path.write_text(POLICY.format(uid=os.getuid(), quota="64MiB"))  # fixed: the keeper's next try serves it
-    state = wait_until(lambda: _state(server.socket), timeout=30, what="a server that serves the node")
+    state = wait_until(lambda: state_or_none(server.socket), timeout=30, what="a server that serves the node")
     assert state.layout("weights").memory_layout_hash == layout_hash
     reader = RawConn(server.socket)
     assert reader.handshake("RO").success
     for n, a in enumerate(allocations):
         assert read_through(reader, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
-
-
-def _state(path: str):
-    try:
-        return get_runtime_state(path, timeout=1)
-    except GMSError:
-        return None
 
 
 def test_a_take_over_whose_policy_the_node_does_not_fit_is_refused_and_the_old_one_serves_on(tmp_path):
@@ -179,7 +171,7 @@ def test_three_kills_in_a_row_early_in_start_up_lose_nothing(tmp_path):
                          timeout=30, interval=0.001, what="the next server")
         os.kill(pid, signal.SIGKILL)
         killed_pids.add(pid)
-    state = wait_until(lambda: _state(server.socket), timeout=60, what="a server again")
+    state = wait_until(lambda: state_or_none(server.socket), timeout=60, what="a server again")
     assert state.pid not in killed_pids
     assert state.layout("weights").memory_layout_hash == layout_hash
     assert "starts EMPTY" not in server.log and "discard" not in server.log.lower()
@@ -262,13 +254,13 @@ def test_a_server_whose_keeper_died_starts_another_which_keeps_the_node(tmp_path
     layout_hash, _ = publish_raw(server.socket, "weights", (4 * MiB,))
     serving = server.server_pid()
     os.kill(server.pid, signal.SIGKILL)
-    state = wait_until(lambda: (s := _state(server.socket)) and s.keeper == "attached" and s.keepers_lost and s,
+    state = wait_until(lambda: (s := state_or_none(server.socket)) and s.keeper == "attached" and s.keepers_lost and s,
                        timeout=30, what="a new keeper attached")
     assert state.pid == serving, "the same server serves on"
     new_keeper = next(p for p in descendants(serving) if "gms keeper" in _cmdline(p))  # the server's child
     try:
         os.kill(serving, signal.SIGKILL)  # and the new keeper brings the node back
-        state = wait_until(lambda: (s := _state(server.socket)) and s.pid != serving and s, timeout=30,
+        state = wait_until(lambda: (s := state_or_none(server.socket)) and s.pid != serving and s, timeout=30,
                            what="the new keeper's server")
         assert state.layout("weights").memory_layout_hash == layout_hash
     finally:

@@ -17,21 +17,12 @@ import sys
 import pytest
 
 from gms import sdnotify
-from gms.client.probes import get_runtime_state
-from gms.errors import GMSError
 from gms.keeper.systemd import fdname, key_of, read_journal
 from gms.wire import messages as m
 
 from .fake_systemd import FakeSystemd
-from .helpers import MiB, RawConn, wait_until
+from .helpers import MiB, RawConn, state_or_none, wait_until
 from .test_restart import pattern, publish_raw, read_through
-
-
-def serving(path: str):
-    try:
-        return get_runtime_state(path, timeout=1)
-    except GMSError:
-        return None
 
 
 def test_a_unit_killed_whole_comes_back_from_the_fd_store(tmp_path):
@@ -69,7 +60,7 @@ def test_a_unit_killed_whole_comes_back_from_the_fd_store(tmp_path):
         assert manager.ready.wait(30)
         answer, _ = probe.recv(timeout=30)
         assert answer.layout("weights").memory_layout_hash == layout_hash
-        state = wait_until(lambda: serving(path), what="the restarted unit")
+        state = wait_until(lambda: state_or_none(path), what="the restarted unit")
         assert state.layout("cold").tier == "host" and state.layout("cold").memory_layout_hash == cold_hash
         reader = RawConn(path)
         assert reader.handshake("RO").success

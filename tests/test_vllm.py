@@ -537,3 +537,20 @@ def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_
         first.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_rank_s_identity_names_a_local_model_by_its_real_folder(tmp_path):
+    from types import SimpleNamespace
+
+    from gms.integrations.common.weights import identity
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    pp = SimpleNamespace(rank_in_group=1, world_size=2)
+    one, other = (identity("sglang", "0.5.17", str(tmp_path / name), None, "torch.bfloat16", "LlamaForCausalLM",
+                           (0, 2), pp) for name in ("model", "link"))
+    assert one == other and one.model == str((tmp_path / "model").resolve())
+    assert (one.dtype, one.tp_rank, one.tp_size, one.pp_rank, one.pp_size) == ("bfloat16", 0, 2, 1, 2)
+    hub = identity("vllm", "0.26.0", "meta-llama/Llama-3.1-8B", "r1", "float16", "LlamaForCausalLM", (0, 1),
+                   SimpleNamespace(rank_in_group=0, world_size=1))
+    assert hub.model == "meta-llama/Llama-3.1-8B"  # a hub id stays as given

@@ -11,9 +11,6 @@ client maps with; only the copying differs:
   ``memmove`` (ctypes releases the GIL, so the two directions run at once);
 * ``gms.copier.cuda_engine.CudaEngine``: ``cuMemcpyAsync`` on a stream of its
   own per direction, in the device's primary context.
-
-``gms.copier.backends`` picks one for a backend (the arrow goes from it to
-both, never from this module to ``cuda_engine``).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from typing import Protocol
 
 import attrs
 
-from ..cuda import Mapper
+from ..cuda import Mapper, open_mapper
 
 
 @attrs.frozen
@@ -93,6 +90,16 @@ class HostEngine(MapperEngine):
 
     def wait(self, to_host: bool) -> None:
         pass  # memmove has returned: the bytes are there
+
+
+def open_engine(backend: str, device: int) -> Engine:
+    if backend == "cuda":
+        from .cuda_engine import CudaEngine
+
+        return CudaEngine(device)
+    if backend == "host":
+        return HostEngine(open_mapper("host", device))
+    raise ValueError(f"no copier engine for backend {backend!r}")
 
 
 def _close(fd: int) -> None:

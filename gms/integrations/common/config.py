@@ -32,6 +32,7 @@ Pure: no engine, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -96,10 +97,16 @@ _READERS = {
 }
 
 
-def parse(extra: Mapping[str, Any] | None) -> tuple[EngineConfig, dict[str, Any]]:
-    """``(gms config, the other keys)`` from a model loader's extra config."""
-    if extra is None:
+def parse(extra: Mapping[str, Any] | str | None) -> tuple[EngineConfig, dict[str, Any]]:
+    """``(gms config, the other keys)`` from a model loader's extra config (a mapping,
+    or the flag's JSON text as an engine's server arguments keep it)."""
+    if extra is None or extra == "":
         extra = {}
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError as exc:
+            raise ConfigError(f"--model-loader-extra-config is not JSON: {exc}") from None
     if not isinstance(extra, Mapping):
         raise ConfigError(f"--model-loader-extra-config must be a JSON object, not {type(extra).__name__}")
     fields: dict[str, Any] = {}

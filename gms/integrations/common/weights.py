@@ -5,6 +5,7 @@ Engine-free: the model is a torch module, the engine's name a string."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -17,6 +18,17 @@ from .memory import WEIGHTS, EngineMemory
 from .names import ModelIdentity, identity_key, tensor_prefix
 
 log = logging.getLogger("gms.integrations")
+
+
+def identity(engine: str, engine_version: str, model: str, revision: str | None, dtype, architecture: str,
+             tp: tuple[int, int], pp) -> ModelIdentity:
+    """This rank's identity: ``tp`` its (rank, size), ``pp`` the engine's pipeline
+    group (``rank_in_group``, ``world_size``: vLLM's and SGLang's alike)."""
+    if os.path.isdir(model):  # two engines may name one folder differently
+        model = os.path.realpath(model)
+    return ModelIdentity(engine=engine, engine_version=engine_version, model=model, revision=revision,
+                         dtype=str(dtype).removeprefix("torch."), architecture=architecture,
+                         tp_rank=tp[0], tp_size=tp[1], pp_rank=pp.rank_in_group, pp_size=pp.world_size)
 
 
 def publish(memory: EngineMemory, model: nn.Module, engine: str, residency: str, lock_timeout_ms: int | None,

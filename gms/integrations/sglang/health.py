@@ -31,22 +31,22 @@ def _tags(obj) -> set[str]:
     return set(tags) if tags else set(ALL_TAGS)
 
 
-def track_release(original, self, obj, *args, **kwargs):
-    async def run():
-        result = await original(self, obj, *args, **kwargs)
-        _released.update(_tags(obj))
-        return result
+def _tracking(note):
+    """An AROUND hook on one of the tokenizer manager's coroutines: ``note`` the
+    tags once SGLang has done what the request asked."""
+    def hook(original, self, obj, *args, **kwargs):
+        async def run():
+            result = await original(self, obj, *args, **kwargs)
+            note(_tags(obj))
+            return result
 
-    return run()
+        return run()
+
+    return hook
 
 
-def track_resume(original, self, obj, *args, **kwargs):
-    async def run():
-        result = await original(self, obj, *args, **kwargs)
-        _released.difference_update(_tags(obj))
-        return result
-
-    return run()
+track_release = _tracking(_released.update)
+track_resume = _tracking(_released.difference_update)
 
 
 def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0) -> tuple[int, dict]:

@@ -25,7 +25,6 @@ in ways a reader would have to repeat on read-only memory.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import sglang
@@ -135,21 +134,8 @@ def _engine_memory(config, model_config: ModelConfig, device_config: DeviceConfi
 
 def model_identity(model_config: ModelConfig) -> names.ModelIdentity:
     """This rank's identity; call after SGLang has set up its parallel groups."""
-    model = model_config.model_path
-    if os.path.isdir(model):  # two engines may name one folder differently
-        model = os.path.realpath(model)
     architectures = getattr(model_config.hf_config, "architectures", None) or ["unknown"]
-    pp = get_pp_group()
-    return names.ModelIdentity(
-        engine=ENGINE,
-        engine_version=sglang.__version__,
-        model=model,
-        revision=model_config.revision,
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        architecture=architectures[0],
-        tp_rank=get_tensor_model_parallel_rank(),
-        tp_size=get_tensor_model_parallel_world_size(),
-        pp_rank=pp.rank_in_group,
-        pp_size=pp.world_size,
-    )
-
+    return weights.identity(ENGINE, sglang.__version__, model_config.model_path, model_config.revision,
+                            model_config.dtype, architectures[0],
+                            (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
+                            get_pp_group())

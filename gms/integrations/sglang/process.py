@@ -9,7 +9,6 @@ functions of it; no SGLang imported.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
@@ -17,7 +16,6 @@ import attrs
 from ...paths import socket_path
 from ..common import config as gms_config
 from ..common.config import EngineConfig
-from ..common.errors import ConfigError
 from ..common.parent import exit_with_parent
 
 LOAD_FORMAT = "gms"
@@ -41,27 +39,13 @@ class Active:
 _active: Active | None = None
 
 
-def extra_config(raw: Any) -> dict:
-    """SGLang's ``--model-loader-extra-config`` (a JSON string, or a dict once parsed)."""
-    if raw in (None, ""):
-        return {}
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as exc:
-            raise ConfigError(f"--model-loader-extra-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--model-loader-extra-config must be a JSON object, not {type(raw).__name__}")
-    return raw
-
-
 def activate(server_args: Any, device: int | None = None) -> Active | None:
     """Note ``server_args`` (SGLang's): active if its load format is ``gms``.
     A ``gms_*`` key that is wrong fails here, at start-up."""
     global _active
     if getattr(server_args, "load_format", None) != LOAD_FORMAT:
         return None
-    config, _ = gms_config.parse(extra_config(getattr(server_args, "model_loader_extra_config", None)))
+    config, _ = gms_config.parse(getattr(server_args, "model_loader_extra_config", None))
     _active = Active(config, bool(getattr(server_args, "enable_memory_saver", False)), device)
     if config.exit_with_parent and device is not None:
         exit_with_parent()

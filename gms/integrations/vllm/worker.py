@@ -47,7 +47,7 @@ from vllm.v1.worker.utils import request_memory
 from ... import torch as gms_torch
 from ...paths import socket_path
 from ..common import config as gms_config
-from ..common import names
+from ..common import names, weights
 from ..common.errors import MissingWorkerError
 from ..common.memory import KV_CACHE, EngineMemory, install
 from ..common.parent import exit_with_parent
@@ -117,20 +117,7 @@ def _kv_pool(memory: EngineMemory):
 
 def model_identity(vllm_config) -> names.ModelIdentity:
     """This rank's identity; call after vLLM has set up its parallel groups."""
-    model_config = vllm_config.model_config
-    model = model_config.model
-    if os.path.isdir(model):  # two engines may name one folder differently
-        model = os.path.realpath(model)
-    pp = get_pp_group()
-    return names.ModelIdentity(
-        engine=ENGINE,
-        engine_version=vllm.__version__,
-        model=model,
-        revision=model_config.revision,
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        architecture=model_config.architecture,
-        tp_rank=get_tensor_model_parallel_rank(),
-        tp_size=get_tensor_model_parallel_world_size(),
-        pp_rank=pp.rank_in_group,
-        pp_size=pp.world_size,
-    )
+    m = vllm_config.model_config
+    return weights.identity(ENGINE, vllm.__version__, m.model, m.revision, m.dtype, m.architecture,
+                            (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
+                            get_pp_group())
