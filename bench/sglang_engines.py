@@ -46,21 +46,24 @@ def serve_env(*, graphs_in_saver: bool = True) -> dict[str, str]:
     return env
 
 
+def generate(url: str, prompt, max_tokens: int = 32, timeout: float = 120, client: httpx.Client | None = None) -> dict:
+    """Greedy, ``ignore_eos``, through SGLang's native ``/generate``."""
+    started = time.perf_counter()
+    r = (client or httpx).post(f"{url}/generate", timeout=timeout, json={
+        "input_ids": list(prompt),
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}})
+    r.raise_for_status()
+    body = r.json()
+    return {"token_ids": body.get("output_ids"), "text": body.get("text"), "seconds": time.perf_counter() - started}
+
+
 class SGLangEngine(Engine):
     """One ``sglang.launch_server`` (and its scheduler) in a process group of its own."""
 
     LOAD_LINES = (LOAD_LINE, GMS_LINE)
 
     def complete(self, prompt, max_tokens: int = 32, timeout: float = 120) -> dict:
-        """Greedy, ``ignore_eos``, through SGLang's native ``/generate``."""
-        started = time.perf_counter()
-        r = httpx.post(f"{self.url}/generate", timeout=timeout, json={
-            "input_ids": list(prompt),
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}})
-        r.raise_for_status()
-        body = r.json()
-        return {"token_ids": body.get("output_ids"), "text": body.get("text"),
-                "seconds": time.perf_counter() - started}
+        return generate(self.url, prompt, max_tokens, timeout)
 
     def release(self, tags: list[str] | None = None) -> float:
         return self.post("/release_memory_occupation", body={"tags": tags} if tags else {})

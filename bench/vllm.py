@@ -43,17 +43,15 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
 from _common import gpu, log, print_table, versions, wait_served, write_json
+from coordinated import Coordinator
 from failover import Nvml
 from llama_checkpoint import evict, warm
 from vllm_engines import Engine, GiB, serve_argv, serve_env
@@ -231,78 +229,26 @@ class Bench:
             self.results["baseline"] = self.start("baseline", load_format="safetensors")
             self.stop("baseline")
             self.wait_memory_back(idle)
-        work = self.work / "failover"
-        work.mkdir()
-        events = work / "events.jsonl"
         commands = {}
         for name in ("A", "B"):
             port = PORTS[f"failover-{name}"]
             commands[name] = (port, serve_argv(self.model, port, extra={"gms_socket": self.socket},
                                                kv_bytes=self.kv_bytes, gpu_utilization=self.args.gpu_utilization,
                                                max_model_len=self.args.max_model_len, eager=self.args.eager))
-        (work / "failover.toml").write_text(coordinator_toml(work, self.socket, commands, self.args))
-        coordinator_log = open(work / "coordinator.log", "wb")
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "gms", "failover", "--config", str(work / "failover.toml")],
-            env=serve_env(self.cache, endpoint_plugin=True), stdout=subprocess.DEVNULL, stderr=coordinator_log)
+        coordinator = Coordinator(self.work / "failover", self.socket, commands,
+                                  serve_env(self.cache, endpoint_plugin=True), engine="vllm",
+                                  interval=self.args.interval, failures=self.args.failures,
+                                  canary_timeout=self.args.canary_timeout)
         runs = []
         try:
-            started = time.monotonic()
-            for name in ("A", "B"):
-                _wait_event(events, coordinator, lambda e, n=name: e["event"] == "ready" and e["set"] == n, 900)
-            self.results["failover_bring_up_s"] = time.monotonic() - started
+            self.results["failover_bring_up_s"] = coordinator.wait_ready()
             log(f"failover: both sets ready in {self.results['failover_bring_up_s']:.1f} s")
             for n in range(self.args.repeats):
-                runs.append(self._one_failover(events, coordinator))
+                runs.append(coordinator.fail_over())
                 log(f"failover {n}: signal -> first token {runs[-1]['signal_to_first_token_s']:.3f} s")
         finally:
-            coordinator.send_signal(signal.SIGTERM)
-            try:
-                coordinator.wait(120)
-            except subprocess.TimeoutExpired:
-                coordinator.kill()
-            coordinator_log.close()
-            with open(self.work / "engines-tail.log", "a") as f:
-                for path in sorted((work / "logs").glob("*.log")) + [work / "coordinator.log"]:
-                    text = path.read_text(errors="replace").splitlines()
-                    f.write(f"===== {path.name}\n" + "\n".join(text[-150:]) + "\n")
-        self.results["failover"] = {
-            "coordinator": {"interval_s": self.args.interval, "failures": self.args.failures,
-                            "canary_timeout_s": self.args.canary_timeout, "health_path": "/gms/health"},
-            "runs": runs,
-            "signal_to_first_token_s": _summary([r["signal_to_first_token_s"] for r in runs]),
-            "restart_as_shadow_s": _summary([r["restart_s"] for r in runs if r.get("restart_s") is not None]),
-        }
-
-    def _one_failover(self, events: Path, coordinator) -> dict:
-        done = _read_events(events)
-        serving = "A"
-        for e in done:
-            if e["event"] == "failover":
-                serving = e["serving"]
-        standby = "B" if serving == "A" else "A"
-        if any(e["event"] == "failover" for e in done):  # the set that failed last must be back as the shadow
-            _wait_event(events, coordinator, lambda e: e["event"] == "restarted" and e["set"] == standby, 900,
-                        after=_last(done, "failover"))
-        before = len(_read_events(events))
-        url = lambda name: f"http://127.0.0.1:{PORTS['failover-' + name]}"  # noqa: E731
-        pid = httpx.get(f"{url(serving)}/gms/health", timeout=30).json()["pid"]
-        poller = _FirstToken(url(standby))
-        poller.start()
-        killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
-        poller.join(600)
-        event = _wait_event(events, coordinator, lambda e: e["event"] == "failover", 600, before)
-        restarted = _wait_event(events, coordinator, lambda e: e["event"] == "restarted" and e["set"] == serving,
-                                900, before)
-        if poller.at is None:
-            raise RuntimeError("no token from the shadow")
-        return {"failed": serving, "serving": standby, "ok": event["ok"],
-                "signal_to_first_token_s": poller.at - killed_at,
-                "signal_to_decision_s": event["decided_at"] - killed_at,
-                "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",
-                                                          "first_token_s", "total_s")},
-                "restart_s": restarted.get("seconds"), "client_attempts": poller.attempts}
+            coordinator.close(self.work / "engines-tail.log")
+        self.results["failover"] = coordinator.results(runs)
 
     def close(self) -> None:
         for name in list(self.engines):
@@ -313,74 +259,6 @@ class Bench:
         except subprocess.TimeoutExpired:
             self.server.kill()
         self.server_log.close()
-
-
-def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], args) -> str:
-    """``gms failover``'s configuration for two local sets of one vLLM engine each."""
-    lines = [f'lock = "file:{work / "serving.lock"}"', 'initial = "A"', f"ranks = {json.dumps([socket])}",
-             f"interval_s = {args.interval}", f"failures = {args.failures}",
-             f"canary_timeout_s = {args.canary_timeout}", "wake_timeout_s = 600.0", "ready_timeout_s = 900.0",
-             f'events = "{work / "events.jsonl"}"', 'health_path = "/gms/health"']
-    for name, (port, argv) in commands.items():
-        # The coordinator fills {placeholders} with str.format: the braces of JSON are doubled.
-        command = [a.replace("{", "{{").replace("}", "}}") for a in argv]
-        lines += [f"\n[sets.{name}]", 'kind = "local"', f"ports = [{port}]", f"command = {json.dumps(command)}",
-                  f'log_dir = "{work / "logs"}"']
-    return "\n".join(lines) + "\n"
-
-
-class _FirstToken(threading.Thread):
-    """Asks the shadow for one token until one comes back (a router following the lock).
-    A request sent while vLLM sleeps waits in its queue and is served after the wake."""
-
-    def __init__(self, url: str, timeout: float = 600) -> None:
-        super().__init__(daemon=True)
-        self.url, self.timeout = url, timeout
-        self.at: float | None = None
-        self.attempts = 0
-
-    def run(self) -> None:
-        body = {"prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
-        deadline = time.monotonic() + self.timeout
-        with httpx.Client(timeout=30.0) as client:
-            while time.monotonic() < deadline:
-                self.attempts += 1
-                try:
-                    if client.post(f"{self.url}/v1/completions", json=body).status_code == 200:
-                        self.at = time.time()
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.002)
-
-
-def _read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _last(events: list[dict], kind: str) -> int:
-    found = [i for i, e in enumerate(events) if e["event"] == kind]
-    return found[-1] if found else 0
-
-
-def _wait_event(path: Path, coordinator, match, timeout: float, after: int = 0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if coordinator.poll() is not None:
-            raise RuntimeError(f"the coordinator exited ({coordinator.returncode})")
-        for e in _read_events(path)[after:]:
-            if match(e):
-                return e
-        time.sleep(0.05)
-    raise RuntimeError("timed out waiting for the coordinator")
-
-
-def _summary(values: list[float]) -> dict:
-    if not values:
-        return {}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def ratios(r: dict) -> list[tuple]:

@@ -218,6 +218,47 @@ def test_first_engine_writes_later_ones_read_and_sleep_releases(tmp_path):
         server.kill()
 
 
+def test_an_engine_released_after_its_server_was_killed_frees_its_memory_and_wakes_on_the_next(tmp_path):
+    """The daemon SIGKILLed under a serving engine: the engine's tensors go on
+    (nothing calls the server while it serves); its next release must still
+    unmap everything, though the kernel says both connections are gone, and
+    its resume must find the restarted server (weights: the same layout, kept
+    by the keeper; KV: fresh memory at the same addresses)."""
+    pytest.importorskip("torch")
+    from gms.fsm import GrantedLockType
+
+    from .test_restart import killed
+
+    server = ServerProcess(tmp_path, keeper=True)
+    try:
+        ident = identity()
+        writer, engine = engine_memory(server, ident, 1), engine_memory(server, ident, 2, read_only=True)
+        writer.connect_weights()
+        writer.weights.write(writer.weights.create_mapping(size=4 << 20, tag="weights"), b"published")
+        writer.weights.commit()
+        engine.connect()
+        engine.weights.create_mappings([h.allocation_id for h in engine.weights.list_handles()])
+        kv_va = engine.kv.create_mapping(size=2 << 20, tag="kv_cache")
+        weights_hash = server.layout(engine.weights.layout).memory_layout_hash
+
+        killed(server)
+        assert not engine.weights.is_connected and not engine.kv.is_connected
+        assert engine.weights.read(engine.weights.mappings[0].va, 9) == b"published"  # serving on
+
+        engine.sleep()
+        assert engine.asleep == {"weights", "kv_cache"}
+        assert not any(mp.mapped for mp in engine.weights.mappings + engine.kv.mappings)
+        engine.wake()
+        assert not engine.asleep and engine.weights.granted_lock_type is GrantedLockType.RO
+        assert engine.weights.read(engine.weights.mappings[0].va, 9) == b"published"
+        assert server.layout(engine.weights.layout).memory_layout_hash == weights_hash
+        assert [mp.va for mp in engine.kv.mappings] == [kv_va] and server.layout(engine.kv.layout).writer
+        for m in (engine, writer):
+            m.close()
+    finally:
+        server.kill()
+
+
 def test_read_only_waits_for_a_commit_and_a_republished_layout_fails_the_wake(tmp_path):
     pytest.importorskip("torch")
     from gms import LockTimeoutError
@@ -381,25 +422,21 @@ def test_the_bench_command_lines_parse(tmp_path):
 
 def test_the_bench_drives_the_coordinator_with_vllms_command_lines(tmp_path):
     """bench/vllm.py's coordinator file parses, and each set's command comes back as vllm serve's argv."""
-    import importlib.util as iu
-    from types import SimpleNamespace
-
     from gms.failover import config as failover_config
 
     bench = str(ROOT / "bench")
     sys.path.insert(0, bench)
     try:
-        spec = iu.spec_from_file_location("bench_vllm", ROOT / "bench" / "vllm.py")
-        module = iu.module_from_spec(spec)
-        spec.loader.exec_module(module)  # it takes bench/ off sys.path itself (it is named vllm.py)
+        from coordinated import coordinator_toml
+        from vllm_engines import serve_argv
     finally:
         sys.path[:] = [p for p in sys.path if p != bench]
     socket = str(tmp_path / "gms.sock")
-    argv = module.serve_argv("/models/m", 18211, extra={"gms_socket": socket})
-    args = SimpleNamespace(interval=0.1, failures=2, canary_timeout=5.0)
-    text = module.coordinator_toml(tmp_path, socket, {"A": (18211, argv), "B": (18212, argv)}, args)
+    argv = serve_argv("/models/m", 18211, extra={"gms_socket": socket})
+    text = coordinator_toml(tmp_path, socket, {"A": (18211, argv), "B": (18212, argv)}, engine="vllm",
+                            interval=0.1, failures=2, canary_timeout=5.0)
     parsed = failover_config.parse(tomllib.loads(text))
-    assert parsed.health_path == "/gms/health" and parsed.ranks == (socket,)
+    assert parsed.health_path == "/gms/health" and parsed.ranks == (socket,) and parsed.initial == "A"
     fields = {"rank": 0, "world_size": 1, "port": 18211, "socket": socket, "set": "A"}
     assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
     assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"gms_socket": socket}

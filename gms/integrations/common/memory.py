@@ -120,7 +120,9 @@ class EngineMemory:
         """Unmap ``tags`` (default all) and drop their locks; every address stays reserved."""
         started = time.perf_counter()
         for tag, mgr in self._managers(tags):
-            if tag not in self.asleep and mgr.is_connected:
+            # Mapped memory is unmapped even when the connection is gone: a
+            # server killed under a serving engine leaves its tensors live.
+            if tag not in self.asleep and (mgr.is_connected or any(mp.mapped for mp in mgr.mappings)):
                 gms_torch.sleep(mgr)
                 self.asleep |= {tag}
         self.timings["sleep_s"] = time.perf_counter() - started

@@ -16,6 +16,8 @@ module level.
 
 from __future__ import annotations
 
+import os
+
 ROUTE = "/gms/health"
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang releases when a request names none
 
@@ -49,13 +51,15 @@ track_release = _tracking(_released.update)
 track_resume = _tracking(_released.difference_update)
 
 
-def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0) -> tuple[int, dict]:
+def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0,
+           pid: int = 0) -> tuple[int, dict]:
     """(HTTP code, body) from SGLang's server status ("Starting", "Up", "UnHealthy"), the
-    time of the last output the launcher received and the requests in flight.  Pure."""
+    time of the last output the launcher received, the requests in flight and the
+    launcher's pid (the process a supervisor started).  Pure."""
     if exiting or server_status in ("Starting", "UnHealthy"):
-        return 503, {"status": "unavailable", "sglang": server_status}
+        return 503, {"status": "unavailable", "sglang": server_status, "pid": pid}
     body = {"status": "asleep" if _released else "serving", "gms": {"released": sorted(_released)},
-            "progress": {"steps": int(last_output * 1000), "pending": in_flight}}
+            "progress": {"steps": int(last_output * 1000), "pending": in_flight}, "pid": pid}
     return 200, body
 
 
@@ -71,7 +75,7 @@ def add_route(*args, **kwargs) -> None:
         server_status = getattr(manager.server_status, "name", str(manager.server_status))
         code, body = status(server_status, bool(manager.gracefully_exit),
                             float(getattr(manager, "last_receive_tstamp", 0.0) or 0.0),
-                            len(getattr(manager, "rid_to_state", ()) or ()))
+                            len(getattr(manager, "rid_to_state", ()) or ()), os.getpid())
         return JSONResponse(body, status_code=code)
 
     http_server.app.add_api_route(ROUTE, gms_health, methods=["GET"])

@@ -1,0 +1,157 @@
+"""``gms failover`` driven by a benchmark (bench/vllm.py, bench/sglang_gms.py).
+
+Two local sets of one engine each on one gms server, the coordinator in a
+subprocess, and the failover a user sees: the serving engine SIGKILLed (its
+pid from ``/gms/health``), a client asking the shadow for one token
+(``/v1/completions``, which vLLM and SGLang both answer) as a router that
+follows the serving lock would, the clock from the signal to that token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], *, engine: str,
+                     interval: float, failures: int, canary_timeout: float) -> str:
+    """The coordinator's configuration (docs/failover.md) for two local sets of one engine each."""
+    lines = [f'lock = "file:{work / "serving.lock"}"', f'initial = "{next(iter(commands))}"',
+             f"ranks = {json.dumps([socket])}", f"interval_s = {interval}", f"failures = {failures}",
+             f"canary_timeout_s = {canary_timeout}", "wake_timeout_s = 600.0", "ready_timeout_s = 900.0",
+             f'events = "{work / "events.jsonl"}"', f'engine = "{engine}"']
+    for name, (port, argv) in commands.items():
+        # The coordinator fills {placeholders} with str.format: the braces of JSON are doubled.
+        command = [a.replace("{", "{{").replace("}", "}}") for a in argv]
+        lines += [f"\n[sets.{name}]", 'kind = "local"', f"ports = [{port}]", f"command = {json.dumps(command)}",
+                  f'log_dir = "{work / "logs"}"']
+    return "\n".join(lines) + "\n"
+
+
+class FirstToken(threading.Thread):
+    """Asks ``url`` for one token until one comes back.  A request sent while
+    the engine sleeps waits in its queue (vLLM) or is answered once it wakes."""
+
+    def __init__(self, url: str, timeout: float = 600) -> None:
+        super().__init__(daemon=True)
+        self.url, self.timeout = url, timeout
+        self.at: float | None = None
+        self.attempts = 0
+
+    def run(self) -> None:
+        body = {"prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
+        deadline = time.monotonic() + self.timeout
+        with httpx.Client(timeout=30.0) as client:
+            while time.monotonic() < deadline:
+                self.attempts += 1
+                try:
+                    if client.post(f"{self.url}/v1/completions", json=body).status_code == 200:
+                        self.at = time.time()
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.002)
+
+
+def summary(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+class Coordinator:
+    """``gms failover`` over two local sets, ``commands``: name -> (port, argv)."""
+
+    def __init__(self, work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], env: dict,
+                 *, engine: str, interval: float, failures: int, canary_timeout: float) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.work, self.events = work, work / "events.jsonl"
+        self.ports = {name: port for name, (port, _) in commands.items()}
+        self.settings = {"engine": engine, "interval_s": interval, "failures": failures,
+                         "canary_timeout_s": canary_timeout}
+        config = work / "failover.toml"
+        config.write_text(coordinator_toml(work, socket, commands, engine=engine, interval=interval,
+                                           failures=failures, canary_timeout=canary_timeout))
+        self._log = open(work / "coordinator.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "gms", "failover", "--config", str(config)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=self._log)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def read_events(self) -> list[dict]:
+        if not self.events.exists():
+            return []
+        return [json.loads(line) for line in self.events.read_text().splitlines() if line.strip()]
+
+    def wait_event(self, match, timeout: float, after: int = 0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited ({self.proc.returncode})")
+            for e in self.read_events()[after:]:
+                if match(e):
+                    return e
+            time.sleep(0.05)
+        raise RuntimeError("timed out waiting for the coordinator")
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        """Both sets up (the primary serving, the shadow asleep); seconds taken."""
+        started = time.monotonic()
+        for name in self.ports:
+            self.wait_event(lambda e, n=name: e["event"] == "ready" and e["set"] == n, timeout)
+        return time.monotonic() - started
+
+    def fail_over(self) -> dict:
+        """SIGKILL the serving engine; time the shadow's first token; wait for the
+        killed set to be back as the shadow."""
+        done = self.read_events()
+        failovers = [i for i, e in enumerate(done) if e["event"] == "failover"]
+        serving = done[failovers[-1]]["serving"] if failovers else next(iter(self.ports))
+        standby = next(name for name in self.ports if name != serving)
+        if failovers:  # the set that failed last must be back as the shadow
+            self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == standby, 900, failovers[-1])
+        before = len(self.read_events())
+        pid = httpx.get(f"{self.url(serving)}/gms/health", timeout=30).json()["pid"]
+        poller = FirstToken(self.url(standby))
+        poller.start()
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        poller.join(600)
+        event = self.wait_event(lambda e: e["event"] == "failover", 600, before)
+        restarted = self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == serving, 900, before)
+        if poller.at is None:
+            raise RuntimeError("no token from the shadow")
+        return {"failed": serving, "serving": standby, "ok": event["ok"],
+                "signal_to_first_token_s": poller.at - killed_at,
+                "signal_to_decision_s": event["decided_at"] - killed_at,
+                "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",
+                                                          "first_token_s", "total_s")},
+                "restart_s": restarted.get("seconds"), "client_attempts": poller.attempts}
+
+    def results(self, runs: list[dict]) -> dict:
+        return {"coordinator": self.settings, "runs": runs,
+                "signal_to_first_token_s": summary([r["signal_to_first_token_s"] for r in runs]),
+                "restart_as_shadow_s": summary([r["restart_s"] for r in runs if r.get("restart_s") is not None])}
+
+    def close(self, tail: Path) -> None:
+        """Stop the coordinator (it stops its sets); the logs' tails go to ``tail``."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+        with open(tail, "a") as f:
+            for path in sorted((self.work / "logs").glob("*.log")) + [self.work / "coordinator.log"]:
+                text = path.read_text(errors="replace").splitlines()
+                f.write(f"===== {path.name}\n" + "\n".join(text[-150:]) + "\n")
