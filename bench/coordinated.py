@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+from gms.failover.probes import CANARY_PROMPT
 
 
 def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], *, engine: str,
@@ -48,7 +49,7 @@ class FirstToken(threading.Thread):
         self.attempts = 0
 
     def run(self) -> None:
-        body = {"prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
+        body = {"prompt": CANARY_PROMPT, "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
         deadline = time.monotonic() + self.timeout
         with httpx.Client(timeout=30.0) as client:
             while time.monotonic() < deadline:

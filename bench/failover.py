@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import httpx
+from gms.failover.probes import CANARY_PROMPT
 from _common import cpu_name, print_table, write_json
 
 
@@ -175,7 +176,7 @@ class Poller(threading.Thread):
         self.attempts = 0
 
     def run(self) -> None:
-        body = {"prompt": [0], "max_tokens": 1, "ignore_eos": True}
+        body = {"prompt": CANARY_PROMPT, "max_tokens": 1, "ignore_eos": True}
         deadline = time.monotonic() + self.timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:

@@ -28,7 +28,7 @@ def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict |
             "--load-format", load_format, "--max-total-tokens", str(max_total_tokens),
             "--mem-fraction-static", str(mem_fraction), "--cuda-graph-max-bs-decode", str(graph_max_bs),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-            "--skip-server-warmup", "--log-level", "info",
+            "--log-level", "info",
             # SGLang's prefill graphs (its "breakable" backend) refuse its memory saver:
             # decode graphs only, for SGLang alone and on gms alike.
             "--disable-prefill-cuda-graph"]

@@ -215,3 +215,18 @@ def test_the_bench_drives_the_coordinator_with_sglang_s_command_lines(tmp_path):
         "/gms/health", "/release_memory_occupation", "/resume_memory_occupation")
     fields = {"rank": 0, "world_size": 1, "port": 18311, "socket": socket, "set": "A"}
     assert [part.format(**fields) for part in parsed.set("A").command] == argv
+
+
+def test_the_coordinator_s_first_token_is_a_prompt_sglang_accepts():
+    """SGLang's /v1/completions refuses a prompt of falsy token ids as empty (400),
+    so the canary's one token is not 0: found on the H100, where the shadow woke
+    in 16 ms and every first-token request came back 400."""
+    from gms.failover.probes import CANARY_PROMPT
+
+    assert CANARY_PROMPT and any(CANARY_PROMPT)
+    if HAVE_SGLANG:
+        from sglang.srt.entrypoints.openai.protocol import CompletionRequest
+        from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+        request = CompletionRequest(prompt=CANARY_PROMPT, max_tokens=1)
+        assert OpenAIServingCompletion._validate_request(None, request) is None

@@ -9,7 +9,9 @@ import trio
 
 from .health import Probe, Progress
 
-CANARY_PROMPT = [0]  # one token id that every vocabulary has
+# One token id that every vocabulary has; not 0: SGLang refuses a prompt of
+# falsy ids as empty (its serving_completions._validate_request).
+CANARY_PROMPT = [1]
 
 
 async def health(client: httpx.AsyncClient, url: str, want: str, timeout: float, path: str = "/health") -> Probe:
