@@ -65,11 +65,17 @@ def test_configuration_is_checked():
         "/gms/health", "/release_memory_occupation", "/resume_memory_occupation")
     assert cfg.parse({**base, "engine": "vllm", "wake_path": "/mine"}).wake_path == "/mine"
     assert (c.sleep_path, c.wake_path) == ("/sleep", "/wake_up")
+    one_engine = cfg.parse({**base, "sets": {
+        "A": {"kind": "local", "ports": [1], "command": ["x"]},  # one engine over both ranks (TP=2)
+        "B": {"kind": "kubernetes", "namespace": "llm", "selector": "set=B", "engines": 1}}})
+    assert one_engine.set("A").ports == (1,) and one_engine.set("B").engines == 1 and one_engine.world_size == 2
+    assert c.set("B").engines == 2  # a pod per rank unless told
     for broken in ({**base, "ranks": []}, {**base, "initial": "C"}, {**base, "health_path": "gms/health"},
                    {**base, "engine": "trtllm"}, {**base, "engine": "sglang", "revoke": "engines"},
                    {**base, "sleep_path": 3},
                    {**base, "sets": {"A": base["sets"]["A"]}},
-                   {**base, "sets": {**base["sets"], "A": {"kind": "local", "ports": [1], "command": ["x"]}}},
+                   {**base, "sets": {**base["sets"], "A": {"kind": "local", "ports": [1, 2, 3], "command": ["x"]}}},
+                   {**base, "sets": {**base["sets"], "B": {**base["sets"]["B"], "engines": 3}}},
                    {**base, "sets": {**base["sets"], "B": {"kind": "kubernetes"}}},
                    {**base, "sets": {**base["sets"], "B": {"kind": "slurm"}}},
                    {**base, "failures": 0}):
@@ -153,3 +159,58 @@ def test_progress_is_read_only_from_well_formed_answers():
     assert cfg.parse({"ranks": ["/s"], "sets": {"A": {"kind": "local", "ports": [1], "command": ["x"]},
                                                 "B": {"kind": "local", "ports": [2], "command": ["x"]}},
                       "stall_s": 0.5}).stall_s == 0.5
+
+
+CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie nobody reaped (a container's init may not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_set_kills_an_engine_s_whole_process_group_after_its_leader_died(tmp_path):
+    """An engine over several ranks is a tree (vLLM: API server, engine core,
+    workers); a SIGKILLed leader leaves the rest running on the GPU.  The set
+    starts each engine in its own group and kills the group: one engine here,
+    with one port, over two ranks."""
+    import os
+    import signal
+    import sys
+
+    import trio
+
+    from gms.failover.sets import LocalProcessSet
+
+    pidfile = tmp_path / "child.pid"
+    config = cfg.LocalSetConfig("A", (sys.executable, "-c", CHILD, str(pidfile) + ".{rank}of{world_size}"), (8100,))
+    exits = []
+    async with trio.open_nursery() as nursery:
+        engines = LocalProcessSet(config, ("/s0", "/s1"), nursery, lambda name, rank, code: exits.append((rank, code)))
+        await engines.start("primary")
+        assert len(engines.pids()) == 1 and engines.urls() == ["http://127.0.0.1:8100"]
+        path = tmp_path / "child.pid.0of2"
+        with trio.fail_after(30):
+            while not path.exists() or not path.read_text():
+                await trio.sleep(0.02)
+        child = int(path.read_text())
+        os.kill(engines.pids()[0], signal.SIGKILL)  # the API server dies alone
+        with trio.fail_after(30):
+            while not exits:
+                await trio.sleep(0.02)
+        assert exits == [(0, -signal.SIGKILL)] and engines.dead() == [0] and _alive(child)
+        await engines.kill()
+        with trio.fail_after(30):
+            while _alive(child):
+                await trio.sleep(0.02)
+        await engines.kill()  # the group is gone: nothing is signalled
+        nursery.cancel_scope.cancel()

@@ -24,9 +24,9 @@
                                              # off the GPU nodes cannot reach the sockets; ranks
                                              # then only name the ranks)
 
-    [sets.A]                                 # local processes, one per rank
-    kind = "local"
-    ports = [8100, 8101]
+    [sets.A]                                 # local processes: one per rank, or one engine
+    kind = "local"                           # over every rank (tensor/pipeline parallel:
+    ports = [8100, 8101]                     # ports = [8100]); each in its own process group
     command = ["python", "examples/engine", "--model", "/models/m", "--gms-socket", "{socket}",
                "--port", "{port}", "--rank", "{rank}", "--world-size", "{world_size}", "--device", "{rank}"]
     env = { OMP_NUM_THREADS = "1" }
@@ -38,6 +38,7 @@
     selector = "app=llm,gms.failover/set=B"
     rank_label = "gms.failover/rank"
     port = 8000
+    engines = 2                              # pods: one per rank (default), or 1: one pod over every rank
 
 Placeholders in ``command`` and ``env`` values: ``{rank}``, ``{world_size}``,
 ``{port}``, ``{socket}``, ``{set}``.  The coordinator sets ``GMS_MODE``.
@@ -82,6 +83,7 @@ class KubernetesSetConfig:
     selector: str
     port: int = 8000
     rank_label: str = "gms.failover/rank"
+    engines: int = 1  # pods: one per rank, or one over every rank (labelled rank 0)
 
 
 SetConfig = LocalSetConfig | KubernetesSetConfig
@@ -122,17 +124,22 @@ def _set(name: str, table: dict, world_size: int) -> SetConfig:
     kind = table.get("kind", "local")
     if kind == "local":
         ports = tuple(int(p) for p in table.get("ports", ()))
-        if len(ports) != world_size:
-            raise ConfigError(f"sets.{name}: {len(ports)} ports for {world_size} ranks")
+        if len(ports) not in (1, world_size):
+            raise ConfigError(f"sets.{name}: {len(ports)} ports for {world_size} ranks: one per rank (an engine "
+                              "each) or one (an engine over every rank: tensor or pipeline parallel)")
         command = tuple(str(c) for c in table.get("command", ()))
         if not command:
             raise ConfigError(f"sets.{name}: a local set needs a command")
         env = tuple((str(k), str(v)) for k, v in table.get("env", {}).items())
         return LocalSetConfig(name, command, ports, table.get("host", "127.0.0.1"), env, table.get("log_dir"))
     if kind == "kubernetes":
+        engines = int(table.get("engines", world_size))
+        if engines not in (1, world_size):
+            raise ConfigError(f"sets.{name}: engines = {engines} for {world_size} ranks: one per rank, or one "
+                              "over every rank")
         try:
             return KubernetesSetConfig(name, table["namespace"], table["selector"], int(table.get("port", 8000)),
-                                       table.get("rank_label", "gms.failover/rank"))
+                                       table.get("rank_label", "gms.failover/rank"), engines)
         except KeyError as exc:
             raise ConfigError(f"sets.{name}: a kubernetes set needs {exc}") from None
     raise ConfigError(f"sets.{name}: unknown kind {kind!r} (local or kubernetes)")

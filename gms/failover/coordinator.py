@@ -132,7 +132,7 @@ class Coordinator:
 
     def _make_set(self, s) -> EngineSet:
         if isinstance(s, KubernetesSetConfig):
-            return KubernetesPodSet(s, self.config.world_size)
+            return KubernetesPodSet(s)
         return LocalProcessSet(s, self.config.ranks, self.nursery, self._on_exit)
 
     def _other(self, name: str) -> str:

@@ -3,10 +3,12 @@
 Two kinds, one interface (:class:`EngineSet`):
 
 * :class:`LocalProcessSet`: processes the coordinator spawns from a command
-  template.  Restart = SIGKILL every rank, then start them all again.  A
+  template, one per rank or one over every rank (tensor parallel), each in
+  a process group of its own.  Restart = SIGKILL every engine's group, then
+  start them all again.  A
   process's exit is noticed at once (a task awaits each one).
-* :class:`KubernetesPodSet`: pods found by label selector, one per rank
-  (a rank label names the rank).  Restart = delete the set's pods; their
+* :class:`KubernetesPodSet`: pods found by label selector, one per rank or
+  one over every rank (a rank label names the rank).  Restart = delete the set's pods; their
   controller (a StatefulSet, say) recreates them.  Thin on purpose: it lists
   and deletes pods through the official client, nothing more.  Its pods run
   ``GMS_MODE=shadow`` always (a pod spec cannot follow the roles as they
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 from collections.abc import Callable
 from typing import Protocol
@@ -61,6 +64,11 @@ class EngineSet(Protocol):
 
 
 class LocalProcessSet:
+    """One process per engine: per rank, or one over every rank (one port).
+    Each engine is a process group of its own (its workers, an engine core,
+    a scheduler are its children), so a kill takes the whole engine down,
+    not only the process the coordinator started."""
+
     def __init__(self, config: LocalSetConfig, sockets: tuple[str, ...], nursery: trio.Nursery,
                  on_exit: Callable[[str, int, int], None]) -> None:
         self.name = config.name
@@ -69,11 +77,14 @@ class LocalProcessSet:
         self._nursery = nursery
         self._on_exit = on_exit
         self._procs: dict[int, trio.Process] = {}
+        self._gone: set[int] = set()  # leaders' pids whose groups are empty
         self._generation = 0
 
-    def fields(self, rank: int) -> dict[str, object]:
-        return {"rank": rank, "world_size": len(self.sockets), "port": self.config.ports[rank],
-                "socket": self.sockets[rank], "set": self.name}
+    def fields(self, engine: int) -> dict[str, object]:
+        """The placeholders of engine ``engine``: its rank (the first of its
+        ranks), the world size, its port and its rank's socket."""
+        return {"rank": engine, "world_size": len(self.sockets), "port": self.config.ports[engine],
+                "socket": self.sockets[engine], "set": self.name}
 
     def urls(self) -> list[str]:
         return [f"http://{self.config.host}:{port}" for port in self.config.ports]
@@ -89,7 +100,7 @@ class LocalProcessSet:
 
     async def start(self, mode: str) -> None:
         self._generation += 1
-        for rank in range(len(self.sockets)):
+        for rank in range(len(self.config.ports)):
             fields = self.fields(rank)
             argv = [part.format(**fields) for part in self.config.command]
             env = {**os.environ, **{k: v.format(**fields) for k, v in self.config.env}, "GMS_MODE": mode}
@@ -99,7 +110,8 @@ class LocalProcessSet:
                 path = os.path.join(self.config.log_dir, f"{self.name}-rank{rank}.log")
                 out = await trio.to_thread.run_sync(open, path, "ab")
             try:
-                proc = await trio.lowlevel.open_process(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+                proc = await trio.lowlevel.open_process(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                        start_new_session=True)
             finally:
                 if out is not subprocess.DEVNULL:
                     out.close()  # the child has its own copy
@@ -116,20 +128,31 @@ class LocalProcessSet:
     async def kill(self) -> None:
         self._generation += 1  # their exits are expected now
         for proc in self._procs.values():
-            if proc.returncode is None:
-                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+            self._signal_group(proc, signal.SIGKILL)  # SIGKILL also ends a stopped (SIGSTOP) process
         for proc in self._procs.values():
             await proc.wait()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         self._generation += 1
         for proc in self._procs.values():
-            if proc.returncode is None:
-                proc.terminate()
+            self._signal_group(proc, signal.SIGTERM)
         with trio.move_on_after(grace_s):
             for proc in self._procs.values():
                 await proc.wait()
         await self.kill()
+
+    def _signal_group(self, proc: trio.Process, sig: int) -> None:
+        """Signal an engine's whole process group, its leader gone or not (a
+        SIGKILLed API server leaves an engine core and workers behind).  The
+        group's id is the leader's pid, which no new process can take while
+        any member lives; a group found empty is not signalled again (the
+        number may then be reused)."""
+        if proc.pid in self._gone:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            self._gone.add(proc.pid)
 
 
 # -- Kubernetes pods -------------------------------------------------------------
@@ -166,7 +189,7 @@ def pods_by_rank(pods: list[dict], rank_label: str, world_size: int) -> dict[int
 
 
 class KubernetesPodSet:
-    def __init__(self, config: KubernetesSetConfig, world_size: int) -> None:
+    def __init__(self, config: KubernetesSetConfig) -> None:
         from kubernetes import client
         from kubernetes import config as kube_config
 
@@ -176,17 +199,17 @@ class KubernetesPodSet:
             kube_config.load_kube_config()
         self.name = config.name
         self.config = config
-        self.world_size = world_size
+        self.engines = config.engines  # pods: one per rank, or one over every rank
         self._api = client.CoreV1Api()
         self._pods: dict[int, dict] = {}
         self._killed: set[str] = set()
 
     def urls(self) -> list[str]:
         return [f"http://{self._pods[r]['status'].get('podIP')}:{self.config.port}" if r in self._pods else ""
-                for r in range(self.world_size)]
+                for r in range(self.engines)]
 
     def dead(self) -> list[int]:
-        return [r for r in range(self.world_size)
+        return [r for r in range(self.engines)
                 if r not in self._pods or not pod_running(self._pods[r])
                 or self._pods[r]["metadata"].get("uid") in self._killed]
 
@@ -198,7 +221,7 @@ class KubernetesPodSet:
 
         pods = await trio.to_thread.run_sync(list_pods)
         fresh = [p for p in pods if p["metadata"].get("uid") not in self._killed]
-        self._pods = pods_by_rank(fresh, self.config.rank_label, self.world_size)
+        self._pods = pods_by_rank(fresh, self.config.rank_label, self.engines)
 
     async def start(self, mode: str) -> None:
         """Wait for a live pod on every rank (the controller recreates deleted ones)."""
