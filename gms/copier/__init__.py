@@ -10,6 +10,7 @@ host copy (the writer just commits).  docs/architecture.md ("The copier").
 
 * ``messages``: the link (a socketpair, small frames, fds by SCM_RIGHTS);
 * ``engine`` / ``cuda_engine``: mapping and copying (memmove, or CUDA streams);
+  ``engines``: which one a backend copies with;
 * ``process``: the process's loop; ``selftest``: the engine alone, once.
 
 Nothing here is imported by the server: it starts ``python -m gms.copier``.

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return selftest(args.backend, args.device)
     if args.fd is None:
         parser.error("--fd is required (the server starts the copier)")
-    from .engine import open_engine
+    from .engines import open_engine
     from .process import Copier
 
     sock = socket.socket(fileno=args.fd)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import attrs
 
-from ..cuda import Mapper, open_mapper
+from ..cuda import Mapper
 
 
 @attrs.frozen
@@ -90,16 +90,6 @@ class HostEngine(MapperEngine):
 
     def wait(self, to_host: bool) -> None:
         pass  # memmove has returned: the bytes are there
-
-
-def open_engine(backend: str, device: int) -> Engine:
-    if backend == "cuda":
-        from .cuda_engine import CudaEngine
-
-        return CudaEngine(device)
-    if backend == "host":
-        return HostEngine(open_mapper("host", device))
-    raise ValueError(f"no copier engine for backend {backend!r}")
 
 
 def _close(fd: int) -> None:

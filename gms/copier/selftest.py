@@ -14,7 +14,7 @@ import os
 import time
 
 from ..cuda import open_backend, open_host_tier
-from .engine import open_engine
+from .engines import open_engine
 
 SIZE = 256 << 20
 
