@@ -79,15 +79,32 @@ def open_fds() -> int:
 
 
 class FdBudget:
-    """The server's fd count against its limit (see the module's doc)."""
+    """The server's fd count against its limit (see the module's doc).
 
-    def __init__(self, limit: int, reserve: int, base: int, memory: Callable[[], int] = lambda: 0) -> None:
+    Made before the memory tables, which are given it; it binds once the
+    server has taken its node (:meth:`settle`: what is open then, less what
+    the tables count).  Until then (adopting a node's memory) nothing is refused."""
+
+    def __init__(self, limit: int, reserve: int, base: int | None = None,
+                 memory: Callable[[], int] = lambda: 0) -> None:
         self.limit = limit
         self.reserve = reserve
-        self.base = base
+        self.base = base  # None: not bound yet
         self.memory = memory  # fds held by allocations and host copies, counted by their tables
         self.connections = 0
         self.lent = 0
+
+    @classmethod
+    def for_config(cls, config, memory: Callable[[], int]) -> FdBudget:
+        limit = fd_limit()
+        return cls(limit, config.fd_reserve if config.fd_reserve is not None else default_reserve(limit),
+                   memory=memory)
+
+    def settle(self, uncounted: int = 0) -> None:
+        """Bind the budget: the fds open now, less the memory tables' (counted by
+        them) and ``uncounted`` others that will be counted as they are used (a
+        take-over's clients' sockets, counted by their sessions' tickets)."""
+        self.base = max(0, open_fds() - self.memory() - uncounted)
 
     @property
     def budget(self) -> int:
@@ -100,12 +117,14 @@ class FdBudget:
 
     def used(self, memory: int | None = None) -> int:
         """Fds in use; ``memory``: the memory tables' count, if the caller has it already."""
-        return self.base + self.connections + self.lent + (self.memory() if memory is None else memory)
+        return (self.base or 0) + self.connections + self.lent + (self.memory() if memory is None else memory)
 
     def room(self, more: int = 1) -> bool:
-        return self.used() + more <= self.budget
+        return self.base is None or self.used() + more <= self.budget
 
     def check_memory(self, more: int) -> None:
+        if self.base is None:
+            return
         held = self.memory()
         used = self.used(held)  # the tables summed once
         if held + more <= self.memory_budget and used + more <= self.budget:
@@ -287,26 +306,14 @@ class _Refusals:
         self._since[uid] = (now, 0)
 
 
-def open_admission(core, config, *, uncounted: int = 0) -> Admission:
-    """The server's admission, its fd budget counting the core's memory tables
-    (which check it before making memory and lend from it for exports).
+def open_admission(fds: FdBudget, config, server_uid: int, *, uncounted: int = 0) -> Admission:
+    """The server's admission, once its node is taken: the fd budget bound.
 
     A server that took a node over holds fds already: the memory it adopted
     (counted by the tables, so left out of the base) and ``uncounted`` others
-    open now that will be counted as they are used (a take-over's clients'
-    sockets, counted by their sessions' tickets).  The keeper's fds are in the
-    keeper's table, not this one: it holds one per fd the memory tables hold
-    (and the listener), under the same limit (``gms serve`` raises both to the
-    hard limit), so the memory bound here keeps it within its own."""
-    limit = fd_limit()
-    reserve = config.fd_reserve if config.fd_reserve is not None else default_reserve(limit)
-    tiers = list(core.ledger.tiers.values())
-
-    def memory() -> int:
-        return sum(tier.fd_count() for tier in tiers)
-
-    fds = FdBudget(limit, reserve, max(0, open_fds() - memory() - uncounted), memory)
-    for tier in tiers:
-        tier.fds = fds
-    core.fds = fds
-    return Admission(config.policy, core.server_uid, fds, max_connections_per_uid=config.max_connections_per_uid)
+    open now (:meth:`FdBudget.settle`).  The keeper's fds are in the keeper's
+    table, not this one: it holds one per fd the memory tables hold (and the
+    listener), under the same limit (``gms serve`` raises both to the hard
+    limit), so the memory bound here keeps it within its own."""
+    fds.settle(uncounted)
+    return Admission(config.policy, server_uid, fds, max_connections_per_uid=config.max_connections_per_uid)

@@ -91,7 +91,7 @@ class ServiceCore:
         """``keeper``: the server's keeper link, told of nothing here but shown
         by the probes and the metrics (``gms.server.mirror``)."""
         if host is not None and not isinstance(host, HostMemory):
-            host = HostMemory(host)  # exact host copies, no copier: clients copy
+            host = HostMemory(host, fds=host.fds)  # exact host copies, no copier: clients copy
         self.device = device
         self.policy = policy
         self.server_uid = server_uid
@@ -127,7 +127,7 @@ class ServiceCore:
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
-        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.fds = gpu.fds  # the server's FdBudget (gms.server.admission), the tables' too
         self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
         self.tarpit = Tarpit(time.monotonic)  # refusals of a uid that keeps asking, answered late
 

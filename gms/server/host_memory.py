@@ -52,6 +52,7 @@ import os
 from ..cuda import OutOfMemory, align_up
 from ..fsm import HostBudgetExceeded, StateViolation
 from .copier_link import CopierLink
+from .admission import FdBudget
 from .memory import Memory
 
 log = logging.getLogger("gms.server.host")
@@ -83,6 +84,8 @@ class HostMemory:
         link: CopierLink | None = None,
         pool_bytes: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        observer=None,
+        fds: FdBudget | None = None,
     ) -> None:
         self.chunks = chunks
         self.backend = chunks.backend
@@ -113,8 +116,8 @@ class HostMemory:
         # Told of every host copy's chunks as the copy is made or let go (the
         # keeper link, where there is one): ``held("host", [(name, fd)])``,
         # ``released("host", [name])``.  The pool's chunks are not told.
-        self.observer = None
-        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.observer = observer
+        self.fds = fds  # the server's (gms.server.admission): each chunk holds an fd
         if link is not None:
             link.live_chunks = self._live_chunks
 

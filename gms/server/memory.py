@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from ..cuda import DeviceInfo, Held, MemoryBackend, MemoryLost, NoFileDescriptors, OutOfMemory
 from ..fsm.errors import Rejection
-from .admission import FdsExhausted
+from .admission import FdBudget, FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -123,7 +123,8 @@ class Stock:
 
 
 class Memory:
-    def __init__(self, backend: MemoryBackend, lane: Lane, stock_bytes: int = 0) -> None:
+    def __init__(self, backend: MemoryBackend, lane: Lane, stock_bytes: int = 0, observer=None,
+                 fds: FdBudget | None = None) -> None:
         self.backend = backend
         self.lane = lane
         self.name = backend.name
@@ -139,8 +140,8 @@ class Memory:
         # Told of every fd made or let go (the keeper link, where there is one):
         # ``held(tier, [(id, fd)])``, ``released(tier, [id])``; the tier is the lane's name.
         # The stock's spares are not told: they are no state, and die with the server.
-        self.observer = None
-        self.fds = None  # the server's FdBudget (gms.server.admission), once serving
+        self.observer = observer
+        self.fds = fds  # the server's (gms.server.admission): each allocation holds an fd
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """Make memory for each (id, aligned size), from the stock or in one lane

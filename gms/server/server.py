@@ -26,7 +26,7 @@ from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..store import EventLog
 from ..units import parse_budget
 from . import ratelimit, succession
-from .admission import LISTEN_BACKLOG, Admission, Ticket, open_admission
+from .admission import LISTEN_BACKLOG, Admission, FdBudget, Ticket, open_admission
 from .admission import serve as serve_admitted
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
 from .copier_link import CopierLink
@@ -155,6 +155,8 @@ class Server:
         self.signal = MemorySignal()  # memory released: told by the ledger, and by the keeper's acks
         self.listener = None
         self.link = None
+        # The fd budget, given to the memory tables as they are made; bound at admission.
+        self.fds = FdBudget.for_config(config, memory=self._memory_fds)
         # How serving ended without releasing anything: "taken-over" (another
         # server holds the node) or "left" (a signal: the keeper holds it).
         self.left_as: str | None = None
@@ -162,11 +164,15 @@ class Server:
         self._accepting: trio.CancelScope | None = None
         self._accept_again = trio.Event()
 
+    def _memory_fds(self) -> int:
+        """Fds the memory tables hold (each allocation, each host chunk)."""
+        return 0 if self.core is None else sum(tier.fd_count() for tier in self.core.ledger.tiers.values())
+
     def _gpu_memory(self) -> Memory:
         stock = self.config.alloc_stock_bytes
         if stock is None:
             stock = DEFAULT_STOCK_BYTES if self.backend.name == "cuda" else 0
-        return Memory(self.backend, Lane("gpu"), stock)
+        return Memory(self.backend, Lane("gpu"), stock, observer=self.link, fds=self.fds)
 
     async def _open_core(self, gpu: Memory, log: EventLog | None = None) -> ServiceCore:
         config = self.config
@@ -177,7 +183,8 @@ class Server:
                 copier = CopierLink(self.backend.name, config.device, log_level=level)
             host = HostMemory(
                 Memory(self.host_tier, Lane("host")), link=copier,
-                pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes,
+                pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes, observer=self.link,
+                fds=self.fds,
             )
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
@@ -208,16 +215,14 @@ class Server:
         self.metrics.watch(self.core)
         if self.link is not None:  # it sends nothing before it is attached (succession.take_the_node)
             log.link = self.link
-            for memory in self.core.ledger.tiers.values():
-                memory.observer = self.link
         return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.config.socket_path
-        core = None
-        gpu = self._gpu_memory()
+        core = gpu = None
         try:
             self.link = open_link(self.config)
+            gpu = self._gpu_memory()  # told of every fd it makes or lets go: the keeper link, if any
             try:
                 # Blocking: nothing is served yet.  The device asked on its lane, like every backend call.
                 start = prepare(self.config, self.link, await gpu.device_info())
@@ -239,7 +244,8 @@ class Server:
                 listener, inode = trio.socket.from_stdlib_socket(start.listener), succession.inode(path)
                 listener.listen(LISTEN_BACKLOG)  # this version's, whoever made the socket (queued ones stay)
         except BaseException:
-            gpu.lane.stop()
+            if gpu is not None:
+                gpu.lane.stop()
             self._close_backends()
             raise
         self.listener = listener
@@ -254,7 +260,8 @@ class Server:
                 raise
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
-            self.admission = open_admission(core, self.config, uncounted=succession.handed_sockets(start))
+            self.admission = open_admission(self.fds, self.config, core.server_uid,
+                                            uncounted=succession.handed_sockets(start))
             if self.config.metrics_port is not None:
                 self.metrics_port = await succession.serve_metrics(self.metrics, self.config)
             async with trio.open_nursery() as nursery:
