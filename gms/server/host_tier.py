@@ -17,7 +17,6 @@ from ..fsm import (
     LimitExceeded,
     StateViolation,
     decide_host_copy,
-    fold_all,
     queries,
 )
 from ..fsm.rules import allocation_of
@@ -94,26 +93,23 @@ class HostTier:
         return Reply(response, fds=tuple(fds))
 
     async def _make(self, conn: int, allocation_ids: list[str]) -> None:
-        def propose():
+        def decide():
             layout = queries.layout_of(self.ledger.state, conn)
             return [e for i in allocation_ids for e in decide_host_copy(layout, conn, i)]
 
-        events = propose()
-        fold_all(events, self.ledger.state)  # refusals (not the writer, the host budget) cost nothing yet
+        events = decide()
         if not events:
             return
         layout = queries.layout_of(self.ledger.state, conn)
         items = [(e.allocation_id, self._size(layout.allocations[e.allocation_id])) for e in events]
-        try:
-            await self.host.create(items)
-        except OutOfMemory as exc:
-            raise HostBudgetExceeded(f"host memory exhausted: {exc}") from None
-        # The world may have changed during the await: decide and check again.
-        try:
-            again = propose()
-            if [e.allocation_id for e in again] != [e.allocation_id for e in events]:
-                raise StateViolation("the layout's host copies changed while these were made")
-            self.ledger.record(again)
-        except BaseException:
-            self.host.release([allocation_id for allocation_id, _ in items])
-            raise
+
+        async def make() -> None:
+            try:
+                await self.host.create(items)
+            except OutOfMemory as exc:
+                raise HostBudgetExceeded(f"host memory exhausted: {exc}") from None
+
+        await self.ledger.make_then_record(
+            decide, make, lambda _: self.host.release([allocation_id for allocation_id, _ in items]),
+            changed="the layout's host copies changed while these were made",
+        )

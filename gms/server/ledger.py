@@ -13,13 +13,28 @@ appends to the log.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
-from ..fsm import InvariantViolation, MemoryTier, NodeState, Rejection, batch_effects
+from ..fsm import (
+    InvariantViolation,
+    MemoryTier,
+    NodeState,
+    Rejection,
+    StateViolation,
+    batch_effects,
+)
 from ..fsm.events import Event
 from ..store import EventLog, Folded
 from .lock_queues import LockQueues
 from .memory import Memory
+
+T = TypeVar("T")
+
+
+def _keys(events: list[Event]) -> list[tuple[str, str | None]]:
+    """What two decisions must share to be the same: each event's kind and allocation."""
+    return [(type(e).__name__, getattr(e, "allocation_id", None)) for e in events]
 
 
 class Ledger:
@@ -70,6 +85,40 @@ class Ledger:
         raises): for a decision that spans an ``await``, which records it after,
         or one that builds a batch (:meth:`fold_more`)."""
         return self.log.fold(events)
+
+    async def make_then_record(
+        self,
+        decide: Callable[[], list[Event]],
+        make: Callable[[], Awaitable[T]],
+        undo: Callable[[T], None],
+        *,
+        changed: str,
+        keep: Callable[[T], None] = lambda made: None,
+    ) -> list[Event]:
+        """Decide, make what the decision needs, decide again, then record it or undo.
+
+        ``decide()`` gives the events on the state as it is; they are folded
+        before anything is made (a refusal costs nothing).  ``make()`` awaits
+        what they need (memory, pinned or copied into): the world may change
+        meanwhile, so they are decided again on the state as it is then and,
+        if they are the same events on the same allocations, ``keep(made)``
+        takes what was made into the tables and they are recorded.  Anything
+        else (a refusal now; other events: StateViolation ``changed``; an
+        error in ``keep``) undoes what was made: ``undo(made)`` (a ``make``
+        that fails gives back what it made itself)."""
+        first = decide()
+        self.fold(first)
+        made = await make()
+        try:
+            again = decide()
+            if _keys(again) != _keys(first):
+                raise StateViolation(changed)
+            keep(made)
+            self.record(again)
+        except BaseException:
+            undo(made)
+            raise
+        return again
 
     def fold_more(self, folded: Folded, events: list[Event]) -> Folded:
         """``folded`` and then ``events``, which the server proposes (a grant, say):

@@ -42,11 +42,9 @@ from ..fsm import (
     HostBudgetExceeded,
     HostCopyMissing,
     Rejection,
-    StateViolation,
     decide_commit,
     decide_host_copy,
     decide_restore_finished,
-    fold_all,
 )
 from ..fsm.queries import layout_of
 from ..fsm.state import Allocation
@@ -86,31 +84,37 @@ class Transfers:
         missing = self._missing(conn)
         if not missing:
             return self.requests.handle(conn, request)
-        fold_all(self._host_copy_events(conn, missing), self.ledger.state)  # the host budget, before any memory
-        if not await self.link.usable():
-            raise HostCopyMissing(
-                f"residency system needs a host copy of every allocation and this server's copier is "
-                f"{self.link.state}: make them from the client (the client library does) and commit again"
-            )
-        started = time.perf_counter()
-        chunks = await self._fill(missing)  # allocation id -> its chunks, filled
-        filled = time.perf_counter()
-        # The world may have changed during the awaits: decide again, record all or nothing.
+        def decide():
+            (commit,) = decide_commit(layout_of(self.ledger.state, conn), conn, request.residency)
+            return [*self._host_copy_events(conn, self._missing(conn)), commit]
+
+        timed: list[float] = []
         adopted: list[str] = []
-        try:
-            if [a.allocation_id for a in self._missing(conn)] != [a.allocation_id for a in missing]:
-                raise StateViolation("the layout's host copies changed while the copier filled them")
-            layout = layout_of(self.ledger.state, conn)
-            (commit,) = decide_commit(layout, conn, request.residency)
-            events = self._host_copy_events(conn, missing)
+
+        async def fill() -> dict[str, list[str]]:
+            if not await self.link.usable():
+                raise HostCopyMissing(
+                    f"residency system needs a host copy of every allocation and this server's copier is "
+                    f"{self.link.state}: make them from the client (the client library does) and commit again"
+                )
+            timed.append(time.perf_counter())
+            chunks = await self._fill(missing)  # allocation id -> its chunks, filled
+            timed.append(time.perf_counter())
+            return chunks
+
+        def adopt(chunks: dict[str, list[str]]) -> None:
             for allocation in missing:
                 self.host.adopt(allocation.allocation_id, chunks.pop(allocation.allocation_id))
                 adopted.append(allocation.allocation_id)
-            self.ledger.record([*events, commit])
-        except BaseException:
+
+        def undo(chunks: dict[str, list[str]]) -> None:
             self.host.release(adopted)
             self.host.discard(c for ids in chunks.values() for c in ids)
-            raise
+
+        # The host budget is checked before the copier is asked; all or nothing after.
+        *_, commit = await self.ledger.make_then_record(
+            decide, fill, undo, keep=adopt, changed="the layout's host copies changed while the copier filled them")
+        started, filled = timed
         log.info(
             "publish of %r with host copies: %d allocations, %.1f MiB copied in %.1f ms, recorded in %.1f ms",
             layout.name, len(missing), sum(a.aligned_size for a in missing) / 2**20, (filled - started) * 1e3,
