@@ -502,7 +502,7 @@ def test_every_name_the_plugin_imports_from_vllm_is_in_the_table():
 def test_progress_comes_from_vllm_s_own_metrics():
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
-    from gms.integrations.vllm.progress import progress
+    from gms.integrations.vllm.progress import TOKEN_WEIGHT, progress
 
     registry = CollectorRegistry()
     assert progress(registry) is None  # --disable-log-stats: nothing to go by
@@ -517,7 +517,17 @@ def test_progress_comes_from_vllm_s_own_metrics():
         generated.labels("m", engine).inc(3)
         running.labels("m", engine).set(2)
         waiting.labels("m", engine).set(1)
-    assert progress(registry) == {"steps": 30, "pending": 6}
+    assert progress(registry) == {"steps": 30 * TOKEN_WEIGHT, "pending": 6}
+    # A long prompt prefilled in chunks: no token yet, but each chunk takes KV blocks.
+    usage = Gauge("vllm:kv_cache_usage_perc", "", labels, registry=registry)
+    before = progress(registry)["steps"]
+    usage.labels("m", "0").set(0.25)
+    moved = progress(registry)["steps"]
+    usage.labels("m", "0").set(0.2513)
+    assert before < moved < progress(registry)["steps"] and progress(registry)["pending"] == 6
+    prompt.labels("m", "0").inc(1)  # tokens and usage never mistaken for each other
+    usage.labels("m", "0").set(0.0)
+    assert progress(registry)["steps"] == 31 * TOKEN_WEIGHT
 
 
 def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_hung_while_idle():
@@ -525,7 +535,7 @@ def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_
 
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
-    from gms.integrations.vllm.progress import Health
+    from gms.integrations.vllm.progress import TOKEN_WEIGHT, Health
 
     registry = CollectorRegistry()
     tokens = Counter("vllm:generation_tokens", "", registry=registry)
@@ -558,19 +568,19 @@ def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_
         assert (await health.answer(None, canary, 1))[0] == 503
         assert (await health.answer(Client(dead=True), canary, 1))[1]["status"] == "dead"
         code, body = await health.answer(Client(), canary, 1)  # idle and awake: one token
-        assert code == 200 and body["status"] == "serving" and body["progress"] == {"steps": 1, "pending": 0}
+        assert code == 200 and body["status"] == "serving" and body["progress"] == {"steps": TOKEN_WEIGHT, "pending": 0}
         assert (await health.answer(Client(sleeping=True), canary, 1))[1]["status"] == "asleep"
         assert (await health.answer(Client(), broken, 1))[0] == 503
         running.set(3)  # saturated: answered from its progress, the core not asked at all
         busy = Client()
         code, body = await health.answer(busy, canary, 1)
-        assert (code, body["progress"], busy.calls) == (200, {"steps": 1, "pending": 3}, [])
+        assert (code, body["progress"], busy.calls) == (200, {"steps": TOKEN_WEIGHT, "pending": 3}, [])
         running.set(0)
         hung = Client(hang=True)  # the core hangs while idle: the first answer never comes...
         first = asyncio.ensure_future(health.answer(hung, canary, 1))
         await asyncio.sleep(0.01)
         code, body = await health.answer(hung, canary, 1)  # ...the next says so at once
-        assert (code, body["progress"]) == (200, {"steps": 1, "pending": 1}) and hung.calls == ["is_sleeping"]
+        assert (code, body["progress"]) == (200, {"steps": TOKEN_WEIGHT, "pending": 1}) and hung.calls == ["is_sleeping"]
         first.cancel()
 
     asyncio.run(scenario())

@@ -1,10 +1,16 @@
 """A vLLM engine's progress, as ``GET /gms/health`` reports it to the failover
 coordinator (``{"steps", "pending"}``, docs/failover.md), from vLLM's own
 Prometheus metrics in the API server's process: the tokens its engine core
-has processed (prompt and generated: they move with every model step that
-does work) and the requests running or waiting in its scheduler.  Both are
-recorded as the engine core's outputs arrive, so they stand still when the
-core hangs, and go on when it is merely saturated.
+has processed (prompt and generated) and the requests running or waiting in
+its scheduler.  A long prompt prefilled in chunks produces no token, and
+counts no prompt token, until its last chunk (vLLM counts a prompt with its
+first token): alone on the engine it would look hung for the whole prefill.
+But the scheduler's stats come with every step, outputs or not (vLLM's
+``Scheduler.update_from_output``: "We must return the stats even if there
+are no request outputs this step", 0.26 to 0.33), and a chunk takes KV
+blocks: so ``steps`` also moves with the KV cache's usage.  All of it is
+recorded as the engine core's steps arrive, so it stands still when the core
+hangs, and goes on when it is merely saturated.
 
 None where vLLM records no metrics (``--disable-log-stats``): the
 coordinator then judges the engine by its canaries alone.  ``Health`` is the
@@ -21,18 +27,25 @@ from prometheus_client import REGISTRY, CollectorRegistry
 # vLLM's metric names (vllm/v1/metrics/loggers.py; the surface check finds each in every release).
 TOKENS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction (0 to 1) per engine, despite its name
+# steps = tokens x TOKEN_WEIGHT + the KV usage in millionths (summed over
+# engines): one number that changes when either does, and never collides.
+TOKEN_WEIGHT = 10**12
 
 
 def progress(registry: CollectorRegistry = REGISTRY) -> dict | None:
-    steps = pending = None
+    tokens = pending = None
+    kv = 0.0
     for family in registry.collect():
         if family.name in TOKENS:
-            steps = (steps or 0) + sum(s.value for s in family.samples if s.name.endswith("_total"))
+            tokens = (tokens or 0) + sum(s.value for s in family.samples if s.name.endswith("_total"))
         elif family.name in REQUESTS:
             pending = (pending or 0) + sum(s.value for s in family.samples)
-    if steps is None or pending is None:
+        elif family.name == KV_USAGE:
+            kv += sum(s.value for s in family.samples)
+    if tokens is None or pending is None:
         return None
-    return {"steps": int(steps), "pending": int(pending)}
+    return {"steps": int(tokens) * TOKEN_WEIGHT + round(kv * 1_000_000), "pending": int(pending)}
 
 
 class Health:

@@ -88,7 +88,8 @@ USES = (
     Use("vllm.engine.protocol", "EngineClient.generate", "call", positional=3),
     # The metrics GET /gms/health reads its progress from (progress.py).
     *(Use("vllm.v1.metrics.loggers", metric, "defined") for metric in (
-        "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_requests_running", "vllm:num_requests_waiting")),
+        "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_requests_running", "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc")),
 )
 
 
