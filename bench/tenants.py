@@ -224,7 +224,7 @@ def quota_check_cost(tenants: int, layouts: int = 1024, calls: int = 200_000) ->
     from gms.cuda.host import HostBackend
     from gms.fsm import admit_allocation
     from gms.policy import Policy, TenantPolicy
-    from gms.server.core import ServiceCore
+    from gms.server.service.core import ServiceCore
     from gms.peer import Peer
     from gms.wire import messages as m
 

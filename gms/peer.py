@@ -2,7 +2,7 @@
 
 Identity comes from the kernel, never from what a peer says.  Every endpoint
 that hands over fds or state checks its peer with :func:`require_peer`: the
-server its clients (``gms.server.admission``), a client its server
+server its clients (``gms.server.edge.admission``), a client its server
 (``gms.client.transport``), a server its keeper and a keeper its server, a
 new server the old one it takes over and the old one the new.
 """

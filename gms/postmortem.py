@@ -8,7 +8,7 @@ log is replayable only whole: where retention dropped its beginning (the
 first event is not ``SERVER_STARTED`` at sequence 1) or a filter left gaps,
 it says so instead of guessing.
 
-A journal a restarted server could not rebuild (``gms.server.resume.save_journal``)
+A journal a restarted server could not rebuild (``gms.server.restart.resume.save_journal``)
 is such a file too: its first rows say why it was saved (``GMS_JOURNAL``) and
 hold the state the events start from (``STATE_IMAGE``, the keeper's base image
 in hex), so replay starts there instead of at ``SERVER_STARTED``; entries the

@@ -133,7 +133,7 @@ class RankServers:
 
     def stop(self) -> None:
         """SIGKILL the keeper and its server together (a server whose keeper alone
-        died would start another: gms.server.succession.find_keeper)."""
+        died would start another: gms.server.restart.succession.find_keeper)."""
         if self.proc.poll() is None:
             kill_tree(self.proc.pid)
             self.proc.wait()

@@ -29,8 +29,8 @@ from gms.fsm.events import (
 )
 from gms.handover.image import ConnImage, PendingImage, ProtocolImage, ServerInfo, StateImage
 from gms.store import EventLog
-from gms.wire.codec import encode_body
 from gms.wire import messages as m
+from gms.wire.codec import encode_body
 
 MiB = 1 << 20
 FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2)}

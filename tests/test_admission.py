@@ -19,11 +19,11 @@ import trio
 
 from gms.cuda.host import HostBackend
 from gms.fsm import OverLimit
+from gms.peer import Peer
 from gms.policy import OPEN_POLICY, parse_policy
 from gms.server import Server, ServerConfig
-from gms.server.admission import Admission, FdBudget, FdsExhausted, refusal_frame
-from gms.peer import Peer
-from gms.server.ratelimit import RateLimit
+from gms.server.edge.admission import Admission, FdBudget, FdsExhausted, refusal_frame
+from gms.server.edge.ratelimit import RateLimit
 from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
@@ -335,7 +335,7 @@ async def test_a_refused_client_gets_a_typed_error_naming_the_limit(tmp_path):
 
 def test_the_scan_cache_stays_within_its_bytes():
     from gms.fsm.state import LayoutState
-    from gms.server.requests import ScanCache
+    from gms.server.service.requests import ScanCache
 
     cache = ScanCache(max_bytes=1 * MiB)
     for n in range(200):

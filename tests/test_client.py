@@ -21,7 +21,6 @@ from gms import (
     RequestedLockType,
     StaleMemoryLayoutError,
 )
-
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, build_layout, wait_until

@@ -13,8 +13,8 @@ import types
 import pytest
 
 from gms.client import transport
-from gms.errors import GMSError
 from gms.client.transport import PROBE_EVERY, RpcTransport
+from gms.errors import GMSError
 from gms.wire import messages as m
 
 WINDOW_S = 200e-6

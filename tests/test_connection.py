@@ -7,8 +7,8 @@ import pytest
 
 from gms.wire import ProtocolError, UnknownMessageType, encode
 from gms.wire import messages as m
-from gms.wire.connection import NEED_DATA, PEER_CLOSED, ConnectionState, Refused, ServerConnection
 from gms.wire.codec import HEADER
+from gms.wire.connection import NEED_DATA, PEER_CLOSED, ConnectionState, Refused, ServerConnection
 
 CAP = 1024
 

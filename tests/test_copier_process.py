@@ -1,5 +1,5 @@
 """The copier process on its own: a real ``python -m gms.copier`` on a socketpair,
-driven frame by frame as the server drives it (gms/server/copier_link.py)."""
+driven frame by frame as the server drives it (gms/server/tiers/copier_link.py)."""
 
 from __future__ import annotations
 

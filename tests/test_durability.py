@@ -33,7 +33,12 @@ import time
 
 import pytest
 
-from gms import GMSClientMemoryManager, RequestedLockType, ResponseTimeoutError, StaleMemoryLayoutError
+from gms import (
+    GMSClientMemoryManager,
+    RequestedLockType,
+    ResponseTimeoutError,
+    StaleMemoryLayoutError,
+)
 from gms.errors import LockTimeoutError
 from gms.wire import messages as m
 
@@ -195,7 +200,13 @@ def test_a_journal_that_cannot_be_resumed_nor_saved_is_kept(tmp_path):
     (this test, standing in) still holds every fd and the journal."""
     from gms.fsm.events import RoConnect
     from gms.handover import frames
-    from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, encode_entries, encode_image
+    from gms.handover.image import (
+        STATE_VERSION,
+        ServerInfo,
+        StateImage,
+        encode_entries,
+        encode_image,
+    )
     from gms.keeper.store import Store
     from gms.store import LogEntry
 

@@ -30,7 +30,8 @@ from gms.fsm.events import (
     RwConnect,
 )
 
-from .fsm_events import committed as committed_by, opened, reader, started, writer
+from .fsm_events import committed as committed_by
+from .fsm_events import opened, reader, started, writer
 
 RW, RO, AUTO = RequestedLockType.RW, RequestedLockType.RO, RequestedLockType.RW_OR_RO
 EMPTY = LayoutState("w")

@@ -400,11 +400,9 @@ def test_the_image_carries_every_field_of_the_state():
     reader for this one) along with the class.  This test names what to do."""
     import attrs
 
-    from gms.fsm import NodeState, SessionInfo, TenantState
+    from gms.fsm import Limits, NodeState, SessionInfo, TenantState
     from gms.fsm.state import Allocation, LayoutState, MetadataEntry
     from gms.handover import image as codec
-
-    from gms.fsm import Limits
 
     node = rich_image().state
     body = codec._node_v2(node)
@@ -428,7 +426,7 @@ def test_a_tenant_sees_only_its_own_quotas_in_server_resumed():
     """As in SERVER_STARTED (issue 21's history filter): a new server's
     configuration names every tenant's quotas; a tenant is shown its own."""
     from gms.policy import Policy, TenantPolicy
-    from gms.server.probes import View
+    from gms.server.service.probes import View
     from gms.store import LogEntry
 
     state = rich_log().state

@@ -115,7 +115,7 @@ async def test_two_writers_cannot_both_take_the_last_of_the_host_budget(tmp_path
     Before the fold held the budget, both passed the check, the budget was
     overshot and a replay failed; then the second was made too and refused when
     recorded.  Now memory in the making counts against the budget (the host
-    tier's physical total, gms/server/host_memory.py): the second is refused at
+    tier's physical total, gms/server/tiers/host_memory.py): the second is refused at
     once, before any memory is pinned for it."""
     async with trio.open_nursery() as nursery:
         server, gpu, host = await serving(nursery, tmp_path, host_budget="3MiB")

@@ -11,7 +11,7 @@ import pytest
 
 from gms.fsm import StateViolation
 from gms.fsm.events import HostCopyCreated
-from gms.server.ledger import Ledger
+from gms.server.service.ledger import Ledger
 
 
 def event(allocation_id: str) -> HostCopyCreated:

@@ -35,7 +35,6 @@ from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_stor
 from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
 
-
 _started: list[ServerProcess] = []
 
 
@@ -368,7 +367,7 @@ def check_discarded(served, store, bad_seq: int, saved_dir) -> None:
 def test_the_saved_journal_of_a_good_state_replays(tmp_path):
     """What `gms replay` reads from a saved journal: the base image, then the events."""
     from gms.postmortem import replay_rows
-    from gms.server.resume import save_journal
+    from gms.server.restart.resume import save_journal
 
     log = rich_log()
     entries = list(log.entries())

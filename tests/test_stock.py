@@ -1,11 +1,11 @@
-"""Small allocations made ahead of need (gms.server.memory.Stock)."""
+"""Small allocations made ahead of need (gms.server.tiers.memory.Stock)."""
 
 from __future__ import annotations
 
 import os
 
 from gms.cuda import Held
-from gms.server.memory import Stock
+from gms.server.tiers.memory import Stock
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, ServerProcess, wait_until

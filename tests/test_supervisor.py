@@ -14,7 +14,6 @@ import pytest
 
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
-
 from gms.wire import messages as m
 
 from .helpers import RawConn, build_layout, wait_until

@@ -27,13 +27,21 @@ import pytest
 from gms.client.probes import get_runtime_state
 from gms.handover import frames
 from gms.handover.image import READABLE_VERSIONS
-from gms.server.takeover import abort, request_take_over
+from gms.server.restart.takeover import abort, request_take_over
 from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 
 from .handover_fixtures import ALLOCATIONS, FIXTURE
 from .helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
-from .test_restart import _kill_servers, killed, pattern, publish_raw, read_through, server_process, write_through  # noqa: F401 - the autouse fixture
+from .test_restart import (  # noqa: F401 - the autouse fixture
+    _kill_servers,
+    killed,
+    pattern,
+    publish_raw,
+    read_through,
+    server_process,
+    write_through,
+)
 
 AS_ROOT = os.geteuid() == 0
 

@@ -1,8 +1,8 @@
-"""Refusals slowed for a uid that keeps asking past its limits (gms/server/tarpit.py)."""
+"""Refusals slowed for a uid that keeps asking past its limits (gms/server/edge/tarpit.py)."""
 
 from __future__ import annotations
 
-from gms.server.tarpit import DELAY_S, FREE_PER_S, Tarpit
+from gms.server.edge.tarpit import DELAY_S, FREE_PER_S, Tarpit
 
 
 class Clock:

@@ -16,7 +16,15 @@ import gms
 from gms.client.admin import evict, revoke
 from gms.wire import messages as m
 
-from .helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, shared_folder, wait_until
+from .helpers import (
+    MiB,
+    RawConn,
+    ServerProcess,
+    build_layout,
+    connect_as,
+    shared_folder,
+    wait_until,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")
 

@@ -6,10 +6,9 @@ this runs in CI; on the CUDA backend the same tests run on the GPU.
 
 from __future__ import annotations
 
-import os
-
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import gms.torch as gt  # noqa: E402
 import gms  # noqa: E402
+import gms.torch as gt  # noqa: E402
 from gms import GMSClientMemoryManager, RequestedLockType  # noqa: E402
 from gms.client.transport import RpcTransport  # noqa: E402
 from gms.cuda.host import HostBackend, HostMapper  # noqa: E402

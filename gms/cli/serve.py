@@ -250,8 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from ..server import SocketPathError, run_server
-
-    from ..server.resume import TakeOverRefused, Unresumable
+    from ..server.restart.resume import TakeOverRefused, Unresumable
 
     try:
         trio.run(run_server, config)

@@ -1,6 +1,6 @@
 """``python -m gms.copier --fd N --backend B --device D``: the copier, on a link the server made.
 
-Started by the server (``gms.server.copier_link``), never by hand; ``--selftest``
+Started by the server (``gms.server.tiers.copier_link``), never by hand; ``--selftest``
 checks the engine alone (``gms.copier.selftest``).
 """
 

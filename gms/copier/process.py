@@ -1,6 +1,6 @@
 """The copier process: holds every host chunk mapped, copies on the server's word.
 
-One per server (the server starts it, ``gms.server.copier_link``), with a
+One per server (the server starts it, ``gms.server.tiers.copier_link``), with a
 CUDA context of its own (on the host backend, no context: ``memmove``), so
 the server keeps none.  It owns no state: the server's event log says what
 exists; the copier keeps mappings and moves bytes.

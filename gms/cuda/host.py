@@ -43,7 +43,7 @@ def _flock(lock_type: int) -> bytes:
 class HostBackend:
     """``memfd`` allocations; ``capacity`` (bytes, None: unlimited) makes OOM testable.
 
-    Called from its lane thread (``gms.server.lanes``), like the CUDA backend,
+    Called from its lane thread (``gms.server.tiers.lanes``), like the CUDA backend,
     and for small allocations from the event loop too, so its counts take a
     lock.  It keeps no table of what it made."""
 

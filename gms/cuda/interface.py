@@ -79,8 +79,8 @@ class MemoryBackend(Protocol):
     made by ``cuMemCreate`` on CUDA).
 
     A backend keeps no table of what it made: the server does, on its event
-    loop (``gms.server.memory``), and calls the backend from that tier's lane
-    (``gms.server.lanes``), one call at a time; ``create`` and ``release``
+    loop (``gms.server.tiers.memory``), and calls the backend from that tier's lane
+    (``gms.server.tiers.lanes``), one call at a time; ``create`` and ``release``
     also from the loop, for a few allocations of up to ``loop_bytes`` in all."""
 
     name: str

@@ -164,7 +164,7 @@ class _Nvml:
 class VmmBackend:
     """Creates and exports device memory; never maps it, never needs a context.
 
-    Called from one lane thread only (``gms.server.lanes``); it keeps no table:
+    Called from one lane thread only (``gms.server.tiers.lanes``); it keeps no table:
     the server's loop does."""
 
     name = "cuda"

@@ -12,7 +12,7 @@ Two ways to run it:
   container connect to it (Kubernetes: a pod's keeper and server containers
   share the folder); one store per device, one server per device at a time.
 
-The conversation (``gms.server.mirror`` has the server's side): the server
+The conversation (``gms.server.restart.mirror`` has the server's side): the server
 says hello, the keeper hands back what it holds, the server mirrors every
 change until it goes (EOF).  The keeper never parses a state: it needs no
 core and no CUDA, so nothing a server does can crash it.  Under systemd it

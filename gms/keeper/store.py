@@ -3,7 +3,7 @@
 The keeper never reads what it keeps: the base's parts and log entries are
 opaque bytes, fds are numbers under keys the server chose (``listener``,
 ``gpu:<id>``, ``host:<id>``).  :meth:`Store.apply` takes the server's frames
-(``gms.server.mirror`` says what each means) in the order they came; the
+(``gms.server.restart.mirror`` says what each means) in the order they came; the
 hand-back is what the next server gets.  An fd is kept until the server
 releases it, a base leaves it out, or the node is dropped.  The base is kept
 in parts (``gms.handover.journal``): ``part`` frames stage the parts that

@@ -1,7 +1,7 @@
 """The Trio server: a thin shell around gms.fsm and gms.store."""
 
 from .config import ServerConfig
-from .core import ServiceCore
 from .server import Server, SocketPathError, run_server
+from .service.core import ServiceCore
 
 __all__ = ["Server", "ServerConfig", "ServiceCore", "SocketPathError", "run_server"]

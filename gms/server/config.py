@@ -8,7 +8,6 @@ from ..fsm import Limits
 from ..policy import OPEN_POLICY, Policy
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 
-
 DEFAULT_STOCK_BYTES = 64 << 20
 
 
@@ -41,14 +40,14 @@ class ServerConfig:
     history_max_bytes: int = 8 << 20
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
-    # Restarts and take-overs (gms.keeper, gms.server.takeover):
+    # Restarts and take-overs (gms.keeper, gms.server.restart.takeover):
     keeper_fd: int | None = None  # the channel to the keeper that started this server
     keeper_socket: str | None = None  # or the socket of a keeper in another container
     take_over: bool = False  # take the place of a server live on socket_path (else start as usual)
     handover_timeout: float = 30.0  # for a quiet point, and for the other side of a take-over
     state_dir: str | None = None  # where a state that does not rebuild is saved (default: the socket's folder)
     ready_file: str | None = None  # created once serving, removed on exit (a readiness probe's)
-    # Connections (gms.server.admission): a deadline for the first request, a
+    # Connections (gms.server.edge.admission): a deadline for the first request, a
     # cap per peer uid (None: none), fds kept for admins (None: the default).
     handshake_timeout: float = 10.0
     max_connections_per_uid: int | None = 256

@@ -1,7 +1,7 @@
 """The listener: one Unix socket per GPU, one nursery, one task per connection.
 
 ``Server.serve`` binds (or takes the socket and the node from its keeper, or
-from a server it takes over: ``gms.server.startup``), reports itself
+from a server it takes over: ``gms.server.restart.startup``), reports itself
 started, and accepts until cancelled; on the way out
 every connection task is cancelled (each unwinds its lock), the memory is
 released on its lanes and the socket file removed.  Two ways out leave
@@ -23,26 +23,27 @@ import attrs
 import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
+from ..peer import Peer, own_uids
 from ..store import EventLog
 from ..units import parse_budget
-from . import ratelimit, succession
-from .admission import LISTEN_BACKLOG, Admission, FdBudget, Ticket, open_admission
-from .admission import serve as serve_admitted
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
-from .copier_link import CopierLink
-from .core import ServiceCore
-from .host_memory import HostMemory
-from .lanes import Lane
-from .memory import Memory
-from .memory_signal import MemorySignal
+from .edge import ratelimit
+from .edge.admission import LISTEN_BACKLOG, Admission, FdBudget, Ticket, open_admission
+from .edge.admission import serve as serve_admitted
+from .edge.netio import Channel
 from .metrics import Metrics
-from .mirror import DRAIN_S, MirroredLog
-from .netio import Channel
-from ..peer import Peer, own_uids
-from .quiesce import Quiesce
-from .resume import TakeOverRefused, Unresumable
-from .session import Session, is_cancellation
-from .startup import open_link, prepare
+from .restart import succession
+from .restart.mirror import DRAIN_S, MirroredLog
+from .restart.resume import TakeOverRefused, Unresumable
+from .restart.startup import open_link, prepare
+from .service.core import ServiceCore
+from .service.quiesce import Quiesce
+from .service.session import Session, is_cancellation
+from .tiers.copier_link import CopierLink
+from .tiers.host_memory import HostMemory
+from .tiers.lanes import Lane
+from .tiers.memory import Memory
+from .tiers.memory_signal import MemorySignal
 
 logger = logging.getLogger("gms.server")
 
@@ -371,7 +372,7 @@ class Server:
 
     def _taken_over_by(self, channel: Channel, protocol, request) -> None:
         """A connection asked for this server's place: the conversation is the take-over's."""
-        from .takeover import hand_over
+        from .restart.takeover import hand_over
 
         self._nursery.start_soon(hand_over, self, channel, protocol, request)
 

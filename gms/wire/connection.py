@@ -22,7 +22,7 @@ out, so each rule is tested without sockets:
   see a hang-up), but more than one whole frame pipelined behind it is a
   protocol error.
 
-The Trio shell (``gms.server.session``) is the small loop around it: feed
+The Trio shell (``gms.server.service.session``) is the small loop around it: feed
 what the socket gives, serve what comes out, send what it encodes.
 """
 

@@ -45,9 +45,9 @@ from gms.fsm import (
     fold,
     fold_all,
     plan_evictions,
+    queries,
     schedule,
 )
-from gms.fsm import queries
 from gms.fsm.events import RestoreLoading, ServerStarted, SessionClosed
 from gms.store import EventLog
 

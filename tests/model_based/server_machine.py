@@ -37,7 +37,14 @@ from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from gms.cuda import open_mapper
 from gms.fsm import (
@@ -514,7 +521,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     def _decide_commit(self, state, conn, residency):
         """The commit; with a copier, a ``system`` one makes the missing host copies
-        first (``gms.server.transfers``: recorded with it, all or nothing)."""
+        first (``gms.server.service.transfers``: recorded with it, all or nothing)."""
         (commit,) = decide_commit(state, conn, residency)
         if not (self.copier and residency == "system"):
             return [commit]

@@ -31,6 +31,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from gms.fsm import check_invariants, decide_resume, fold_all, released_memory
 from gms.fsm.events import ServerResumed
+from gms.handover import journal
 from gms.handover.image import (
     STATE_VERSION,
     ServerInfo,
@@ -40,7 +41,6 @@ from gms.handover.image import (
     encode_entries,
     encode_image,
 )
-from gms.handover import journal
 from gms.handover.journal import PartWriter, decode_parts
 from gms.store import EventLog, LogEntry, Snapshot
 

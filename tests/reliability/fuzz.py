@@ -28,8 +28,8 @@ import attrs
 import msgpack
 
 from gms.wire import MalformedMessage, UnknownMessageType, decode
-from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
 from gms.wire import messages as m
+from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
 
 HEADER = struct.Struct(">I")
 INT_EDGES = (0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1)

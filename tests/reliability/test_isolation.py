@@ -267,7 +267,7 @@ def test_half_sent_big_frames_are_read_a_few_at_a_time(start):
     send a frame up to --max-frame-bytes (16 MiB), and the server holds what it
     has read of it.  32 sessions each sending 16 MiB less 4 KiB and never the
     rest would make the server hold 512 MiB no quota counts; only two of a
-    uid's connections read past 128 KiB at once (gms.server.inflight)."""
+    uid's connections read past 128 KiB at once (gms.server.edge.inflight)."""
     server = start()
     base = daemon_rss(server)
     quiet, hit, got, watch = attack(server, ATTACKER, partial_frames, ATTACK_S, PER_UID, 16 * MiB)
@@ -348,7 +348,7 @@ def test_a_tenant_churning_big_values_costs_the_daemon_twice_what_it_stores(star
     replaced a part at a time (what changed), its events since are bounded, a
     request that adds much waits for the keeper, others never; so the daemon
     holds the state twice (the server's, the keeper's) plus fixed bounds."""
-    from gms.server.mirror import BACKLOG_BYTES, MIN_TAIL_BYTES, TAIL_BOUND_BYTES
+    from gms.server.restart.mirror import BACKLOG_BYTES, MIN_TAIL_BYTES, TAIL_BOUND_BYTES
 
     keys = 48
     server = start("--max-metadata-bytes", "128MiB", policy=POLICY.replace(
@@ -457,10 +457,10 @@ def test_a_tenants_history_shows_only_what_it_may_read(start):
 
 
 def test_a_tenant_refused_again_and_again_is_answered_later_and_later(start):
-    """gms/server/tarpit.py: past its first refusals in a second, each of the
+    """gms/server/edge/tarpit.py: past its first refusals in a second, each of the
     attacker's refused handshakes is answered DELAY_S late (the layout-table
     flood's figures before and after: docs/reliability.md); the refusal is the same."""
-    from gms.server.tarpit import DELAY_S, FREE_PER_S
+    from gms.server.edge.tarpit import DELAY_S, FREE_PER_S
 
     server = start()
     for n in range(MAX_LAYOUTS):

@@ -26,8 +26,8 @@ import pytest
 from gms import GMSClientMemoryManager
 from gms.cuda.host import HostBackend
 from gms.fsm import RequestedLockType, check_invariants
-from gms.server.core import open_core
 from gms.peer import Peer
+from gms.server.service.core import open_core
 from gms.store import EventLog
 from gms.wire import messages as m
 

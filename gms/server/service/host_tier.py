@@ -10,8 +10,8 @@ is then: two writers racing for the last of the host budget cannot both win.
 
 from __future__ import annotations
 
-from ..cuda import OutOfMemory, align_up
-from ..fsm import (
+from ...cuda import OutOfMemory, align_up
+from ...fsm import (
     HostBudgetExceeded,
     InvalidArgument,
     LimitExceeded,
@@ -19,13 +19,13 @@ from ..fsm import (
     decide_host_copy,
     queries,
 )
-from ..fsm.rules import allocation_of
-from ..fsm.state import Allocation
-from ..wire import messages as m
-from ..wire.messages import MAX_FDS_PER_MESSAGE
-from .host_memory import HostMemory
+from ...fsm.rules import allocation_of
+from ...fsm.state import Allocation
+from ...wire import messages as m
+from ...wire.messages import MAX_FDS_PER_MESSAGE
+from ..edge.reply import Reply, allocation_info
+from ..tiers.host_memory import HostMemory
 from .ledger import Ledger
-from .reply import Reply, allocation_info
 
 MAX_CHUNK_ROWS = 1 << 20  # allocations x chunks listed per request, before paging
 

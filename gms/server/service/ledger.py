@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
-from ..fsm import (
+from ...fsm import (
     InvariantViolation,
     MemoryTier,
     NodeState,
@@ -24,10 +24,10 @@ from ..fsm import (
     StateViolation,
     batch_effects,
 )
-from ..fsm.events import Event
-from ..store import EventLog, Folded
+from ...fsm.events import Event
+from ...store import EventLog, Folded
+from ..tiers.memory import Memory
 from .lock_queues import LockQueues
-from .memory import Memory
 
 T = TypeVar("T")
 

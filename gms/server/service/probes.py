@@ -18,15 +18,21 @@ import time
 
 import attrs
 
-from ..fsm import PermissionDenied
-from ..fsm.events import ConnectionDropped, ServerResumed, ServerStarted, SessionOpened, SessionRefused
-from ..policy import Policy, TenantPolicy
-from ..status import layout_rows, tenant_rows
-from ..store import LogEntry
-from ..wire import messages as m
+from ...fsm import PermissionDenied
+from ...fsm.events import (
+    ConnectionDropped,
+    ServerResumed,
+    ServerStarted,
+    SessionOpened,
+    SessionRefused,
+)
+from ...peer import Peer
+from ...policy import Policy, TenantPolicy
+from ...status import layout_rows, tenant_rows
+from ...store import LogEntry
+from ...wire import messages as m
+from ..tiers.memory import Memory
 from .ledger import Ledger
-from .memory import Memory
-from ..peer import Peer
 
 SEED_LAYOUT = "weights"  # what the seed's single-layout clients read at the top level
 

@@ -20,7 +20,7 @@ of the budget, so a writer making tiny allocations can never take the fds
 that readers' exports and new connections need; past it an allocation is
 RESOURCE_EXHAUSTED at once (never a wait for memory, which would never come).
 The first request's deadline and its size cap live in the session
-(``gms.server.session``) and the wire (``gms.wire.connection``).
+(``gms.server.service.session``) and the wire (``gms.wire.connection``).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from ..fsm import OverLimit
-from ..policy import Policy
-from ..wire import encode
-from ..wire import messages as m
-from ..peer import Peer, peer_of
+from ...fsm import OverLimit
+from ...peer import Peer, peer_of
+from ...policy import Policy
+from ...wire import encode
+from ...wire import messages as m
 from .reply import error_reply
 
 log = logging.getLogger("gms.server")

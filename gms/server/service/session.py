@@ -30,20 +30,26 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
-from ..fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
-from ..wire import ProtocolError, UnknownMessageType, encode
-from ..wire import messages as m
-from ..wire.connection import NEED_DATA, PEER_CLOSED, PRE_SESSION_MAX_FRAME_BYTES, Refused, ServerConnection
-from .admission import FdsExhausted
-from .config import ServerConfig
+from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
+from ...fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
+from ...wire import ProtocolError, UnknownMessageType, encode
+from ...wire import messages as m
+from ...wire.connection import (
+    NEED_DATA,
+    PEER_CLOSED,
+    PRE_SESSION_MAX_FRAME_BYTES,
+    Refused,
+    ServerConnection,
+)
+from ..config import ServerConfig
+from ..edge.admission import FdsExhausted
+from ..edge.inflight import answer_bytes
+from ..edge.netio import Channel, PeerGone, SendFailed, wait_or_hangup
+from ..edge.reply import Reply, UnknownRequest, error_reply
+from ..metrics import Metrics
 from .core import ServiceCore
-from .inflight import answer_bytes
-from .metrics import Metrics
-from .netio import Channel, PeerGone, SendFailed, wait_or_hangup
 from .placement import OutOfMemoryTimeout
 from .quiesce import Parked, Quiesce, only_parked
-from .reply import Reply, UnknownRequest, error_reply
 from .requests import HANDLERS
 
 log = logging.getLogger("gms.server")
@@ -261,7 +267,7 @@ class Session:
         it waits until the keeper has their last lasting change, and (``since``:
         what this connection had added to the keeper's stream before the
         request) while what the request added waits behind a keeper far behind
-        (at once, unless the keeper is behind: ``gms.server.mirror``)."""
+        (at once, unless the keeper is behind: ``gms.server.restart.mirror``)."""
         protocol = self.protocol
         try:
             if protocol.closing:

@@ -13,7 +13,7 @@ Every change of state goes through one write path, :class:`Ledger`
 
 This class keeps what is left: sessions (who may open one, waiting for the
 lock, what a disconnect releases) and the admin verbs.  The Trio shell
-(``gms.server.session``) owns sockets and time and calls in here.
+(``gms.server.service.session``) owns sockets and time and calls in here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 import time
 from collections.abc import Callable
 
-from ..cuda import DeviceInfo, MemoryBackend
-from ..fsm import (
+from ...cuda import DeviceInfo, MemoryBackend
+from ...fsm import (
     InvalidArgument,
     Limits,
     MemoryTier,
@@ -39,28 +39,27 @@ from ..fsm import (
     schedule,
     validate_layout_name,
 )
-from ..fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
-from ..fsm.queries import layout_of
-from ..policy import OPEN_POLICY, Policy
-from ..store import EventLog
-from ..wire import messages as m
-from .copier_link import CopierLink
-from .host_memory import HostMemory
+from ...fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
+from ...fsm.queries import layout_of
+from ...peer import Peer
+from ...policy import OPEN_POLICY, Policy
+from ...store import EventLog
+from ...wire import messages as m
+from ..edge.inflight import InFlight
+from ..edge.reply import Reply, UnknownRequest
+from ..edge.tarpit import Tarpit
+from ..tiers.copier_link import CopierLink
+from ..tiers.host_memory import HostMemory
+from ..tiers.lanes import Lane
+from ..tiers.memory import Memory
+from ..tiers.memory_signal import MemorySignal
 from .host_tier import HostTier
-from .inflight import InFlight
-from .lanes import Lane
 from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
-from .memory import Memory
-from .memory_signal import MemorySignal
-from ..peer import Peer
 from .placement import Placement
 from .probes import Probes
-from .reply import Reply, UnknownRequest
 from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
-from .tarpit import Tarpit
 from .transfers import Transfers
-
 
 _LOCK_TYPES = {lock.value: lock for lock in RequestedLockType}  # a lookup, not the enum's call
 
@@ -89,7 +88,7 @@ class ServiceCore:
         keeper=None,
     ) -> None:
         """``keeper``: the server's keeper link, told of nothing here but shown
-        by the probes and the metrics (``gms.server.mirror``)."""
+        by the probes and the metrics (``gms.server.restart.mirror``)."""
         if host is not None and not isinstance(host, HostMemory):
             host = HostMemory(host, fds=host.fds)  # exact host copies, no copier: clients copy
         self.device = device
@@ -101,7 +100,7 @@ class ServiceCore:
             log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released
         )
         # What this server runs with: the log's first event, or (a log handed
-        # over from another server) what SERVER_RESUMED carries (gms.server.resume).
+        # over from another server) what SERVER_RESUMED carries (gms.server.restart.resume).
         self.started_event = ServerStarted(
             0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
             policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
@@ -127,8 +126,8 @@ class ServiceCore:
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
-        self.fds = gpu.fds  # the server's FdBudget (gms.server.admission), the tables' too
-        self.inflight = InFlight()  # big frames in flight, per uid (gms.server.inflight)
+        self.fds = gpu.fds  # the server's FdBudget (gms.server.edge.admission), the tables' too
+        self.inflight = InFlight()  # big frames in flight, per uid (gms.server.edge.inflight)
         self.tarpit = Tarpit(time.monotonic)  # refusals of a uid that keeps asking, answered late
 
     def background(self) -> list:

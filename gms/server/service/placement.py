@@ -24,8 +24,8 @@ from typing import ContextManager, TypeVar
 
 import trio
 
-from ..cuda import OutOfMemory, align_up
-from ..fsm import (
+from ...cuda import OutOfMemory, align_up
+from ...fsm import (
     Rejection,
     admit_allocation,
     admit_restore,
@@ -35,14 +35,14 @@ from ..fsm import (
     gpu_shortfall,
     plan_evictions,
 )
-from ..fsm.events import AllocationOomGaveUp, AllocationOomWait, Event, RestoreLoading
-from ..fsm.queries import layout_of
-from ..store import Folded
-from ..wire import messages as m
+from ...fsm.events import AllocationOomGaveUp, AllocationOomWait, Event, RestoreLoading
+from ...fsm.queries import layout_of
+from ...store import Folded
+from ...wire import messages as m
+from ..edge.netio import PeerGone, wait_or_hangup
+from ..tiers.memory import Memory
+from ..tiers.memory_signal import MemorySignal
 from .ledger import Ledger
-from .memory import Memory
-from .memory_signal import MemorySignal
-from .netio import PeerGone, wait_or_hangup
 
 T = TypeVar("T")
 _FIRST_RETRY_S = 0.001  # out of memory: retry soon, then back off to the configured interval

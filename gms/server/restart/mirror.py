@@ -9,7 +9,7 @@ holds; the keeper closes any other).  From then on, in the order they happen
 on the event loop:
 
 * ``hold``: memory made (an allocation; a host copy's chunks, named by their
-  place in the copy: ``gms.server.host_memory.chunk_name``), its fd, before
+  place in the copy: ``gms.server.tiers.host_memory.chunk_name``), its fd, before
   the event that records it (a server that dies between the two leaves an fd
   no event names: the next server closes it).  Memory that is no state (the
   host pool, chunks of a transfer in flight, the stock's spares) is never sent;
@@ -41,7 +41,7 @@ and nothing is answered that a crash could lose or roll back; when it reads
 again it catches up.  ``gms status`` and the metrics show a keeper
 behind (bytes waiting, for how long).  A keeper that goes away for good (its
 channel closed) is gone: the server serves on without one until it has
-another (``gms.server.succession``: it reconnects to a keeper in another
+another (``gms.server.restart.succession``: it reconnects to a keeper in another
 container, or starts a new keeper of its own).
 """
 
@@ -59,15 +59,15 @@ from collections.abc import Callable, Iterable
 import attrs
 import trio
 
-from ..fsm import LASTING
-from ..handover import frames
-from ..heap import give_back_free_memory
-from ..handover.image import STATE_VERSION, StateImage, encode_entries, encode_image
-from ..handover.journal import PartWriter
-from ..store import EventLog, LogEntry
+from ...fsm import LASTING
+from ...handover import frames
+from ...handover.image import STATE_VERSION, StateImage, encode_entries, encode_image
+from ...handover.journal import PartWriter
+from ...heap import give_back_free_memory
+from ...store import EventLog, LogEntry
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
-# whose repeated lines are rate-limited (gms.server.ratelimit).
+# whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
 MIN_TAIL_BYTES = 4 << 20  # a new base once this many bytes of events were sent since the last one

@@ -1,6 +1,6 @@
 """Host-tier transfers through the copier: a publish's host copies and a restore's GPU copy.
 
-With a copier (``gms.server.copier_link``) the server moves the bytes itself,
+With a copier (``gms.server.tiers.copier_link``) the server moves the bytes itself,
 and the clients just wait:
 
 * **publish**: ``CommitRequest{residency: system}`` with host copies missing.
@@ -37,8 +37,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..cuda import OutOfMemory, align_up
-from ..fsm import (
+from ...cuda import OutOfMemory, align_up
+from ...fsm import (
     HostBudgetExceeded,
     HostCopyMissing,
     Rejection,
@@ -46,18 +46,18 @@ from ..fsm import (
     decide_host_copy,
     decide_restore_finished,
 )
-from ..fsm.queries import layout_of
-from ..fsm.state import Allocation
-from ..wire import messages as m
-from .copier_link import CopierGone, CopierLink, Move
-from .host_memory import HostMemory
+from ...fsm.queries import layout_of
+from ...fsm.state import Allocation
+from ...wire import messages as m
+from ..edge.netio import PeerGone, wait_or_hangup
+from ..edge.reply import Reply
+from ..tiers.copier_link import CopierGone, CopierLink, Move
+from ..tiers.host_memory import HostMemory
+from ..tiers.memory import Memory
 from .ledger import Ledger
-from .memory import Memory
-from .netio import PeerGone, wait_or_hangup
-from .reply import Reply
 from .requests import Requests
 
-log = logging.getLogger("gms.server.transfers")
+log = logging.getLogger("gms.server.service.transfers")
 MAX_ALLOCATIONS = 253  # device fds per copy (the kernel's SCM_MAX_FD)
 MAX_MOVES = 2048
 
@@ -246,7 +246,7 @@ class Transfers:
         indexes = list(dict.fromkeys(index for index, _, _, _ in batch))
         local = {index: n for n, index in enumerate(indexes)}
         ids = [allocations[index].allocation_id for index in indexes]
-        fds = self.gpu.export_many(ids)  # lent from the fd budget (gms.server.admission) ...
+        fds = self.gpu.export_many(ids)  # lent from the fd budget (gms.server.edge.admission) ...
         sizes = [allocations[index].aligned_size for index in indexes]
         try:
             await self.link.copy(

@@ -5,7 +5,7 @@ The conversation, on one connection to the running server's own socket::
     new                                       old
     TakeOverRequest(readable_versions) ──►    (the server's uid or root; a version both know)
                                               stops accepting; pauses every session at a
-                                              quiet point (gms.server.quiesce), within
+                                              quiet point (gms.server.service.quiesce), within
                                               --handover-timeout, else refuses and serves on
                                  ◄──────────  TakeOverResponse(state_version)
                                  ◄──────────  frame "image": the state image (versioned)
@@ -43,8 +43,9 @@ import socket
 import attrs
 import trio
 
-from ..handover import frames
-from ..handover.image import (
+from ...fsm import check_invariants
+from ...handover import frames
+from ...handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
     ConnImage,
@@ -57,16 +58,15 @@ from ..handover.image import (
     decode_image,
     encode_image,
 )
-from ..fsm import check_invariants
-from ..wire import FrameDecoder, ProtocolError, decode, encode
-from ..wire import messages as m
-from ..peer import UntrustedPeer, own_uids, require_peer
+from ...peer import UntrustedPeer, own_uids, require_peer
+from ...wire import FrameDecoder, ProtocolError, decode, encode
+from ...wire import messages as m
+from ..edge.netio import Channel
 from .mirror import LISTENER, memory_key, split_key
-from .netio import Channel
 from .resume import TakeOverRefused
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
-# whose repeated lines are rate-limited (gms.server.ratelimit).
+# whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
 CONN_PREFIX = "conn:"

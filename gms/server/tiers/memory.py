@@ -4,7 +4,7 @@ The table (allocation id -> the handle and the one fd exported for it) is the
 loop's alone: an export ``dup()``s an fd from it on the loop (a system call,
 no CUDA), a status probe counts it there, and nothing else reads or writes
 it, so no thread ever iterates what another changes.  The backend (CUDA or
-memfd) is called from the tier's lane (:mod:`gms.server.lanes`): creation is
+memfd) is called from the tier's lane (:mod:`gms.server.tiers.lanes`): creation is
 awaited, release is handed over once the state has recorded it.  A backend
 whose small calls never wait (memfd: ``loop_bytes``) makes and frees a few
 small allocations on the loop instead, which saves two thread wake-ups.
@@ -18,9 +18,9 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ..cuda import DeviceInfo, Held, MemoryBackend, MemoryLost, NoFileDescriptors, OutOfMemory
-from ..fsm.errors import Rejection
-from .admission import FdBudget, FdsExhausted
+from ...cuda import DeviceInfo, Held, MemoryBackend, MemoryLost, NoFileDescriptors, OutOfMemory
+from ...fsm.errors import Rejection
+from ..edge.admission import FdBudget, FdsExhausted
 from .lanes import Lane
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -141,7 +141,7 @@ class Memory:
         # ``held(tier, [(id, fd)])``, ``released(tier, [id])``; the tier is the lane's name.
         # The stock's spares are not told: they are no state, and die with the server.
         self.observer = observer
-        self.fds = fds  # the server's (gms.server.admission): each allocation holds an fd
+        self.fds = fds  # the server's (gms.server.edge.admission): each allocation holds an fd
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """Make memory for each (id, aligned size), from the stock or in one lane

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 import trio
 
-
 STUCK_S = 0.5  # at a quiet point, an answer that moved no byte for this long is its client's to lose
 
 

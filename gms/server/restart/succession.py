@@ -7,7 +7,7 @@ take-over), starting sessions from their images (a handed connection, or
 one of this server's own after a refused take-over; each counted in by
 admission, never refused), watching the keeper, and the small things a
 restart needs (a ready file, a metrics port the old server may still hold).
-Accepting is admission's loop (``gms.server.admission.serve``), which hands
+Accepting is admission's loop (``gms.server.edge.admission.serve``), which hands
 each connection's socket to its session: a parked session's outlives its task.
 """
 
@@ -22,23 +22,23 @@ import sys
 import attrs
 import trio
 
-from ..fsm.events import StateDiscarded
-from ..handover.image import StateImage
-from ..wire.connection import PRE_SESSION_MAX_FRAME_BYTES, ServerConnection
-from .config import ServerConfig
-from .core import ServiceCore
-from .lock_queues import Waiter
-from .metrics import Metrics
-from ..peer import peer_of
+from ...fsm.events import StateDiscarded
+from ...handover.image import StateImage
+from ...peer import peer_of
+from ...wire.connection import PRE_SESSION_MAX_FRAME_BYTES, ServerConnection
+from ..config import ServerConfig
+from ..edge.netio import Channel
+from ..metrics import Metrics
+from ..service.core import ServiceCore
+from ..service.lock_queues import Waiter
+from ..service.session import Session, granted_as
 from .mirror import DRAIN_S, LISTENER, KeeperGone, memory_key
-from .netio import Channel
 from .resume import Handed, TakeOverRefused, resume_core
-from .session import Session, granted_as
 from .startup import Start, connect_keeper, server_argv, spawn_keeper
 from .takeover import abort, commit, node_image, session_image
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
-# whose repeated lines are rate-limited (gms.server.ratelimit).
+# whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
 KEEPER_RETRY_S = 0.2  # a keeper gone: the first try for another after this, doubling up to ...

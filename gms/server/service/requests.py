@@ -13,9 +13,9 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ..fsm import (
-    LimitExceeded,
+from ...fsm import (
     LayoutState,
+    LimitExceeded,
     decide_commit,
     decide_free,
     decide_metadata_delete,
@@ -23,11 +23,11 @@ from ..fsm import (
     decide_metadata_put_many,
     queries,
 )
-from ..wire import messages as m
-from ..wire.messages import MAX_FDS_PER_MESSAGE
+from ...wire import messages as m
+from ...wire.messages import MAX_FDS_PER_MESSAGE
+from ..edge.reply import Reply, UnknownRequest, allocation_info
+from ..tiers.memory import Memory
 from .ledger import Ledger
-from .memory import Memory
-from .reply import Reply, UnknownRequest, allocation_info
 
 DEFAULT_SCAN_CACHE_BYTES = 64 << 20
 # Answers that are always the same (replies are frozen): made once.
@@ -169,7 +169,7 @@ def close_fds(reply: Reply) -> None:
 
 
 # The requests answered here, at once and in one step of the core (the session's
-# table, ``gms.server.session.ROUTES``, sends each of these types here).
+# table, ``gms.server.service.session.ROUTES``, sends each of these types here).
 HANDLERS: dict[type, Callable[[Requests, int, object], Reply]] = {
     m.ExportAllocationRequest: Requests._export,
     m.ExportAllocationsRequest: Requests._export_many,

@@ -2,7 +2,7 @@
 
 * No keeper (``--no-keeper``): it binds the socket itself; with
   ``--take-over``, it first asks a server live on the socket for its place.
-* Under a keeper: the keeper's hand-back decides (``gms.server.mirror``):
+* Under a keeper: the keeper's hand-back decides (``gms.server.restart.mirror``):
   ``fresh`` (an empty node, on the keeper's listening socket if it holds one,
   else as without a keeper), ``resume`` (the socket, and the dead server's
   journal and memory) or ``retired`` (this keeper's server was taken over by
@@ -25,19 +25,27 @@ import time
 
 import attrs
 
-from ..cuda import DeviceInfo
-from ..paths import device_id
-from ..peer import own_uids, require_peer
-from .config import ServerConfig
+from ...cuda import DeviceInfo
+from ...paths import device_id
+from ...peer import own_uids, require_peer
+from ..config import ServerConfig
 from .mirror import KeeperLink, MirroredLog
-from .resume import Handed, TakeOverRefused, Unreplayable, Unresumable, check_compatible, rebuild, save_journal
+from .resume import (
+    Handed,
+    TakeOverRefused,
+    Unreplayable,
+    Unresumable,
+    check_compatible,
+    rebuild,
+    save_journal,
+)
 from .takeover import Offer, abort, request_take_over
 
 MAX_FAILED_RESUMES = 2  # servers that died resuming a journal before it is given up
 KEEPER_WAIT_S = 30.0  # for a keeper in another container to listen
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
-# whose repeated lines are rate-limited (gms.server.ratelimit).
+# whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
 
@@ -70,7 +78,7 @@ def from_offer(offer: Offer, config: ServerConfig) -> Handed:
 
 
 def _snapshot(image):
-    from ..store import Snapshot
+    from ...store import Snapshot
 
     return Snapshot(image.last_seq, image.state)
 
@@ -230,8 +238,8 @@ def old_server_serves(path: str, pid: int) -> bool:
             return False
         except PermissionError:
             pass
-    from ..client.probes import get_runtime_state
-    from ..errors import GMSError
+    from ...client.probes import get_runtime_state
+    from ...errors import GMSError
 
     try:
         get_runtime_state(path, timeout=2.0)

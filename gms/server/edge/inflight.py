@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import trio
 
-from ..wire import messages as m
+from ...wire import messages as m
 
 SMALL = 128 << 10
 SLOTS = 2

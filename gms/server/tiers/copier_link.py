@@ -32,7 +32,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from ..copier import messages as msg
+from ...copier import messages as msg
 
 log = logging.getLogger("gms.server.copier")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import attrs
 
-from ..fsm import OverLimit, QuotaExceeded, Rejection
-from ..wire import messages as m
+from ...fsm import OverLimit, QuotaExceeded, Rejection
+from ...wire import messages as m
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 A flood makes the same line over and over: one per dropped connection, one
 per connection closed idle, and one per failed accept ten times a second
 while the process has no fd to spare (Trio's own accept loop logged that
-under ``trio.serve_listeners``; the server's, ``gms.server.admission``,
+under ``trio.serve_listeners``; the server's, ``gms.server.edge.admission``,
 logs it under ``gms.server``).  Each kind of line (its logger, level
 and format string, not its arguments) passes once per interval; the rest are
 counted, and a summary line says how many were held back: the next line of

@@ -3,7 +3,7 @@
 A host copy is one or more *chunks* of server-owned host memory (pinned, on
 CUDA: ``cuMemCreate`` on the GPU's host NUMA node), each made on the host
 tier's lane and, where the server has a copier, kept mapped by the copier
-for its whole life (``gms.server.copier_link``).  Two kinds:
+for its whole life (``gms.server.tiers.copier_link``).  Two kinds:
 
 * one chunk of exactly the allocation's size, made when asked for (a writer
   filling its own host copies, today's protocol: ``ExportHostCopiesRequest``);
@@ -22,11 +22,11 @@ shows them apart (``host_pool_bytes``).  The server keeps the physical total
 chunks back before making others.  A chunk is never reused once released: a
 client that was given its fd (a restorer without a copier) could still map it.
 
-The table of chunks is a :class:`~gms.server.memory.Memory` keyed by chunk id
+The table of chunks is a :class:`~gms.server.tiers.memory.Memory` keyed by chunk id
 (on the loop; its backend on the lane); this keeps which chunks hold which
 allocation's copy, in order.
 
-Restarts and take-overs (``gms.server.mirror``, ``gms.server.resume``): the
+Restarts and take-overs (``gms.server.restart.mirror``, ``gms.server.restart.resume``): the
 chunks of every host copy are state's memory, so the keeper is told of each
 as the copy is made (before the event that records it) and let go, and a
 take-over hands them on.  Each goes under a name that says what it is to
@@ -43,16 +43,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 
 import trio
 
-import os
-
-from ..cuda import OutOfMemory, align_up
-from ..fsm import HostBudgetExceeded, StateViolation
+from ...cuda import OutOfMemory, align_up
+from ...fsm import HostBudgetExceeded, StateViolation
+from ..edge.admission import FdBudget
 from .copier_link import CopierLink
-from .admission import FdBudget
 from .memory import Memory
 
 log = logging.getLogger("gms.server.host")
@@ -117,7 +116,7 @@ class HostMemory:
         # keeper link, where there is one): ``held("host", [(name, fd)])``,
         # ``released("host", [name])``.  The pool's chunks are not told.
         self.observer = observer
-        self.fds = fds  # the server's (gms.server.admission): each chunk holds an fd
+        self.fds = fds  # the server's (gms.server.edge.admission): each chunk holds an fd
         if link is not None:
             link.live_chunks = self._live_chunks
 
@@ -321,7 +320,7 @@ class HostMemory:
                 self.fds.returned(len(chunk_ids))
             raise
 
-    # -- a node taken over (gms.server.resume) -------------------------------------------
+    # -- a node taken over (gms.server.restart.resume) -------------------------------------------
 
     async def adopt_copies(self, items: list[tuple[str, int, list[tuple[int, int, int]]]]) -> list[tuple[str, str]]:
         """Host copies another server made, each (allocation id, its aligned size,

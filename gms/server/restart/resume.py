@@ -30,19 +30,33 @@ from collections.abc import Iterable
 
 import attrs
 
-from ..cuda import DeviceInfo, align_up
-from ..fsm import InvariantViolation, MemoryTier, Rejection, check_invariants, decide_resume, held_memory
-from ..fsm.events import ServerResumed
-from ..handover.image import ImageError, ServerInfo, StateImage, decode_entries, decode_image, encode_image
-from ..handover.journal import decode_parts
-from ..postmortem import event_row
-from ..store import EventLog, Snapshot
-from .core import ServiceCore
-from .host_memory import parse_chunk_name
+from ...cuda import DeviceInfo, align_up
+from ...fsm import (
+    InvariantViolation,
+    MemoryTier,
+    Rejection,
+    check_invariants,
+    decide_resume,
+    held_memory,
+)
+from ...fsm.events import ServerResumed
+from ...handover.image import (
+    ImageError,
+    ServerInfo,
+    StateImage,
+    decode_entries,
+    decode_image,
+    encode_image,
+)
+from ...handover.journal import decode_parts
+from ...postmortem import event_row
+from ...store import EventLog, Snapshot
+from ..service.core import ServiceCore
+from ..tiers.host_memory import parse_chunk_name
 from .mirror import memory_key, split_key
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
-# whose repeated lines are rate-limited (gms.server.ratelimit).
+# whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
 
@@ -157,7 +171,7 @@ def check_compatible(server: ServerInfo, device: DeviceInfo) -> None:
 async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str, str]]:
     """Hold every fd the state names (checked by its tier's backend); close the
     others.  A host copy may come in several chunks, each named by where it
-    lies in the copy (``gms.server.host_memory.chunk_name``).  Returns (tier,
+    lies in the copy (``gms.server.tiers.host_memory.chunk_name``).  Returns (tier,
     allocation id, why) for each allocation lost."""
     fds = dict(handed.fds)
     chunks = _host_chunks(fds)

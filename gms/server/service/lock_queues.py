@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ..fsm import Grant, LayoutState, RequestedLockType, schedule
+from ...fsm import Grant, LayoutState, RequestedLockType, schedule
 
 GrantCallback = Callable[[Grant], None]
 
