@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from gms.failover.probes import CANARY_PROMPT
 
 
@@ -42,16 +43,16 @@ class FirstToken(threading.Thread):
     """Asks ``url`` for one token until one comes back.  A request sent while
     the engine sleeps waits in its queue (vLLM) or is answered once it wakes."""
 
-    def __init__(self, url: str, timeout: float = 600) -> None:
+    def __init__(self, url: str, timeout: float = 600, request_timeout: float = 30.0) -> None:
         super().__init__(daemon=True)
-        self.url, self.timeout = url, timeout
+        self.url, self.timeout, self.request_timeout = url, timeout, request_timeout
         self.at: float | None = None
         self.attempts = 0
 
     def run(self) -> None:
         body = {"prompt": CANARY_PROMPT, "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
         deadline = time.monotonic() + self.timeout
-        with httpx.Client(timeout=30.0) as client:
+        with httpx.Client(timeout=self.request_timeout) as client:
             while time.monotonic() < deadline:
                 self.attempts += 1
                 try:
@@ -61,6 +62,26 @@ class FirstToken(threading.Thread):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.002)
+
+
+def read_events(path: Path) -> list[dict]:
+    """The coordinator's event lines so far."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_event(path: Path, coordinator: subprocess.Popen, match, timeout: float, after: int = 0) -> dict:
+    """The first event after the first ``after`` that ``match``es; the coordinator must stay up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if coordinator.poll() is not None:
+            raise RuntimeError(f"the coordinator exited ({coordinator.returncode})")
+        for e in read_events(path)[after:]:
+            if match(e):
+                return e
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out waiting for the coordinator (events in {path})")
 
 
 def summary(values: list[float]) -> dict:
@@ -90,20 +111,10 @@ class Coordinator:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def read_events(self) -> list[dict]:
-        if not self.events.exists():
-            return []
-        return [json.loads(line) for line in self.events.read_text().splitlines() if line.strip()]
+        return read_events(self.events)
 
     def wait_event(self, match, timeout: float, after: int = 0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited ({self.proc.returncode})")
-            for e in self.read_events()[after:]:
-                if match(e):
-                    return e
-            time.sleep(0.05)
-        raise RuntimeError("timed out waiting for the coordinator")
+        return wait_event(self.events, self.proc, match, timeout, after)
 
     def wait_ready(self, timeout: float = 900) -> float:
         """Both sets up (the primary serving, the shadow asleep); seconds taken."""

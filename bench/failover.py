@@ -55,9 +55,8 @@ import time
 from pathlib import Path
 
 import httpx
-from gms.failover.probes import CANARY_PROMPT
 from _common import cpu_name, print_table, write_json
-
+from coordinated import FirstToken, read_events, wait_event
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = str(ROOT / "examples" / "engine")
@@ -166,30 +165,6 @@ class MemoryDrop(threading.Thread):
 # -- the client --------------------------------------------------------------------
 
 
-class Poller(threading.Thread):
-    """Asks for one token again and again until one comes back; notes when."""
-
-    def __init__(self, url: str, timeout: float = 120) -> None:
-        super().__init__(daemon=True)
-        self.url, self.timeout = url, timeout
-        self.first_token_at: float | None = None
-        self.attempts = 0
-
-    def run(self) -> None:
-        body = {"prompt": CANARY_PROMPT, "max_tokens": 1, "ignore_eos": True}
-        deadline = time.monotonic() + self.timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                self.attempts += 1
-                try:
-                    if client.post(f"{self.url}/v1/completions", json=body).status_code == 200:
-                        self.first_token_at = time.time()
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.002)
-
-
 # -- one deployment --------------------------------------------------------------
 
 
@@ -249,20 +224,10 @@ class Deployment:
                     time.sleep(0.05)
 
     def read_events(self) -> list[dict]:
-        if not self.events.exists():
-            return []
-        return [json.loads(line) for line in self.events.read_text().splitlines() if line.strip()]
+        return read_events(self.events)
 
     def wait_event(self, match, timeout: float, after: int = 0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.coordinator.poll() is not None:
-                raise RuntimeError(f"the coordinator exited (see {self.work / 'coordinator.log'})")
-            for e in self.read_events()[after:]:
-                if match(e):
-                    return e
-            time.sleep(0.02)
-        raise RuntimeError(f"timed out waiting for an event (see {self.work})")
+        return wait_event(self.events, self.coordinator, match, timeout, after)
 
     def serving(self) -> tuple[str, str]:
         serving = "A"
@@ -308,7 +273,7 @@ def one_failover(dep: Deployment, sig: int, kv_bytes: int, nvml: Nvml | None) ->
     if nvml is not None and sig == signal.SIGKILL:
         drop = MemoryDrop(nvml, 0, nvml.used(0) - kv_bytes // 2)
         drop.start()
-    poller = Poller(dep.url(standby))
+    poller = FirstToken(dep.url(standby), timeout=120, request_timeout=2.0)
     poller.start()
     killed_at = time.time()
     for pid in pids:
@@ -319,12 +284,12 @@ def one_failover(dep: Deployment, sig: int, kv_bytes: int, nvml: Nvml | None) ->
     if drop is not None:
         drop.stop.set()
         drop.join(5)
-    if poller.first_token_at is None:
+    if poller.at is None:
         raise RuntimeError("no token from the shadow")
     out = {
         "failed": serving, "serving": standby, "ok": event["ok"],
-        "signal_to_first_token_s": poller.first_token_at - killed_at,
-        "decision_to_first_token_s": poller.first_token_at - event["decided_at"],
+        "signal_to_first_token_s": poller.at - killed_at,
+        "decision_to_first_token_s": poller.at - event["decided_at"],
         "signal_to_decision_s": event["decided_at"] - killed_at,
         "coordinator": {k: event[k] for k in ("detect_s", "revoke_s", "lock_s", "wake_s", "first_token_s", "total_s")},
         "engine_wake": [w.get("engine", {}) for w in event["wake"]],

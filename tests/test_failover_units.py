@@ -8,11 +8,11 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from gms.failover import config as cfg  # noqa: E402
-from gms.failover.coordinator import Failover, make_lock  # noqa: E402
-from gms.failover.health import Probe, Watch, gms_reports, observe  # noqa: E402
-from gms.failover.lock import FileServingLock  # noqa: E402
-from gms.failover.sets import pod_running, pods_by_rank  # noqa: E402
+from gms.failover import config as cfg
+from gms.failover.coordinator import Failover, make_lock
+from gms.failover.health import Probe, Watch, gms_reports, observe
+from gms.failover.lock import FileServingLock
+from gms.failover.sets import pod_running, pods_by_rank
 
 
 def probe(ok: bool, started: float = 0.0) -> Probe:
@@ -214,3 +214,33 @@ async def test_a_set_kills_an_engine_s_whole_process_group_after_its_leader_died
                 await trio.sleep(0.02)
         await engines.kill()  # the group is gone: nothing is signalled
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("engine", "launcher", "paths"), [
+    ("vllm", "vllm_engines", ("/gms/health", "/sleep", "/wake_up")),
+    ("sglang", "sglang_engines", ("/gms/health", "/release_memory_occupation", "/resume_memory_occupation")),
+])
+def test_the_benchmarks_drive_the_coordinator_with_each_engine_s_command_lines(tmp_path, engine, launcher, paths):
+    """bench/coordinated.py's file parses with the engine's paths, and each set's command
+    (its JSON loader config included: braces doubled) comes back as the engine's argv."""
+    import importlib
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from coordinated import coordinator_toml
+        serve_argv = importlib.import_module(launcher).serve_argv
+    finally:
+        sys.path[:] = [p for p in sys.path if p != bench]
+    socket = str(tmp_path / "gms.sock")
+    argv = serve_argv("/models/m", 18311, extra={"gms_socket": socket})
+    text = coordinator_toml(tmp_path, socket, {"A": (18311, argv), "B": (18312, argv)}, engine=engine,
+                            interval=0.1, failures=3, canary_timeout=5.0)
+    parsed = cfg.parse(tomllib.loads(text))
+    assert (parsed.health_path, parsed.sleep_path, parsed.wake_path) == paths
+    assert parsed.ranks == (socket,) and parsed.initial == "A"
+    fields = {"rank": 0, "world_size": 1, "port": 18311, "socket": socket, "set": "A"}
+    assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it

@@ -189,34 +189,6 @@ def test_health_says_asleep_between_a_release_and_a_resume():
     assert health.status("Up", False)[1]["status"] == "serving"
 
 
-# -- the benchmark's coordinator ------------------------------------------------------------------
-
-
-def test_the_bench_drives_the_coordinator_with_sglang_s_command_lines(tmp_path):
-    """bench/sglang_gms.py's coordinator file parses with SGLang's paths, and each set's
-    command (its JSON loader config included) comes back as launch_server's argv."""
-    import sys
-
-    from gms.failover import config as failover_config
-
-    bench = str(ROOT / "bench")
-    sys.path.insert(0, bench)
-    try:
-        from coordinated import coordinator_toml
-        from sglang_engines import serve_argv
-    finally:
-        sys.path[:] = [p for p in sys.path if p != bench]
-    socket = str(tmp_path / "gms.sock")
-    argv = serve_argv("/models/m", 18311, extra={"gms_socket": socket})
-    text = coordinator_toml(tmp_path, socket, {"A": (18311, argv), "B": (18312, argv)}, engine="sglang",
-                            interval=0.1, failures=3, canary_timeout=5.0)
-    parsed = failover_config.parse(tomllib.loads(text))
-    assert (parsed.health_path, parsed.sleep_path, parsed.wake_path) == (
-        "/gms/health", "/release_memory_occupation", "/resume_memory_occupation")
-    fields = {"rank": 0, "world_size": 1, "port": 18311, "socket": socket, "set": "A"}
-    assert [part.format(**fields) for part in parsed.set("A").command] == argv
-
-
 def test_the_coordinator_s_first_token_is_a_prompt_sglang_accepts():
     """SGLang's /v1/completions refuses a prompt of falsy token ids as empty (400),
     so the canary's one token is not 0: found on the H100, where the shadow woke

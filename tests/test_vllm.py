@@ -420,28 +420,6 @@ def test_the_bench_command_lines_parse(tmp_path):
             assert found["load_format"] == "safetensors" and found["sleep_mode"] and found["kv_bytes"] == 1 << 30
 
 
-def test_the_bench_drives_the_coordinator_with_vllms_command_lines(tmp_path):
-    """bench/vllm.py's coordinator file parses, and each set's command comes back as vllm serve's argv."""
-    from gms.failover import config as failover_config
-
-    bench = str(ROOT / "bench")
-    sys.path.insert(0, bench)
-    try:
-        from coordinated import coordinator_toml
-        from vllm_engines import serve_argv
-    finally:
-        sys.path[:] = [p for p in sys.path if p != bench]
-    socket = str(tmp_path / "gms.sock")
-    argv = serve_argv("/models/m", 18211, extra={"gms_socket": socket})
-    text = coordinator_toml(tmp_path, socket, {"A": (18211, argv), "B": (18212, argv)}, engine="vllm",
-                            interval=0.1, failures=2, canary_timeout=5.0)
-    parsed = failover_config.parse(tomllib.loads(text))
-    assert parsed.health_path == "/gms/health" and parsed.ranks == (socket,) and parsed.initial == "A"
-    fields = {"rank": 0, "world_size": 1, "port": 18211, "socket": socket, "set": "A"}
-    assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
-    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1]) == {"gms_socket": socket}
-
-
 # -- every release in the range (tests/data/vllm_surface, scripts/vllm_surface.py) ----------------
 
 SURFACES = ROOT / "tests" / "data" / "vllm_surface"
