@@ -339,3 +339,17 @@ def test_the_layout_cap_holds_in_the_fold():
     state = fold_all([opened(2, "b"), opened(3, "c"), RwConnect(2, layout="b")], state)
     with pytest.raises(InvariantViolation, match="more than 2 layouts"):
         fold_all([RwConnect(3, layout="c")], state)
+
+
+def test_a_fold_step_that_leaves_its_rule_s_moves_stops_the_fold(monkeypatch):
+    """Each rule's moves are enforced, not only drawn: a step whose outcome its
+    row does not list (here an abort that leaves the writer in place) is a
+    broken invariant."""
+    from gms.fsm import folding
+    from gms.fsm.events import RwAbort
+
+    state = fold_all([started(), *writer(1, "w")])
+    assert fold_all([RwAbort(1, layout="w")], state).layout("w").writer is None  # the real step: RW -> EMPTY
+    monkeypatch.setitem(folding.LAYOUT_STEPS, RwAbort, lambda layout, event: layout)
+    with pytest.raises(InvariantViolation, match="RW_ABORT took layout 'w' from RW/gpu to RW/gpu"):
+        fold_all([RwAbort(1, layout="w")], state)

@@ -21,15 +21,12 @@ from .events import (
     Event,
     LayoutEvicted,
     LayoutLost,
-    ResidencySet,
     RestoreAborted,
-    RestoreFinished,
-    RoDisconnect,
     RwAbort,
-    RwCommit,
     RwConnect,
 )
 from .node import NodeState
+from .rules import kinds
 from .state import Residency, Tier
 
 
@@ -45,7 +42,7 @@ class Release:
     aligned_size: int
 
 
-_RELEASING = frozenset({RwConnect, RwAbort, AllocationFreed, LayoutEvicted, LayoutLost, RestoreAborted})
+_RELEASING = kinds("releases")  # the rules' rows say which events may release memory
 
 
 def released_memory(before: NodeState, event: Event) -> list[Release]:
@@ -86,7 +83,7 @@ def _all(layout, *, gpu: bool, host: bool) -> list[tuple[MemoryTier, str, int]]:
 
 # Events after which an idle layout may have become evictable (a lock let go,
 # a residency changed): room for a waiting allocation, though nothing was released.
-_MAY_MAKE_ROOM = frozenset({RoDisconnect, RwCommit, RestoreAborted, RestoreFinished, ResidencySet})
+_MAY_MAKE_ROOM = kinds("makes_room")
 
 
 def may_make_room(event: Event) -> bool:

@@ -38,12 +38,6 @@ from .events import (
     ConnectionDropped,
     Event,
     LayoutRevoked,
-    RestoreClaimed,
-    RestoreFinished,
-    RoConnect,
-    RoDisconnect,
-    RwAbort,
-    RwCommit,
     RwConnect,
     ServerStarted,
     SessionClosed,
@@ -116,8 +110,8 @@ class NodeState:
 
 EMPTY_NODE = NodeState()
 
-# Events after which a layout counts as used (LRU order).
-_USES = frozenset({RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, RestoreClaimed, RestoreFinished})
+# Events after which a layout counts as used (LRU order): their rules say so.
+_USES = rules.kinds("uses")
 
 
 # -- node steps -----------------------------------------------------------------------
@@ -337,6 +331,7 @@ def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState)
     kind = type(event)
     step = LAYOUT_STEPS.get(kind)
     after = step(before, event) if step is not None else fold_layout(before, event)  # (which raises)
+    rules.check_move(event, before, after)
     if kind is RwConnect:
         after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)
     elif kind in _USES:

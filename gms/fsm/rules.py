@@ -133,6 +133,10 @@ class Rule:
     action: str = ""  # the client's word for it, in refusals
     refusal: type[Rejection] = StateViolation  # when the lock state or tier does not allow it
     needs_layout: bool = True  # False: node events that may name no layout
+    # What it does beyond its fold step, for the shell and the LRU order:
+    uses: bool = False  # the layout counts as used after it (the eviction order)
+    releases: bool = False  # it may release memory (gms.fsm.effects says which)
+    makes_room: bool = False  # an idle layout may have become evictable (a lock let go, a residency set)
     # Where it may happen, derived once from the moves.  Tuples, not sets: a few
     # members each, found by identity without hashing an enum on the hot path.
     locks: tuple[LockState, ...] = attrs.field(init=False)
@@ -142,8 +146,13 @@ class Rule:
     # Where the role settles the lock state: the writer's layout is RW (see
     # ``lock_state``), so only the tier is left to ask.
     lock_known: bool = attrs.field(init=False)
+    # The moves as (before, after) pairs: the fold checks each step's outcome against them.
+    lock_pairs: frozenset = attrs.field(init=False)
+    tier_pairs: frozenset = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "lock_pairs", frozenset((move.before, move.after) for move in self.moves))
+        object.__setattr__(self, "tier_pairs", frozenset((move.before, move.after) for move in self.tier_moves))
         object.__setattr__(self, "locks", tuple(dict.fromkeys(move.before for move in self.moves)))
         object.__setattr__(self, "tiers", tuple(dict.fromkeys(move.before for move in self.tier_moves)))
         object.__setattr__(self, "anywhere", set(self.locks) == set(LockState) and set(self.tiers) == set(Tier))
@@ -491,20 +500,24 @@ RULES: dict[type[Event], Rule] = {
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
         (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped")),
+        uses=True, releases=True,
     ),
     RwCommit: Rule(
-        Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit",
+        Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit", uses=True,
+        makes_room=True,
     ),
-    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort"),
-    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU)),
-    RoDisconnect: Rule(Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last"))),
+    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=True),
+    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU), uses=True),
+    RoDisconnect: Rule(
+        Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last")), uses=True, makes_room=True,
+    ),
     # the writer's layout
     AllocationCreated: Rule(
         Who.WRITER, stays(RW), stays(GPU),
         (_new_allocation, _allocation_sizes, _allocation_admitted), action="allocate",
     ),
     AllocationFreed: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free",
+        Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free", releases=True,
     ),
     MetadataPut: Rule(Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put"),
     MetadataDeleted: Rule(Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete"),
@@ -512,23 +525,27 @@ RULES: dict[type[Event], Rule] = {
         Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies",
     ),
     # residency
-    ResidencySet: Rule(Who.ANYONE, stays(COMMITTED, RO), stays(GPU), (_residency_field,), action="pin"),
+    ResidencySet: Rule(
+        Who.ANYONE, stays(COMMITTED, RO), stays(GPU), (_residency_field,), action="pin", makes_room=True,
+    ),
     LayoutEvicted: Rule(
         Who.ANYONE,
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
         (Move(GPU, HOST, "system"), Move(GPU, GPU, "unpinned: a fresh layout")),
-        (_not_pinned,), action="evict", refusal=NotEvictable,
+        (_not_pinned,), action="evict", refusal=NotEvictable, releases=True,
     ),
-    RestoreClaimed: Rule(Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST)),
+    RestoreClaimed: Rule(Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True),
     RestoreLoading: Rule(
         Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"),), (_restore_admitted,),
     ),
-    RestoreFinished: Rule(Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),)),
-    RestoreAborted: Rule(Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES),
+    RestoreFinished: Rule(
+        Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),), uses=True, makes_room=True,
+    ),
+    RestoreAborted: Rule(Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES, releases=True, makes_room=True),
     # a restarted server found the layout's memory gone: dropped whole, once nobody holds it
     LayoutLost: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
-        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")),
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=True,
     ),
     # a new server with the node's state
     ServerResumed: Rule(Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False),
@@ -545,6 +562,23 @@ RULES: dict[type[Event], Rule] = {
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event
+
+
+def kinds(flag: str) -> frozenset[type[Event]]:
+    """The event types whose rule has ``flag`` (``uses``, ``releases``, ``makes_room``)."""
+    return frozenset(kind for kind, rule in RULES.items() if getattr(rule, flag))
+
+
+def check_move(event: Event, before: LayoutState, after: LayoutState) -> None:
+    """The fold step's outcome is one of its rule's moves (lock state and tier):
+    a step and its row that disagree are a broken invariant, not a refusal."""
+    rule = RULES[type(event)]
+    if (lock_state(before), lock_state(after)) not in rule.lock_pairs or (
+        before.tier, after.tier) not in rule.tier_pairs:
+        raise InvariantViolation(
+            f"{event.KIND} took layout {after.name!r} from {lock_state(before).value}/{before.tier.value} to "
+            f"{lock_state(after).value}/{after.tier.value}, which its rule does not list"
+        )
 
 
 def rule_for(event: Event) -> Rule:

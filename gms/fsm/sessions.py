@@ -20,7 +20,7 @@ from .events import (
 )
 from .locks import RequestedLockType
 from .node import NodeState
-from .rules import MAX_LAYOUT_NAME_BYTES, check_layout_name
+from .rules import check_layout_name
 
 validate_layout_name = check_layout_name  # the name the shell and clients know it by
 
