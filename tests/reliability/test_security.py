@@ -216,8 +216,8 @@ JUSTIFIED = {
     ("failover/sets.py", "trio.lowlevel.open_process"): "starts the engine commands the operator configured",
     ("supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
     ("keeper/run.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words",
-    ("server/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
-    ("server/startup.py", "subprocess.Popen"): "a server whose keeper died: `python -m gms keeper --adopt-fd` "
+    ("server/tiers/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
+    ("server/restart/startup.py", "subprocess.Popen"): "a server whose keeper died: `python -m gms keeper --adopt-fd` "
     "with the server's own words",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
     ("heap.py", "ctypes.CDLL"): "libc (the process itself), for mallopt",
