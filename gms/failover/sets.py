@@ -5,11 +5,11 @@ Two kinds, one interface (:class:`EngineSet`):
 * :class:`LocalProcessSet`: processes the coordinator spawns from a command
   template, one per rank or one over every rank (tensor parallel), each in
   a process group of its own.  Restart = SIGKILL every engine's group, then
-  start them all again.  A
-  process's exit is noticed at once (a task awaits each one).
+  start them all again.  A process's exit is noticed at once (a task awaits
+  each one).
 * :class:`KubernetesPodSet`: pods found by label selector, one per rank or
-  one over every rank (a rank label names the rank).  Restart = delete the set's pods; their
-  controller (a StatefulSet, say) recreates them.  Thin on purpose: it lists
+  one over every rank (a rank label names the rank).  Restart = delete the
+  set's pods; their controller (a StatefulSet, say) recreates them.  Thin on purpose: it lists
   and deletes pods through the official client, nothing more.  Its pods run
   ``GMS_MODE=shadow`` always (a pod spec cannot follow the roles as they
   swap); the coordinator wakes whichever set holds the serving lock.
