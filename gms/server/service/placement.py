@@ -97,9 +97,9 @@ class Placement:
         """Memory for ``items`` (``more`` bytes in all) and the event ``propose()``
         makes for it, recorded; raises a Rejection, or OutOfMemory to wait out."""
         while True:
-            folded = self._fold(propose, admit, more, len(items))  # refusals cost nothing yet
+            folded, checked = self._fold(propose, admit, more, len(items))  # refusals cost nothing yet
             try:
-                await self.gpu.create(items)
+                await self.gpu.create(items, fds_checked=checked)
             except OutOfMemory:
                 if not self.gpu.drop_stock() and not self._evict_one():
                     raise
@@ -120,20 +120,23 @@ class Placement:
                 raise
             return folded.events[0]
 
-    def _fold(self, propose: Callable[[], Event], admit, more: int, count: int) -> Folded:
+    def _fold(self, propose: Callable[[], Event], admit, more: int, count: int) -> tuple[Folded, bool]:
         """The event folded on the state as it is, after making room for it if the
-        budget is short.  Where it fits, the fold alone judges it (the rules, the
-        budget); where it does not, ``admit`` refuses it first, so that nothing is
-        evicted for a request the rules refuse anyway, or for memory whose fds
-        the server could not hold."""
+        budget is short, and whether the fd budget was asked.  Where it fits, the
+        fold alone judges it (the rules, the budget); where it does not, ``admit``
+        and the fd budget refuse it first, so that nothing is evicted for a
+        request the rules refuse anyway, or for memory whose fds the server could
+        not hold (evicting only gives fds back: the memory need not ask again)."""
         state = self.log.state
+        checked = False
         if state.budget_bytes is not None and gpu_shortfall(state, more):
             event = propose()
             needed = admit(self.log.state, event)
             if self.gpu.fds is not None:
                 self.gpu.fds.check_memory(count)
+                checked = True
             self._make_room(needed)
-        return self.ledger.fold([propose()])
+        return self.ledger.fold([propose()]), checked
 
     def _make_room(self, needed: int) -> None:
         """Evict least-recently-used idle layouts until ``needed`` more GPU bytes fit

@@ -143,12 +143,13 @@ class Memory:
         self.observer = observer
         self.fds = fds  # the server's (gms.server.edge.admission): each allocation holds an fd
 
-    async def create(self, items: list[tuple[str, int]]) -> None:
+    async def create(self, items: list[tuple[str, int]], *, fds_checked: bool = False) -> None:
         """Make memory for each (id, aligned size), from the stock or in one lane
         call; all or nothing.  Raises OutOfMemory (transient: the caller waits;
         ``drop_stock`` first), BackendError (fatal), or FdsExhausted (each holds
-        an fd and the server has none to spare: at once)."""
-        if self.fds is not None:
+        an fd and the server has none to spare: at once; ``fds_checked``: the
+        caller asked the budget already, on this turn of the loop)."""
+        if self.fds is not None and not fds_checked:
             self.fds.check_memory(len(items))
         stock = self.stock
         taken = [stock.take(size) for _, size in items] if stock.bytes else None
