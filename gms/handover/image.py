@@ -29,6 +29,7 @@ it has and an older writer did not.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Callable, Iterable
 
@@ -93,14 +94,23 @@ class PendingImage:
     granted restore waiting for GPU memory.  ``allocate``: an allocation
     waiting for memory (made again from the start: nothing was created)."""
 
-    kind: str
+    kind: Waiting
     requested: str = ""
     timeout_left_ms: int | None = None
     granted: str = ""
     restore: bool = False
 
 
-PENDING_KINDS = ("lock", "restore", "allocate")
+class Waiting(enum.StrEnum):
+    """What a session waits on while serving a request: the three states a
+    take-over can find it in (encoded in images by value)."""
+
+    LOCK = "lock"  # a handshake, for its lock
+    RESTORE = "restore"  # a granted restore, for GPU memory
+    ALLOCATE = "allocate"  # an allocation, for memory
+
+
+PENDING_KINDS = tuple(Waiting)
 
 
 @attrs.frozen
@@ -210,7 +220,7 @@ def _conn_v1(conn: ConnImage) -> dict:
     }
     if conn.pending is not None:
         w = conn.pending
-        out["pending"] = [w.kind, w.requested, w.timeout_left_ms, w.granted, w.restore]
+        out["pending"] = [Waiting(w.kind).value, w.requested, w.timeout_left_ms, w.granted, w.restore]
     return out
 
 
@@ -300,7 +310,7 @@ def _read_conn_v1(d: dict) -> ConnImage:
         if kind not in PENDING_KINDS:
             raise ImageError(f"a connection waits on {kind!r}, which this server does not know")
         pending = PendingImage(
-            kind=kind, requested=requested, timeout_left_ms=left, granted=granted, restore=restore
+            kind=Waiting(kind), requested=requested, timeout_left_ms=left, granted=granted, restore=restore
         )
     return ConnImage(conn=d["conn"], protocol=protocol, pending=pending)
 

@@ -55,6 +55,7 @@ from ...handover.image import (
     ServerInfo,
     StateImage,
     UnsupportedVersion,
+    Waiting,
     decode_image,
     encode_image,
 )
@@ -89,7 +90,7 @@ def session_image(session, now: float, paused: float | None = None) -> ConnImage
         wait = session.lock_wait
         left = None if math.isinf(wait.deadline) else max(0, int((wait.deadline - now) * 1000))
         pending = PendingImage(
-            "lock", requested=wait.requested.value, timeout_left_ms=left,
+            Waiting.LOCK, requested=wait.requested.value, timeout_left_ms=left,
             granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore),
         )
     first_left = None

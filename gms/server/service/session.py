@@ -32,6 +32,7 @@ import trio
 
 from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
 from ...fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
+from ...handover.image import Waiting
 from ...wire import ProtocolError, UnknownMessageType, encode
 from ...wire import messages as m
 from ...wire.connection import (
@@ -127,8 +128,8 @@ class Session:
         self.lock_wait: LockWait | None = None
         self.grant: Grant | None = None  # set by the ledger's grant, also while parked
         self._granted: trio.Event | None = None  # made when a handshake has to wait
-        self.waiting_for: str | None = None  # "restore" or "allocate": memory
-        self._pending: object = None  # what go_on must finish first
+        self.waiting_for: Waiting | None = None  # RESTORE or ALLOCATE: memory (a lock wait is lock_wait)
+        self._pending: Waiting | None = None  # what go_on must finish first
         self.quiesce.started(self)  # counted from here, before its task runs: a quiet point waits for it
 
     def _revoke(self) -> None:
@@ -145,14 +146,14 @@ class Session:
         self._scope.cancel()
 
     def go_on(
-        self, kind: str, *, requested: str = "", timeout_left: float = math.inf, granted: Grant | None = None
+        self, kind: Waiting, *, requested: str = "", timeout_left: float = math.inf, granted: Grant | None = None
     ) -> None:
         """Before :meth:`run`: this connection was handed over waiting on the
-        request it is serving (``lock``: for ``requested``, ``timeout_left``
-        seconds more; ``restore`` or ``allocate``: for memory): finish that first.
+        request it is serving (LOCK: for ``requested``, ``timeout_left``
+        seconds more; RESTORE or ALLOCATE: for memory): finish that first.
         ``granted``: the lock was granted while the server paused."""
-        self._pending = kind
-        if kind == "lock":
+        self._pending = kind = Waiting(kind)
+        if kind is Waiting.LOCK:
             self.lock_wait = LockWait(
                 self.protocol.serving, RequestedLockType(requested), trio.current_time() + timeout_left
             )
@@ -160,7 +161,7 @@ class Session:
             self.on_grant(granted)
 
     @contextlib.contextmanager
-    def _waiting_for(self, what: str):
+    def _waiting_for(self, what: Waiting):
         """Mark a memory wait; a take-over stopping it leaves the mark for the hand-over."""
         self.waiting_for = what
         try:
@@ -289,9 +290,9 @@ class Session:
         request = self.protocol.serving
         since = self.core.log.added(self.conn)
         try:
-            if kind == "lock":
+            if kind is Waiting.LOCK:
                 reply = await self._wait_for_lock()
-            elif kind == "restore":
+            elif kind is Waiting.RESTORE:
                 reply = await self._after_grant(request, self.grant)
             else:
                 reply = await self._allocate(request)
@@ -415,7 +416,7 @@ class Session:
         if grant.restore:
             layout = self.core.state.layout(request.layout)
             try:
-                with self._waiting_for("restore"):
+                with self._waiting_for(Waiting.RESTORE):
                     await self.core.placement.with_memory(
                         self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
                         self._until_gone, self.quiesce.interruptible,
@@ -447,7 +448,7 @@ class Session:
 
     async def _allocate(self, request: m.AllocateRequest) -> Reply:
         placement = self.core.placement
-        with self._waiting_for("allocate"), self.metrics.allocate_seconds.time():
+        with self._waiting_for(Waiting.ALLOCATE), self.metrics.allocate_seconds.time():
             response = await placement.with_memory(
                 self.conn, lambda: placement.allocate(self.conn, request.size, request.tag),
                 request.size, request.tag, self._until_gone, self.quiesce.interruptible,
