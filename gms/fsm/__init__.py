@@ -12,7 +12,7 @@ step; decisions only propose events.
 """
 
 from . import rules
-from .accounting import admit_allocation, admit_restore, gpu_shortfall
+from .accounting import admit_allocation, admit_restore, gpu_shortfall, host_room
 from .decide import (
     decide_allocate,
     decide_commit,
@@ -118,6 +118,7 @@ __all__ = [
     "admit_restore",
     "batch_effects",
     "gpu_shortfall",
+    "host_room",
     "can_grant_ro",
     "can_grant_rw",
     "check_invariants",

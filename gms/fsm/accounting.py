@@ -23,6 +23,12 @@ def gpu_shortfall(node: NodeState, more: int) -> int:
     return 0 if budget is None else max(0, node.gpu_bytes + more - budget)
 
 
+def host_room(node: NodeState) -> int | None:
+    """What the host budget leaves beyond the recorded host copies (None: no budget)."""
+    budget = node.host_budget_bytes
+    return None if budget is None else budget - node.host_bytes
+
+
 def admit_allocation(node: NodeState, event: AllocationCreated) -> int:
     rules.check(node, event)
     return gpu_shortfall(node, event.aligned_size)

@@ -39,11 +39,11 @@ from .events import (
     Event,
     LayoutRevoked,
     RwConnect,
+    ServerResumed,
     ServerStarted,
     SessionClosed,
     SessionOpened,
     SessionRefused,
-    ServerResumed,
     StateDiscarded,
 )
 from .folding import LAYOUT_STEPS, fold_layout

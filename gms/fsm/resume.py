@@ -25,7 +25,6 @@ from .events import Event, LayoutLost, ServerResumed
 from .node import NodeState, fold_all
 from .sessions import decide_disconnect
 
-
 # Events whose effect a restart keeps: the node's own, and what changes a
 # committed layout (a writer's grant clears one, a commit makes one, an
 # eviction, a pin, a finished restore, a loss).  The rest concern sessions and

@@ -52,6 +52,7 @@ from .errors import (
     UnknownAllocation,
 )
 from .events import (
+    RESUME_MODES,
     AllocationCreated,
     AllocationFreed,
     AllocationOomGaveUp,
@@ -75,7 +76,6 @@ from .events import (
     RwAbort,
     RwCommit,
     RwConnect,
-    RESUME_MODES,
     ServerResumed,
     ServerStarted,
     SessionClosed,

@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
+from ..fsm import host_room
 from ..peer import Peer, own_uids
 from ..store import EventLog
 from ..units import parse_budget
@@ -169,6 +170,9 @@ class Server:
         """Fds the memory tables hold (each allocation, each host chunk)."""
         return 0 if self.core is None else sum(tier.fd_count() for tier in self.core.ledger.tiers.values())
 
+    def _host_room(self) -> int | None:
+        return None if self.core is None else host_room(self.core.state)
+
     def _gpu_memory(self) -> Memory:
         stock = self.config.alloc_stock_bytes
         if stock is None:
@@ -185,7 +189,7 @@ class Server:
             host = HostMemory(
                 Memory(self.host_tier, Lane("host")), link=copier,
                 pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes, observer=self.link,
-                fds=self.fds,
+                fds=self.fds, room=self._host_room,
             )
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes

@@ -36,6 +36,7 @@ from ...fsm import (
     decide_restore_finished,
     decide_session,
     holders,
+    host_room,
     schedule,
     validate_layout_name,
 )
@@ -90,7 +91,8 @@ class ServiceCore:
         """``keeper``: the server's keeper link, told of nothing here but shown
         by the probes and the metrics (``gms.server.restart.mirror``)."""
         if host is not None and not isinstance(host, HostMemory):
-            host = HostMemory(host, fds=host.fds)  # exact host copies, no copier: clients copy
+            # exact host copies, no copier: clients copy
+            host = HostMemory(host, fds=host.fds, room=lambda: host_room(self.ledger.state))
         self.device = device
         self.policy = policy
         self.server_uid = server_uid
@@ -117,8 +119,6 @@ class ServiceCore:
         self.host_tier = HostTier(self.ledger, host)
         self.copier = copier if host is not None else None
         self.transfers = None if self.copier is None else Transfers(self.ledger, gpu, host, self.copier, self.requests)
-        if host is not None:
-            host.room = self._host_room
         self.keeper = keeper
         self.probes = Probes(
             self.ledger, gpu, host, policy, server_uid,
@@ -135,11 +135,6 @@ class ServiceCore:
         host = self.ledger.tiers.get(MemoryTier.HOST)
         tasks = [self.copier.run] if self.copier is not None else []
         return tasks + ([host.keep_pool] if host is not None and host.pool_target else [])
-
-    def _host_room(self) -> int | None:
-        """What the host budget leaves beyond the recorded host copies (None: no budget)."""
-        state = self.ledger.state
-        return None if state.host_budget_bytes is None else state.host_budget_bytes - state.host_bytes
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""

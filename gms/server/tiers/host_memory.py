@@ -85,6 +85,7 @@ class HostMemory:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         observer=None,
         fds: FdBudget | None = None,
+        room: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.chunks = chunks
         self.backend = chunks.backend
@@ -96,8 +97,8 @@ class HostMemory:
         # Without a copier, pool chunks would only wait: nothing fills them.
         self.pool_target = (pool_bytes // self.chunk_bytes) * self.chunk_bytes if link is not None else 0
         # Room the host budget leaves beyond the recorded host copies (None:
-        # unbounded); set by the core, which owns the state.
-        self.room: Callable[[], int | None] = lambda: None
+        # unbounded): asked of the state, which the service owns (fsm.host_room).
+        self.room = room
         self._copies: dict[str, tuple[str, ...]] = {}  # allocation id -> its chunks, in order
         self._copy_bytes = 0
         self._size: dict[str, int] = {}  # every chunk held -> its size
