@@ -84,6 +84,6 @@ def test_no_module_imports_one_that_imports_it_back():
     assert cycles(graph) == []
 
 
-def test_the_check_finds_a_cycle_through_a_late_import():
+def test_the_cycle_check_finds_a_loop_and_passes_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
