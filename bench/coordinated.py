@@ -41,7 +41,8 @@ def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, lis
 
 class FirstToken(threading.Thread):
     """Asks ``url`` for one token until one comes back.  A request sent while
-    the engine sleeps waits in its queue (vLLM) or is answered once it wakes."""
+    the engine sleeps waits for its wake (vLLM's queue; SGLang's pause gate,
+    gms/integrations/sglang/gate.py)."""
 
     def __init__(self, url: str, timeout: float = 600, request_timeout: float = 30.0) -> None:
         super().__init__(daemon=True)

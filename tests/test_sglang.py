@@ -65,6 +65,14 @@ def test_every_hook_names_a_dotted_target_a_kind_and_a_reason():
 def test_every_hook_target_is_where_sglang_keeps_it():
     for hook in hooks.HOOKS:
         assert callable(pkgutil.resolve_name(hook.target)), hook.target
+    import inspect
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from gms.integrations.sglang import gate
+
+    source = inspect.getsource(TokenizerManager)  # attributes made in __init__: found by their use
+    assert all(f"self.{name}" in source for name in gate.USES)
 
 
 # -- activation ---------------------------------------------------------------------------
@@ -172,21 +180,124 @@ def test_release_and_resume_through_the_saver(tmp_path):
 
 
 def test_health_says_asleep_between_a_release_and_a_resume():
-    import asyncio
-
-    async def sglang_call(self, obj, request=None):
-        return "done"
-
     health._released.clear()
     assert health.status("Starting", False)[0] == 503 and health.status("Up", True)[0] == 503
     assert health.status("Up", False, 12.5, 3, 4242) == (
         200, {"status": "serving", "gms": {"released": []}, "progress": {"steps": 12500, "pending": 3}, "pid": 4242})
-    assert asyncio.run(health.track_release(sglang_call, None, SimpleNamespace(tags=["kv_cache"]))) == "done"
+    health.note_released(health.tags(SimpleNamespace(tags=["kv_cache"])))
     assert health.status("Up", False)[1]["status"] == "asleep"
-    asyncio.run(health.track_release(sglang_call, None, SimpleNamespace(tags=None)))  # None: every tag
+    health.note_released(health.tags(SimpleNamespace(tags=None)))  # None: every tag
     assert health.released() == {"weights", "kv_cache", "cuda_graph"}
-    asyncio.run(health.track_resume(sglang_call, None, SimpleNamespace(tags=None)))
+    health.note_resumed(health.tags(SimpleNamespace(tags=None)))
     assert health.status("Up", False)[1]["status"] == "serving"
+
+
+class FakeTokenizerManager:
+    """The parts of SGLang 0.5.17's tokenizer manager the gate uses, with its
+    ``generate_request``'s order: the pause gate, then ``model_update_lock`` as a
+    reader for the request's life; and its scheduler's memory, mapped or not."""
+
+    def __init__(self) -> None:
+        import asyncio
+        from contextlib import asynccontextmanager
+
+        self.is_pause, self.is_pause_cond = False, asyncio.Condition()
+        self.mapped, self.ran = True, []
+        cond, state = asyncio.Condition(), {"readers": 0, "writer": False}
+
+        @asynccontextmanager
+        async def reader():
+            async with cond:
+                await cond.wait_for(lambda: not state["writer"])
+                state["readers"] += 1
+            try:
+                yield
+            finally:
+                async with cond:
+                    state["readers"] -= 1
+                    cond.notify_all()
+
+        @asynccontextmanager
+        async def writer():
+            async with cond:
+                await cond.wait_for(lambda: not state["writer"] and state["readers"] == 0)
+                state["writer"] = True
+            try:
+                yield
+            finally:
+                async with cond:
+                    state["writer"] = False
+                    cond.notify_all()
+
+        class RWLock:  # SGLang's aio_rwlock.RWLock: a fresh context manager per use
+            reader_lock = property(lambda _: reader())
+            writer_lock = property(lambda _: writer())
+
+        self.model_update_lock = RWLock()
+
+    async def generate(self, name: str, steps: int = 3) -> None:
+        import asyncio
+
+        async with self.is_pause_cond:
+            await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+        async with self.model_update_lock.reader_lock:
+            for _ in range(steps):  # a forward pass on unmapped memory is what kills SGLang's scheduler
+                self.ran.append((name, self.mapped))
+                await asyncio.sleep(0)
+
+    @staticmethod
+    async def sglang_release(self, obj, request=None):
+        self.mapped = False
+
+    @staticmethod
+    async def sglang_resume(self, obj, request=None):
+        self.mapped = True
+
+
+def test_a_released_engine_holds_its_requests_until_the_resume():
+    """Found on the H100: a request that reached a released SGLang engine killed its
+    scheduler.  The release waits for the request in flight, later ones wait for the resume."""
+    import asyncio
+
+    from gms.integrations.sglang import gate
+
+    async def scenario():
+        health._released.clear()
+        m = FakeTokenizerManager()
+        kv, everything = SimpleNamespace(tags=["kv_cache"]), SimpleNamespace(tags=None)
+        first = asyncio.create_task(m.generate("in flight"))
+        await asyncio.sleep(0)  # past the gate, holding the reader lock
+        await gate.release(m.sglang_release, m, kv)
+        assert first.done() and not m.mapped  # drained before SGLang released
+        later = asyncio.create_task(m.generate("sent while released"))
+        await gate.release(m.sglang_release, m, everything)  # a second release: still held
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not later.done() and health.status("Up", False)[1]["status"] == "asleep"
+        await gate.resume(m.sglang_resume, m, kv)  # weights and graphs still released: held
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not later.done()
+        await gate.resume(m.sglang_resume, m, everything)
+        await asyncio.wait_for(later, 5)
+        assert m.ran and all(mapped for _, mapped in m.ran), m.ran  # nothing ran on released memory
+        assert not m.is_pause
+
+        async with m.is_pause_cond:  # a user's /pause_generation: the resume leaves it shut
+            m.is_pause = True
+        await gate.release(m.sglang_release, m, everything)
+        await gate.resume(m.sglang_resume, m, everything)
+        assert m.is_pause
+
+        async def failing_release(self, obj, request=None):
+            raise RuntimeError("the scheduler said no")
+
+        m.is_pause = False
+        with pytest.raises(RuntimeError):
+            await gate.release(failing_release, m, everything)
+        assert not m.is_pause and not health.released()  # nothing released: requests go on
+
+    asyncio.run(scenario())
 
 
 def test_the_coordinator_s_first_token_is_a_prompt_sglang_accepts():

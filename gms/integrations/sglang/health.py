@@ -4,7 +4,7 @@ asks every engine (``{"status": "serving" | "asleep"}``, docs/failover.md).
 SGLang's own ``/health`` says 200 whether or not the engine released its
 memory.  This answers ``asleep`` while any tag is released (the launcher
 sees every ``/release_memory_occupation`` and ``/resume_memory_occupation``
-go by, through the hooks on its tokenizer manager), 503 while SGLang starts
+go by, through the hooks on its tokenizer manager: ``gate.py``), 503 while SGLang starts
 or stops, ``serving`` otherwise; at once, never queued behind the engine's
 work.  With it the engine's progress (``{"steps", "pending"}``): ``steps``
 is the millisecond of the last output the launcher received from the
@@ -28,27 +28,18 @@ def released() -> frozenset[str]:
     return frozenset(_released)
 
 
-def _tags(obj) -> set[str]:
-    tags = getattr(obj, "tags", None)
-    return set(tags) if tags else set(ALL_TAGS)
+def tags(obj) -> set[str]:
+    """The tags a release or resume request names (none: every tag)."""
+    named = getattr(obj, "tags", None)
+    return set(named) if named else set(ALL_TAGS)
 
 
-def _tracking(note):
-    """An AROUND hook on one of the tokenizer manager's coroutines: ``note`` the
-    tags once SGLang has done what the request asked."""
-    def hook(original, self, obj, *args, **kwargs):
-        async def run():
-            result = await original(self, obj, *args, **kwargs)
-            note(_tags(obj))
-            return result
-
-        return run()
-
-    return hook
+def note_released(names: set[str]) -> None:
+    _released.update(names)
 
 
-track_release = _tracking(_released.update)
-track_resume = _tracking(_released.difference_update)
+def note_resumed(names: set[str]) -> None:
+    _released.difference_update(names)
 
 
 def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0,

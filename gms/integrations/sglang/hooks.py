@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from . import health, process
+from . import gate, health, process
 from .process import LOAD_FORMAT
 
 
@@ -68,10 +68,11 @@ HOOKS = (
     Hook(_SCHEDULER, "before", note_scheduler, "each scheduler knows gms is on, and its GPU"),
     Hook("sglang.srt.utils.torch_memory_saver_adapter.TorchMemorySaverAdapter.create", "around", memory_saver,
          "the memory saver's regions, graphs, release and resume go to gms"),
-    Hook(f"{_TOKENIZER}.release_memory_occupation", "around", health.track_release,
-         "GET /gms/health says asleep after a release"),
-    Hook(f"{_TOKENIZER}.resume_memory_occupation", "around", health.track_resume,
-         "... and serving after a resume"),
+    Hook(f"{_TOKENIZER}.release_memory_occupation", "around", gate.release,
+         "a released engine holds its requests (a prefill on unmapped memory kills SGLang's scheduler); "
+         "GET /gms/health says asleep"),
+    Hook(f"{_TOKENIZER}.resume_memory_occupation", "around", gate.resume,
+         "... until the resume, which lets them go; /gms/health says serving"),
     Hook("sglang.srt.entrypoints.http_server.launch_server", "before", health.add_route,
          "GET /gms/health on SGLang's HTTP server, for the failover coordinator"),
 )
