@@ -345,11 +345,11 @@ def test_a_fold_step_that_leaves_its_rule_s_moves_stops_the_fold(monkeypatch):
     """Each rule's moves are enforced, not only drawn: a step whose outcome its
     row does not list (here an abort that leaves the writer in place) is a
     broken invariant."""
-    from gms.fsm import folding
+    from gms.fsm import rules
     from gms.fsm.events import RwAbort
 
     state = fold_all([started(), *writer(1, "w")])
     assert fold_all([RwAbort(1, layout="w")], state).layout("w").writer is None  # the real step: RW -> EMPTY
-    monkeypatch.setitem(folding.LAYOUT_STEPS, RwAbort, lambda layout, event: layout)
+    monkeypatch.setitem(rules.RULES, RwAbort, attrs.evolve(rules.RULES[RwAbort], step=lambda layout, event: layout))
     with pytest.raises(InvariantViolation, match="RW_ABORT took layout 'w' from RW/gpu to RW/gpu"):
         fold_all([RwAbort(1, layout="w")], state)

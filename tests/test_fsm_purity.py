@@ -6,8 +6,6 @@ import ast
 from pathlib import Path
 
 import gms.fsm
-import gms.fsm.folding as folding
-import gms.fsm.node as node
 from gms.fsm import EVENT_TYPES, RULES
 from gms.fsm.events import ServerStarted
 
@@ -30,7 +28,8 @@ def test_fsm_imports_nothing_impure():
 
 
 def test_fold_is_total_over_event_types_and_every_event_has_one_rule():
-    layout_steps, node_steps = set(folding.LAYOUT_STEPS), set(node._NODE_STEPS)
+    layout_steps = {kind for kind, rule in RULES.items() if rule.step is not None}
+    node_steps = {kind for kind, rule in RULES.items() if rule.node_step is not None}
     assert not layout_steps & node_steps, "each event is folded in one place"
     assert layout_steps | node_steps | {ServerStarted} == set(EVENT_TYPES.values())
     assert set(RULES) == set(EVENT_TYPES.values()) - {ServerStarted}, "the table covers every event"

@@ -281,12 +281,13 @@ def test_a_broken_invariant_stops_the_server_loudly(tmp_path, backend):
     script = textwrap.dedent(
         f"""
         import sys
-        import gms.fsm.folding as folding
+        import attrs
+        import gms.fsm.rules as rules
         from gms.fsm import InvariantViolation
         from gms.fsm.events import RwAbort
         def broken(state, event):
             raise InvariantViolation("planted: RW_ABORT cannot be folded")
-        folding.LAYOUT_STEPS[RwAbort] = broken
+        rules.RULES[RwAbort] = attrs.evolve(rules.RULES[RwAbort], step=broken)
         from gms.cli import main
         sys.exit(main(["serve", "--no-keeper", "--backend", "{backend}", "--socket", "{path}"]))
         """

@@ -44,7 +44,6 @@ from .errors import (
     UnknownLayout,
 )
 from .events import EVENT_TYPES, Event
-from .folding import fold_layout
 from .invariants import check_invariants, layout_problems
 from .layout_hash import compute_layout_hash
 from .limits import Limits
@@ -69,7 +68,7 @@ from .residency import (
     why_not_evictable,
 )
 from .resume import LASTING, decide_resume, held_memory
-from .rules import RULES, Rule, Who, parse_residency
+from .rules import RULES, Rule, Who, fold_layout, parse_residency
 from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
@@ -77,6 +76,8 @@ __all__ = [
     "DEFAULT_TENANT",
     "EMPTY_NODE",
     "EVENT_TYPES",
+    "LASTING",
+    "RULES",
     "Allocation",
     "BudgetExceeded",
     "Event",
@@ -103,9 +104,8 @@ __all__ = [
     "Rejection",
     "Release",
     "RequestedLockType",
-    "Rule",
-    "RULES",
     "Residency",
+    "Rule",
     "SessionInfo",
     "StaleLayout",
     "StateViolation",
@@ -117,8 +117,6 @@ __all__ = [
     "admit_allocation",
     "admit_restore",
     "batch_effects",
-    "gpu_shortfall",
-    "host_room",
     "can_grant_ro",
     "can_grant_rw",
     "check_invariants",
@@ -136,15 +134,16 @@ __all__ = [
     "decide_restore_finished",
     "decide_restore_loading",
     "decide_resume",
-    "LASTING",
     "decide_session",
     "eviction_candidates",
     "fold",
     "fold_all",
     "fold_layout",
+    "gpu_shortfall",
     "grant_for",
     "held_memory",
     "holders",
+    "host_room",
     "layout_problems",
     "lock_state",
     "may_make_room",

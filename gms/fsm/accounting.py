@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from . import rules
 from .events import AllocationCreated, RestoreLoading
-from .node import NodeState
+from .state import NodeState
 
 
 def gpu_shortfall(node: NodeState, more: int) -> int:

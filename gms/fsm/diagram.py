@@ -50,15 +50,27 @@ def _checks(rule: Rule) -> str:
     return "; ".join(names) or "-"
 
 
+_FLAGS = {"uses": "uses the layout", "releases": "may release memory", "makes_room": "may make room"}
+
+
+def _does(rule: Rule) -> str:
+    """The row's fold step and what the shell reads from it."""
+    where = "layout" if rule.step is not None else "node"
+    step = (rule.step or rule.node_step).__name__
+    flags = [text for flag, text in _FLAGS.items() if getattr(rule, flag)]
+    return f"`{step}` on the {where}" + "".join(f"; {text}" for text in flags)
+
+
 def rules_table() -> str:
     rows = [
-        "| event | who may send it | in lock states | in tiers | checks on the state and its fields, in order | refused elsewhere as |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| event | who may send it | in lock states | in tiers | checks on the state and its fields, in order "
+        "| refused elsewhere as | what it does |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for event_type, rule in RULES.items():
         rows.append(
             f"| `{event_type.KIND}` | {rule.who.value} | {_states(rule.moves, set(LockState))} | "
-            f"{_states(rule.tier_moves, set(Tier))} | {_checks(rule)} | `{rule.refusal.code}` |"
+            f"{_states(rule.tier_moves, set(Tier))} | {_checks(rule)} | `{rule.refusal.code}` | {_does(rule)} |"
         )
     return "\n".join(rows)
 

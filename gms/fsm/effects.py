@@ -25,9 +25,8 @@ from .events import (
     RwAbort,
     RwConnect,
 )
-from .node import NodeState
 from .rules import kinds
-from .state import Residency, Tier
+from .state import NodeState, Residency, Tier
 
 
 class MemoryTier(str, enum.Enum):

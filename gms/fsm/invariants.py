@@ -11,8 +11,7 @@ from collections import Counter
 from .errors import InvariantViolation
 from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
-from .node import NodeState
-from .state import LayoutState, Residency, Tier
+from .state import LayoutState, NodeState, Residency, Tier
 
 
 def check_invariants(node: NodeState) -> None:

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 import attrs
 
 from .events import Event, RestoreClaimed, RoConnect, RwConnect
-from .folding import fold_layout
-from .rules import lock_event_allowed
+from .rules import fold_layout, lock_event_allowed
 from .state import LayoutState, Tier
 
 

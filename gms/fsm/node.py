@@ -27,202 +27,29 @@ session's limit, a metadata bound or a layout cap, whatever the shell asked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-import attrs
 from immutables import Map
 
 from . import rules
 from .errors import InvariantViolation
-from .events import (
-    ConnectionDropped,
-    Event,
-    LayoutRevoked,
-    RwConnect,
-    ServerResumed,
-    ServerStarted,
-    SessionClosed,
-    SessionOpened,
-    SessionRefused,
-    StateDiscarded,
-)
-from .folding import LAYOUT_STEPS, fold_layout
-from .limits import Limits
+from .events import Event, RwConnect, ServerStarted
+from .node_steps import hold, refer, server_started
 from .replace import rebuilt, replace, stamp
-from .state import LayoutState, Tier
+from .state import (
+    DEFAULT_TENANT,
+    EMPTY_NODE,
+    LayoutState,
+    NodeState,
+    SessionInfo,
+    TenantState,
+    Tier,
+)
 
-DEFAULT_TENANT = "default"
-
-
-@attrs.frozen
-class SessionInfo:
-    """A handshaken connection: the layout it locks, and who it is."""
-
-    layout: str
-    tenant: str
-    uid: int
-    gid: int
-    pid: int
-    lock_type: str
-    limit_bytes: int | None = None
-
-
-@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
-class TenantState:
-    name: str
-    quota_bytes: int | None = None  # None: unlimited
-    used_bytes: int = 0
-    sessions: int = 0
-    metadata_quota: int | None = None  # bytes of keys and values; None: unlimited
-    metadata_bytes: int = 0
-    max_layouts: int | None = None  # None: only the node's cap
-    # layout -> references: 1 if the tenant owns it, +1 per session of the
-    # tenant that may write it (RW, RW_OR_RO).  A writer's session counts the
-    # layout from its handshake, so the grant (which may come much later)
-    # never adds one: the bound is checked once, when the session opens.
-    layout_refs: Map[str, int] = Map()
-
-    @property
-    def layouts(self) -> int:
-        return len(self.layout_refs)
-
-
-@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
-class NodeState:
-    started: bool = False
-    capacity_bytes: int | None = None
-    budget_bytes: int | None = None
-    host_budget_bytes: int | None = None  # 0: the server keeps no host tier
-    limits: Limits = Limits()
-    layouts: Map[str, LayoutState] = Map()
-    sessions: Map[int, SessionInfo] = Map()
-    tenants: Map[str, TenantState] = Map()
-    gpu_bytes: int = 0
-    host_bytes: int = 0
-    metadata_bytes: int = 0
-    tick: int = 0
-
-    def layout(self, name: str) -> LayoutState:
-        """The named layout; a vacant one if the node holds none of that name."""
-        found = self.layouts.get(name)
-        return found if found is not None else LayoutState(name)
-
-
-EMPTY_NODE = NodeState()
+__all__ = ["DEFAULT_TENANT", "EMPTY_NODE", "NodeState", "SessionInfo", "TenantState", "fold", "fold_all"]
 
 # Events after which a layout counts as used (LRU order): their rules say so.
 _USES = rules.kinds("uses")
-
-
-# -- node steps -----------------------------------------------------------------------
-
-
-def _server_started(node: NodeState, event: ServerStarted) -> NodeState:
-    if node.started:
-        raise InvariantViolation("cannot fold SERVER_STARTED: the server has started already")
-    tenants = Map(
-        {
-            name: TenantState(
-                name,
-                quota,
-                metadata_quota=event.tenant_limits.get(name, {}).get("metadata_quota"),
-                max_layouts=event.tenant_limits.get(name, {}).get("max_layouts"),
-            )
-            for name, quota in event.quotas.items()
-        }
-    )
-    return replace(
-        node,
-        started=True,
-        capacity_bytes=event.capacity_bytes,
-        budget_bytes=event.budget_bytes,
-        host_budget_bytes=event.host_budget_bytes,
-        limits=Limits.from_dict(event.limits),
-        tenants=tenants,
-    )
-
-
-def _server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeState:
-    """The new server's configuration replaces the old one's; a tenant the new
-    policy does not name keeps its quotas (it may own layouts: they stay charged);
-    one that ``tenant_limits`` does not name is unbounded in metadata and layouts
-    (a SERVER_RESUMED logged before those bounds existed)."""
-    tenants = node.tenants
-    for name, quota in event.quotas.items():
-        bounds = event.tenant_limits.get(name, {})
-        tenant = tenants.get(name) or TenantState(name)
-        tenants = tenants.set(
-            name,
-            replace(
-                tenant, quota_bytes=quota, metadata_quota=bounds.get("metadata_quota"),
-                max_layouts=bounds.get("max_layouts"),
-            ),
-        )
-    return replace(
-        node,
-        capacity_bytes=event.capacity_bytes,
-        budget_bytes=event.budget_bytes,
-        host_budget_bytes=event.host_budget_bytes,
-        limits=Limits.from_dict(event.limits),
-        tenants=tenants,
-        tick=tick,
-    )
-
-
-def may_write(lock_type: str) -> bool:
-    """A session that may become its layout's writer (it counts the layout)."""
-    return lock_type != "RO"
-
-
-def _refer(refs: Map, layout: str, delta: int) -> Map:
-    count = refs.get(layout, 0) + delta
-    if count < 0:
-        raise InvariantViolation(f"layout {layout!r} dereferenced more than referenced")
-    return refs.set(layout, count) if count else refs.delete(layout)
-
-
-def _session_opened(node: NodeState, event: SessionOpened, tick: int) -> NodeState:
-    tenant = node.tenants[event.tenant]
-    session = SessionInfo(
-        event.layout, event.tenant, event.uid, event.gid, event.pid, event.lock_type, event.limit_bytes
-    )
-    refs = tenant.layout_refs
-    if may_write(event.lock_type):
-        refs = _refer(refs, event.layout, 1)
-        _hold(event, len(tenant.layout_refs), len(refs), tenant.max_layouts, "tenant {!r}'s layouts", tenant.name)
-    return replace(
-        node,
-        sessions=node.sessions.set(event.conn, session),
-        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions + 1, layout_refs=refs)),
-        tick=tick,
-    )
-
-
-def _session_closed(node: NodeState, event: SessionClosed, tick: int) -> NodeState:
-    session = node.sessions[event.conn]
-    tenant = node.tenants[session.tenant]
-    refs = _refer(tenant.layout_refs, session.layout, -1) if may_write(session.lock_type) else tenant.layout_refs
-    return replace(
-        node,
-        sessions=node.sessions.delete(event.conn),
-        tenants=node.tenants.set(tenant.name, replace(tenant, sessions=tenant.sessions - 1, layout_refs=refs)),
-        tick=tick,
-    )
-
-
-def _observation(node: NodeState, event: Event, tick: int) -> NodeState:
-    return replace(node, tick=tick)
-
-
-_NODE_STEPS: dict[type[Event], Callable[[NodeState, Event, int], NodeState]] = {
-    ServerResumed: _server_resumed,
-    StateDiscarded: _observation,
-    SessionOpened: _session_opened,
-    SessionClosed: _session_closed,
-    SessionRefused: _observation,
-    LayoutRevoked: _observation,
-    ConnectionDropped: _observation,
-}
 
 
 # -- layout events: fold the layout, settle the accounting ---------------------------------
@@ -237,18 +64,8 @@ def _charge(tenants: Map, name: str, held: int, metadata: int, refs: int, layout
     if metadata:
         state["metadata_bytes"] = tenant.metadata_bytes + metadata
     if refs:
-        state["layout_refs"] = _refer(tenant.layout_refs, layout, refs)
+        state["layout_refs"] = refer(tenant.layout_refs, layout, refs)
     return tenants.set(name, rebuilt(tenant, state))
-
-
-def _hold(event: Event, before: int, after: int, bound: int | None, what: str, *names: str) -> None:
-    """A total may only pass its bound by not growing (a bound lowered under it).
-    Every step that grows passes here: ``what`` is formatted (with ``names``)
-    only to raise."""
-    if bound is not None and after > bound and after > before:
-        raise InvariantViolation(
-            f"{event.KIND} would take {what.format(*names)} to {after}, past its bound of {bound}"
-        )
 
 
 def _settle(
@@ -306,32 +123,31 @@ def _hold_bounds(
     (each asked only where its total grew and a bound is set: most steps grow
     one or two, and most bounds are off)."""
     if gpu > node.gpu_bytes and node.budget_bytes is not None:
-        _hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
+        hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
     if host > node.host_bytes and node.host_budget_bytes is not None:
-        _hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
+        hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
     if metadata > node.metadata_bytes:
-        _hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
+        hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
         if new is not old:
             if new.used_bytes > old.used_bytes and new.quota_bytes is not None:
-                _hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
+                hold(event, old.used_bytes, new.used_bytes, new.quota_bytes, "tenant {!r}'s bytes", owner)
             if new.metadata_bytes > old.metadata_bytes:
-                _hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota,
+                hold(event, old.metadata_bytes, new.metadata_bytes, new.metadata_quota,
                       "tenant {!r}'s metadata bytes", owner)
             if new.layout_refs is not old.layout_refs:
-                _hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
+                hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
     if after.writer is not None:
         limit = node.sessions[after.writer].limit_bytes
         if limit is not None:
-            _hold(event, 0, after.held_bytes, limit, "layout {!r}'s bytes (its writer's limit)", after.name)
+            hold(event, 0, after.held_bytes, limit, "layout {!r}'s bytes (its writer's limit)", after.name)
 
 
-def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState) -> NodeState:
-    kind = type(event)
-    step = LAYOUT_STEPS.get(kind)
-    after = step(before, event) if step is not None else fold_layout(before, event)  # (which raises)
+def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState, rule: rules.Rule) -> NodeState:
+    after = rule.step(before, event)
     rules.check_move(event, before, after)
+    kind = type(event)
     if kind is RwConnect:
         after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)
     elif kind in _USES:
@@ -340,17 +156,19 @@ def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState)
 
 
 def fold(node: NodeState, event: Event) -> NodeState:
-    """The next node; raises the Rejection of an illegal event (``gms.fsm.rules``),
-    InvariantViolation for one no state could take."""
+    """The next node: the event's row in ``gms.fsm.rules`` checked (a refusal
+    raises the Rejection that says why), then its step applied: a node step
+    to the node, a layout step to the layout it names, whose move the row
+    must list and whose bytes are settled here.  InvariantViolation for an
+    event no state could take."""
     if type(event) is ServerStarted:
-        return replace(_server_started(node, event), tick=node.tick + 1)
+        return replace(server_started(node, event), tick=node.tick + 1)
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
-    layout = rules.check(node, event)
-    step = _NODE_STEPS.get(type(event))
-    if step is None:
-        return _layout_event(node, event, node.tick + 1, layout)
-    return step(node, event, node.tick + 1)
+    rule, layout = rules.check(node, event)
+    if rule.node_step is not None:
+        return rule.node_step(node, event, node.tick + 1)
+    return _layout_event(node, event, node.tick + 1, layout, rule)
 
 
 def fold_all(events: Iterable[Event], state: NodeState = EMPTY_NODE) -> NodeState:

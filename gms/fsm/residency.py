@@ -16,8 +16,7 @@ from collections.abc import Container
 from . import rules
 from .errors import Rejection, UnknownLayout
 from .events import Event, LayoutEvicted, ResidencySet, RestoreFinished, RestoreLoading
-from .node import NodeState
-from .state import LayoutState, Residency
+from .state import LayoutState, NodeState, Residency
 
 
 def why_not_evictable(node: NodeState, layout: LayoutState) -> str | None:

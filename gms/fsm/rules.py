@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import attrs
 
+from . import folding as steps
 from .errors import (
     BudgetExceeded,
     HostBudgetExceeded,
@@ -85,6 +86,7 @@ from .events import (
 )
 from .folding import entry_bytes
 from .limits import Limits
+from .node_steps import observation, server_resumed, session_closed, session_opened
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -122,6 +124,8 @@ def stays(*states: enum.Enum) -> tuple[Move, ...]:
 
 
 Check = Callable[["object", LayoutState, Event], None]
+LayoutStep = Callable[[LayoutState, Event], LayoutState]  # gms.fsm.folding
+NodeStep = Callable[["object", Event, int], "object"]  # gms.fsm.node_steps: (node, event, tick) -> node
 
 
 @attrs.frozen
@@ -137,6 +141,9 @@ class Rule:
     uses: bool = False  # the layout counts as used after it (the eviction order)
     releases: bool = False  # it may release memory (gms.fsm.effects says which)
     makes_room: bool = False  # an idle layout may have become evictable (a lock let go, a residency set)
+    # What it does: one of the two, its fold step.
+    step: LayoutStep | None = None  # on the layout it names (the node settles the bytes)
+    node_step: NodeStep | None = None  # on the node (the server's resume, sessions)
     # Where it may happen, derived once from the moves.  Tuples, not sets: a few
     # members each, found by identity without hashing an enum on the hot path.
     locks: tuple[LockState, ...] = attrs.field(init=False)
@@ -152,6 +159,8 @@ class Rule:
     still: bool = attrs.field(init=False)  # every move stays where it was (most of the writer's events)
 
     def __attrs_post_init__(self) -> None:
+        if (self.step is None) == (self.node_step is None):
+            raise ValueError("a rule has one fold step: on its layout or on the node")
         object.__setattr__(self, "lock_pairs", frozenset((move.before, move.after) for move in self.moves))
         object.__setattr__(self, "tier_pairs", frozenset((move.before, move.after) for move in self.tier_moves))
         object.__setattr__(self, "still", all(m.before is m.after for m in (*self.moves, *self.tier_moves)))
@@ -502,66 +511,86 @@ RULES: dict[type[Event], Rule] = {
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
         (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped")),
-        uses=True, releases=True,
+        uses=True, releases=True, step=steps.rw_connect,
     ),
     RwCommit: Rule(
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit", uses=True,
-        makes_room=True,
+        makes_room=True, step=steps.rw_commit,
     ),
-    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=True),
-    RoConnect: Rule(Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU), uses=True),
+    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=True, step=steps.rw_abort),
+    RoConnect: Rule(
+        Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU), uses=True,
+        step=steps.ro_connect,
+    ),
     RoDisconnect: Rule(
         Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last")), uses=True, makes_room=True,
+        step=steps.ro_disconnect,
     ),
     # the writer's layout
     AllocationCreated: Rule(
         Who.WRITER, stays(RW), stays(GPU),
         (_new_allocation, _allocation_sizes, _allocation_admitted), action="allocate",
+        step=steps.allocation_created,
     ),
     AllocationFreed: Rule(
         Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free", releases=True,
+        step=steps.allocation_freed,
     ),
-    MetadataPut: Rule(Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put"),
-    MetadataDeleted: Rule(Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete"),
+    MetadataPut: Rule(
+        Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put", step=steps.metadata_put,
+    ),
+    MetadataDeleted: Rule(
+        Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete", step=steps.metadata_deleted,
+    ),
     HostCopyCreated: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies",
+        Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies", step=steps.host_copy_created,
     ),
     # residency
     ResidencySet: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU), (_residency_field,), action="pin", makes_room=True,
+        step=steps.residency_set,
     ),
     LayoutEvicted: Rule(
         Who.ANYONE,
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
         (Move(GPU, HOST, "system"), Move(GPU, GPU, "unpinned: a fresh layout")),
-        (_not_pinned,), action="evict", refusal=NotEvictable, releases=True,
+        (_not_pinned,), action="evict", refusal=NotEvictable, releases=True, step=steps.layout_evicted,
     ),
-    RestoreClaimed: Rule(Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True),
+    RestoreClaimed: Rule(
+        Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True, step=steps.restore_claimed,
+    ),
     RestoreLoading: Rule(
         Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"),), (_restore_admitted,),
+        step=steps.restore_loading,
     ),
     RestoreFinished: Rule(
         Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),), uses=True, makes_room=True,
+        step=steps.restore_finished,
     ),
-    RestoreAborted: Rule(Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES, releases=True, makes_room=True),
+    RestoreAborted: Rule(
+        Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES, releases=True, makes_room=True,
+        step=steps.restore_aborted,
+    ),
     # a restarted server found the layout's memory gone: dropped whole, once nobody holds it
     LayoutLost: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
-        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=True,
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=True, step=steps.layout_lost,
     ),
     # a new server with the node's state
-    ServerResumed: Rule(Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False),
+    ServerResumed: Rule(Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False, node_step=server_resumed),
     # sessions
-    SessionOpened: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False),
-    SessionClosed: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_ends,)),
+    SessionOpened: Rule(
+        Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False, node_step=session_opened,
+    ),
+    SessionClosed: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_ends,), node_step=session_closed),
     # observations: they change nothing
-    AllocationOomWait: Rule(Who.HOLDER, stays(RW, RO)),
-    AllocationOomGaveUp: Rule(Who.HOLDER, stays(RW, RO)),
-    LockTimeout: Rule(Who.SESSION, ANY_LOCK),
-    SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
-    LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK),
-    ConnectionDropped: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
-    StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False),
+    AllocationOomWait: Rule(Who.HOLDER, stays(RW, RO), step=steps.unchanged),
+    AllocationOomGaveUp: Rule(Who.HOLDER, stays(RW, RO), step=steps.unchanged),
+    LockTimeout: Rule(Who.SESSION, ANY_LOCK, step=steps.unchanged),
+    SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
+    LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK, node_step=observation),
+    ConnectionDropped: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
+    StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event
 
@@ -595,10 +624,10 @@ def rule_for(event: Event) -> Rule:
         raise InvariantViolation(f"no rule for {type(event).__name__}") from None
 
 
-def check(node, event: Event) -> LayoutState | None:
+def check(node, event: Event) -> tuple[Rule, LayoutState | None]:
     """Raise the Rejection that refuses ``event`` in ``node``; if it is legal,
-    return the layout it names as ``node`` holds it (None: it names none), so
-    the fold need not look it up again.
+    return its rule and the layout it names as ``node`` holds it (None: it
+    names none), so the fold need not look either up again.
 
     Every event of the log passes here, so the common case asks as little as
     it can: a role by one comparison, the lock state only where the rule
@@ -630,7 +659,15 @@ def check(node, event: Event) -> LayoutState | None:
         layout = None
     for step in rule.checks:
         step(node, layout, event)
-    return layout
+    return rule, layout
+
+
+def fold_layout(state: LayoutState, event: Event) -> LayoutState:
+    """Apply a layout event the rules have accepted: its row's step."""
+    step = rule_for(event).step
+    if step is None:
+        raise InvariantViolation(f"{type(event).__name__} changes the node, not a layout")
+    return step(state, event)
 
 
 def lock_event_allowed(layout: LayoutState, event_type: type[Event]) -> bool:

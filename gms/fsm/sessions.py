@@ -19,8 +19,8 @@ from .events import (
     SessionOpened,
 )
 from .locks import RequestedLockType
-from .node import NodeState
 from .rules import check_layout_name
+from .state import NodeState
 
 validate_layout_name = check_layout_name  # the name the shell and clients know it by
 

@@ -13,6 +13,8 @@ import enum
 import attrs
 from immutables import Map
 
+from .limits import Limits
+
 
 class LockState(enum.Enum):
     """Derived from the state, never stored (the seed's four states)."""
@@ -129,3 +131,65 @@ def lock_state(state: LayoutState) -> LockState:
     if state.committed:
         return LockState.COMMITTED
     return LockState.EMPTY
+
+
+# -- the node: every layout of one GPU, its sessions and tenants (gms.fsm.node folds it) ----
+
+DEFAULT_TENANT = "default"
+
+
+@attrs.frozen
+class SessionInfo:
+    """A handshaken connection: the layout it locks, and who it is."""
+
+    layout: str
+    tenant: str
+    uid: int
+    gid: int
+    pid: int
+    lock_type: str
+    limit_bytes: int | None = None
+
+
+@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
+class TenantState:
+    name: str
+    quota_bytes: int | None = None  # None: unlimited
+    used_bytes: int = 0
+    sessions: int = 0
+    metadata_quota: int | None = None  # bytes of keys and values; None: unlimited
+    metadata_bytes: int = 0
+    max_layouts: int | None = None  # None: only the node's cap
+    # layout -> references: 1 if the tenant owns it, +1 per session of the
+    # tenant that may write it (RW, RW_OR_RO).  A writer's session counts the
+    # layout from its handshake, so the grant (which may come much later)
+    # never adds one: the bound is checked once, when the session opens.
+    layout_refs: Map[str, int] = Map()
+
+    @property
+    def layouts(self) -> int:
+        return len(self.layout_refs)
+
+
+@attrs.frozen(slots=False)  # dict-backed: see gms.fsm.replace
+class NodeState:
+    started: bool = False
+    capacity_bytes: int | None = None
+    budget_bytes: int | None = None
+    host_budget_bytes: int | None = None  # 0: the server keeps no host tier
+    limits: Limits = Limits()
+    layouts: Map[str, LayoutState] = Map()
+    sessions: Map[int, SessionInfo] = Map()
+    tenants: Map[str, TenantState] = Map()
+    gpu_bytes: int = 0
+    host_bytes: int = 0
+    metadata_bytes: int = 0
+    tick: int = 0
+
+    def layout(self, name: str) -> LayoutState:
+        """The named layout; a vacant one if the node holds none of that name."""
+        found = self.layouts.get(name)
+        return found if found is not None else LayoutState(name)
+
+
+EMPTY_NODE = NodeState()

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import gms.fsm.folding as folding
-from gms.fsm import InvariantViolation
+from gms.fsm import InvariantViolation, rules
 from gms.fsm.events import (
     LayoutEvicted,
     MetadataDeleted,
@@ -47,7 +46,7 @@ PLANTED_BUGS = {
 @pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
 def test_machine_finds_planted_fold_bug(bug, monkeypatch):
     event_type, wrong_step = PLANTED_BUGS[bug]
-    monkeypatch.setitem(folding.LAYOUT_STEPS, event_type, wrong_step)
+    monkeypatch.setitem(rules.RULES, event_type, attrs.evolve(rules.RULES[event_type], step=wrong_step))
     with pytest.raises((AssertionError, InvariantViolation)):
         run_state_machine_as_test(
             FsmMachine,
