@@ -318,10 +318,12 @@ def test_a_server_of_today_takes_over_from_a_version_1_state(tmp_path):
             aligned = next(a[3] for a in ALLOCATIONS if a[1] == allocation_id)
             assert read_through(reader, allocation_id, aligned) == pattern(slot, aligned)
         assert reader.call(m.MetadataGetRequest("w1.t")).value == b"meta-w1"
-        silent = RawConn.from_socket(old.client)  # conn 9 goes on, on the new server, as it was:
-        refused = silent.handshake("RO", layout="cold")  # (the fixture has it handshaken already)
+        silent = RawConn.from_socket(old.client)  # conn 9 goes on, on the new server, without its session:
+        assert silent.call(m.MetadataGetRequest("w1.t")).code == "NOT_CONNECTED"  # "send HandshakeRequest first"
+        assert silent.handshake("RO").success  # ... which it may, on the connection it has
+        assert silent.call(m.MetadataGetRequest("w1.t")).value == b"meta-w1"
+        refused = silent.handshake("RO", layout="cold")  # one session a connection: the rules refuse a second
         assert (refused.code, refused.error) == ("STATE_VIOLATION", "this connection has already handshaken")
-        assert silent.call(m.MetadataGetRequest("w1.t")).code == "NOT_CONNECTED"
         new.stop()
     finally:
         old.close()

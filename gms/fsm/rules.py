@@ -357,9 +357,21 @@ def _residency_field(node, layout: LayoutState, e: RwCommit | ResidencySet) -> N
         require_host_copies(layout)
 
 
-def _host_copy_admitted(node, layout: LayoutState, e: HostCopyCreated) -> None:
+def require_host_tier(node) -> None:
+    """A server started without a host tier (its budget 0) refuses everything of it."""
     if node.host_budget_bytes == 0:
         raise StateViolation("this server keeps no host tier")
+
+
+def check_lock_type(value: object) -> str:
+    """A lock type a handshake may ask for (the request's, then its event's)."""
+    if value not in LOCK_TYPES:
+        raise InvalidArgument(f"unknown lock type {value!r}")
+    return value
+
+
+def _host_copy_admitted(node, layout: LayoutState, e: HostCopyCreated) -> None:
+    require_host_tier(node)
     allocation = allocation_of(layout, e.allocation_id)
     if e.allocation_id in layout.host_copies:
         raise StateViolation(f"allocation {e.allocation_id!r} has a host copy")
@@ -385,8 +397,7 @@ def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> Non
         raise StateViolation("this connection has already handshaken")
     if e.layout not in node.layouts:  # a layout's name was checked when it was made
         check_layout_name(e.layout)  # also when empty: then ``layout`` is None
-    if e.lock_type not in LOCK_TYPES:
-        raise InvalidArgument(f"unknown lock type {e.lock_type!r}")
+    check_lock_type(e.lock_type)
     tenant = node.tenants.get(e.tenant)
     if tenant is None:
         raise PermissionDenied(f"tenant {e.tenant!r} is not configured on this server")

@@ -14,8 +14,9 @@ out, so each rule is tested without sockets:
   previous one is answered;
 * a probe or an admin verb (``ONE_SHOT``) is answered only as the first and
   only request of a connection, then it closes; sent later it is refused;
-* one handshake per connection: a second is refused (a refused handshake
-  may be tried again);
+* a second handshake on a connection is the rules' to refuse
+  (``gms.fsm.rules``: a connection holds one session); this object only
+  widens the frame bound once a handshake succeeds;
 * close after the answers that end a session: a commit, a lock wait that
   timed out, and any the server marks so;
 * read-ahead: while a request is being served the server keeps reading (to
@@ -163,8 +164,6 @@ class ServerConnection:
                 self._one_shot = True
                 return message
             return Refused(f"{type(message).__name__} must be the first and only request of a connection")
-        if isinstance(message, m.HandshakeRequest) and self.handshaken:
-            return Refused("this connection has already handshaken")
         return message
 
     # -- messages out -----------------------------------------------------------------

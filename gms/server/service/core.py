@@ -42,6 +42,7 @@ from ...fsm import (
 )
 from ...fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
 from ...fsm.queries import layout_of
+from ...fsm.rules import check_lock_type
 from ...peer import Peer
 from ...policy import OPEN_POLICY, Policy
 from ...store import EventLog
@@ -196,9 +197,7 @@ class ServiceCore:
     def _decide_session(self, conn: int, request: m.HandshakeRequest, peer: Peer) -> Event:
         """The SESSION_OPENED a handshake proposes; a refusal by the policy is
         recorded (SESSION_REFUSED) and raised."""
-        requested = _LOCK_TYPES.get(request.lock_type)
-        if requested is None:
-            raise InvalidArgument(f"unknown lock type {request.lock_type!r}")
+        requested = _LOCK_TYPES[check_lock_type(request.lock_type)]
         if request.timeout_ms is not None and request.timeout_ms < 0:
             raise InvalidArgument("timeout_ms must be >= 0")
         tenant = self.policy.tenant_for(peer.uid, peer.gid)

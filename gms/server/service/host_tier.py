@@ -19,7 +19,7 @@ from ...fsm import (
     decide_host_copy,
     queries,
 )
-from ...fsm.rules import allocation_of
+from ...fsm.rules import allocation_of, require_host_tier
 from ...fsm.state import Allocation
 from ...wire import messages as m
 from ...wire.messages import MAX_FDS_PER_MESSAGE
@@ -43,8 +43,7 @@ class HostTier:
         export the copies the layout has."""
         if len(allocation_ids) > MAX_FDS_PER_MESSAGE:
             raise LimitExceeded(f"at most {MAX_FDS_PER_MESSAGE} host copies per request")
-        if self.host is None:
-            raise StateViolation("this server keeps no host tier")
+        require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
         layout = queries.layout_of(self.ledger.state, conn)
         queries.require_view(layout, conn, "host copies")
         for allocation_id in allocation_ids:
@@ -64,8 +63,7 @@ class HostTier:
     def export_chunks(self, conn: int, allocation_ids: list[str], start: int) -> Reply:
         """The restorer: the chunks of the host copies, in order, 253 fds at most an
         answer (a host copy the copier filled is several chunks of pool memory)."""
-        if self.host is None:
-            raise StateViolation("this server keeps no host tier")
+        require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
         if start < 0:
             raise InvalidArgument("start must be >= 0")
         layout = queries.layout_of(self.ledger.state, conn)
