@@ -176,9 +176,9 @@ def spawn(server, images, order) -> None:
     for layout, conns in order:
         for conn in conns:
             session = sessions.get(conn)
-            if session is None or session.lock_wait is None:
+            if session is None or session.waits.lock is None:
                 continue
-            server.core.queues.add(layout, conn, Waiter(session.lock_wait.requested, session.on_grant, session.alive))
+            server.core.queues.add(layout, conn, Waiter(session.waits.lock.requested, session.on_grant, session.alive))
     for layout, _ in order:
         server.core.ledger.grant(layout)
     for conn, session in sessions.items():

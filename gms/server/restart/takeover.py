@@ -36,7 +36,6 @@ shell's two sides of the conversation.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 
@@ -50,12 +49,10 @@ from ...handover.image import (
     STATE_VERSION,
     ConnImage,
     ImageError,
-    PendingImage,
     ProtocolImage,
     ServerInfo,
     StateImage,
     UnsupportedVersion,
-    Waiting,
     decode_image,
     encode_image,
 )
@@ -80,19 +77,7 @@ def session_image(session, now: float, paused: float | None = None) -> ConnImage
     """A parked session as data (its socket travels beside it); ``paused``: when
     the pause began (a first-request deadline stops counting there)."""
     protocol = ProtocolImage(**session.protocol.freeze())
-    pending = None
-    grant = session.grant
-    if session.waiting_for is not None:
-        pending = PendingImage(
-            session.waiting_for, granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore)
-        )
-    elif session.lock_wait is not None:
-        wait = session.lock_wait
-        left = None if math.isinf(wait.deadline) else max(0, int((wait.deadline - now) * 1000))
-        pending = PendingImage(
-            Waiting.LOCK, requested=wait.requested.value, timeout_left_ms=left,
-            granted=grant.granted.value if grant else "", restore=bool(grant and grant.restore),
-        )
+    pending = session.waits.image(now)
     first_left = None
     if not protocol.requests:  # no request yet: its first one's deadline goes on where the pause stopped it
         first_left = max(0, int((session.first_by - min(now, paused or now)) * 1000))

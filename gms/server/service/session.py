@@ -1,4 +1,7 @@
-"""One connection's task: the small Trio loop around :class:`ServerConnection`.
+"""One connection's task: the small Trio loop around two sans-IO objects,
+:class:`ServerConnection` (the wire: framing, one request at a time) and
+:class:`~gms.server.service.waits.Waits` (what the request being served
+waits on: its lock, memory; what a take-over hands on).
 
 Feed what the socket gives to the connection object, serve each request it
 hands out (the core decides), send what it encodes; unwind on any exit.
@@ -30,7 +33,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection, RequestedLockType
+from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection
 from ...fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
 from ...handover.image import Waiting
 from ...wire import ProtocolError, UnknownMessageType, encode
@@ -52,6 +55,7 @@ from .core import ServiceCore
 from .placement import OutOfMemoryTimeout
 from .quiesce import Parked, Quiesce, only_parked
 from .requests import HANDLERS
+from .waits import Waits
 
 log = logging.getLogger("gms.server")
 
@@ -72,16 +76,6 @@ class FirstRequestLate(Exception):
 class _TakeOver(Exception):
     def __init__(self, request: m.TakeOverRequest) -> None:
         self.request = request
-
-
-class LockWait:
-    """A handshake waiting for its lock (kept on the session: a take-over hands it on)."""
-
-    def __init__(self, request: m.HandshakeRequest, requested: RequestedLockType, deadline: float) -> None:
-        self.request = request
-        self.requested = requested
-        self.deadline = deadline  # trio time; inf: no limit
-        self.asked_at = trio.current_time()
 
 
 class Session:
@@ -124,12 +118,9 @@ class Session:
         self._revoked = False
         self._stuck = False  # dropped at a quiet point: its client read nothing of its answer
         self._on_take_over = on_take_over
-        # What a quiet point finds the session waiting on (for the hand-over):
-        self.lock_wait: LockWait | None = None
-        self.grant: Grant | None = None  # set by the ledger's grant, also while parked
+        # What it waits on, as data (what a quiet point hands over): gms.server.service.waits.
+        self.waits = Waits()
         self._granted: trio.Event | None = None  # made when a handshake has to wait
-        self.waiting_for: Waiting | None = None  # RESTORE or ALLOCATE: memory (a lock wait is lock_wait)
-        self._pending: Waiting | None = None  # what go_on must finish first
         self.quiesce.started(self)  # counted from here, before its task runs: a quiet point waits for it
 
     def _revoke(self) -> None:
@@ -152,25 +143,19 @@ class Session:
         request it is serving (LOCK: for ``requested``, ``timeout_left``
         seconds more; RESTORE or ALLOCATE: for memory): finish that first.
         ``granted``: the lock was granted while the server paused."""
-        self._pending = kind = Waiting(kind)
-        if kind is Waiting.LOCK:
-            self.lock_wait = LockWait(
-                self.protocol.serving, RequestedLockType(requested), trio.current_time() + timeout_left
-            )
-        if granted is not None:
-            self.on_grant(granted)
+        self.waits.go_on(kind, self.protocol.serving, requested=requested, timeout_left=timeout_left,
+                         granted=granted, now=trio.current_time())
 
     @contextlib.contextmanager
     def _waiting_for(self, what: Waiting):
         """Mark a memory wait; a take-over stopping it leaves the mark for the hand-over."""
-        self.waiting_for = what
+        self.waits.wait_memory(what)
         try:
             yield
         except BaseException as exc:
-            if not only_parked(exc):
-                self.waiting_for = None
+            self.waits.memory_ended(parked=only_parked(exc))
             raise
-        self.waiting_for = None
+        self.waits.memory_ended()
 
     async def run(self) -> None:
         unwind = close = True
@@ -179,7 +164,7 @@ class Session:
             if not self.protocol.requests:
                 self._scope.deadline = self.first_by  # lifted once the first request is whole
             with self._scope:
-                if self._pending is not None:
+                if self.waits.pending is not None:
                     await self._finish_pending()
                 await self._serve()
             if self._stuck:
@@ -286,14 +271,14 @@ class Session:
                 self.core.fds.returned(len(reply.fds))
 
     async def _finish_pending(self) -> None:
-        kind, self._pending = self._pending, None
+        kind = self.waits.take_pending()
         request = self.protocol.serving
         since = self.core.log.added(self.conn)
         try:
             if kind is Waiting.LOCK:
                 reply = await self._wait_for_lock()
             elif kind is Waiting.RESTORE:
-                reply = await self._after_grant(request, self.grant)
+                reply = await self._after_grant(request, self.waits.grant)
             else:
                 reply = await self._allocate(request)
         except Rejection as rejection:
@@ -359,7 +344,7 @@ class Session:
 
     def on_grant(self, grant: Grant) -> None:
         """The ledger granted this session's lock (maybe while a take-over paused it)."""
-        self.grant = grant
+        self.waits.granted(grant)
         if self._granted is not None:
             self._granted.set()
 
@@ -367,24 +352,26 @@ class Session:
         return not self.channel.hung_up()
 
     async def _handshake(self, request: m.HandshakeRequest) -> Reply:
+        waits = self.waits
         requested = self.core.handshake(self.conn, request, self.peer, self.on_grant, self.alive)
-        if self.grant is not None:  # at once: nobody was ahead
+        if waits.grant is not None:  # at once: nobody was ahead
             self.metrics.lock_waited(requested.value, 0.0)
-            return await self._after_grant(request, self.grant)
+            return await self._after_grant(request, waits.grant)
         timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
-        self.lock_wait = LockWait(request, requested, trio.current_time() + timeout)
+        waits.ask_lock(request, requested, timeout, trio.current_time())
         return await self._wait_for_lock()
 
     async def _wait_for_lock(self) -> Reply:
-        wait = self.lock_wait
+        waits = self.waits
+        wait = waits.lock
         request, requested = wait.request, wait.requested
-        if self.grant is None:
+        if waits.grant is None:
             hung_up = False
             self._granted = trio.Event()
             with trio.move_on_at(wait.deadline), self.quiesce.interruptible():
                 hung_up = await wait_or_hangup(self._until_granted, self._until_gone)
-            if self.grant is None:
-                self.lock_wait = None
+            if waits.grant is None:
+                waits.lock_ended()
                 self.core.cancel_lock_request(self.conn)
                 if hung_up:
                     raise PeerGone("hung up while waiting for the lock")
@@ -392,14 +379,14 @@ class Session:
                     [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
                 )
                 return Reply(self._handshake_response(None))
-        self.lock_wait = None
+        waits.lock_ended()
         self.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
-        return await self._after_grant(request, self.grant)
+        return await self._after_grant(request, waits.grant)
 
     async def _until_granted(self) -> None:
         """Wait for the grant, saying so now and then to a client that asked
         (``heartbeat_ms``): it then tells a wait from a server that hangs."""
-        heartbeat_ms = getattr(self.lock_wait.request, "heartbeat_ms", None)
+        heartbeat_ms = getattr(self.waits.lock.request, "heartbeat_ms", None)
         if not heartbeat_ms:
             await self._granted.wait()
             return
@@ -408,7 +395,7 @@ class Session:
             with trio.move_on_after(every):
                 await self._granted.wait()
                 return
-            waited = int((trio.current_time() - self.lock_wait.asked_at) * 1000)
+            waited = int((trio.current_time() - self.waits.lock.asked_at) * 1000)
             self.channel.send_if_idle(encode(m.LockWaiting(waited)))
 
     async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
