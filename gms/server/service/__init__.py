@@ -6,6 +6,7 @@
 restore, waiting when there is none), ``host_tier`` and ``transfers`` (host
 copies, the copier's publish and restore), ``probes`` (state and history);
 ``core`` (``ServiceCore``) holds them and the sessions' life; ``session`` is
-one connection's Trio loop; ``quiesce`` pauses them all for a take-over.
+one connection's Trio loop, over ``waits`` (what its request waits on, as data);
+``quiesce`` pauses them all for a take-over.
 Imports ``tiers`` and ``edge``.
 """
