@@ -33,7 +33,7 @@ def layer_shapes(i: int) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def nbytes(shape: tuple[int, ...]) -> int:
+def nbytes(shape) -> int:
     n = 2
     for d in shape:
         n *= d
@@ -58,8 +58,9 @@ def llama_shapes(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes + ends
 
 
-def write_checkpoint(path: str, total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    shapes = llama_shapes(total_bytes)
+def write_safetensors(path: str, shapes) -> None:
+    """``shapes`` ((name, shape), ...) as a bf16 safetensors file: random bytes
+    (one block repeated), written straight to the file, fsynced."""
     header, offset = {}, 0
     for name, shape in shapes:
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes(shape)]}
@@ -76,18 +77,25 @@ def write_checkpoint(path: str, total_bytes: int) -> list[tuple[str, tuple[int, 
             left -= n
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_checkpoint(path: str, total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    shapes = llama_shapes(total_bytes)
+    write_safetensors(path, shapes)
     return shapes
 
 
-def evict(path: str) -> None:
-    """Drop the file from the page cache (as root also drop every clean page)."""
+def evict(path: str) -> bool:
+    """Drop the file from the page cache (fadvise works for any owner; as root
+    also drop every clean page); True if the second worked too."""
     with open(path, "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
+        return True
     except OSError:
-        pass
+        return False
 
 
 def warm(path: str) -> None:

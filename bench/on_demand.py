@@ -74,6 +74,8 @@ import time
 import traceback
 from pathlib import Path
 
+from llama_checkpoint import evict, nbytes, warm, write_safetensors
+
 HERE = Path(__file__).resolve()
 MiB, GiB = 1 << 20, 1 << 30
 REPLY = "@@"  # a worker's answers are the stdout lines that start with this
@@ -95,7 +97,6 @@ def shapes_for(total: int, unit: str) -> list[tuple[str, list[int]]]:
     """A Llama-shaped model of about ``total`` bytes: Llama-3.2-3B's shapes for
     GiB models (as ``bench/warm_start.py``), the same structure scaled down
     (hidden 512) for MiB models."""
-    sys.path.insert(0, str(HERE.parent))
     import llama_checkpoint
 
     if unit == "GiB":
@@ -119,54 +120,6 @@ def shapes_for(total: int, unit: str) -> list[tuple[str, list[int]]]:
         used += sum(nbytes(s) for _, s in layer(i))
         i += 1
     return shapes + ends
-
-
-def nbytes(shape: list[int]) -> int:
-    n = 2  # bf16
-    for d in shape:
-        n *= d
-    return n
-
-
-def write_safetensors(path: str, shapes: list[tuple[str, list[int]]]) -> None:
-    """The model as a safetensors file (random bytes, one block repeated), fsynced."""
-    import struct
-
-    header, offset = {}, 0
-    for name, shape in shapes:
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes(shape)]}
-        offset += nbytes(shape)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    block = os.urandom(64 << 20)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        left = offset
-        while left:
-            n = min(left, len(block))
-            f.write(block[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def drop_from_page_cache(path: str) -> bool:
-    """Evict the file (fadvise works for any owner); True if drop_caches worked too."""
-    with open(path, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def read_through(path: str) -> None:
-    with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(64 << 20)
-        while f.readinto(buffer):
-            pass
 
 
 # -- the worker: a reader (or the publisher) with torch and CUDA up before any clock ----------------
@@ -591,9 +544,9 @@ def safetensors_phase(worker: Worker, catalog: list[dict], st_sizes: list[float]
         path = os.path.join(directory, f"{entry['name']}.safetensors")
         write_safetensors(path, entry["shapes"])
         try:
-            read_through(path)
+            warm(path)
             cached = min(worker.call("safetensors", path=path)["total_s"] for _ in range(2))
-            dropped = drop_from_page_cache(path)
+            dropped = evict(path)
             cold = worker.call("safetensors", path=path)["total_s"]
         finally:
             os.unlink(path)
