@@ -62,7 +62,7 @@ def measure(loops: int) -> dict:
 
 async def _measure(loops: int) -> dict:
     from gms.cuda.host import HostBackend
-    from gms.server import core as core_module
+    from gms.server.service import core as core_module
     from gms.peer import Peer
     from gms.wire import messages as m
 

@@ -62,8 +62,9 @@ def instrument(stamps: list) -> None:
     step that a refactor renames is simply not stamped."""
     import trio
 
-    from gms.server import core as core_mod
-    from gms.server import session as session_mod
+    from gms.server.edge import netio
+    from gms.server.service import core as core_mod
+    from gms.server.service import session as session_mod
 
     Session = session_mod.Session
     conn_of_task: dict = {}
@@ -71,29 +72,26 @@ def instrument(stamps: list) -> None:
     def conn() -> int:
         return conn_of_task.get(trio.lowlevel.current_task(), -1)
 
-    class StampedSocket:
-        """The session's socket: stamps when a read returns and a send finishes."""
+    # The session's channel (the one place its socket is read and written):
+    # stamps when a read returns and a send finishes, for the current task's conn.
+    receive, receive_into, send = netio.Channel.receive, netio.Channel.receive_into, netio.Channel.send
 
-        def __init__(self, sock, number: int) -> None:
-            self._stamped, self._conn = sock, number
+    async def stamped_receive(self, *args):
+        data = await receive(self, *args)
+        stamps.append((conn(), "woke" if len(data) else "eof", now()))
+        return data
 
-        def __getattr__(self, name):  # anything else, the stdlib socket (``_sock``) included
-            return getattr(self._stamped, name)
+    async def stamped_receive_into(self, *args):
+        n = await receive_into(self, *args)
+        stamps.append((conn(), "woke" if n else "eof", now()))
+        return n
 
-        async def recv_into(self, *args):
-            n = await self._stamped.recv_into(*args)
-            stamps.append((self._conn, "woke" if n else "eof", now()))
-            return n
+    async def stamped_send(self, *args):
+        await send(self, *args)
+        stamps.append((conn(), "sent", now()))
 
-        async def send(self, *args):
-            n = await self._stamped.send(*args)
-            stamps.append((self._conn, "sent", now()))
-            return n
-
-        async def sendmsg(self, *args):
-            n = await self._stamped.sendmsg(*args)
-            stamps.append((self._conn, "sent", now()))
-            return n
+    netio.Channel.receive, netio.Channel.receive_into = stamped_receive, stamped_receive_into
+    netio.Channel.send = stamped_send
 
     init = Session.__init__
 
@@ -102,7 +100,6 @@ def instrument(stamps: list) -> None:
         init(self, *args, **kwargs)
         stamps.append((self.conn, "accepted", started))
         stamps.append((self.conn, "session made", now()))
-        self.sock = StampedSocket(self.sock, self.conn)
 
     run = Session.run
 
@@ -136,11 +133,21 @@ def instrument(stamps: list) -> None:
 
         return wrapper
 
-    for name, (before, after) in {"decode": ("decode", "decoded"), "encode": ("encode", "encoded")}.items():
-        if hasattr(session_mod, name):
-            setattr(session_mod, name, stamped(getattr(session_mod, name), before, after))
-    if hasattr(Session, "_dispatch"):
-        Session._dispatch = stamped_async(Session._dispatch, "dispatch", "dispatched")
+    from gms.wire import connection as wire
+
+    next_request, encode = wire.ServerConnection.next_request, wire.ServerConnection.send
+
+    def stamped_next_request(self):
+        started = now()
+        request = next_request(self)
+        if request is not wire.NEED_DATA and request is not wire.PEER_CLOSED:  # a request: one per decode
+            stamps.extend([(conn(), "decode", started), (conn(), "decoded", now())])
+        return request
+
+    wire.ServerConnection.next_request = stamped_next_request
+    wire.ServerConnection.send = stamped(encode, "encode", "encoded")
+    Session._answer = stamped_async(Session._answer, "answer", "answered")
+    Session._send = stamped_async(Session._send, "send", "send done")
     for name in ("handshake", "open_session", "request_lock", "handle", "allocate", "disconnect", "record"):
         if hasattr(core_mod.ServiceCore, name):
             setattr(core_mod.ServiceCore, name,

@@ -99,20 +99,22 @@ def make_socket_dir(directory: str) -> None:
         )
 
 
-async def bind_listener(path: str, mode: int) -> tuple[trio.socket.SocketType, int]:
-    """Bind with no window in which the socket is more open than ``mode``."""
+def bind_listener(path: str, mode: int) -> tuple[socket.socket, int]:
+    """Bind with no window in which the socket is more open than ``mode``; the
+    listener is non-blocking (admission's loop accepts on it directly)."""
     make_socket_dir(os.path.dirname(os.path.abspath(path)))
     clear_stale_socket(path)
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
-        await sock.bind(path)
+        sock.bind(path)
     except OSError:
         sock.close()
         raise
     finally:
         os.umask(old_umask)
     os.chmod(path, mode)
+    sock.setblocking(False)
     sock.listen(LISTEN_BACKLOG)
     return sock, os.stat(path).st_ino
 
@@ -244,9 +246,10 @@ class Server:
                 self._close_backends()
                 return await succession.serve_retired(self, task_status)
             if start.listener is None:
-                listener, inode = await bind_listener(path, self.config.socket_mode)
+                listener, inode = bind_listener(path, self.config.socket_mode)
             else:
-                listener, inode = trio.socket.from_stdlib_socket(start.listener), succession.inode(path)
+                listener, inode = start.listener, succession.inode(path)
+                listener.setblocking(False)
                 listener.listen(LISTEN_BACKLOG)  # this version's, whoever made the socket (queued ones stay)
         except BaseException:
             if gpu is not None:
@@ -356,12 +359,12 @@ class Server:
             if backend is not None:
                 backend.close()
 
-    def _admitted(self, sock: trio.socket.SocketType, peer: Peer, ticket: Ticket) -> None:
+    def _admitted(self, sock: socket.socket, peer: Peer, ticket: Ticket) -> None:
         """A connection admission let in: its session is made now (a take-over's
         quiet point counts it from here: one whose task had not started yet was
         left out of a hand-over, and its client reset), its task starts soon."""
         session = Session(
-            self.core, self.config, Channel.adopt(sock, peer), self.metrics, self.quiesce,
+            self.core, self.config, Channel(sock, peer), self.metrics, self.quiesce,
             on_take_over=self._taken_over_by,
         )
         self._nursery.start_soon(self.run_session, session, ticket)

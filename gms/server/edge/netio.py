@@ -61,12 +61,6 @@ class Channel:
         self.sent = 0  # bytes sent, all told (a take-over tells a stuck send from a slow one by it)
         self._unyielded = 0
 
-    @classmethod
-    def adopt(cls, sock: trio.socket.SocketType, peer: Peer | None = None) -> Channel:
-        """Take the socket out of Trio's wrapper (which then closes nothing)."""
-        # Family and type given: asking the kernel for them costs three system calls.
-        return cls(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=sock.detach()), peer)
-
     async def _after_ready_call(self) -> None:
         self._unyielded += 1
         if self._unyielded >= _YIELD_EVERY:
