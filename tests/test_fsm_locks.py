@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from gms.fsm import (
@@ -185,3 +186,27 @@ def test_a_writer_may_replace_an_evicted_layout():
     assert grant.granted is GrantedLockType.RW
     state = fold([grant.event], evicted())
     assert state.tier.value == "gpu" and not state.host_copies and not state.committed
+
+
+def test_host_copies_are_read_by_the_writer_and_the_restorer_only_where_they_exist():
+    from gms.fsm import NotConnected, StateViolation, decide_allocate, decide_host_copy
+    from gms.fsm.decide import decide_commit
+    from gms.fsm.queries import host_chunks_to_export, host_copies_to_export
+
+    state = fold([RwConnect(1, layout="w")])
+    for allocation_id in ("a", "b"):
+        state = fold(decide_allocate(state, 1, allocation_id, 4096, 2 << 20, "w"), state)
+    assert host_copies_to_export(state, 1, ["a", "b"]) is False  # the writer's: made if missing
+    with pytest.raises(StateViolation, match="restorer"):
+        host_chunks_to_export(state, 1, ["a"])
+    state = fold(decide_host_copy(state, 1, "a") + decide_host_copy(state, 1, "b"), state)
+    state = fold([*decide_commit(state, 1, "system"), LayoutEvicted(0, "budget", layout="w")], state)
+    state = fold([RestoreClaimed(5, layout="w")], state)
+    assert host_copies_to_export(state, 5, ["a", "b"]) is True
+    host_chunks_to_export(state, 5, ["b"])
+    with pytest.raises(NotConnected):
+        host_copies_to_export(state, 6, ["a"])  # no lock on the layout
+    lost = attrs.evolve(state, host_copies=state.host_copies.delete("b"))  # as a broken shell would leave it
+    for ask in (host_copies_to_export, host_chunks_to_export):
+        with pytest.raises(StateViolation, match="1 allocations have no host copy to restore from .*'b'"):
+            ask(lost, 5, ["a", "b"])

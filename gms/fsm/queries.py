@@ -70,3 +70,34 @@ def list_metadata(state: LayoutState, conn: int, prefix: str = "") -> list[str]:
 def scan_metadata(state: LayoutState, conn: int, prefix: str = "") -> list[MetadataEntry]:
     """Every entry under ``prefix``, sorted by key."""
     return [state.metadata[k] for k in list_metadata(state, conn, prefix)]
+
+
+def host_copies_to_export(state: LayoutState, conn: int, allocation_ids: list[str]) -> bool:
+    """Whose host copies a holder may ask for: the writer's (it may have them
+    made), the restorer's of an evicted layout (they must exist).  True for
+    the restorer."""
+    require_view(state, conn, "host copies")
+    for allocation_id in allocation_ids:
+        allocation_of(state, allocation_id)  # another layout's id is unknown here
+    if state.restorer != conn:
+        return False
+    _restorable(state, allocation_ids)
+    return True
+
+
+def host_chunks_to_export(state: LayoutState, conn: int, allocation_ids: list[str]) -> None:
+    """The chunks of host copies are the restorer's to read, each copy there."""
+    require_view(state, conn, "host chunks")
+    if state.restorer != conn:
+        raise StateViolation("host chunks are for the restorer of an evicted layout")
+    for allocation_id in allocation_ids:
+        allocation_of(state, allocation_id)
+    _restorable(state, allocation_ids)
+
+
+def _restorable(state: LayoutState, allocation_ids: list[str]) -> None:
+    missing = [i for i in allocation_ids if i not in state.host_copies]
+    if missing:
+        raise StateViolation(
+            f"{len(missing)} allocations have no host copy to restore from (the first: {missing[0]!r})"
+        )

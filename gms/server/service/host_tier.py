@@ -15,7 +15,6 @@ from ...fsm import (
     HostBudgetExceeded,
     InvalidArgument,
     LimitExceeded,
-    StateViolation,
     decide_host_copy,
     queries,
 )
@@ -45,14 +44,7 @@ class HostTier:
             raise LimitExceeded(f"at most {MAX_FDS_PER_MESSAGE} host copies per request")
         require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
         layout = queries.layout_of(self.ledger.state, conn)
-        queries.require_view(layout, conn, "host copies")
-        for allocation_id in allocation_ids:
-            allocation_of(layout, allocation_id)  # another layout's id is unknown here
-        if layout.restorer == conn:
-            missing = [i for i in allocation_ids if i not in layout.host_copies]
-            if missing:
-                raise StateViolation(f"{len(missing)} allocations have no host copy to restore from")
-        else:
+        if not queries.host_copies_to_export(layout, conn, allocation_ids):  # the writer: made if missing
             await self._make(conn, list(dict.fromkeys(allocation_ids)))
         layout = queries.layout_of(self.ledger.state, conn)
         found = [allocation_of(layout, i) for i in allocation_ids]
@@ -66,15 +58,9 @@ class HostTier:
         require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
         if start < 0:
             raise InvalidArgument("start must be >= 0")
-        layout = queries.layout_of(self.ledger.state, conn)
-        queries.require_view(layout, conn, "host chunks")
-        if layout.restorer != conn:
-            raise StateViolation("host chunks are for the restorer of an evicted layout")
+        queries.host_chunks_to_export(queries.layout_of(self.ledger.state, conn), conn, allocation_ids)
         rows: list[tuple[str, int, str, int]] = []
         for allocation_id in allocation_ids:
-            allocation_of(layout, allocation_id)
-            if allocation_id not in layout.host_copies:
-                raise StateViolation(f"allocation {allocation_id!r} has no host copy to restore from")
             offset = 0
             for chunk, size in self.host.chunks_of(allocation_id):
                 rows.append((allocation_id, offset, chunk, size))
