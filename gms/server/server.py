@@ -196,8 +196,9 @@ class Server:
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
         if log is None:
+            options = {"link": self.link} if self.link is not None else {}
             log = (MirroredLog if self.link is not None else EventLog)(
-                retain=config.event_log_retain, max_bytes=config.event_log_bytes
+                retain=config.event_log_retain, max_bytes=config.event_log_bytes, **options
             )
         self.core = ServiceCore(
             gpu,
@@ -220,8 +221,6 @@ class Server:
             keeper=self.link,
         )
         self.metrics.watch(self.core)
-        if self.link is not None:  # it sends nothing before it is attached (succession.take_the_node)
-            log.link = self.link
         return self.core
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

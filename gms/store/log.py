@@ -124,7 +124,7 @@ class EventLog:
     @classmethod
     def resumed(
         cls, snapshot: Snapshot, entries: Iterable[LogEntry] = (), *, retain: int | None = 1_000_000,
-        chunk_size: int = 4096, max_bytes: int | None = None,
+        chunk_size: int = 4096, max_bytes: int | None = None, **options,
     ) -> EventLog:
         """A log that goes on from another server's: its snapshot is ``snapshot``
         (the state after event ``last_seq``), then ``entries`` (the events after
@@ -132,8 +132,9 @@ class EventLog:
         raises); the next event appended is numbered after the last of them.
         The entries are counted against ``max_bytes`` as appended ones are, and
         the snapshot's share of metadata from the start (a take-over's snapshot
-        is the live state: none)."""
-        log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes)
+        is the live state: none).  ``options``: a subclass's own (the server's
+        ``MirroredLog``: its keeper link)."""
+        log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes, **options)
         log.state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])

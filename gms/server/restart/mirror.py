@@ -663,9 +663,13 @@ def _close(fds: Iterable[int]) -> None:
 
 
 class MirroredLog(EventLog):
-    """An event log that sends what it appends to the keeper (when it has one)."""
+    """An event log that sends what it appends to the keeper (when it has one).
+    The link is given when the log is made: it sends nothing before the server
+    has taken its node (``KeeperLink.attach``)."""
 
-    link: KeeperLink | None = None
+    def __init__(self, *, link: KeeperLink | None = None, **options) -> None:
+        super().__init__(**options)
+        self.link = link
 
     def store(self, folded) -> list[LogEntry]:
         entries = super().store(folded)

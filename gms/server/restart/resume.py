@@ -26,7 +26,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -103,15 +103,14 @@ def decode_base(base: bytes | dict) -> StateImage:
 
 def rebuild(
     base: bytes | dict, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
-    log_class: type[EventLog] = EventLog,
+    resumed: Callable[..., EventLog] = EventLog.resumed,
 ) -> tuple[StateImage, EventLog, int]:
-    """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
+    """(image, log, next conn) from a keeper's journal; raises Unreplayable.
+    ``resumed`` makes the log (the server's: a ``MirroredLog`` with its link)."""
     try:
         image = decode_base(base)
         entries = [entry for tail in tails for entry in decode_entries(tail)]
-        log_ = log_class.resumed(
-            Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes
-        )
+        log_ = resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
         check_invariants(log_.state)
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc

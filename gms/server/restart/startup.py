@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 
 import attrs
 
@@ -70,9 +71,10 @@ def _listener(fd: int) -> socket.socket:
     return socket.socket(fileno=fd)
 
 
-def from_offer(offer: Offer, config: ServerConfig) -> Handed:
+def from_offer(offer: Offer, config: ServerConfig, link: KeeperLink | None) -> Handed:
     image = offer.image
-    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain, max_bytes=config.event_log_bytes)
+    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain, max_bytes=config.event_log_bytes,
+                               link=link)
     return Handed("take-over", image, log_, image.next_conn, dict(offer.fds), offer.old_pid, "take-over",
                   dict(offer.conn_fds))
 
@@ -95,7 +97,7 @@ def take_over(config: ServerConfig, device: DeviceInfo, link: KeeperLink | None 
         offer.close_fds()
         raise
     log.info("pid %d is handing its node over (state version %d)", offer.old_pid, offer.image.version)
-    return Start(_listener(offer.listener), handed=from_offer(offer, config), offer=offer, link=link)
+    return Start(_listener(offer.listener), handed=from_offer(offer, config, link), offer=offer, link=link)
 
 
 def open_link(config: ServerConfig) -> KeeperLink | None:
@@ -191,7 +193,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             raise Unreplayable(why_not)
         image, log_, next_conn = rebuild(
             handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
-            log_class=MirroredLog,
+            resumed=partial(MirroredLog.resumed, link=link),
         )
     except Unreplayable as exc:
         folder = config.state_dir or os.path.dirname(os.path.abspath(config.socket_path))
