@@ -297,6 +297,8 @@ def main() -> int:
     parser.add_argument("--pause-s", type=float, default=0.002, help="between a reader's requests")
     parser.add_argument("--out", default=os.environ.get("GMS_BENCH_OUT"),
                         help="where the JSON and the table go (default $GMS_BENCH_OUT)")
+    parser.add_argument("--no-spare", action="store_true",
+                        help="the keepers keep no spare server standing by (the baseline of a spare's gain)")
     parser.add_argument("--keeper-cost", action="store_true",
                         help="also: what the keeper adds to a request that logs an event (and one that does not)")
     args = parser.parse_args()
@@ -317,7 +319,8 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     stop = work / "stop"
     try:
-        old = serve(path, args.backend, work / "old.log")
+        spare = ("--no-spare",) if args.no_spare else ()
+        old = serve(path, args.backend, work / "old.log", *spare)
         procs.append(old)
         results["publish"] = publish(path, "weights", tensors)
         cold = [(f"cold.{n}", max(2 * SENTINEL, int(256 * MiB * args.scale))) for n in range(4)]
@@ -342,7 +345,7 @@ def main() -> int:
         memory_before = memory(path)
         old_server = get_runtime_state(path).pid
         t0 = time.time()
-        new = serve(path, args.backend, work / "new.log", "--take-over")
+        new = serve(path, args.backend, work / "new.log", "--take-over", *spare)
         procs.append(new)
         while get_runtime_state(path).pid == old_server:
             time.sleep(0.01)
@@ -364,7 +367,13 @@ def main() -> int:
             "old_keeper_exit": old.returncode,
         }
 
-        # 2. SIGKILL
+        # 2. SIGKILL (with a spare: once one stands by, as it does SPARE_AFTER_S after its server served)
+        standing = None
+        deadline = time.monotonic() + 60
+        while not args.no_spare and standing is None and time.monotonic() < deadline:
+            found = re.search(r"pid (\d+) standing by", (work / "new.log").read_text())
+            standing = int(found.group(1)) if found else None
+            time.sleep(0.05)
         server = get_runtime_state(path).pid
         kill_at = time.time()
         os.kill(server, signal.SIGKILL)
@@ -398,6 +407,7 @@ def main() -> int:
         restorer.close()
         results["sigkill"] = {
             "to_serving_same_layouts_s": serving_at - kill_at,
+            "spare": {"standing_by": standing, "took_the_node": standing is not None and state.pid == standing},
             "readers": firsts,
             "around_the_kill": window(rows, kill_at, serving_at + 1.0),
             "layouts_unchanged": layouts(path) == {**after_layouts, "cold": layouts(path).get("cold")},
@@ -469,7 +479,8 @@ def markdown(r: dict) -> str:
         "",
         "| SIGKILL | |",
         "| --- | --- |",
-        f"| to a server with the same layouts | {k['to_serving_same_layouts_s']:.2f} s |",
+        f"| to a server with the same layouts | {k['to_serving_same_layouts_s']:.3f} s |",
+        f"| a spare standing by took the node | {k['spare']['took_the_node']} |",
         f"| readers' first request after (s, from the kill) | "
         f"{', '.join(_ms(x['first_ok_after_kill_s']) for x in k['readers'])} |",
         f"| readers' failed requests | {sum(x['failed'] for x in k['readers'])} |",

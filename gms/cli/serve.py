@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import traceback
+from functools import partial
 
 from .. import paths
 from ..fds import reserve_fd_slots
@@ -116,6 +117,10 @@ def register(sub) -> None:
         "--no-keeper", action="store_true", help="run the server alone: if it dies, every layout is lost",
     )
     restarts.add_argument(
+        "--no-spare", action="store_true",
+        help="no spare server standing by under the keeper: a restart starts a fresh process (docs/operations.md)",
+    )
+    restarts.add_argument(
         "--keeper-socket", metavar="PATH",
         help="use the keeper listening on PATH (`gms keeper`, another container of the pod) instead of one's own",
     )
@@ -215,7 +220,7 @@ def _keep(args: argparse.Namespace) -> int:
     from ..keeper.run import keep_spawning
 
     argv = [sys.executable, "-m", "gms", *getattr(args, "argv", ["serve"])]
-    return trio.run(keep_spawning, argv)
+    return trio.run(partial(keep_spawning, argv, spare=not args.no_spare))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -47,6 +47,8 @@ BATCH_S = 0.005  # a keeper reads its server's frames at most this often (unless
 EXIT_FATAL = 70  # EX_SOFTWARE: the server failed (a broken invariant, a bug)
 EXIT_CONFIG = 78
 EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
+SPARE_AFTER_S = 2.0  # a spare starts this long after its server served (not beside that server's start)
+SPARE_WAIT_S = 10.0  # a server gone while its spare was still starting: how long the spare may still take
 
 
 @attrs.define
@@ -231,113 +233,214 @@ def _notify(state: str) -> None:
 # -- spawn -----------------------------------------------------------------------------
 
 
-async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None) -> int:
+async def _spawn(server_argv: list[str]):
+    """A server process with one end of a socketpair (``--keeper-fd``); (process, our end)."""
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    argv = [*server_argv, "--keeper-fd", str(there.fileno())]
+    try:
+        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
+    except BaseException:
+        here.close()
+        raise
+    finally:
+        there.close()
+    return proc, trio.socket.from_stdlib_socket(here)
+
+
+@attrs.define(eq=False)
+class Spare:
+    """The next server, started ahead of need while one serves: its interpreter
+    up, its modules imported, its backend open (no CUDA context: the server
+    makes none to adopt), its hello said; told ``standby``, it waits for the
+    node.  A SIGKILLed server is followed by one that only has to be handed
+    the node (docs/operations.md, "Restarts")."""
+
+    proc: object
+    sock: trio.socket.SocketType
+    reader: frames.FrameReader = attrs.Factory(frames.FrameReader)
+    hello: frames.Frame | None = None
+    settled: trio.Event = attrs.Factory(trio.Event)  # its hello came, or it went
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    taken: bool = False  # it is the server now
+
+    async def stand_by(self) -> None:
+        """Read its hello, answer ``standby``; return if it dies while it waits."""
+        with self.scope:
+            try:
+                hello = await _recv(self.sock, self.reader)
+                if hello.kind != "hello":
+                    raise frames.FrameError(f"a spare began with {hello.kind!r}, not hello")
+                await _send(self.sock, "standby")
+                self.hello = hello
+            except (OSError, frames.FrameError) as exc:
+                log.warning("the spare server pid %d went before it could stand by: %s", self.proc.pid, exc)
+            finally:
+                self.settled.set()
+            await self.proc.wait()
+            self.hello = None
+            log.warning("the spare server pid %d ended while standing by (%s)", self.proc.pid,
+                        describe(self.proc.returncode))
+
+    def discard(self) -> None:
+        """Not wanted (the keeper stops, or it died): nothing of the node is in it."""
+        self.scope.cancel()
+        if self.proc.returncode is None:
+            self.proc.kill()
+        self.sock.close()
+        self.reader.close()
+
+
+async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None, *,
+                        spare: bool = True) -> int:
     """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code.
 
     ``adopted``: the channel of a server already running, whose keeper died and
     which started this one in its place (``gms keeper --adopt-fd``): it is kept
-    first, and the servers after it are this keeper's children."""
+    first, and the servers after it are this keeper's children.  ``spare``:
+    ``SPARE_AFTER_S`` after a server served, the next one is started and
+    stands by (:class:`Spare`); one that dies standing by is not replaced
+    until a server serves again."""
     store, _ = open_store()
     stopping = trio.Event()
     backoff = 0.0
     notified_ready = False
+    standing: Spare | None = None
+    spare_asked = False  # a spare will be started (after SPARE_AFTER_S)
+    generation = 0  # servers started: a spare is made only while the one that served is still the one
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def on_signal() -> None:
-                async for signum in signals:
-                    log.info("%s: stopping the server (it releases every layout), then the keeper",
-                             signal.Signals(signum).name)
-                    _notify("STOPPING=1")
-                    stopping.set()
-                    return
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        log.info("%s: stopping the server (it releases every layout), then the keeper",
+                                 signal.Signals(signum).name)
+                        _notify("STOPPING=1")
+                        stopping.set()
+                        return
 
-            nursery.start_soon(on_signal)
-            code = 0
-            while True:
-                started = trio.current_time()
-                if adopted is not None:  # a server that runs already: not our child
-                    here, adopted = adopted, None
-                    proc = _Adopted(peer_of(here).pid)
-                    log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
-                else:
-                    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                    argv = [*server_argv, "--keeper-fd", str(there.fileno())]
-                    try:
-                        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
-                    finally:
-                        there.close()
-                sock = trio.socket.from_stdlib_socket(here)
+                async def make_spare(served: int) -> None:
+                    nonlocal standing, spare_asked
+                    await trio.sleep(SPARE_AFTER_S)
+                    if served != generation or stopping.is_set():  # that server is gone already
+                        spare_asked = False
+                        return
+                    proc, sock = await _spawn(server_argv)
+                    standing, spare_asked = (candidate := Spare(proc, sock)), False
+                    await candidate.stand_by()  # returns if it dies standing by, is taken or discarded
+                    if not candidate.taken:
+                        if standing is candidate:
+                            standing = None
+                        candidate.discard()
+                        await candidate.proc.wait()  # reaped (killed: at once)
 
-                def on_ready() -> None:
-                    nonlocal notified_ready
-                    if not notified_ready:
-                        notified_ready = True
-                        _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
+                nursery.start_soon(on_signal)
+                code = 0
+                while True:
+                    started = trio.current_time()
+                    generation += 1
+                    reader = hello = None
+                    if standing is not None:  # started ahead: once it said hello, the node is handed to it
+                        with trio.move_on_after(SPARE_WAIT_S):
+                            await standing.settled.wait()
+                        if standing is not None and not standing.settled.is_set():
+                            log.warning("the spare server pid %d did not say hello in %.0f s: starting another",
+                                        standing.proc.pid, SPARE_WAIT_S)
+                            standing.discard()
+                            standing = None
+                        if standing is not None and standing.hello is not None:
+                            taken, standing = standing, None
+                            taken.taken = True
+                            taken.scope.cancel()
+                            proc, sock, reader, hello = taken.proc, taken.sock, taken.reader, taken.hello
+                            log.info("the spare server pid %d takes the node", proc.pid)
+                    if hello is not None:
+                        pass
+                    elif adopted is not None:  # a server that runs already: not our child
+                        here, adopted = adopted, None
+                        proc = _Adopted(peer_of(here).pid)
+                        sock = trio.socket.from_stdlib_socket(here)
+                        log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
                     else:
-                        _notify(f"STATUS=serving (server pid {proc.pid})")
+                        proc, sock = await _spawn(server_argv)
 
-                async with trio.open_nursery() as inner:
+                    def on_ready() -> None:
+                        nonlocal notified_ready, spare_asked
+                        if not notified_ready:
+                            notified_ready = True
+                            _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
+                        else:
+                            _notify(f"STATUS=serving (server pid {proc.pid})")
+                        if spare and standing is None and not spare_asked:
+                            spare_asked = True
+                            nursery.start_soon(make_spare, generation)
 
-                    async def ask_to_stop() -> None:
+                    async with trio.open_nursery() as inner:
+
+                        async def ask_to_stop() -> None:
+                            await stopping.wait()
+                            try:
+                                await _send(sock, "stop")
+                            except OSError:
+                                pass
+                            with trio.move_on_after(STOP_GRACE_S):
+                                await proc.wait()
+                            if proc.returncode is None:
+                                log.error("the server ignored the stop; killing it")
+                                proc.kill()
+
+                        inner.start_soon(ask_to_stop)
+                        outcome = await converse(sock, store, proc.pid, on_ready, reader=reader, hello=hello)
+                        code = await proc.wait()
+                        inner.cancel_scope.cancel()
+                    sock.close()
+                    reason = describe(code)
+                    settle(store, outcome, reason, code)
+                    if stopping.is_set() or outcome.why == "shutdown":
+                        store.close()
+                        nursery.cancel_scope.cancel()
+                        return 0 if stopping.is_set() else code
+                    if outcome.why == "taken-over":
+                        log.info("the server was taken over by another (its keeper holds the node now): done")
+                        store.close()
+                        nursery.cancel_scope.cancel()
+                        return 0
+                    if outcome.why == "refused" or code == EXIT_REFUSED:
+                        log.error("the take-over did not happen; the old server serves on")
+                        store.close()
+                        nursery.cancel_scope.cancel()
+                        return EXIT_REFUSED
+                    if (code == EXIT_CONFIG or (code == 1 and not outcome.ready)) and not store.holds_node():
+                        # The same options would fail again (a socket another server holds, say),
+                        # and there is no node to keep for a server that could.
+                        log.error("the server could not start (%s); not starting another", reason)
+                        store.close()
+                        nursery.cancel_scope.cancel()
+                        return code
+                    if outcome.why == "unresumable" or code == EXIT_CONFIG:
+                        backoff = max(backoff, UNRESUMABLE_BACKOFF_S)  # a changed option or policy may serve it
+                    if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
+                        backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
+                    delay = 0.0 if outcome.why == "left" else backoff
+                    log.error(
+                        "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
+                        outcome.pid, reason, f", {outcome.why}" if outcome.why else "",
+                        "now" if delay == 0 else f"in {delay:.1f} s", len(store.fds),
+                    )
+                    _notify(f"STATUS=restarting the server ({reason})")
+                    if outcome.why != "left":
+                        backoff = FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S)
+                    with trio.move_on_after(delay):
                         await stopping.wait()
-                        try:
-                            await _send(sock, "stop")
-                        except OSError:
-                            pass
-                        with trio.move_on_after(STOP_GRACE_S):
-                            await proc.wait()
-                        if proc.returncode is None:
-                            log.error("the server ignored the stop; killing it")
-                            proc.kill()
-
-                    inner.start_soon(ask_to_stop)
-                    outcome = await converse(sock, store, proc.pid, on_ready)
-                    code = await proc.wait()
-                    inner.cancel_scope.cancel()
-                sock.close()
-                reason = describe(code)
-                settle(store, outcome, reason, code)
-                if stopping.is_set() or outcome.why == "shutdown":
-                    store.close()
-                    nursery.cancel_scope.cancel()
-                    return 0 if stopping.is_set() else code
-                if outcome.why == "taken-over":
-                    log.info("the server was taken over by another (its keeper holds the node now): done")
-                    store.close()
-                    nursery.cancel_scope.cancel()
-                    return 0
-                if outcome.why == "refused" or code == EXIT_REFUSED:
-                    log.error("the take-over did not happen; the old server serves on")
-                    store.close()
-                    nursery.cancel_scope.cancel()
-                    return EXIT_REFUSED
-                if (code == EXIT_CONFIG or (code == 1 and not outcome.ready)) and not store.holds_node():
-                    # The same options would fail again (a socket another server holds, say),
-                    # and there is no node to keep for a server that could.
-                    log.error("the server could not start (%s); not starting another", reason)
-                    store.close()
-                    nursery.cancel_scope.cancel()
-                    return code
-                if outcome.why == "unresumable" or code == EXIT_CONFIG:
-                    backoff = max(backoff, UNRESUMABLE_BACKOFF_S)  # a changed option or policy may serve it
-                if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
-                    backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
-                delay = 0.0 if outcome.why == "left" else backoff
-                log.error(
-                    "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
-                    outcome.pid, reason, f", {outcome.why}" if outcome.why else "",
-                    "now" if delay == 0 else f"in {delay:.1f} s", len(store.fds),
-                )
-                _notify(f"STATUS=restarting the server ({reason})")
-                if outcome.why != "left":
-                    backoff = FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S)
-                with trio.move_on_after(delay):
-                    await stopping.wait()
-                if stopping.is_set():
-                    store.close()
-                    nursery.cancel_scope.cancel()
-                    return 0
+                    if stopping.is_set():
+                        store.close()
+                        nursery.cancel_scope.cancel()
+                        return 0
+        finally:
+            if standing is not None:  # (killed: reaped at once)
+                standing.discard()
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await standing.proc.wait()
 
 
 # -- listen ----------------------------------------------------------------------------

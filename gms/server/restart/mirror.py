@@ -204,6 +204,11 @@ class KeeperLink:
             frames.send_frame(sock, "hello", {"pid": os.getpid(), "device": device, "version": STATE_VERSION})
             reader = frames.FrameReader()
             head = frames.recv_frame(sock, reader)
+            if head.kind == "standby":  # a spare: the node comes when the server before it is gone
+                log.info("pid %d standing by for the keeper's node (the server serving it is alive)", os.getpid())
+                sock.settimeout(None)
+                head = frames.recv_frame(sock, reader)
+                sock.settimeout(timeout)
             if head.kind != "handback":
                 head.close_fds()
                 raise KeeperGone(f"the keeper answered {head.kind!r}, not a hand-back")
