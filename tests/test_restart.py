@@ -310,7 +310,7 @@ def test_a_spare_that_dies_standing_by_is_not_the_next_server(tmp_path):
 def test_no_spare_stands_by_with_no_spare(tmp_path):
     import time
 
-    from gms.keeper.run import SPARE_AFTER_S
+    from gms.keeper.spare import SPARE_AFTER_S
 
     server = kept(tmp_path, "--no-spare")
     time.sleep(SPARE_AFTER_S + 1)

@@ -12,9 +12,10 @@ Two ways to run it:
   container connect to it (Kubernetes: a pod's keeper and server containers
   share the folder); one store per device, one server per device at a time.
 
-The conversation (``gms.server.restart.mirror`` has the server's side): the server
-says hello, the keeper hands back what it holds, the server mirrors every
-change until it goes (EOF).  The keeper never parses a state: it needs no
+The conversation (``conversation.py``; ``gms.server.restart.mirror`` has the
+server's side): the server says hello, the keeper hands back what it holds,
+the server mirrors every change until it goes (EOF).  In spawn mode the next
+server is started ahead of need and stands by (``spare.py``).  The keeper never parses a state: it needs no
 core and no CUDA, so nothing a server does can crash it.  Under systemd it
 also pushes everything into systemd's fd store (``gms.keeper.systemd``).
 """
@@ -27,12 +28,13 @@ import signal
 import socket
 import stat
 
-import attrs
 import trio
 
 from .. import sdnotify
 from ..handover import frames
 from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
+from .conversation import Outcome, converse, describe, recv, send
+from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn
 from .store import Store
 from .systemd import SystemdMirror, restore
 
@@ -43,93 +45,9 @@ MAX_BACKOFF_S = 30.0
 UNRESUMABLE_BACKOFF_S = 5.0  # a server that could not serve the kept node: the next tries after this
 HEALTHY_AFTER_S = 60.0
 STOP_GRACE_S = 30.0
-BATCH_S = 0.005  # a keeper reads its server's frames at most this often (unless they pile up)
 EXIT_FATAL = 70  # EX_SOFTWARE: the server failed (a broken invariant, a bug)
 EXIT_CONFIG = 78
 EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
-SPARE_AFTER_S = 2.0  # a spare starts this long after its server served (not beside that server's start)
-SPARE_WAIT_S = 10.0  # a server gone while its spare was still starting: how long the spare may still take
-
-
-@attrs.define
-class Outcome:
-    """How one server's conversation ended."""
-
-    why: str | None = None  # what the server said before it went ("shutdown", "taken-over", ...)
-    ready: bool = False
-    pid: int = 0
-
-
-# -- the conversation --------------------------------------------------------------
-
-
-async def _send(sock: trio.socket.SocketType, kind: str, body: dict | None = None, fds=()) -> None:
-    data = memoryview(frames.encode_frame(kind, body, len(fds)))
-    sent = await sock.sendmsg([data], frames.ancillary_for(fds))
-    while sent < len(data):
-        sent += await sock.send(data[sent:])
-
-
-async def _recv(sock: trio.socket.SocketType, reader: frames.FrameReader, lazy: bool = False) -> frames.Frame:
-    """The next frame.  ``lazy``: after a read that did not fill the buffer, let
-    the server's frames gather a moment before reading again.  What the kernel
-    took is safe in this socket's queue whoever dies, so a keeper that wakes once
-    per batch instead of once per event costs the server nothing but a little
-    of the socket's buffer (on a small machine, a wake-up per event cost a
-    request tens of microseconds)."""
-    while True:
-        frame = reader.next_frame()
-        if frame is not None:
-            return frame
-        space = reader.space()  # the scratch buffer, or the rest of a big frame: no copy of its own
-        n, ancillary, flags, _ = await sock.recvmsg_into([space], frames.ANCILLARY_BYTES)
-        fds = frames.received_fds(ancillary)
-        frames.check_flags(flags, fds)
-        big = reader.in_big_frame  # (before it is whole: a big frame is read on at once)
-        reader.wrote(n, fds)
-        if lazy and not big and 0 < n < len(space) and not fds:
-            await trio.sleep(BATCH_S)
-
-
-async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Frame) -> None:
-    body, keyed = store.handback()
-    await _send(sock, "handback", body)
-    for start in range(0, len(keyed), frames.MAX_FDS):
-        batch = keyed[start : start + frames.MAX_FDS]
-        await _send(sock, "fds", {"keys": [k for k, _ in batch]}, [fd for _, fd in batch])
-    await _send(sock, "end")
-
-
-async def converse(
-    sock: trio.socket.SocketType, store: Store, pid: int, on_ready=lambda: None,
-    reader: frames.FrameReader | None = None, hello: frames.Frame | None = None,
-) -> Outcome:
-    """One server, hello to EOF (``hello``: read already, with ``reader``)."""
-    outcome = Outcome(pid=pid)
-    reader = reader or frames.FrameReader()
-    try:
-        if hello is None:
-            hello = await _recv(sock, reader)
-        if hello.kind != "hello":
-            raise frames.FrameError(f"a server began with {hello.kind!r}, not hello")
-        outcome.pid = hello.body.get("pid", pid)
-        await hand_back(sock, store, hello)
-        while True:
-            said = store.apply(await _recv(sock, reader, lazy=True))
-            if said == "released":  # its fds are closed: a session waiting for memory may try again
-                await _send(sock, "released")
-            elif said == "ready":  # (again after a stopping: a take-over that did not happen)
-                outcome.ready, outcome.why = True, None
-                on_ready()
-            elif said is not None and said.startswith("stopping:"):
-                outcome.why = said.split(":", 1)[1]
-    except frames.ChannelClosed:
-        pass
-    except (OSError, frames.FrameError, ValueError) as exc:
-        log.warning("the conversation with server pid %d broke: %s", outcome.pid, exc)
-    finally:
-        reader.close()
-    return outcome
 
 
 # Deaths that say the server itself failed (what a journal that breaks it would
@@ -188,24 +106,12 @@ class _Adopted:
                 pass
             await trio.sleep(0.05)
         self.returncode = 0  # (gone; its code went to its parent)
-        return None
 
     def kill(self) -> None:
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def describe(code: int | None) -> str:
-    if code is None:
-        return "its connection to the keeper closed"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 # -- systemd ---------------------------------------------------------------------------
@@ -231,63 +137,6 @@ def _notify(state: str) -> None:
 
 
 # -- spawn -----------------------------------------------------------------------------
-
-
-async def _spawn(server_argv: list[str]):
-    """A server process with one end of a socketpair (``--keeper-fd``); (process, our end)."""
-    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    argv = [*server_argv, "--keeper-fd", str(there.fileno())]
-    try:
-        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
-    except BaseException:
-        here.close()
-        raise
-    finally:
-        there.close()
-    return proc, trio.socket.from_stdlib_socket(here)
-
-
-@attrs.define(eq=False)
-class Spare:
-    """The next server, started ahead of need while one serves: its interpreter
-    up, its modules imported, its backend open (no CUDA context: the server
-    makes none to adopt), its hello said; told ``standby``, it waits for the
-    node.  A SIGKILLed server is followed by one that only has to be handed
-    the node (docs/operations.md, "Restarts")."""
-
-    proc: object
-    sock: trio.socket.SocketType
-    reader: frames.FrameReader = attrs.Factory(frames.FrameReader)
-    hello: frames.Frame | None = None
-    settled: trio.Event = attrs.Factory(trio.Event)  # its hello came, or it went
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    taken: bool = False  # it is the server now
-
-    async def stand_by(self) -> None:
-        """Read its hello, answer ``standby``; return if it dies while it waits."""
-        with self.scope:
-            try:
-                hello = await _recv(self.sock, self.reader)
-                if hello.kind != "hello":
-                    raise frames.FrameError(f"a spare began with {hello.kind!r}, not hello")
-                await _send(self.sock, "standby")
-                self.hello = hello
-            except (OSError, frames.FrameError) as exc:
-                log.warning("the spare server pid %d went before it could stand by: %s", self.proc.pid, exc)
-            finally:
-                self.settled.set()
-            await self.proc.wait()
-            self.hello = None
-            log.warning("the spare server pid %d ended while standing by (%s)", self.proc.pid,
-                        describe(self.proc.returncode))
-
-    def discard(self) -> None:
-        """Not wanted (the keeper stops, or it died): nothing of the node is in it."""
-        self.scope.cancel()
-        if self.proc.returncode is None:
-            self.proc.kill()
-        self.sock.close()
-        self.reader.close()
 
 
 async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None, *,
@@ -325,7 +174,7 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                     if served != generation or stopping.is_set():  # that server is gone already
                         spare_asked = False
                         return
-                    proc, sock = await _spawn(server_argv)
+                    proc, sock = await spawn(server_argv)
                     standing, spare_asked = (candidate := Spare(proc, sock)), False
                     await candidate.stand_by()  # returns if it dies standing by, is taken or discarded
                     if not candidate.taken:
@@ -362,7 +211,7 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                         sock = trio.socket.from_stdlib_socket(here)
                         log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
                     else:
-                        proc, sock = await _spawn(server_argv)
+                        proc, sock = await spawn(server_argv)
 
                     def on_ready() -> None:
                         nonlocal notified_ready, spare_asked
@@ -380,7 +229,7 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                         async def ask_to_stop() -> None:
                             await stopping.wait()
                             try:
-                                await _send(sock, "stop")
+                                await send(sock, "stop")
                             except OSError:
                                 pass
                             with trio.move_on_after(STOP_GRACE_S):
@@ -488,7 +337,7 @@ async def keep_listening(path: str) -> int:
                     reader = frames.FrameReader()
                     try:
                         with trio.fail_after(30):
-                            hello = await _recv(sock, reader)
+                            hello = await recv(sock, reader)
                     except (OSError, frames.FrameError, trio.TooSlowError):
                         hello = None
                     if hello is None or hello.kind != "hello":
@@ -518,7 +367,7 @@ async def keep_listening(path: str) -> int:
                              len(conversations))
                     for sock in list(conversations.values()):
                         try:
-                            await _send(sock, "stop")
+                            await send(sock, "stop")
                         except OSError:
                             pass
                     with trio.move_on_after(STOP_GRACE_S):

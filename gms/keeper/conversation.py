@@ -1,0 +1,108 @@
+"""The keeper's side of one server's conversation: its hello, the hand-back of
+what the keeper holds, then every frame the server mirrors, until EOF; and
+how a server's end is told (``describe``).  The keeper never parses a state.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import attrs
+import trio
+
+from ..handover import frames
+from .store import Store
+
+log = logging.getLogger("gms.keeper")
+
+BATCH_S = 0.005  # a keeper reads its server's frames at most this often (unless they pile up)
+
+
+@attrs.define
+class Outcome:
+    """How one server's conversation ended."""
+
+    why: str | None = None  # what the server said before it went ("shutdown", "taken-over", ...)
+    ready: bool = False
+    pid: int = 0
+
+
+async def send(sock: trio.socket.SocketType, kind: str, body: dict | None = None, fds=()) -> None:
+    data = memoryview(frames.encode_frame(kind, body, len(fds)))
+    sent = await sock.sendmsg([data], frames.ancillary_for(fds))
+    while sent < len(data):
+        sent += await sock.send(data[sent:])
+
+
+async def recv(sock: trio.socket.SocketType, reader: frames.FrameReader, lazy: bool = False) -> frames.Frame:
+    """The next frame.  ``lazy``: after a read that did not fill the buffer, let
+    the server's frames gather a moment before reading again.  What the kernel
+    took is safe in this socket's queue whoever dies, so a keeper that wakes once
+    per batch instead of once per event costs the server nothing but a little
+    of the socket's buffer (on a small machine, a wake-up per event cost a
+    request tens of microseconds)."""
+    while True:
+        frame = reader.next_frame()
+        if frame is not None:
+            return frame
+        space = reader.space()  # the scratch buffer, or the rest of a big frame: no copy of its own
+        n, ancillary, flags, _ = await sock.recvmsg_into([space], frames.ANCILLARY_BYTES)
+        fds = frames.received_fds(ancillary)
+        frames.check_flags(flags, fds)
+        big = reader.in_big_frame  # (before it is whole: a big frame is read on at once)
+        reader.wrote(n, fds)
+        if lazy and not big and 0 < n < len(space) and not fds:
+            await trio.sleep(BATCH_S)
+
+
+async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Frame) -> None:
+    body, keyed = store.handback()
+    await send(sock, "handback", body)
+    for start in range(0, len(keyed), frames.MAX_FDS):
+        batch = keyed[start : start + frames.MAX_FDS]
+        await send(sock, "fds", {"keys": [k for k, _ in batch]}, [fd for _, fd in batch])
+    await send(sock, "end")
+
+
+async def converse(
+    sock: trio.socket.SocketType, store: Store, pid: int, on_ready=lambda: None,
+    reader: frames.FrameReader | None = None, hello: frames.Frame | None = None,
+) -> Outcome:
+    """One server, hello to EOF (``hello``: read already, with ``reader``)."""
+    outcome = Outcome(pid=pid)
+    reader = reader or frames.FrameReader()
+    try:
+        if hello is None:
+            hello = await recv(sock, reader)
+        if hello.kind != "hello":
+            raise frames.FrameError(f"a server began with {hello.kind!r}, not hello")
+        outcome.pid = hello.body.get("pid", pid)
+        await hand_back(sock, store, hello)
+        while True:
+            said = store.apply(await recv(sock, reader, lazy=True))
+            if said == "released":  # its fds are closed: a session waiting for memory may try again
+                await send(sock, "released")
+            elif said == "ready":  # (again after a stopping: a take-over that did not happen)
+                outcome.ready, outcome.why = True, None
+                on_ready()
+            elif said is not None and said.startswith("stopping:"):
+                outcome.why = said.split(":", 1)[1]
+    except frames.ChannelClosed:
+        pass
+    except (OSError, frames.FrameError, ValueError) as exc:
+        log.warning("the conversation with server pid %d broke: %s", outcome.pid, exc)
+    finally:
+        reader.close()
+    return outcome
+
+
+def describe(code: int | None) -> str:
+    if code is None:
+        return "its connection to the keeper closed"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
