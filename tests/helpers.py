@@ -88,6 +88,40 @@ class ServerProcess:
     def state(self) -> m.GetRuntimeStateResponse:
         return get_runtime_state(self.socket)
 
+    def keeper_children(self) -> set[int]:
+        """Under a keeper: its own children (the serving server, a spare standing by)."""
+        found: set[int] = set()
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{task}/children") as children:
+                    found |= {int(c) for c in children.read().split()}
+            except OSError:
+                continue
+        return found
+
+    def wait_for_spare(self, timeout: float = 30) -> int:
+        """Under a keeper: the spare beside the serving server, once it stands by
+        (started, its hello said: it then waits in a read, using no CPU)."""
+        serving = self.server_pid()
+        spare = wait_until(lambda: next(iter(self.keeper_children() - {serving}), None), timeout=timeout,
+                           what="a spare server beside the serving one")
+
+        def cpu() -> tuple[str, int]:
+            with open(f"/proc/{spare}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
+
+        last = [cpu()]
+
+        def idle() -> bool:
+            now = cpu()
+            still = now[0] == "S" and now[1] == last[0][1]
+            last[0] = now
+            return still
+
+        wait_until(idle, timeout=timeout, interval=0.3, what="the spare standing by")
+        return spare
+
     def layout(self, name: str = "weights") -> m.LayoutStatus:
         return self.state().layout(name)
 

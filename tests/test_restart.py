@@ -263,34 +263,15 @@ def _memfds(pid: int) -> set[str]:
     return found
 
 
-def keeper_children(server: ServerProcess) -> set[int]:
-    """The keeper's own children (servers: the one serving, a spare standing by)."""
-    found: set[int] = set()
-    for task in os.listdir(f"/proc/{server.pid}/task"):
-        try:
-            with open(f"/proc/{server.pid}/task/{task}/children") as children:
-                found |= {int(c) for c in children.read().split()}
-        except OSError:
-            continue
-    return found
-
-
-def spare_of(server: ServerProcess) -> int:
-    """The spare standing by beside the serving server (started SPARE_AFTER_S after it served)."""
-    serving = server.server_pid()
-    return wait_until(lambda: next(iter(keeper_children(server) - {serving}), None), timeout=30,
-                      what="a spare server beside the serving one")
-
-
 def test_a_killed_server_s_spare_takes_the_node_and_another_stands_by_after_it(tmp_path):
     server = kept(tmp_path)
     layout_hash, _ = publish_raw(server.socket, "weights", (MiB,))
-    spare = spare_of(server)
+    spare = server.wait_for_spare()
     assert killed(server) == spare, "the spare serves: no process started after the kill"
     assert server.layout("weights").memory_layout_hash == layout_hash
     resumed = [e for e in server.events() if e.kind == "SERVER_RESUMED"][-1]
     assert resumed.fields["reason"] == "signal SIGKILL"
-    again = spare_of(server)
+    again = server.wait_for_spare()
     assert again != spare
     assert server.stop() == 0
     assert not os.path.exists(f"/proc/{again}"), "the keeper's stop takes its spare too"
@@ -299,9 +280,9 @@ def test_a_killed_server_s_spare_takes_the_node_and_another_stands_by_after_it(t
 def test_a_spare_that_dies_standing_by_is_not_the_next_server(tmp_path):
     server = kept(tmp_path)
     layout_hash, _ = publish_raw(server.socket, "weights", (MiB,))
-    spare = spare_of(server)
+    spare = server.wait_for_spare()
     os.kill(spare, signal.SIGKILL)
-    wait_until(lambda: spare not in keeper_children(server), timeout=30, what="the dead spare reaped")
+    wait_until(lambda: spare not in server.keeper_children(), timeout=30, what="the dead spare reaped")
     new_pid = killed(server)
     assert new_pid != spare
     assert server.layout("weights").memory_layout_hash == layout_hash
@@ -314,7 +295,7 @@ def test_no_spare_stands_by_with_no_spare(tmp_path):
 
     server = kept(tmp_path, "--no-spare")
     time.sleep(SPARE_AFTER_S + 1)
-    assert keeper_children(server) == {server.server_pid()}
+    assert server.keeper_children() == {server.server_pid()}
 
 
 def test_the_keeper_holds_exactly_the_live_memory(tmp_path):

@@ -102,6 +102,8 @@ def start(request):
         )
         started.append((server, folder))
         publish_victim(server)
+        if keeper:  # the daemon as it runs by default: its spare standing by (gms.keeper.spare)
+            server.wait_for_spare()
         return server
 
     yield start
