@@ -244,9 +244,8 @@ async def serve(
     and wraps it in a stream the session unwraps again (a connect, a round
     trip and a close: 175 against 69 µs for a bare echo server, 2-core host,
     bench/rpc_profile.py floors).  After each connection it waits for the
-    listener to be readable, which lets the session just started run first
-    and is the loop's one pass through the scheduler per connection; it is a
-    cancellation point each time round, as Trio's is."""
+    listener to be readable: one pass through the scheduler per connection,
+    as fair as Trio's; it is a cancellation point each time round, as Trio's is."""
     while True:
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
@@ -262,26 +261,32 @@ async def serve(
             log.error("accept failed: %s; retrying in 0.1 s", os.strerror(exc.errno))
             await trio.sleep(0.1)
             continue
-        try:
-            peer = peer_of(sock)
-        except OSError:  # the peer left before we asked who it was
-            sock.close()
-            continue
-        try:
-            ticket = admission.admit(peer)
-        except OverLimit as refused:  # answered before the close, as if to its first request
-            try:
-                os.write(sock.fileno(), admission.frames.get(refused))
-            except OSError:
-                pass
-            sock.close()
-            on_refused(refused.limit)
-            admission.refusals.note(peer.uid, refused)
-            continue
-        admitted(sock, peer, ticket)
-        # The session just started runs before the next accept is tried (its
-        # client is waiting for it; the next one, if queued, is found readable).
+        _judge(admission, sock, admitted, on_refused)
+        # One pass through the scheduler per connection, admitted or refused: the
+        # session just started runs before the next accept is tried (its client
+        # waits for it), and a flood of strangers cannot keep the loop to itself.
         await trio.lowlevel.wait_readable(listener)
+
+
+def _judge(admission: Admission, sock: socket.socket, admitted, on_refused) -> None:
+    """Admit the connection (``admitted`` starts its session) or refuse it at once."""
+    try:
+        peer = peer_of(sock)
+    except OSError:  # the peer left before we asked who it was
+        sock.close()
+        return
+    try:
+        ticket = admission.admit(peer)
+    except OverLimit as refused:  # answered before the close, as if to its first request
+        try:
+            os.write(sock.fileno(), admission.frames.get(refused))
+        except OSError:
+            pass
+        sock.close()
+        on_refused(refused.limit)
+        admission.refusals.note(peer.uid, refused)
+        return
+    admitted(sock, peer, ticket)
 
 
 def refusal_frame(refused: OverLimit) -> bytes:
