@@ -212,6 +212,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
 def serve(path: str, backend: str, log: Path, *extra: str) -> subprocess.Popen:
     from gms import get_runtime_state
     from gms.errors import GMSError
@@ -374,6 +379,7 @@ def main() -> int:
             found = re.search(r"pid (\d+) standing by", (work / "new.log").read_text())
             standing = int(found.group(1)) if found else None
             time.sleep(0.05)
+        standing_rss = rss_bytes(standing) if standing is not None else None  # what a spare holds idle
         server = get_runtime_state(path).pid
         kill_at = time.time()
         os.kill(server, signal.SIGKILL)
@@ -407,7 +413,8 @@ def main() -> int:
         restorer.close()
         results["sigkill"] = {
             "to_serving_same_layouts_s": serving_at - kill_at,
-            "spare": {"standing_by": standing, "took_the_node": standing is not None and state.pid == standing},
+            "spare": {"standing_by": standing, "took_the_node": standing is not None and state.pid == standing,
+                      "rss_bytes": standing_rss},
             "readers": firsts,
             "around_the_kill": window(rows, kill_at, serving_at + 1.0),
             "layouts_unchanged": layouts(path) == {**after_layouts, "cold": layouts(path).get("cold")},

@@ -148,10 +148,12 @@ def instrument(stamps: list) -> None:
     wire.ServerConnection.send = stamped(encode, "encode", "encoded")
     Session._answer = stamped_async(Session._answer, "answer", "answered")
     Session._send = stamped_async(Session._send, "send", "send done")
-    for name in ("handshake", "open_session", "request_lock", "handle", "allocate", "disconnect", "record"):
-        if hasattr(core_mod.ServiceCore, name):
-            setattr(core_mod.ServiceCore, name,
-                    stamped(getattr(core_mod.ServiceCore, name), f"core.{name}", f"core.{name} done"))
+    for name in ("handshake", "disconnect"):  # the core's own steps (a request's: Requests.handle, below)
+        setattr(core_mod.ServiceCore, name,
+                stamped(getattr(core_mod.ServiceCore, name), f"core.{name}", f"core.{name} done"))
+    from gms.server.service import requests as requests_mod
+
+    requests_mod.Requests.handle = stamped(requests_mod.Requests.handle, "core.handle", "core.handle done")
 
 
 def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) -> None:

@@ -146,7 +146,7 @@ def _hold_bounds(
 
 def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState, rule: rules.Rule) -> NodeState:
     after = rule.step(before, event)
-    rules.check_move(event, before, after)
+    rules.check_move(rule, event, before, after)
     kind = type(event)
     if kind is RwConnect:
         after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)

@@ -611,10 +611,9 @@ def kinds(flag: str) -> frozenset[type[Event]]:
     return frozenset(kind for kind, rule in RULES.items() if getattr(rule, flag))
 
 
-def check_move(event: Event, before: LayoutState, after: LayoutState) -> None:
+def check_move(rule: Rule, event: Event, before: LayoutState, after: LayoutState) -> None:
     """The fold step's outcome is one of its rule's moves (lock state and tier):
     a step and its row that disagree are a broken invariant, not a refusal."""
-    rule = RULES[type(event)]
     if (
         rule.still and after.writer == before.writer and after.restorer == before.restorer
         and after.readers is before.readers and after.committed == before.committed and after.tier is before.tier

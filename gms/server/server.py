@@ -196,10 +196,8 @@ class Server:
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes
         if log is None:
-            options = {"link": self.link} if self.link is not None else {}
-            log = (MirroredLog if self.link is not None else EventLog)(
-                retain=config.event_log_retain, max_bytes=config.event_log_bytes, **options
-            )
+            bounds = {"retain": config.event_log_retain, "max_bytes": config.event_log_bytes}
+            log = MirroredLog(link=self.link, **bounds) if self.link is not None else EventLog(**bounds)
         self.core = ServiceCore(
             gpu,
             host,

@@ -243,7 +243,7 @@ async def serve(
     Trio's own accept yields to the scheduler twice per connection it takes
     and wraps it in a stream the session unwraps again (a connect, a round
     trip and a close: 175 against 69 µs for a bare echo server, 2-core host,
-    bench/rpc_profile.py floors).  After each connection it waits for the
+    docs/results/rpc_floors_2core.json).  After each connection it waits for the
     listener to be readable: one pass through the scheduler per connection,
     as fair as Trio's; it is a cancellation point each time round, as Trio's is."""
     while True:
