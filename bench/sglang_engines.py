@@ -61,6 +61,13 @@ class SGLangEngine(Engine):
     """One ``sglang.launch_server`` (and its scheduler) in a process group of its own."""
 
     LOAD_LINES = (LOAD_LINE, GMS_LINE)
+    # SGLang answers /v1/models before its own warm-up request has run; until that
+    # request ends its status is "Starting" (its /health and /gms/health say 503) and a
+    # release would hold the warm-up at the pause gate.  It logs this line when it is Up.
+    READY_LINE = "The server is fired up and ready to roll!"
+
+    def ready(self) -> bool:
+        return self.READY_LINE in self.log() and super().ready()
 
     def complete(self, prompt, max_tokens: int = 32, timeout: float = 120) -> dict:
         return generate(self.url, prompt, max_tokens, timeout)

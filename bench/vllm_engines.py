@@ -92,18 +92,22 @@ class Engine:
                                      start_new_session=True)
         self.ready_at: float | None = None
 
+    def ready(self) -> bool:
+        """The engine takes requests: ``/v1/models`` answers."""
+        try:
+            return httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def wait_ready(self, timeout: float = 900) -> float:
-        """Seconds from the spawn to the first answer of ``/v1/models``."""
+        """Seconds from the spawn to the moment ``ready()`` first holds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine on port {self.port} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    self.ready_at = time.time()
-                    return self.ready_at - self.started_at
-            except httpx.HTTPError:
-                pass
+            if self.ready():
+                self.ready_at = time.time()
+                return self.ready_at - self.started_at
             time.sleep(0.1)
         raise RuntimeError(f"engine on port {self.port} not ready in {timeout} s:\n{self.tail()}")
 

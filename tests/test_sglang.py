@@ -202,6 +202,7 @@ class FakeTokenizerManager:
         from contextlib import asynccontextmanager
 
         self.is_pause, self.is_pause_cond = False, asyncio.Condition()
+        self.server_status = SimpleNamespace(name="Up")  # SGLang's ServerStatus enum
         self.mapped, self.ran = True, []
         cond, state = asyncio.Condition(), {"readers": 0, "writer": False}
 
@@ -296,6 +297,16 @@ def test_a_released_engine_holds_its_requests_until_the_resume():
         with pytest.raises(RuntimeError):
             await gate.release(failing_release, m, everything)
         assert not m.is_pause and not health.released()  # nothing released: requests go on
+
+        m.server_status = SimpleNamespace(name="Starting")  # /v1/models answers, the warm-up has yet to run
+        early = asyncio.create_task(gate.release(m.sglang_release, m, everything))
+        await asyncio.sleep(3 * gate.STARTING_POLL_S)
+        assert not early.done() and m.mapped and not m.is_pause  # the gate open for SGLang's warm-up
+        await asyncio.wait_for(m.generate("SGLang's warm-up"), 5)
+        m.server_status = SimpleNamespace(name="Up")
+        await asyncio.wait_for(early, 5)
+        assert not m.mapped and m.is_pause
+        await gate.resume(m.sglang_resume, m, everything)
 
     asyncio.run(scenario())
 

@@ -13,15 +13,34 @@ drains the requests already past it by taking ``model_update_lock`` as a
 writer, as SGLang's own weight update does.  The resume that leaves nothing
 released opens the gate again, if a release closed it (a gate a user closed
 stays closed).  A request sent to a shadow thus waits for its wake, as it
-does on vLLM.  No SGLang imported: the hooks get SGLang's own objects.
+does on vLLM.  A release that comes while SGLang is still starting waits
+until it is up: SGLang's own warm-up request (sent once ``/v1/models``
+answers) would otherwise wait at the gate, and SGLang kills the whole server
+when its warm-up gets no answer in time (found on the H100: a release right
+after ``/v1/models`` answered).  No SGLang imported: the hooks get SGLang's
+own objects.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from . import health
 
-USES = ("is_pause", "is_pause_cond", "model_update_lock")  # the tokenizer manager's, checked in tests/test_sglang.py
+# the tokenizer manager's, checked in tests/test_sglang.py
+USES = ("is_pause", "is_pause_cond", "model_update_lock", "server_status")
 _closed_by_release = False  # the gate is shut because of a release, not by a user
+STARTING_POLL_S = 0.05
+
+
+def status_name(manager) -> str:
+    """SGLang's server status ("Starting", "Up", "UnHealthy") as a name."""
+    return getattr(manager.server_status, "name", str(manager.server_status))
+
+
+async def _until_started(manager) -> None:
+    while status_name(manager) == "Starting":
+        await asyncio.sleep(STARTING_POLL_S)
 
 
 async def _close(manager) -> bool:
@@ -46,6 +65,7 @@ def release(original, self, obj, *args, **kwargs):
     drained, then SGLang's release; ``/gms/health`` says asleep after it."""
     async def run():
         global _closed_by_release
+        await _until_started(self)
         if not _closed_by_release:
             _closed_by_release = await _close(self)
         try:

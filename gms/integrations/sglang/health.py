@@ -58,13 +58,14 @@ def add_route(*args, **kwargs) -> None:
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints import http_server
 
+    from . import gate
+
     if any(getattr(r, "path", None) == ROUTE for r in http_server.app.routes):
         return
 
     async def gms_health() -> JSONResponse:
         manager = http_server._global_state.tokenizer_manager
-        server_status = getattr(manager.server_status, "name", str(manager.server_status))
-        code, body = status(server_status, bool(manager.gracefully_exit),
+        code, body = status(gate.status_name(manager), bool(manager.gracefully_exit),
                             float(getattr(manager, "last_receive_tstamp", 0.0) or 0.0),
                             len(getattr(manager, "rid_to_state", ()) or ()), os.getpid())
         return JSONResponse(body, status_code=code)
