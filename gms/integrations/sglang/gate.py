@@ -33,13 +33,8 @@ _closed_by_release = False  # the gate is shut because of a release, not by a us
 STARTING_POLL_S = 0.05
 
 
-def status_name(manager) -> str:
-    """SGLang's server status ("Starting", "Up", "UnHealthy") as a name."""
-    return getattr(manager.server_status, "name", str(manager.server_status))
-
-
 async def _until_started(manager) -> None:
-    while status_name(manager) == "Starting":
+    while health.status_name(manager) == "Starting":
         await asyncio.sleep(STARTING_POLL_S)
 
 

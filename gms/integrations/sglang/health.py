@@ -42,6 +42,11 @@ def note_resumed(names: set[str]) -> None:
     _released.difference_update(names)
 
 
+def status_name(manager) -> str:
+    """SGLang's server status ("Starting", "Up", "UnHealthy") as a name."""
+    return getattr(manager.server_status, "name", str(manager.server_status))
+
+
 def status(server_status: str, exiting: bool, last_output: float = 0.0, in_flight: int = 0,
            pid: int = 0) -> tuple[int, dict]:
     """(HTTP code, body) from SGLang's server status ("Starting", "Up", "UnHealthy"), the
@@ -58,14 +63,12 @@ def add_route(*args, **kwargs) -> None:
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints import http_server
 
-    from . import gate
-
     if any(getattr(r, "path", None) == ROUTE for r in http_server.app.routes):
         return
 
     async def gms_health() -> JSONResponse:
         manager = http_server._global_state.tokenizer_manager
-        code, body = status(gate.status_name(manager), bool(manager.gracefully_exit),
+        code, body = status(status_name(manager), bool(manager.gracefully_exit),
                             float(getattr(manager, "last_receive_tstamp", 0.0) or 0.0),
                             len(getattr(manager, "rid_to_state", ()) or ()), os.getpid())
         return JSONResponse(body, status_code=code)
