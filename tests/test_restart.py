@@ -278,7 +278,7 @@ def test_a_killed_server_s_spare_takes_the_node_and_another_stands_by_after_it(t
 
 
 def test_a_spare_that_dies_standing_by_is_not_the_next_server(tmp_path):
-    server = kept(tmp_path)
+    server = kept(tmp_path, "--spare-after", "0.2")
     layout_hash, _ = publish_raw(server.socket, "weights", (MiB,))
     spare = server.wait_for_spare()
     os.kill(spare, signal.SIGKILL)
@@ -291,10 +291,8 @@ def test_a_spare_that_dies_standing_by_is_not_the_next_server(tmp_path):
 def test_no_spare_stands_by_with_no_spare(tmp_path):
     import time
 
-    from gms.keeper.spare import SPARE_AFTER_S
-
-    server = kept(tmp_path, "--no-spare")
-    time.sleep(SPARE_AFTER_S + 1)
+    server = kept(tmp_path, "--no-spare", "--spare-after", "0.2")  # --no-spare wins
+    time.sleep(1.2)
     assert server.keeper_children() == {server.server_pid()}
 
 

@@ -121,6 +121,11 @@ def register(sub) -> None:
         help="no spare server standing by under the keeper: a restart starts a fresh process (docs/operations.md)",
     )
     restarts.add_argument(
+        "--spare-after", type=_positive_float, default=None, metavar="SECONDS",
+        help="start the spare this long after a server serves (default 2; sooner competes with the "
+             "server's own start for the CPUs)",
+    )
+    restarts.add_argument(
         "--keeper-socket", metavar="PATH",
         help="use the keeper listening on PATH (`gms keeper`, another container of the pod) instead of one's own",
     )
@@ -220,7 +225,8 @@ def _keep(args: argparse.Namespace) -> int:
     from ..keeper.run import keep_spawning
 
     argv = [sys.executable, "-m", "gms", *getattr(args, "argv", ["serve"])]
-    return trio.run(partial(keep_spawning, argv, spare=not args.no_spare))
+    spare = {} if args.spare_after is None else {"spare_after": args.spare_after}
+    return trio.run(partial(keep_spawning, argv, spare=not args.no_spare, **spare))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

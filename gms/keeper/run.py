@@ -140,13 +140,13 @@ def _notify(state: str) -> None:
 
 
 async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None, *,
-                        spare: bool = True) -> int:
+                        spare: bool = True, spare_after: float = SPARE_AFTER_S) -> int:
     """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code.
 
     ``adopted``: the channel of a server already running, whose keeper died and
     which started this one in its place (``gms keeper --adopt-fd``): it is kept
     first, and the servers after it are this keeper's children.  ``spare``:
-    ``SPARE_AFTER_S`` after a server served, the next one is started and
+    ``spare_after`` seconds after a server served, the next one is started and
     stands by (:class:`Spare`); one that dies standing by is not replaced
     until a server serves again."""
     store, _ = open_store()
@@ -154,7 +154,7 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
     backoff = 0.0
     notified_ready = False
     standing: Spare | None = None
-    spare_asked = False  # a spare will be started (after SPARE_AFTER_S)
+    spare_asked = False  # a spare will be started (after spare_after)
     generation = 0  # servers started: a spare is made only while the one that served is still the one
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         try:
@@ -170,7 +170,7 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
 
                 async def make_spare(served: int) -> None:
                     nonlocal standing, spare_asked
-                    await trio.sleep(SPARE_AFTER_S)
+                    await trio.sleep(spare_after)
                     if served != generation or stopping.is_set():  # that server is gone already
                         spare_asked = False
                         return
