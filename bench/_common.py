@@ -152,12 +152,36 @@ def print_comparison(title: str, compared: dict, names: list[str]) -> None:
                 header=("request", "before", "after", "after/before"))
 
 
+def dumps(results) -> str:
+    """JSON indented by 2, where a list of scalars, and each row of a list that is a
+    dict of scalars, take one line (a trace of thousands of samples is one line, not
+    thousands)."""
+    def scalar(v):
+        return isinstance(v, (int, float, str, bool)) or v is None
+
+    def flat(value):
+        return isinstance(value, list) and all(scalar(v) for v in value)
+
+    def walk(value, depth, row=False):
+        pad = "  " * (depth + 1)
+        if row and isinstance(value, dict) and all(scalar(v) for v in value.values()):
+            return json.dumps(value)
+        if isinstance(value, dict) and value:
+            items = [f"{pad}{json.dumps(k)}: {walk(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+        if isinstance(value, list) and value and not flat(value):
+            return "[\n" + ",\n".join(pad + walk(v, depth + 1, row=True) for v in value) + "\n" + "  " * depth + "]"
+        return json.dumps(value)
+
+    return walk(results, 0)
+
+
 def write_json(path: str, results: dict) -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), **results}
     out = os.environ.get("GMS_BENCH_OUT")
     target = Path(out) / Path(path).name if out else Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(results, indent=2) + "\n")
+    target.write_text(dumps(results) + "\n")
     print(f"\nwrote {target}")
 
 
