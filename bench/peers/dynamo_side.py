@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness import child_main, fd_count, frame, import_sizes, measure, raw_handshake, stats, throughput
-
-MiB2 = 2 << 20
-VALUE = b"v" * 64
+from harness import child_main, measure, stats
+from rows import Client, raw_handshake_row, rows
 
 # Starts the server the way ``python -m dynamo.gpu_memory_service`` does (the
 # package's __init__, then server.main(), which installs uvloop), with one
@@ -76,21 +74,23 @@ def _client(p: dict, lock: str):
     from gpu_memory_service.client.rpc import GMSRPCClient
     from gpu_memory_service.common.types import RequestedLockType
 
-    return GMSRPCClient(p["socket"], lock_type=RequestedLockType(lock))
+    return GMSRPCClient(p["socket"], lock_type=RequestedLockType(lock.lower()))
 
 
-# -- setup: the committed layout the read rows use ------------------------------------------
+def open_client(p: dict, lock: str, fresh: bool = False) -> Client:
+    """Dynamo's RPC client, connected by its constructor.  ``fresh``: its
+    writer's connect keeps the old allocations, so a writer that loads a model
+    clears them first, as Dynamo's loaders do."""
+    client = _client(p, lock)
+    if fresh:
+        client.clear_all()
 
+    def commit() -> None:
+        if not client.commit():
+            raise RuntimeError("commit failed")
 
-def setup(p: dict) -> dict:
-    client = _client(p, "rw")
-    client.clear_all()  # a writer's connect keeps the old allocations (Dynamo's loaders clear first)
-    ids = [client.allocate(MiB2, "weights")[0] for _ in range(4)]
-    for i in range(100):
-        client.metadata_put(f"key.{i}", ids[i % 4], i, VALUE)
-    if not client.commit():
-        raise RuntimeError("commit failed")
-    return {"ids": ids}
+    return Client(allocate=client.allocate, export=client.export, metadata_put=client.metadata_put,
+                  metadata_get=client.metadata_get, commit=commit, close=client.close)
 
 
 # -- read rows ----------------------------------------------------------------------------
@@ -108,99 +108,13 @@ def handshake(p: dict) -> dict:
     return stats(measure(op, p["n"], p["warmup"]))
 
 
-def raw_handshake_row(p: dict) -> dict:
-    import msgpack  # only to spell the request's bytes once: msgspec's tagged struct as a map
-
-    request = frame(msgpack.packb({"type": "handshake_request", "lock_type": "ro", "timeout_ms": None}))
-    op = raw_handshake(p["socket"], request)
-    answer = msgpack.unpackb(op())
-    if answer.get("type") != "handshake_response" or answer.get("success") is not True:
-        raise RuntimeError(f"unexpected handshake answer {answer!r}")
-    return stats(measure(op, p["n"], p["warmup"]))
-
-
-def export(p: dict) -> dict:
-    client = _client(p, "ro")
-    allocation_id = p["ids"][0]
-    result = stats(measure(lambda: os.close(client.export(allocation_id)), p["n"], p["warmup"]))
-    client.close()
-    return result
-
-
-def export_fds(p: dict) -> dict:
-    """The server's fd table before and after ``n`` exports on one open session."""
-    client = _client(p, "ro")
-    allocation_id, pid = p["ids"][0], p["server_pid"]
-    before = fd_count(pid)
-    for _ in range(p["n"]):
-        os.close(client.export(allocation_id))
-    after = fd_count(pid)
-    client.close()
-    time.sleep(0.2)
-    return {"exports": p["n"], "before": before, "after": after, "added": after - before,
-            "after_close": fd_count(pid)}
-
-
-def metadata_get(p: dict) -> dict:
-    client = _client(p, "ro")
-    if client.metadata_get("key.42") != (p["ids"][42 % 4], 42, VALUE):
-        raise RuntimeError("metadata_get answered something else")
-    return stats(measure(lambda: client.metadata_get("key.42"), p["n"], p["warmup"]))
-
-
-def rpc_throughput(p: dict) -> dict:
-    def make_op():
-        client = _client(p, "ro")
-        return lambda: client.metadata_get("key.42")
-
-    return throughput(make_op, p["processes"], p["duration"], first_cpu=3 if p.get("pin") else None)
-
-
-# -- write rows (each ends without a commit: the server clears what it made) ---------------------
-
-
-def allocate(p: dict) -> dict:
-    client = _client(p, "rw")
-    result = stats(measure(lambda: client.allocate(MiB2, "bench"), p["n"], p["warmup"]))
-    client.close()
-    return result
-
-
-def allocate_export(p: dict) -> dict:
-    """Dynamo's allocate makes no fd; its first export does (gms's allocate exports eagerly)."""
-    client = _client(p, "rw")
-
-    def op() -> None:
-        allocation_id, _ = client.allocate(MiB2, "bench")
-        os.close(client.export(allocation_id))
-
-    result = stats(measure(op, p["n"], p["warmup"]))
-    client.close()
-    return result
-
-
-def metadata_put(p: dict) -> dict:
-    client = _client(p, "rw")
-    allocation_id, _ = client.allocate(MiB2, "bench")
-    keys = iter(range(10**9))
-    result = stats(measure(lambda: client.metadata_put(f"k.{next(keys)}", allocation_id, 0, VALUE),
-                           p["n"], p["warmup"]))
-    client.close()
-    return result
+def raw_handshake(p: dict) -> dict:
+    """The request as Dynamo's msgspec spells its tagged struct: a map."""
+    request = {"type": "handshake_request", "lock_type": "ro", "timeout_ms": None}
+    return raw_handshake_row(p, request, "handshake_response")
 
 
 # -- import a committed model in a fresh process --------------------------------------------------
-
-
-def import_build(p: dict) -> dict:
-    client = _client(p, "rw")
-    client.clear_all()
-    sizes = import_sizes(p["check"])
-    for size in sizes:
-        client.allocate(size, "weights")
-    if not client.commit():
-        raise RuntimeError("commit failed")
-    return {"allocations": len(sizes), "bytes": sum(sizes)}
 
 
 def import_read(p: dict) -> dict:
@@ -230,12 +144,8 @@ def import_read(p: dict) -> dict:
             "map_ms": (t3 - t2) / 1e6, "allocations": len(allocations), "bytes": mapped}
 
 
-ROWS = {
-    "setup": setup, "handshake": handshake, "raw_handshake": raw_handshake_row, "export": export,
-    "export_fds": export_fds, "metadata_get": metadata_get, "throughput": rpc_throughput,
-    "allocate": allocate, "allocate_export": allocate_export, "metadata_put": metadata_put,
-    "import_build": import_build, "import_read": import_read,
-}
+ROWS = {**rows(open_client), "handshake": handshake, "raw_handshake": raw_handshake,
+        "import_read": import_read}
 
 if __name__ == "__main__":
     sys.exit(child_main(ROWS))

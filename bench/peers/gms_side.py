@@ -10,10 +10,8 @@ import os
 import sys
 import time
 
-from harness import child_main, fd_count, frame, import_sizes, measure, raw_handshake, stats, throughput
-
-MiB2 = 2 << 20
-VALUE = b"v" * 64
+from harness import child_main, measure, stats
+from rows import Client, raw_handshake_row, rows
 
 
 def start_server(directory: str, backend: str):
@@ -31,21 +29,13 @@ def _manager(p: dict):
     return GMSClientMemoryManager(p["socket"])
 
 
-# -- setup: the committed layout the read rows use ------------------------------------------
-
-
-def setup(p: dict) -> dict:
+def open_client(p: dict, lock: str, fresh: bool = False) -> Client:
+    """gms's manager, connected.  ``fresh`` is nothing here: gms has no clear-all
+    request, and a writer that does not commit leaves nothing behind."""
     mgr = _manager(p)
-    mgr.connect("RW")
-    ids = [mgr.allocate_handle(MiB2, "weights")[0] for _ in range(4)]
-    for i in range(100):  # one request each, as Dynamo's side must do it
-        mgr.metadata_put(f"key.{i}", ids[i % 4], i, VALUE)
-    mgr.commit()
-    mgr.close()
-    return {"ids": ids}
-
-
-# -- read rows ----------------------------------------------------------------------------
+    mgr.connect(lock)
+    return Client(allocate=mgr.allocate_handle, export=mgr.export_handle, metadata_put=mgr.metadata_put,
+                  metadata_get=mgr.metadata_get, commit=mgr.commit, close=mgr.close)
 
 
 def handshake(p: dict) -> dict:
@@ -58,111 +48,12 @@ def handshake(p: dict) -> dict:
     return stats(measure(op, p["n"], p["warmup"]))
 
 
-def raw_handshake_row(p: dict) -> dict:
-    import msgpack  # only to spell the request's bytes once, as docs/protocol.md defines them
-
-    request = frame(msgpack.packb({"type": "HandshakeRequest", "lock_type": "RO"}, use_bin_type=True))
-    op = raw_handshake(p["socket"], request)
-    answer = msgpack.unpackb(op())
-    if answer.get("type") != "HandshakeResponse" or answer.get("success") is not True:
-        raise RuntimeError(f"unexpected handshake answer {answer!r}")
-    return stats(measure(op, p["n"], p["warmup"]))
-
-
-def export(p: dict) -> dict:
-    mgr = _manager(p)
-    mgr.connect("RO")
-    allocation_id = p["ids"][0]
-    result = stats(measure(lambda: os.close(mgr.export_handle(allocation_id)), p["n"], p["warmup"]))
-    mgr.close()
-    return result
-
-
-def export_fds(p: dict) -> dict:
-    """The server's fd table before and after ``n`` exports on one open session."""
-    mgr = _manager(p)
-    mgr.connect("RO")
-    allocation_id, pid = p["ids"][0], p["server_pid"]
-    before = fd_count(pid)
-    for _ in range(p["n"]):
-        os.close(mgr.export_handle(allocation_id))
-    after = fd_count(pid)
-    mgr.close()
-    time.sleep(0.2)
-    return {"exports": p["n"], "before": before, "after": after, "added": after - before,
-            "after_close": fd_count(pid)}
-
-
-def _reader(p: dict):
-    mgr = _manager(p)
-    mgr.connect("RO")
-    return mgr
-
-
-def metadata_get(p: dict) -> dict:
-    mgr = _reader(p)
-    if mgr.metadata_get("key.42") != (p["ids"][42 % 4], 42, VALUE):
-        raise RuntimeError("metadata_get answered something else")
-    return stats(measure(lambda: mgr.metadata_get("key.42"), p["n"], p["warmup"]))
-
-
-def rpc_throughput(p: dict) -> dict:
-    def make_op():
-        mgr = _reader(p)
-        return lambda: mgr.metadata_get("key.42")
-
-    return throughput(make_op, p["processes"], p["duration"], first_cpu=3 if p.get("pin") else None)
-
-
-# -- write rows (each ends without a commit: the server drops what it made) ---------------------
-
-
-def _writer(p: dict):
-    mgr = _manager(p)
-    mgr.connect("RW")
-    return mgr
-
-
-def allocate(p: dict) -> dict:
-    mgr = _writer(p)
-    result = stats(measure(lambda: mgr.allocate_handle(MiB2, "bench"), p["n"], p["warmup"]))
-    mgr.close()
-    return result
-
-
-def allocate_export(p: dict) -> dict:
-    mgr = _writer(p)
-
-    def op() -> None:
-        allocation_id, _ = mgr.allocate_handle(MiB2, "bench")
-        os.close(mgr.export_handle(allocation_id))
-
-    result = stats(measure(op, p["n"], p["warmup"]))
-    mgr.close()
-    return result
-
-
-def metadata_put(p: dict) -> dict:
-    mgr = _writer(p)
-    allocation_id, _ = mgr.allocate_handle(MiB2, "bench")
-    keys = iter(range(10**9))
-    result = stats(measure(lambda: mgr.metadata_put(f"k.{next(keys)}", allocation_id, 0, VALUE),
-                           p["n"], p["warmup"]))
-    mgr.close()
-    return result
+def raw_handshake(p: dict) -> dict:
+    """The request as docs/protocol.md defines it."""
+    return raw_handshake_row(p, {"type": "HandshakeRequest", "lock_type": "RO"}, "HandshakeResponse")
 
 
 # -- import a committed model in a fresh process --------------------------------------------------
-
-
-def import_build(p: dict) -> dict:
-    mgr = _writer(p)
-    sizes = import_sizes(p["check"])
-    for size in sizes:
-        mgr.allocate_handle(size, "weights")
-    mgr.commit()
-    mgr.close()
-    return {"allocations": len(sizes), "bytes": sum(sizes)}
 
 
 def import_read(p: dict) -> dict:
@@ -200,12 +91,8 @@ def import_read(p: dict) -> dict:
             "list_ms": (t3 - t2) / 1e6, "map_ms": (t4 - t3) / 1e6, "allocations": len(ids), "bytes": mapped}
 
 
-ROWS = {
-    "setup": setup, "handshake": handshake, "raw_handshake": raw_handshake_row, "export": export,
-    "export_fds": export_fds, "metadata_get": metadata_get, "throughput": rpc_throughput,
-    "allocate": allocate, "allocate_export": allocate_export, "metadata_put": metadata_put,
-    "import_build": import_build, "import_read": import_read,
-}
+ROWS = {**rows(open_client), "handshake": handshake, "raw_handshake": raw_handshake,
+        "import_read": import_read}
 
 if __name__ == "__main__":
     sys.exit(child_main(ROWS))
