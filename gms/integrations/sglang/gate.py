@@ -16,7 +16,7 @@ stays closed).  A request sent to a shadow thus waits for its wake, as it
 does on vLLM.  A release that comes while SGLang is still starting waits
 until it is up: SGLang's own warm-up request (sent once ``/v1/models``
 answers) would otherwise wait at the gate, and SGLang kills the whole server
-when its warm-up gets no answer in time (found on the H100: a release right
+when its warm-up gets no answer in time (found on an H200: a release right
 after ``/v1/models`` answered).  No SGLang imported: the hooks get SGLang's
 own objects.
 """
