@@ -60,3 +60,16 @@ def test_the_successor_goes_on_from_the_image_once():
     limited = Waits()
     limited.go_on("lock", HANDSHAKE, requested="RW", timeout_left=2.5, now=7.0)  # an image's value, decoded
     assert limited.lock.deadline == 9.5 and limited.image(8.0).timeout_left_ms == 1500
+
+
+def test_every_request_type_has_one_route():
+    """The session's table routes every request the wire defines (a take-over is the
+    succession's, asked for by its own hook), and the admin verbs' table is m.ADMIN."""
+    from gms.server.service.core import ADMIN_VERBS
+    from gms.server.service.session import ROUTES
+    from gms.wire import messages as m
+
+    defined = {t for t in vars(m).values() if isinstance(t, type) and t.__name__.endswith("Request")}
+    assert defined - set(ROUTES) == {m.TakeOverRequest}
+    assert set(ROUTES) <= defined
+    assert set(ADMIN_VERBS) == set(m.ADMIN)

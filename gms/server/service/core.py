@@ -250,18 +250,23 @@ class ServiceCore:
                 f"uid {peer.uid} may not {type(request).__name__[:-7].lower()}: admin verbs are for "
                 "the server's uid, root, or a policy admin"
             )
-        name = validate_layout_name(request.layout)
-        if isinstance(request, m.RevokeRequest):
-            return Reply(m.RevokeResponse(self.revoke(conn, name, peer)))
-        if isinstance(request, m.EvictRequest):
-            before = self.state.layout(name)
-            self.ledger.record(decide_evict(self.state, conn, name, "admin"))
-            tier = self.state.layout(name).tier.value if name in self.state.layouts else "none"
-            return Reply(m.EvictResponse(tier, before.gpu_bytes))
-        if isinstance(request, m.PinRequest):
-            self.ledger.record(decide_pin(self.state, conn, name, request.residency))
-            return Reply(m.PinResponse(self.state.layout(name).residency.value))
-        raise UnknownRequest(f"{type(request).__name__} is not an admin request")
+        verb = ADMIN_VERBS.get(type(request))
+        if verb is None:
+            raise UnknownRequest(f"{type(request).__name__} is not an admin request")
+        return verb(self, conn, validate_layout_name(request.layout), request, peer)
+
+    def _revoke_verb(self, conn: int, name: str, request: m.RevokeRequest, peer: Peer) -> Reply:
+        return Reply(m.RevokeResponse(self.revoke(conn, name, peer)))
+
+    def _evict(self, conn: int, name: str, request: m.EvictRequest, peer: Peer) -> Reply:
+        before = self.state.layout(name)
+        self.ledger.record(decide_evict(self.state, conn, name, "admin"))
+        tier = self.state.layout(name).tier.value if name in self.state.layouts else "none"
+        return Reply(m.EvictResponse(tier, before.gpu_bytes))
+
+    def _pin(self, conn: int, name: str, request: m.PinRequest, peer: Peer) -> Reply:
+        self.ledger.record(decide_pin(self.state, conn, name, request.residency))
+        return Reply(m.PinResponse(self.state.layout(name).residency.value))
 
     def revoke(self, conn: int, layout: str, peer: Peer) -> int:
         """Take the layout's locks away: the writer aborts (its memory is
@@ -275,6 +280,14 @@ class ServiceCore:
             if hook is not None:
                 hook()
         return len(victims)
+
+
+# The admin verbs (``m.ADMIN``), after the admin check: one row each.
+ADMIN_VERBS: dict[type, Callable[..., Reply]] = {
+    m.RevokeRequest: ServiceCore._revoke_verb,
+    m.EvictRequest: ServiceCore._evict,
+    m.PinRequest: ServiceCore._pin,
+}
 
 
 async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
