@@ -24,11 +24,12 @@ import httpx
 from gms.failover.probes import CANARY_PROMPT
 
 
-def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], *, engine: str,
+def coordinator_toml(work: Path, sockets: list[str], commands: dict[str, tuple[int, list[str]]], *, engine: str,
                      interval: float, failures: int, canary_timeout: float) -> str:
-    """The coordinator's configuration (docs/failover.md) for two local sets of one engine each."""
+    """The coordinator's configuration (docs/failover.md) for two local sets of one engine each,
+    ``sockets`` the gms server of each rank's GPU."""
     lines = [f'lock = "file:{work / "serving.lock"}"', f'initial = "{next(iter(commands))}"',
-             f"ranks = {json.dumps([socket])}", f"interval_s = {interval}", f"failures = {failures}",
+             f"ranks = {json.dumps(sockets)}", f"interval_s = {interval}", f"failures = {failures}",
              f"canary_timeout_s = {canary_timeout}", "wake_timeout_s = 600.0", "ready_timeout_s = 900.0",
              f'events = "{work / "events.jsonl"}"', f'engine = "{engine}"']
     for name, (port, argv) in commands.items():
@@ -37,6 +38,32 @@ def coordinator_toml(work: Path, socket: str, commands: dict[str, tuple[int, lis
         lines += [f"\n[sets.{name}]", 'kind = "local"', f"ports = [{port}]", f"command = {json.dumps(command)}",
                   f'log_dir = "{work / "logs"}"']
     return "\n".join(lines) + "\n"
+
+
+def _ancestors(pid: int) -> set[int]:
+    """``pid``'s parent, its parent's parent, ... (from /proc)."""
+    out: set[int] = set()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        out.add(pid)
+    return out
+
+
+def rank_pid(socket: str, launcher: int) -> int:
+    """The process of ``launcher``'s engine that holds a session on ``socket`` (its
+    rank on that GPU): the pids the server's history records for the sessions it
+    opened (the kernel's word, SO_PEERCRED), the newest alive under ``launcher``."""
+    from gms.client.probes import iter_event_history
+
+    opened = [e.fields.get("pid", 0) for e in iter_event_history(socket) if e.kind == "SESSION_OPENED"]
+    for pid in reversed(opened):
+        if pid and os.path.exists(f"/proc/{pid}") and launcher in _ancestors(pid):
+            return pid
+    raise RuntimeError(f"no process of pid {launcher}'s engine holds a session on {socket}")
 
 
 class FirstToken(threading.Thread):
@@ -94,7 +121,7 @@ def summary(values: list[float]) -> dict:
 class Coordinator:
     """``gms failover`` over two local sets, ``commands``: name -> (port, argv)."""
 
-    def __init__(self, work: Path, socket: str, commands: dict[str, tuple[int, list[str]]], env: dict,
+    def __init__(self, work: Path, sockets: list[str], commands: dict[str, tuple[int, list[str]]], env: dict,
                  *, engine: str, interval: float, failures: int, canary_timeout: float) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.work, self.events = work, work / "events.jsonl"
@@ -102,7 +129,8 @@ class Coordinator:
         self.settings = {"engine": engine, "interval_s": interval, "failures": failures,
                          "canary_timeout_s": canary_timeout}
         config = work / "failover.toml"
-        config.write_text(coordinator_toml(work, socket, commands, engine=engine, interval=interval,
+        self.sockets = sockets
+        config.write_text(coordinator_toml(work, sockets, commands, engine=engine, interval=interval,
                                            failures=failures, canary_timeout=canary_timeout))
         self._log = open(work / "coordinator.log", "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, "-m", "gms", "failover", "--config", str(config)],
@@ -124,9 +152,10 @@ class Coordinator:
             self.wait_event(lambda e, n=name: e["event"] == "ready" and e["set"] == n, timeout)
         return time.monotonic() - started
 
-    def fail_over(self) -> dict:
-        """SIGKILL the serving engine; time the shadow's first token; wait for the
-        killed set to be back as the shadow."""
+    def fail_over(self, rank: int | None = None) -> dict:
+        """SIGKILL the serving engine (``rank``: only its process on that rank's GPU,
+        as a crash of one tensor-parallel worker); time the shadow's first token;
+        wait for the killed set to be back as the shadow."""
         done = self.read_events()
         failovers = [i for i, e in enumerate(done) if e["event"] == "failover"]
         serving = done[failovers[-1]]["serving"] if failovers else next(iter(self.ports))
@@ -135,6 +164,8 @@ class Coordinator:
             self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == standby, 900, failovers[-1])
         before = len(self.read_events())
         pid = httpx.get(f"{self.url(serving)}/gms/health", timeout=30).json()["pid"]
+        if rank is not None:
+            pid = rank_pid(self.sockets[rank], pid)
         poller = FirstToken(self.url(standby))
         poller.start()
         killed_at = time.time()
@@ -144,7 +175,8 @@ class Coordinator:
         restarted = self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == serving, 900, before)
         if poller.at is None:
             raise RuntimeError("no token from the shadow")
-        return {"failed": serving, "serving": standby, "ok": event["ok"],
+        return {"failed": serving, "serving": standby, "ok": event["ok"], "killed": "rank" if rank is not None
+                else "launcher", "rank": rank,
                 "signal_to_first_token_s": poller.at - killed_at,
                 "signal_to_decision_s": event["decided_at"] - killed_at,
                 "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",

@@ -209,7 +209,7 @@ class Run:
         commands = {name: (PORTS[f"failover-{name}"], serve_argv(self.model, PORTS[f"failover-{name}"],
                                                                  extra={"gms_socket": self.socket}))
                     for name in ("A", "B")}
-        coordinator = Coordinator(self.work / "failover", self.socket, commands, serve_env(), engine="sglang",
+        coordinator = Coordinator(self.work / "failover", [self.socket], commands, serve_env(), engine="sglang",
                                   interval=args.interval, failures=args.failures, canary_timeout=args.canary_timeout)
         runs: list[dict] = []
         try:

@@ -1,6 +1,16 @@
-"""vLLM on gms, on one GPU, against vLLM on its own: shared weights, sleep and wake, failover.
+"""vLLM on gms against vLLM on its own: shared weights, sleep and wake, failover.
 
     python3 bench/vllm.py [--parts share,sleep,failover] [--model DIR] [--kv-gib 4] [--repeats 3]
+    python3 bench/vllm.py --tp 2 [--kill rank] ...      # tensor parallel, one gms server per GPU
+
+With ``--tp N`` every engine (the baseline too) runs ``--tensor-parallel-size
+N``; gms runs as ``gms serve --devices all`` (one server per GPU, its socket
+in the run's folder through ``GMS_SOCKET_DIR``, which the engines' loader
+reads too), each rank's shard on its own GPU's server; memory is summed over
+the N GPUs; the coordinator's ranks are the N sockets, and ``--kill rank``
+SIGKILLs only the last rank's process of the serving engine (found as the
+process under its launcher that holds a session on that GPU's server) where
+the default kills the launcher.
 
 A Llama of 2.2 B parameters (bench/vllm_model.py: random bf16 weights, a
 tokenizer trained offline; made in DIR unless it holds one already), one
@@ -80,11 +90,25 @@ class Bench:
                               "prompt": PROMPT, "completion_tokens": TOKENS,
                               "page_cache": "cold" if args.cold else "warm"}
         self.model = self._model()
-        self.socket = str(self.work / "gms.sock")
+        self.tp = args.tp
+        self.results["tensor_parallel"] = self.tp
         self.server_log = open(self.work / "gms-server.log", "wb")
-        self.server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "cuda", "--socket",
-                                        self.socket, "--log-level", "warning"], stdout=self.server_log,
-                                       stderr=subprocess.STDOUT)
+        self.env: dict[str, str] = {}  # what the engines' environment adds for gms
+        if self.tp == 1:
+            self.sockets = [str(self.work / "gms.sock")]
+            where = ["--socket", self.sockets[0]]
+        else:  # a server per GPU, each on its default socket in a folder of the run's
+            from gms.cuda.vmm import device_uuid  # the driver's word, no context made
+            from gms.paths import socket_path_in
+
+            folder = self.work / "sockets"
+            folder.mkdir(mode=0o700)
+            self.env = {"GMS_SOCKET_DIR": str(folder)}
+            self.sockets = [socket_path_in(str(folder), device_uuid(i)) for i in range(self.tp)]
+            where = ["--devices", ",".join(str(i) for i in range(self.tp))]
+        self.server = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", "cuda", *where,
+                                        "--log-level", "warning"], stdout=self.server_log,
+                                       stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         self._wait_server()
         self.reference: list[int] | None = None
 
@@ -108,7 +132,17 @@ class Bench:
         return str(folder)
 
     def _wait_server(self) -> None:
-        wait_served(self.socket, self.server, str(self.work / "gms-server.log"))
+        for socket in self.sockets:
+            wait_served(socket, self.server, str(self.work / "gms-server.log"))
+
+    def _gms_extra(self, extra: dict | None = None) -> dict:
+        """The loader's config: the socket where one server serves; none under
+        ``--tp`` (each rank finds its GPU's server by GMS_SOCKET_DIR)."""
+        return {**({"gms_socket": self.sockets[0]} if self.tp == 1 else {}), **(extra or {})}
+
+    def used(self) -> int:
+        """The GPUs' used memory (NVML), summed over the engines' GPUs."""
+        return sum(self.nvml.used(i) for i in range(self.tp))
 
     def page_cache(self, cold: bool) -> None:
         for f in self.checkpoint:
@@ -121,7 +155,7 @@ class Bench:
         """Until the GPU's used memory is back to ``used`` (+256 MiB): a dead engine's
         memory returns when the driver has torn its process down."""
         deadline = time.monotonic() + timeout
-        while self.nvml.used(0) > used + (256 << 20) and time.monotonic() < deadline:
+        while self.used() > used + (256 << 20) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     # -- engines ------------------------------------------------------------------------
@@ -129,18 +163,18 @@ class Bench:
     def start(self, name: str, *, load_format: str = "gms", extra: dict | None = None,
               sleep_mode: bool = False) -> dict:
         """Start one engine alone on what the GPU holds now; its start, load and memory."""
-        used_before = self.nvml.used(0)
+        used_before = self.used()
         if load_format == "gms":
-            extra = {"gms_socket": self.socket, **(extra or {})}
+            extra = self._gms_extra(extra)
         argv = serve_argv(self.model, PORTS[name], load_format=load_format, extra=extra, kv_bytes=self.kv_bytes,
                           gpu_utilization=self.args.gpu_utilization, max_model_len=self.args.max_model_len,
-                          sleep_mode=sleep_mode, eager=self.args.eager)
-        engine = Engine(argv, serve_env(self.cache), self.work / f"{name}.log", PORTS[name])
+                          sleep_mode=sleep_mode, eager=self.args.eager, tp=self.tp)
+        engine = Engine(argv, {**serve_env(self.cache), **self.env}, self.work / f"{name}.log", PORTS[name])
         self.engines[name] = engine
         log(f"{name}: starting ({load_format})")
         start_s = engine.wait_ready(self.args.ready_timeout)
         first = engine.complete(PROMPT, TOKENS)
-        used_after = self.nvml.used(0)
+        used_after = self.used()
         out = {"load_format": load_format, "start_to_ready_s": start_s,
                "start_to_first_completion_s": time.time() - engine.started_at,
                "gpu_memory_added_bytes": used_after - used_before, "completion_s": first["seconds"],
@@ -173,12 +207,12 @@ class Bench:
         repeat = engine.complete(PROMPT, TOKENS)["token_ids"]
         runs = []
         for _ in range(self.args.repeats):
-            used_awake = self.nvml.used(0)
+            used_awake = self.used()
             sleep_s = engine.sleep()
             asleep = engine.is_sleeping()
-            used_asleep = self.nvml.used(0)
+            used_asleep = self.used()
             wake_s = engine.wake()
-            used_woken = self.nvml.used(0)
+            used_woken = self.used()
             after = engine.complete(PROMPT, TOKENS)
             runs.append({"sleep_s": sleep_s, "wake_s": wake_s, "is_sleeping": asleep,
                          "released_bytes": used_awake - used_asleep, "back_bytes": used_woken - used_asleep,
@@ -196,7 +230,7 @@ class Bench:
 
     def share_and_sleep(self, parts: set[str]) -> None:
         self.page_cache(self.args.cold)
-        idle = self.nvml.used(0)
+        idle = self.used()
         base = self.start("baseline", load_format="safetensors", sleep_mode="sleep" in parts)
         self.results["baseline"] = base
         if "sleep" in parts:
@@ -220,23 +254,25 @@ class Bench:
         from gms import get_runtime_state
 
         return [{"name": r.name, "state": r.state, "bytes": r.bytes, "allocations": r.allocation_count,
-                 "readers": r.readers} for r in get_runtime_state(self.socket).layouts]
+                 "readers": r.readers, "gpu": i} for i, socket in enumerate(self.sockets)
+                for r in get_runtime_state(socket).layouts]
 
     def failover(self) -> None:
         if "baseline" not in self.results:
             self.page_cache(False)
-            idle = self.nvml.used(0)
+            idle = self.used()
             self.results["baseline"] = self.start("baseline", load_format="safetensors")
             self.stop("baseline")
             self.wait_memory_back(idle)
         commands = {}
         for name in ("A", "B"):
             port = PORTS[f"failover-{name}"]
-            commands[name] = (port, serve_argv(self.model, port, extra={"gms_socket": self.socket},
+            commands[name] = (port, serve_argv(self.model, port, extra=self._gms_extra(),
                                                kv_bytes=self.kv_bytes, gpu_utilization=self.args.gpu_utilization,
-                                               max_model_len=self.args.max_model_len, eager=self.args.eager))
-        coordinator = Coordinator(self.work / "failover", self.socket, commands,
-                                  serve_env(self.cache, endpoint_plugin=True), engine="vllm",
+                                               max_model_len=self.args.max_model_len, eager=self.args.eager,
+                                               tp=self.tp))
+        coordinator = Coordinator(self.work / "failover", self.sockets, commands,
+                                  {**serve_env(self.cache, endpoint_plugin=True), **self.env}, engine="vllm",
                                   interval=self.args.interval, failures=self.args.failures,
                                   canary_timeout=self.args.canary_timeout)
         runs = []
@@ -244,7 +280,7 @@ class Bench:
             self.results["failover_bring_up_s"] = coordinator.wait_ready()
             log(f"failover: both sets ready in {self.results['failover_bring_up_s']:.1f} s")
             for n in range(self.args.repeats):
-                runs.append(coordinator.fail_over())
+                runs.append(coordinator.fail_over(rank=self.tp - 1 if self.args.kill == "rank" else None))
                 log(f"failover {n}: signal -> first token {runs[-1]['signal_to_first_token_s']:.3f} s")
         finally:
             coordinator.close(self.work / "engines-tail.log")
@@ -308,7 +344,12 @@ def main() -> int:
     p.add_argument("--work-root", default=None, help="where the run's folder goes (default: the temp dir)")
     p.add_argument("--cache-root", default="/var/tmp/gms-vllm-cache", help="VLLM_CACHE_ROOT (compile cache)")
     p.add_argument("--keep", action="store_true", help="keep the run's folder")
+    p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size: GPUs 0..N-1, a gms server each")
+    p.add_argument("--kill", default="launcher", choices=("launcher", "rank"),
+                   help="failover: SIGKILL the serving engine's launcher, or only its last rank's process")
     args = p.parse_args()
+    if args.kill == "rank" and args.tp < 2:
+        p.error("--kill rank needs --tp 2 or more")
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not parts <= {"share", "sleep", "failover"}:
         p.error(f"unknown parts: {sorted(parts - {'share', 'sleep', 'failover'})}")
@@ -328,7 +369,8 @@ def main() -> int:
         bench.results["parts"] = sorted(parts)
         model = re.search(r"\b([A-Z]\d{2,4})\b", bench.results["gpu"]["name"])  # "NVIDIA H100 80GB HBM3"
         gpu_tag = model.group(1).lower() if model else "gpu"
-        name = f"vllm_{gpu_tag}_{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}.json"
+        tp_tag = f"tp{bench.tp}_" if bench.tp > 1 else ""
+        name = f"vllm_{gpu_tag}_{tp_tag}{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}.json"
         write_json(str(ROOT / "bench" / "results" / name), bench.results)
         if not args.keep:
             shutil.rmtree(bench.work, ignore_errors=True)

@@ -30,7 +30,7 @@ GiB = 1 << 30
 def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict | None = None,
                kv_bytes: int = 2 * GiB, gpu_utilization: float = 0.25, max_model_len: int = 1024,
                max_num_seqs: int = 8, capture_sizes: tuple[int, ...] | None = (1, 2, 4, 8),
-               sleep_mode: bool = False, eager: bool = False, name: str = "model") -> list[str]:
+               sleep_mode: bool = False, eager: bool = False, name: str = "model", tp: int = 1) -> list[str]:
     """``vllm serve`` for one engine.
 
     ``--kv-cache-memory-bytes`` fixes the KV cache, so engines sharing a GPU
@@ -46,6 +46,8 @@ def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict |
             # The GPU host's wheel set leaves FlashInfer out (scripts/gpu-vllm-wheels.txt):
             # FlashAttention, which vLLM's wheel carries, is pinned instead.
             "--attention-backend", "FLASH_ATTN"]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
     if load_format == "gms":
         argv += ["--worker-cls", WORKER]
     if extra:

@@ -237,10 +237,68 @@ def test_the_benchmarks_drive_the_coordinator_with_each_engine_s_command_lines(t
         sys.path[:] = [p for p in sys.path if p != bench]
     socket = str(tmp_path / "gms.sock")
     argv = serve_argv("/models/m", 18311, extra={"gms_socket": socket})
-    text = coordinator_toml(tmp_path, socket, {"A": (18311, argv), "B": (18312, argv)}, engine=engine,
+    text = coordinator_toml(tmp_path, [socket], {"A": (18311, argv), "B": (18312, argv)}, engine=engine,
                             interval=0.1, failures=3, canary_timeout=5.0)
     parsed = cfg.parse(tomllib.loads(text))
     assert (parsed.health_path, parsed.sleep_path, parsed.wake_path) == paths
     assert parsed.ranks == (socket,) and parsed.initial == "A"
     fields = {"rank": 0, "world_size": 1, "port": 18311, "socket": socket, "set": "A"}
     assert [part.format(**fields) for part in parsed.set("A").command] == argv  # as LocalProcessSet fills it
+
+    # tensor parallel: a rank per GPU's server, the engines' argv asking for it
+    sockets = [str(tmp_path / "gpu0.sock"), str(tmp_path / "gpu1.sock")]
+    argv = serve_argv("/models/m", 18311, tp=2) if engine == "vllm" else argv
+    text = coordinator_toml(tmp_path, sockets, {"A": (18311, argv), "B": (18312, argv)}, engine=engine,
+                            interval=0.1, failures=3, canary_timeout=5.0)
+    assert cfg.parse(tomllib.loads(text)).ranks == tuple(sockets)
+    if engine == "vllm":
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session(tmp_path):
+    """A crash of one tensor-parallel rank is a SIGKILL of that rank's process: the
+    bench finds it as the process under the engine's launcher that holds a session
+    on that GPU's server (its pid as the kernel told the server), not another
+    engine's process on the same server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .helpers import ServerProcess
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from coordinated import rank_pid
+    finally:
+        sys.path[:] = [p for p in sys.path if p != bench]
+    server = ServerProcess(tmp_path)
+    holder = (
+        "import sys, time; from gms import GMSClientMemoryManager as M; "
+        "m = M(sys.argv[1], layout=sys.argv[2]); m.connect('RW'); print('held', flush=True); time.sleep(60)"
+    )
+    launcher_code = (
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], 'rank1'],"
+        " stdout=sys.stdout); p.wait()"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder, server.socket, "other"], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, holder, server.socket], stdout=subprocess.PIPE,
+                                text=True)
+    rank = 0
+    try:
+        assert other.stdout.readline().strip() == "held" and launcher.stdout.readline().strip() == "held"
+        rank = rank_pid(server.socket, launcher.pid)
+        assert rank not in (launcher.pid, other.pid)
+        with open(f"/proc/{rank}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == launcher.pid  # the launcher's child
+        with pytest.raises(RuntimeError):
+            rank_pid(server.socket, 1 << 22)  # no engine of that pid holds a session here
+    finally:
+        if rank:
+            os.kill(rank, signal.SIGKILL)
+        for proc in (other, launcher):
+            proc.kill()
+            proc.wait()
+        server.kill()
