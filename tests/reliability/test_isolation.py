@@ -89,7 +89,10 @@ ARGS = (
 )
 
 
-@pytest.fixture(params=["keeper", "no-keeper"])
+# The daemon as `gms serve` runs it (a keeper beside the server) always; the server
+# alone (--no-keeper) too in the long mode (GMS_RELIABILITY=long): the same server
+# code, without the keeper's copy of every event.
+@pytest.fixture(params=scale(["keeper"], ["keeper", "no-keeper"]))
 def start(request):
     started: list[tuple[ServerProcess, object]] = []
     keeper = request.param == "keeper"
