@@ -167,7 +167,9 @@ def dumps(results) -> str:
         if row and isinstance(value, dict) and all(scalar(v) for v in value.values()):
             return json.dumps(value)
         if isinstance(value, dict) and value:
-            items = [f"{pad}{json.dumps(k)}: {walk(v, depth + 1)}" for k, v in value.items()]
+            # keys as json.dumps writes them: a number's or None's as a string
+            items = [f"{pad}{json.dumps(k if isinstance(k, str) else json.dumps(k))}: {walk(v, depth + 1)}"
+                     for k, v in value.items()]
             return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
         if isinstance(value, list) and value and not flat(value):
             return "[\n" + ",\n".join(pad + walk(v, depth + 1, row=True) for v in value) + "\n" + "  " * depth + "]"
