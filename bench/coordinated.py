@@ -152,10 +152,12 @@ class Coordinator:
             self.wait_event(lambda e, n=name: e["event"] == "ready" and e["set"] == n, timeout)
         return time.monotonic() - started
 
-    def fail_over(self, rank: int | None = None) -> dict:
+    def fail_over(self, rank: int | None = None, hang: bool = False) -> dict:
         """SIGKILL the serving engine (``rank``: only its process on that rank's GPU,
-        as a crash of one tensor-parallel worker); time the shadow's first token;
-        wait for the killed set to be back as the shadow."""
+        as a crash of one tensor-parallel worker), or (``hang``) SIGSTOP its process
+        on rank ``rank`` (0 by default: the engine core), alive and answering nothing;
+        time the shadow's first token from the signal; wait for the failed set to be
+        back as the shadow (the coordinator kills a stopped one's group)."""
         done = self.read_events()
         failovers = [i for i, e in enumerate(done) if e["event"] == "failover"]
         serving = done[failovers[-1]]["serving"] if failovers else next(iter(self.ports))
@@ -164,24 +166,60 @@ class Coordinator:
             self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == standby, 900, failovers[-1])
         before = len(self.read_events())
         pid = httpx.get(f"{self.url(serving)}/gms/health", timeout=30).json()["pid"]
-        if rank is not None:
-            pid = rank_pid(self.sockets[rank], pid)
+        if rank is not None or hang:
+            pid = rank_pid(self.sockets[rank or 0], pid)
         poller = FirstToken(self.url(standby))
         poller.start()
         killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
         poller.join(600)
         event = self.wait_event(lambda e: e["event"] == "failover", 600, before)
         restarted = self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == serving, 900, before)
         if poller.at is None:
             raise RuntimeError("no token from the shadow")
-        return {"failed": serving, "serving": standby, "ok": event["ok"], "killed": "rank" if rank is not None
-                else "launcher", "rank": rank,
+        return {"failed": serving, "serving": standby, "ok": event["ok"], "fault": "hang" if hang else "kill",
+                "signalled": "launcher" if rank is None and not hang else "rank", "rank": rank,
                 "signal_to_first_token_s": poller.at - killed_at,
                 "signal_to_decision_s": event["decided_at"] - killed_at,
                 "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",
                                                           "first_token_s", "total_s")},
                 "restart_s": restarted.get("seconds"), "client_attempts": poller.attempts}
+
+    def saturate(self, seconds: float, clients: int = 16, max_tokens: int = 256,
+                 prompt_tokens: int = 1024) -> dict:
+        """The serving engine kept busy for ``seconds`` (``clients`` threads, each
+        sending long prompts for long answers back to back: its batch full, every
+        step slow): no failover may come of it.  Returns the requests answered and
+        failed and the coordinator's events meanwhile."""
+        done = self.read_events()
+        failovers = [e for e in done if e["event"] == "failover"]
+        serving = failovers[-1]["serving"] if failovers else next(iter(self.ports))
+        before = len(done)
+        stop = time.monotonic() + seconds
+        counts = {"answered": 0, "failed": 0}
+        lock = threading.Lock()
+        body = {"prompt": [1 + i % 250 for i in range(prompt_tokens)], "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0.0}
+
+        def client() -> None:
+            with httpx.Client(timeout=600) as http:
+                while time.monotonic() < stop:
+                    try:
+                        ok = http.post(f"{self.url(serving)}/v1/completions", json=body).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    with lock:
+                        counts["answered" if ok else "failed"] += 1
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        events = self.read_events()[before:]
+        return {"seconds": seconds, "clients": clients, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                "serving": serving, **counts, "failovers": sum(e["event"] == "failover" for e in events),
+                "events": sorted({e["event"] for e in events})}
 
     def results(self, runs: list[dict]) -> dict:
         return {"coordinator": self.settings, "runs": runs,

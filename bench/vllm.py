@@ -1,16 +1,23 @@
 """vLLM on gms against vLLM on its own: shared weights, sleep and wake, failover.
 
     python3 bench/vllm.py [--parts share,sleep,failover] [--model DIR] [--kv-gib 4] [--repeats 3]
-    python3 bench/vllm.py --tp 2 [--kill rank] ...      # tensor parallel, one gms server per GPU
+    python3 bench/vllm.py --tp 2 [--fault kill-rank] ...     # tensor parallel, one gms server per GPU
+    python3 bench/vllm.py --parts failover --fault hang --saturate-s 180   # a hung primary; a busy one
 
 With ``--tp N`` every engine (the baseline too) runs ``--tensor-parallel-size
 N``; gms runs as ``gms serve --devices all`` (one server per GPU, its socket
 in the run's folder through ``GMS_SOCKET_DIR``, which the engines' loader
 reads too), each rank's shard on its own GPU's server; memory is summed over
-the N GPUs; the coordinator's ranks are the N sockets, and ``--kill rank``
-SIGKILLs only the last rank's process of the serving engine (found as the
-process under its launcher that holds a session on that GPU's server) where
-the default kills the launcher.
+the N GPUs; the coordinator's ranks are the N sockets.
+
+``--fault`` is what befalls the serving engine in the failover part:
+``kill`` (SIGKILL of its launcher, the default), ``kill-rank`` (SIGKILL of
+only the last rank's process: found as the process under its launcher that
+holds a session on that GPU's server), ``hang`` and ``hang-rank`` (SIGSTOP of
+the engine core, or of the last rank's process: alive, answering nothing; the
+coordinator must see it stop making progress).  ``--saturate-s S`` first
+keeps the primary's batch full for S seconds (long prompts, long answers)
+and records that no failover came of it.
 
 A Llama of 2.2 B parameters (bench/vllm_model.py: random bf16 weights, a
 tokenizer trained offline; made in DIR unless it holds one already), one
@@ -279,8 +286,13 @@ class Bench:
         try:
             self.results["failover_bring_up_s"] = coordinator.wait_ready()
             log(f"failover: both sets ready in {self.results['failover_bring_up_s']:.1f} s")
+            if self.args.saturate_s:
+                self.results["saturated"] = coordinator.saturate(self.args.saturate_s)
+                log(f"saturated for {self.args.saturate_s:.0f} s: {self.results['saturated']}")
             for n in range(self.args.repeats):
-                runs.append(coordinator.fail_over(rank=self.tp - 1 if self.args.kill == "rank" else None))
+                fault = self.args.fault
+                rank = self.tp - 1 if fault.endswith("-rank") else None
+                runs.append(coordinator.fail_over(rank=rank, hang=fault.startswith("hang")))
                 log(f"failover {n}: signal -> first token {runs[-1]['signal_to_first_token_s']:.3f} s")
         finally:
             coordinator.close(self.work / "engines-tail.log")
@@ -345,11 +357,14 @@ def main() -> int:
     p.add_argument("--cache-root", default="/var/tmp/gms-vllm-cache", help="VLLM_CACHE_ROOT (compile cache)")
     p.add_argument("--keep", action="store_true", help="keep the run's folder")
     p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size: GPUs 0..N-1, a gms server each")
-    p.add_argument("--kill", default="launcher", choices=("launcher", "rank"),
-                   help="failover: SIGKILL the serving engine's launcher, or only its last rank's process")
+    p.add_argument("--fault", default="kill", choices=("kill", "kill-rank", "hang", "hang-rank"),
+                   help="failover: SIGKILL the serving engine's launcher or its last rank, or SIGSTOP its engine "
+                        "core or its last rank")
+    p.add_argument("--saturate-s", type=float, default=0.0,
+                   help="failover: first keep the primary's batch full this long; no failover may come of it")
     args = p.parse_args()
-    if args.kill == "rank" and args.tp < 2:
-        p.error("--kill rank needs --tp 2 or more")
+    if args.fault.endswith("-rank") and args.tp < 2:
+        p.error(f"--fault {args.fault} needs --tp 2 or more")
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not parts <= {"share", "sleep", "failover"}:
         p.error(f"unknown parts: {sorted(parts - {'share', 'sleep', 'failover'})}")

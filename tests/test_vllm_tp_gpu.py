@@ -35,7 +35,7 @@ def run(tmp_path_factory) -> dict:
     out = Path(keep) / "vllm_tp2" if keep else tmp_path_factory.mktemp("vllm_tp2")
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "vllm.py"), "--tp", "2", "--kill", "rank", "--shape", "tiny",
+        [sys.executable, str(ROOT / "bench" / "vllm.py"), "--tp", "2", "--fault", "kill-rank", "--shape", "tiny",
          "--model", str(out / "model"), "--parts", "share,sleep,failover", "--repeats", "1", "--kv-gib", "0.5",
          "--gpu-utilization", "0.1", "--max-model-len", "512", "--work-root", str(out), "--keep"],
         env={**os.environ, "GMS_BENCH_OUT": str(out)}, capture_output=True, text=True, timeout=2400, check=False)
@@ -60,5 +60,5 @@ def test_a_tp2_engine_sleeps_and_wakes_with_its_output_unchanged(run):
 
 def test_one_rank_of_a_tp2_primary_killed_fails_over_to_the_tp2_shadow(run):
     (failover,) = run["failover"]["runs"]
-    assert failover["killed"] == "rank" and failover["rank"] == 1 and failover["ok"]
+    assert (failover["fault"], failover["signalled"], failover["rank"]) == ("kill", "rank", 1) and failover["ok"]
     assert failover["signal_to_first_token_s"] > 0
