@@ -152,6 +152,11 @@ class Coordinator:
             self.wait_event(lambda e, n=name: e["event"] == "ready" and e["set"] == n, timeout)
         return time.monotonic() - started
 
+    def _serving(self, events: list[dict]) -> str:
+        """The set serving after ``events``: the last failover's, or the first set."""
+        failovers = [e for e in events if e["event"] == "failover"]
+        return failovers[-1]["serving"] if failovers else next(iter(self.ports))
+
     def fail_over(self, rank: int | None = None, hang: bool = False) -> dict:
         """SIGKILL the serving engine (``rank``: only its process on that rank's GPU,
         as a crash of one tensor-parallel worker), or (``hang``) SIGSTOP its process
@@ -160,7 +165,7 @@ class Coordinator:
         back as the shadow (the coordinator kills a stopped one's group)."""
         done = self.read_events()
         failovers = [i for i, e in enumerate(done) if e["event"] == "failover"]
-        serving = done[failovers[-1]]["serving"] if failovers else next(iter(self.ports))
+        serving = self._serving(done)
         standby = next(name for name in self.ports if name != serving)
         if failovers:  # the set that failed last must be back as the shadow
             self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == standby, 900, failovers[-1])
@@ -192,9 +197,7 @@ class Coordinator:
         step slow): no failover may come of it.  Returns the requests answered and
         failed and the coordinator's events meanwhile."""
         done = self.read_events()
-        failovers = [e for e in done if e["event"] == "failover"]
-        serving = failovers[-1]["serving"] if failovers else next(iter(self.ports))
-        before = len(done)
+        serving, before = self._serving(done), len(done)
         stop = time.monotonic() + seconds
         counts = {"answered": 0, "failed": 0}
         lock = threading.Lock()
