@@ -41,13 +41,13 @@ def run_json(script: str, *args: str, timeout: float = 300) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def wait_served(socket_path: str, proc: subprocess.Popen, where: str = "") -> None:
-    """Until the server ``proc`` started answers on ``socket_path`` (60 s at most;
-    ``where``: its log, named in the error)."""
+def wait_served(socket_path: str, proc: subprocess.Popen, where: str = "", timeout: float = 60) -> None:
+    """Until the server ``proc`` started answers on ``socket_path`` (``timeout`` s at
+    most; ``where``: its log, named in the error)."""
     from gms import get_runtime_state
     from gms.errors import GMSError
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while True:
         try:
             get_runtime_state(socket_path, timeout=1)

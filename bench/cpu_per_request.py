@@ -51,7 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import cpu_name, print_table, write_json  # noqa: E402
+from _common import cpu_name, print_table, wait_served, write_json  # noqa: E402
 
 OPS = ("metadata_get", "export", "handshake", "allocate_free")
 _HEADER = struct.Struct(">I")
@@ -158,15 +158,6 @@ def _totals(path: str) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
-def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start (exit {proc.poll()})")
-        time.sleep(0.2)
-    time.sleep(1.0)
-
-
 def server_instructions(tree: Path, op: str, n: int, keeper: bool) -> int:
     """Instructions the server process executed per ``op``, counted while only those ran."""
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -182,7 +173,7 @@ def server_instructions(tree: Path, op: str, n: int, keeper: bool) -> int:
             env=env, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         try:
-            _wait_for(sock, proc)
+            wait_served(sock, proc, timeout=300)
             subprocess.run([sys.executable, "-c", SETUP, sock], env=env, check=True)
             server_pid = _served_by(sock)
             run_ops(sock, op, 200)  # warm: the code paths and the server's caches
@@ -220,7 +211,9 @@ def client_instructions(tree: Path, n: int) -> int:
         sock = os.path.join(folder, "echo.sock")
         server = subprocess.Popen([sys.executable, "-c", echo, sock])
         try:
-            _wait_for(sock, server)
+            from rpc import wait_for  # a socket that takes a connection (no gms to ask)
+
+            wait_for(sock, server)
 
             def count(calls: int) -> int:
                 out = os.path.join(folder, f"client.{calls}.cg")

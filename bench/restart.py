@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import cpu_name, percentile  # noqa: E402
+from bench._common import cpu_name, percentile, wait_served  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 SENTINEL = 4096
@@ -218,20 +218,11 @@ def rss_bytes(pid: int) -> int:
 
 
 def serve(path: str, backend: str, log: Path, *extra: str) -> subprocess.Popen:
-    from gms import get_runtime_state
-    from gms.errors import GMSError
-
+    """``gms serve`` at info (its log tells a take-over's pause), ready when returned."""
     proc = subprocess.Popen([sys.executable, "-m", "gms", "serve", "--backend", backend, "--socket", path,
                              "--log-level", "info", *extra], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            get_runtime_state(path, timeout=5)
-            return proc
-        except GMSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"gms serve did not start:\n{log.read_text()[-2000:]}") from None
-            time.sleep(0.05)
+    wait_served(path, proc, str(log), timeout=120)
+    return proc
 
 
 def keeper_cost(backend: str, work: Path, calls: int = 5000, rounds: int = 3) -> dict:
