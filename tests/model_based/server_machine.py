@@ -166,8 +166,6 @@ class ServerMachine(RuleBasedStateMachine):
         if self.backend == "host":
             args += ["--host-capacity", "64MiB"]
         args += ["--host-pool", "4MiB", "--host-chunk", "2MiB"] if self.copier else ["--no-copier"]
-        if self.keeper:  # its spare soon, as the machine's examples are short: most kills meet one
-            args += ["--spare-after", "0.2"]
         self.server = ServerProcess(self.tmp_path, *args, backend=self.backend, keeper=self.keeper)
         self.expected = EventLog(retain=None)
         (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
