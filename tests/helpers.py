@@ -136,10 +136,21 @@ class ServerProcess:
     def history(self, since=None, limit=None):
         return get_event_history(self.socket, since, limit)
 
-    def open_fds(self) -> int:
-        """The serving process's (under a keeper: the server's, not the keeper's)."""
+    def open_fds(self, sockets: bool = True) -> int:
+        """The serving process's (under a keeper: the server's, not the keeper's).
+        ``sockets=False``: those that are no socket (memory, files), which a
+        connection the server has yet to see end cannot move."""
         pid = self.server_pid() if self.keeper else self.pid
-        return len(os.listdir(f"/proc/{pid}/fd"))
+        folder = f"/proc/{pid}/fd"
+        if sockets:
+            return len(os.listdir(folder))
+        count = 0
+        for fd in os.listdir(folder):
+            try:
+                count += not os.readlink(f"{folder}/{fd}").startswith("socket:")
+            except OSError:  # closed meanwhile
+                pass
+        return count
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.proc.poll() is None:
