@@ -312,8 +312,22 @@ def _try_connect(path):
 # -- resource hygiene --------------------------------------------------------------
 
 
+def _settled(count) -> int:
+    """``count()`` once it holds still for 0.1 s: a connection that just ended (the
+    fixture's readiness probe, a writer's commit) is closed by the server a moment
+    after its client saw the answer."""
+    last = count()
+    while True:
+        time.sleep(0.1)
+        now = count()
+        if now == last:
+            return now
+        last = now
+
+
 def test_server_fds_return_to_baseline_after_many_exports(server):
-    idle, idle_memory = server.open_fds(), server.open_fds(sockets=False)  # no connection yet
+    idle = _settled(server.open_fds)  # no connection
+    idle_memory = server.open_fds(sockets=False)
     commit_layout(server, sizes=(2 * MiB, 2 * MiB))
     reader = RawConn(server.socket)
     reader.handshake("RO")
