@@ -40,15 +40,19 @@ def coordinator_toml(work: Path, sockets: list[str], commands: dict[str, tuple[i
     return "\n".join(lines) + "\n"
 
 
+def _parent(pid: int) -> int | None:
+    """``pid``'s parent (from /proc); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _ancestors(pid: int) -> set[int]:
     """``pid``'s parent, its parent's parent, ... (from /proc)."""
     out: set[int] = set()
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+    while pid > 1 and (pid := _parent(pid)) is not None:
         out.add(pid)
     return out
 
@@ -64,6 +68,17 @@ def rank_pid(socket: str, launcher: int) -> int:
         if pid and os.path.exists(f"/proc/{pid}") and launcher in _ancestors(pid):
             return pid
     raise RuntimeError(f"no process of pid {launcher}'s engine holds a session on {socket}")
+
+
+def engine_core_pid(rank: int, launcher: int) -> int:
+    """The engine core of ``launcher``'s engine: the launcher's child on the way up
+    from ``rank`` (a rank's process; at tensor parallel 1 the core is the rank)."""
+    pid = rank
+    while (parent := _parent(pid)) is not None and parent > 1 and parent != launcher:
+        pid = parent
+    if parent != launcher:
+        raise RuntimeError(f"pid {rank} is not under pid {launcher}")
+    return pid
 
 
 class FirstToken(threading.Thread):
@@ -160,9 +175,10 @@ class Coordinator:
     def fail_over(self, rank: int | None = None, hang: bool = False) -> dict:
         """SIGKILL the serving engine (``rank``: only its process on that rank's GPU,
         as a crash of one tensor-parallel worker), or (``hang``) SIGSTOP its process
-        on rank ``rank`` (0 by default: the engine core), alive and answering nothing;
-        time the shadow's first token from the signal; wait for the failed set to be
-        back as the shadow (the coordinator kills a stopped one's group)."""
+        on rank ``rank`` (by default its engine core), alive and answering nothing;
+        time the shadow's first token from the signal.  The failed set comes back as
+        the shadow meanwhile (the coordinator kills a stopped one's group); the next
+        failover waits for it."""
         done = self.read_events()
         failovers = [i for i, e in enumerate(done) if e["event"] == "failover"]
         serving = self._serving(done)
@@ -170,32 +186,44 @@ class Coordinator:
         if failovers:  # the set that failed last must be back as the shadow
             self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == standby, 900, failovers[-1])
         before = len(self.read_events())
-        pid = httpx.get(f"{self.url(serving)}/gms/health", timeout=30).json()["pid"]
-        if rank is not None or hang:
-            pid = rank_pid(self.sockets[rank or 0], pid)
+        launcher = httpx.get(f"{self.url(serving)}/gms/health", timeout=30).json()["pid"]
+        pid = launcher
+        if rank is not None:
+            pid = rank_pid(self.sockets[rank], launcher)
+        elif hang:
+            pid = engine_core_pid(rank_pid(self.sockets[0], launcher), launcher)
         poller = FirstToken(self.url(standby))
         poller.start()
         killed_at = time.time()
         os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
         poller.join(600)
         event = self.wait_event(lambda e: e["event"] == "failover", 600, before)
-        restarted = self.wait_event(lambda e: e["event"] == "restarted" and e["set"] == serving, 900, before)
         if poller.at is None:
             raise RuntimeError("no token from the shadow")
         return {"failed": serving, "serving": standby, "ok": event["ok"], "fault": "hang" if hang else "kill",
-                "signalled": "launcher" if rank is None and not hang else "rank", "rank": rank,
+                "signalled": "rank" if rank is not None else "engine core" if hang else "launcher", "rank": rank,
                 "signal_to_first_token_s": poller.at - killed_at,
                 "signal_to_decision_s": event["decided_at"] - killed_at,
                 "coordinator": {k: event.get(k) for k in ("detect_s", "revoke_s", "lock_s", "wake_s",
                                                           "first_token_s", "total_s")},
-                "restart_s": restarted.get("seconds"), "client_attempts": poller.attempts}
+                "reason": event.get("reason"), "client_attempts": poller.attempts}
 
     def saturate(self, seconds: float, clients: int = 16, max_tokens: int = 256,
-                 prompt_tokens: int = 1024) -> dict:
+                 prompt_tokens: int = 1024, busy_cpus: int = 0) -> dict:
         """The serving engine kept busy for ``seconds`` (``clients`` threads, each
         sending long prompts for long answers back to back: its batch full, every
-        step slow): no failover may come of it.  Returns the requests answered and
-        failed and the coordinator's events meanwhile."""
+        step slow) while ``busy_cpus`` processes spin on the host (the engine's and
+        the coordinator's threads wait for a core): no failover may come of it.
+        Returns the requests answered and failed and the coordinator's events meanwhile."""
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_cpus)]
+        try:
+            return self._saturate(seconds, clients, max_tokens, prompt_tokens) | {"busy_cpus": busy_cpus}
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
+
+    def _saturate(self, seconds: float, clients: int, max_tokens: int, prompt_tokens: int) -> dict:
         done = self.read_events()
         serving, before = self._serving(done), len(done)
         stop = time.monotonic() + seconds
@@ -225,9 +253,12 @@ class Coordinator:
                 "events": sorted({e["event"] for e in events})}
 
     def results(self, runs: list[dict]) -> dict:
+        """The failovers' figures; a failed set's restart as the shadow from the
+        coordinator's events (the last may still be under way)."""
+        restarts = [e["seconds"] for e in self.read_events() if e["event"] == "restarted"]
         return {"coordinator": self.settings, "runs": runs,
                 "signal_to_first_token_s": summary([r["signal_to_first_token_s"] for r in runs]),
-                "restart_as_shadow_s": summary([r["restart_s"] for r in runs if r.get("restart_s") is not None])}
+                "restart_as_shadow_s": summary(restarts)}
 
     def close(self, tail: Path) -> None:
         """Stop the coordinator (it stops its sets); the logs' tails go to ``tail``."""

@@ -2,7 +2,7 @@
 
     python3 bench/vllm.py [--parts share,sleep,failover] [--model DIR] [--kv-gib 4] [--repeats 3]
     python3 bench/vllm.py --tp 2 [--fault kill-rank] ...     # tensor parallel, one gms server per GPU
-    python3 bench/vllm.py --parts failover --fault hang --saturate-s 180   # a hung primary; a busy one
+    python3 bench/vllm.py --parts failover --fault hang --saturate-s 180 [--busy-cpus 16]  # a hung primary; a busy one
 
 With ``--tp N`` every engine (the baseline too) runs ``--tensor-parallel-size
 N``; gms runs as ``gms serve --devices all`` (one server per GPU, its socket
@@ -15,9 +15,11 @@ the N GPUs; the coordinator's ranks are the N sockets.
 only the last rank's process: found as the process under its launcher that
 holds a session on that GPU's server), ``hang`` and ``hang-rank`` (SIGSTOP of
 the engine core, or of the last rank's process: alive, answering nothing; the
-coordinator must see it stop making progress).  ``--saturate-s S`` first
-keeps the primary's batch full for S seconds (long prompts, long answers)
-and records that no failover came of it.
+coordinator must see it stop making progress); a comma list takes turns over
+the ``--repeats`` failovers.  ``--saturate-s S`` first
+keeps the primary's batch full for S seconds (long prompts, long answers),
+with ``--busy-cpus N`` processes spinning on the host meanwhile, and records
+that no failover came of it.
 
 A Llama of 2.2 B parameters (bench/vllm_model.py: random bf16 weights, a
 tokenizer trained offline; made in DIR unless it holds one already), one
@@ -265,7 +267,7 @@ class Bench:
                 for r in get_runtime_state(socket).layouts]
 
     def failover(self) -> None:
-        if "baseline" not in self.results:
+        if "baseline" not in self.results and not self.args.no_baseline:
             self.page_cache(False)
             idle = self.used()
             self.results["baseline"] = self.start("baseline", load_format="safetensors")
@@ -287,10 +289,10 @@ class Bench:
             self.results["failover_bring_up_s"] = coordinator.wait_ready()
             log(f"failover: both sets ready in {self.results['failover_bring_up_s']:.1f} s")
             if self.args.saturate_s:
-                self.results["saturated"] = coordinator.saturate(self.args.saturate_s)
+                self.results["saturated"] = coordinator.saturate(self.args.saturate_s, busy_cpus=self.args.busy_cpus)
                 log(f"saturated for {self.args.saturate_s:.0f} s: {self.results['saturated']}")
             for n in range(self.args.repeats):
-                fault = self.args.fault
+                fault = self.args.fault[n % len(self.args.fault)]
                 rank = self.tp - 1 if fault.endswith("-rank") else None
                 runs.append(coordinator.fail_over(rank=rank, hang=fault.startswith("hang")))
                 log(f"failover {n}: signal -> first token {runs[-1]['signal_to_first_token_s']:.3f} s")
@@ -357,14 +359,20 @@ def main() -> int:
     p.add_argument("--cache-root", default="/var/tmp/gms-vllm-cache", help="VLLM_CACHE_ROOT (compile cache)")
     p.add_argument("--keep", action="store_true", help="keep the run's folder")
     p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size: GPUs 0..N-1, a gms server each")
-    p.add_argument("--fault", default="kill", choices=("kill", "kill-rank", "hang", "hang-rank"),
-                   help="failover: SIGKILL the serving engine's launcher or its last rank, or SIGSTOP its engine "
-                        "core or its last rank")
+    p.add_argument("--fault", default="kill", type=lambda v: v.split(","),
+                   help="failover: SIGKILL the serving engine's launcher (kill) or its last rank (kill-rank), or "
+                        "SIGSTOP its engine core (hang) or its last rank (hang-rank); a comma list takes turns")
     p.add_argument("--saturate-s", type=float, default=0.0,
                    help="failover: first keep the primary's batch full this long; no failover may come of it")
+    p.add_argument("--no-baseline", action="store_true", help="failover alone: no fresh vLLM to compare with")
+    p.add_argument("--busy-cpus", type=int, default=0,
+                   help="--saturate-s: this many processes spin on the host meanwhile (a loaded host)")
     args = p.parse_args()
-    if args.fault.endswith("-rank") and args.tp < 2:
-        p.error(f"--fault {args.fault} needs --tp 2 or more")
+    faults = {"kill", "kill-rank", "hang", "hang-rank"}
+    if not set(args.fault) <= faults:
+        p.error(f"--fault: one or more of {sorted(faults)}, not {','.join(args.fault)}")
+    if any(f.endswith("-rank") for f in args.fault) and args.tp < 2:
+        p.error("--fault ...-rank needs --tp 2 or more")
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not parts <= {"share", "sleep", "failover"}:
         p.error(f"unknown parts: {sorted(parts - {'share', 'sleep', 'failover'})}")

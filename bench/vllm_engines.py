@@ -42,7 +42,7 @@ def serve_argv(model: str, port: int, *, load_format: str = "gms", extra: dict |
     argv = [*SERVE, model, "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name,
             "--load-format", load_format, "--kv-cache-memory-bytes", str(kv_bytes),
             "--gpu-memory-utilization", str(gpu_utilization), "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--disable-log-stats",
+            "--max-num-seqs", str(max_num_seqs),
             # The GPU host's wheel set leaves FlashInfer out (scripts/gpu-vllm-wheels.txt):
             # FlashAttention, which vLLM's wheel carries, is pinned instead.
             "--attention-backend", "FLASH_ATTN"]

@@ -255,11 +255,12 @@ def test_the_benchmarks_drive_the_coordinator_with_each_engine_s_command_lines(t
         assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
 
 
-def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session(tmp_path):
+def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session_and_its_engine_core(tmp_path):
     """A crash of one tensor-parallel rank is a SIGKILL of that rank's process: the
     bench finds it as the process under the engine's launcher that holds a session
     on that GPU's server (its pid as the kernel told the server), not another
-    engine's process on the same server."""
+    engine's process on the same server; a hung engine is a SIGSTOP of its core, the
+    launcher's child above the rank (launcher -> core -> rank, as vLLM at TP > 1)."""
     import os
     import signal
     import subprocess
@@ -271,28 +272,35 @@ def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session(tmp_p
     bench = str(Path(__file__).resolve().parent.parent / "bench")
     sys.path.insert(0, bench)
     try:
-        from coordinated import rank_pid
+        from coordinated import engine_core_pid, rank_pid
     finally:
         sys.path[:] = [p for p in sys.path if p != bench]
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
     server = ServerProcess(tmp_path)
     holder = (
         "import sys, time; from gms import GMSClientMemoryManager as M; "
         "m = M(sys.argv[1], layout=sys.argv[2]); m.connect('RW'); print('held', flush=True); time.sleep(60)"
     )
-    launcher_code = (
-        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], 'rank1'],"
-        " stdout=sys.stdout); p.wait()"
+    spawner = (  # starts argv[1:] and waits for it: the launcher, and the engine core under it
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', *sys.argv[1:]], stdout=sys.stdout);"
+        " p.wait()"
     )
     other = subprocess.Popen([sys.executable, "-c", holder, server.socket, "other"], stdout=subprocess.PIPE, text=True)
-    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, holder, server.socket], stdout=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", spawner, spawner, holder, server.socket, "rank1"],
+                                stdout=subprocess.PIPE, text=True)
     rank = 0
     try:
         assert other.stdout.readline().strip() == "held" and launcher.stdout.readline().strip() == "held"
         rank = rank_pid(server.socket, launcher.pid)
         assert rank not in (launcher.pid, other.pid)
-        with open(f"/proc/{rank}/stat") as f:
-            assert int(f.read().rsplit(")", 1)[1].split()[1]) == launcher.pid  # the launcher's child
+        core = engine_core_pid(rank, launcher.pid)
+        assert core not in (rank, launcher.pid) and parent(rank) == core and parent(core) == launcher.pid
+        assert engine_core_pid(core, launcher.pid) == core  # at TP=1 the rank is the core
+        with pytest.raises(RuntimeError):
+            engine_core_pid(other.pid, launcher.pid)
         with pytest.raises(RuntimeError):
             rank_pid(server.socket, 1 << 22)  # no engine of that pid holds a session here
     finally:
@@ -302,3 +310,77 @@ def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session(tmp_p
             proc.kill()
             proc.wait()
         server.kill()
+
+
+ENGINE_FAILING_ONCE = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port, marker = int(sys.argv[1]), sys.argv[2]
+if not os.path.exists(marker):  # the first start dies, as vLLM's does when its rendezvous port is taken
+    open(marker, "w").close()
+    sys.exit(3)
+state = {"status": "serving" if os.environ.get("GMS_MODE") == "primary" else "asleep"}
+
+class Handler(BaseHTTPRequestHandler):
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer(state)
+
+    def do_POST(self):
+        state["status"] = "asleep" if self.path.startswith("/sleep") else "serving"
+        self._answer({})
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+async def test_a_set_whose_engine_dies_while_starting_is_started_again(tmp_path):
+    """Two engines starting side by side can fail for a reason of the moment (vLLM's
+    rendezvous port drawn by both: EADDRINUSE, seen on two H200s): the coordinator
+    kills the set and starts it again rather than exiting, and says how many tries
+    its ``ready`` took."""
+    import json
+    import socket
+    import sys
+
+    import trio
+
+    from gms.failover.coordinator import run
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_FAILING_ONCE)
+    events = tmp_path / "events.jsonl"
+    command = [sys.executable, str(script), "{port}", str(tmp_path / "started-{set}")]
+    config = cfg.parse({
+        "lock": f"file:{tmp_path / 'serving.lock'}", "initial": "A", "ranks": [str(tmp_path / "gms.sock")],
+        "interval_s": 0.05, "canary_timeout_s": 2.0, "ready_timeout_s": 60.0, "events": str(events),
+        "sets": {name: {"kind": "local", "ports": [free_port()], "command": command, "log_dir": str(tmp_path)}
+                 for name in ("A", "B")}})
+
+    def ready() -> dict:
+        lines = events.read_text().splitlines() if events.exists() else []
+        return {e["set"]: e for e in map(json.loads, lines) if e["event"] == "ready"}
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, config)
+        with trio.fail_after(60):
+            while len(ready()) < 2:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert {name: (e["role"], e["attempts"]) for name, e in ready().items()} == {
+        "A": ("serving", 2), "B": ("standby", 2)}

@@ -52,6 +52,7 @@ from .sets import EngineSet, KubernetesPodSet, LocalProcessSet
 
 log = logging.getLogger("gms.failover")
 KV_LAYOUT = "kv_cache"
+START_ATTEMPTS = 3  # tries for a set at the coordinator's own start (a restart tries until the set is up)
 
 
 class LostServingLock(RuntimeError):
@@ -177,9 +178,27 @@ class Coordinator:
     async def _bring_up(self, name: str, role: str) -> None:
         """Start a set and wait until every rank is serving (role serving) or asleep."""
         started = time.monotonic()
-        await self.sets[name].start("primary" if role == "serving" else "shadow")
-        await self._until_ready(name, role)
-        self.events.emit("ready", set=name, role=role, seconds=time.monotonic() - started)
+        attempts = await self._start_until_ready(name, role, START_ATTEMPTS)
+        self.events.emit("ready", set=name, role=role, seconds=time.monotonic() - started, attempts=attempts)
+
+    async def _start_until_ready(self, name: str, role: str, attempts: int | None) -> int:
+        """Start a set, all ranks together, until it is ready in ``role``: a set whose
+        ranks exit or stall while starting (two vLLM engines starting side by side can
+        draw the same free port for their rendezvous) is killed and started again,
+        ``attempts`` times in all (None: until it is).  Returns the attempts made."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self.sets[name].start("primary" if role == "serving" else "shadow")
+                await self._until_ready(name, role)
+                return attempt
+            except (RuntimeError, trio.TooSlowError) as exc:
+                if attempts is not None and attempt >= attempts:
+                    raise
+                log.error("set %s: start attempt %d failed: %s", name, attempt, exc)
+                await self.sets[name].kill()
+                await trio.sleep(min(2.0 * attempt, 30.0))
 
     async def _until_ready(self, name: str, role: str) -> None:
         want = "serving" if role == "serving" else "asleep"
@@ -394,26 +413,13 @@ class Coordinator:
         """Bring a set back as the shadow, all ranks together; retry until it is."""
         started = time.monotonic()
         await killed.wait()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                await self._bring_up_as_standby(name)
-                break
-            except (RuntimeError, trio.TooSlowError) as exc:
-                log.error("set %s: restart attempt %d failed: %s", name, attempt, exc)
-                await self.sets[name].kill()
-                await trio.sleep(min(2.0 * attempt, 30.0))
+        attempt = await self._start_until_ready(name, "standby", None)
         self.exited.pop(name, None)
         self.watch[name] = Watch()
         self.events.emit("restarted", set=name, role="standby", seconds=time.monotonic() - started,
                          attempts=attempt)
         self.restarting.pop(name).set()
         self._wakeup.set()
-
-    async def _bring_up_as_standby(self, name: str) -> None:
-        await self.sets[name].start("shadow")
-        await self._until_ready(name, "standby")
 
 
 def _brief(result) -> dict:

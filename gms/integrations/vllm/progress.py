@@ -19,6 +19,8 @@ route's whole answer, given the engine client and a canary.  No vLLM imported.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -31,6 +33,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction (0 to 1) per engine, despite
 # steps = tokens x TOKEN_WEIGHT + the KV usage in millionths (summed over
 # engines): one number that changes when either does, and never collides.
 TOKEN_WEIGHT = 10**12
+log = logging.getLogger(__name__)
 
 
 def progress(registry: CollectorRegistry = REGISTRY) -> dict | None:
@@ -53,11 +56,19 @@ class Health:
 
     ``asking``: this route's own calls into the engine core not answered yet
     (``is_sleeping``, the canary): pending work too, so a core that hangs while
-    idle is seen the same way as one that hangs busy."""
+    idle is seen the same way as one that hangs busy.  Such a call is never
+    waited for longer than ``answer_within``: past it the route answers from
+    the progress (the call still pending, the steps as they stand), so the
+    coordinator starts its ``stall_s`` clock at once rather than after its
+    canary's timeout; the call goes on, and the next answer after it ends
+    says how it went."""
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY, answer_within: float = 0.25) -> None:
         self.registry = registry
+        self.answer_within = answer_within
         self.asking = 0
+        self.status = "serving"  # the last status a call into the core found
+        self.warned = False
 
     async def answer(self, client, canary: Callable[[], Awaitable[None]], pid: int) -> tuple[int, dict]:
         """(HTTP code, body).  ``client``: vLLM's engine client; ``canary``: one token through it."""
@@ -68,13 +79,30 @@ class Health:
         except Exception as exc:  # noqa: BLE001 - a dead engine core is a failed canary, whatever it raised
             return 503, {"status": "dead", "error": repr(exc), "pid": pid}
         busy = progress(self.registry)
+        if busy is None and not self.warned:
+            self.warned = True
+            log.warning("vLLM records no metrics (--disable-log-stats?): a hung engine core is seen only by the "
+                        "coordinator's canary timeout, not by its progress")
         if busy is not None and busy["pending"] + self.asking > 0:  # judged by its progress: no call into the core
-            return 200, {"status": "serving", "pid": pid,
-                         "progress": {**busy, "pending": busy["pending"] + self.asking}}
+            return 200, self._by_progress(busy, pid)
+        if busy is None:  # nothing else to answer with
+            return await self._ask(client, canary, pid)
+        call = asyncio.ensure_future(self._ask(client, canary, pid))
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self.answer_within)
+        except TimeoutError:
+            return 200, self._by_progress(progress(self.registry) or busy, pid)
+
+    def _by_progress(self, busy: dict, pid: int) -> dict:
+        return {"status": self.status, "pid": pid, "progress": {**busy, "pending": busy["pending"] + self.asking}}
+
+    async def _ask(self, client, canary: Callable[[], Awaitable[None]], pid: int) -> tuple[int, dict]:
         self.asking += 1  # until the core answers: a hung core keeps it, and the next probe sees it
         try:
             if await client.is_sleeping():
+                self.status = "asleep"
                 return 200, {"status": "asleep", "pid": pid}
+            self.status = "serving"
             started = time.perf_counter()
             try:
                 await canary()
