@@ -549,16 +549,19 @@ def test_gms_health_answers_from_progress_while_work_is_pending_and_sees_a_core_
         assert code == 200 and body["status"] == "serving" and body["progress"] == {"steps": TOKEN_WEIGHT, "pending": 0}
         assert (await health.answer(Client(sleeping=True), canary, 1))[1]["status"] == "asleep"
         assert (await health.answer(Client(), broken, 1))[0] == 503
-        running.set(3)  # saturated: answered from its progress, the core not asked at all
+        assert (await health.answer(Client(sleeping=True), canary, 1))[1]["status"] == "asleep"
+        running.set(3)  # saturated (or just woken): answered from its progress, the core not asked at all
         busy = Client()
         code, body = await health.answer(busy, canary, 1)
-        assert (code, body["progress"], busy.calls) == (200, {"steps": TOKEN_WEIGHT, "pending": 3}, [])
+        assert (code, body["status"], body["progress"], busy.calls) == (
+            200, "serving", {"steps": TOKEN_WEIGHT, "pending": 3}, [])
         running.set(0)
+        assert (await health.answer(Client(), canary, 1))[1]["status"] == "serving"  # what the core last said
         hung = Client(hang=True)  # the core hangs while idle: the answer comes from the progress...
         code, body = await health.answer(hung, canary, 1)
-        assert (code, body["status"], body["progress"]) == (200, "serving", {"steps": TOKEN_WEIGHT, "pending": 1})
+        assert (code, body["status"], body["progress"]) == (200, "serving", {"steps": 2 * TOKEN_WEIGHT, "pending": 1})
         code, body = await health.answer(hung, canary, 1)  # ...and the next at once, the core not asked again
-        assert (code, body["progress"]) == (200, {"steps": TOKEN_WEIGHT, "pending": 1}) and hung.calls == ["is_sleeping"]
+        assert (code, body["progress"]) == (200, {"steps": 2 * TOKEN_WEIGHT, "pending": 1}) and hung.calls == ["is_sleeping"]
 
     asyncio.run(scenario())
 

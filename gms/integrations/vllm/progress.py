@@ -67,7 +67,7 @@ class Health:
         self.registry = registry
         self.answer_within = answer_within
         self.asking = 0
-        self.status = "serving"  # the last status a call into the core found
+        self.status = "serving"  # what the last call into the core found: asleep or serving
         self.warned = False
 
     async def answer(self, client, canary: Callable[[], Awaitable[None]], pid: int) -> tuple[int, dict]:
@@ -84,20 +84,24 @@ class Health:
             log.warning("vLLM records no metrics (--disable-log-stats?): a hung engine core is seen only by the "
                         "coordinator's canary timeout, not by its progress")
         if busy is not None and busy["pending"] + self.asking > 0:  # judged by its progress: no call into the core
-            return 200, self._by_progress(busy, pid)
+            # Work admitted: serving, whatever the core last said (a woken shadow's first
+            # requests must not read as asleep); its steps judge it.
+            return 200, self._by_progress(busy, "serving", pid)
+        self.asking += 1  # until the core answers: a hung core keeps it, and the next probe sees it
         if busy is None:  # nothing else to answer with
             return await self._ask(client, canary, pid)
         call = asyncio.ensure_future(self._ask(client, canary, pid))
         try:
             return await asyncio.wait_for(asyncio.shield(call), self.answer_within)
-        except TimeoutError:
-            return 200, self._by_progress(progress(self.registry) or busy, pid)
+        except TimeoutError:  # the core has not answered yet: as it last was, with the call pending
+            return 200, self._by_progress(progress(self.registry) or busy, self.status, pid)
 
-    def _by_progress(self, busy: dict, pid: int) -> dict:
-        return {"status": self.status, "pid": pid, "progress": {**busy, "pending": busy["pending"] + self.asking}}
+    def _by_progress(self, busy: dict, status: str, pid: int) -> dict:
+        return {"status": status, "pid": pid, "progress": {**busy, "pending": busy["pending"] + self.asking}}
 
     async def _ask(self, client, canary: Callable[[], Awaitable[None]], pid: int) -> tuple[int, dict]:
-        self.asking += 1  # until the core answers: a hung core keeps it, and the next probe sees it
+        """Ask the core whether it sleeps, then one token through it; ``asking`` is
+        counted up by the caller, down here."""
         try:
             if await client.is_sleeping():
                 self.status = "asleep"
