@@ -40,7 +40,7 @@ def coordinator_toml(work: Path, sockets: list[str], commands: dict[str, tuple[i
     return "\n".join(lines) + "\n"
 
 
-def _parent(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
     """``pid``'s parent (from /proc); None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -52,7 +52,7 @@ def _parent(pid: int) -> int | None:
 def _ancestors(pid: int) -> set[int]:
     """``pid``'s parent, its parent's parent, ... (from /proc)."""
     out: set[int] = set()
-    while pid > 1 and (pid := _parent(pid)) is not None:
+    while pid > 1 and (pid := parent_pid(pid)) is not None:
         out.add(pid)
     return out
 
@@ -74,7 +74,7 @@ def engine_core_pid(rank: int, launcher: int) -> int:
     """The engine core of ``launcher``'s engine: the launcher's child on the way up
     from ``rank`` (a rank's process; at tensor parallel 1 the core is the rank)."""
     pid = rank
-    while (parent := _parent(pid)) is not None and parent > 1 and parent != launcher:
+    while (parent := parent_pid(pid)) is not None and parent > 1 and parent != launcher:
         pid = parent
     if parent != launcher:
         raise RuntimeError(f"pid {rank} is not under pid {launcher}")

@@ -15,6 +15,20 @@ from gms.failover.lock import FileServingLock
 from gms.failover.sets import pod_running, pods_by_rank
 
 
+def _bench(*names: str) -> list:
+    """Modules of bench/, imported with that folder first on the path (then the path as it was)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path[:] = [p for p in sys.path if p != bench]
+
+
 def probe(ok: bool, started: float = 0.0) -> Probe:
     return Probe("http://x", ok, "serving" if ok else None, "", started, 0.01)
 
@@ -223,18 +237,10 @@ async def test_a_set_kills_an_engine_s_whole_process_group_after_its_leader_died
 def test_the_benchmarks_drive_the_coordinator_with_each_engine_s_command_lines(tmp_path, engine, launcher, paths):
     """bench/coordinated.py's file parses with the engine's paths, and each set's command
     (its JSON loader config included: braces doubled) comes back as the engine's argv."""
-    import importlib
-    import sys
     import tomllib
-    from pathlib import Path
 
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
-    sys.path.insert(0, bench)
-    try:
-        from coordinated import coordinator_toml
-        serve_argv = importlib.import_module(launcher).serve_argv
-    finally:
-        sys.path[:] = [p for p in sys.path if p != bench]
+    coordinated, engines = _bench("coordinated", launcher)
+    coordinator_toml, serve_argv = coordinated.coordinator_toml, engines.serve_argv
     socket = str(tmp_path / "gms.sock")
     argv = serve_argv("/models/m", 18311, extra={"gms_socket": socket})
     text = coordinator_toml(tmp_path, [socket], {"A": (18311, argv), "B": (18312, argv)}, engine=engine,
@@ -265,20 +271,11 @@ def test_the_benchmark_finds_the_engine_process_of_one_rank_by_its_session_and_i
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
     from .helpers import ServerProcess
 
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
-    sys.path.insert(0, bench)
-    try:
-        from coordinated import engine_core_pid, rank_pid
-    finally:
-        sys.path[:] = [p for p in sys.path if p != bench]
-    def parent(pid: int) -> int:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-
+    (coordinated,) = _bench("coordinated")
+    engine_core_pid, rank_pid, parent = coordinated.engine_core_pid, coordinated.rank_pid, coordinated.parent_pid
     server = ServerProcess(tmp_path)
     holder = (
         "import sys, time; from gms import GMSClientMemoryManager as M; "
@@ -350,17 +347,13 @@ async def test_a_set_whose_engine_dies_while_starting_is_started_again(tmp_path)
     kills the set and starts it again rather than exiting, and says how many tries
     its ``ready`` took."""
     import json
-    import socket
     import sys
 
     import trio
 
     from gms.failover.coordinator import run
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from .engine_helpers import free_port
 
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_FAILING_ONCE)
