@@ -83,6 +83,13 @@ LISTENER = "listener"
 PARTS = "parts"  # the feature a keeper names in its hand-back when it keeps its base in parts
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _STEP_BYTES = 1 << 20  # a base's encoding yields to the loop after about this much
+# What tells of no lasting change (a session, a lock, an allocation of a build, a
+# metadata put) is handed on this much later, with whatever follows it: the answer
+# goes out first, and one system call (one wake-up of the keeper) carries many
+# requests' events.  A crash loses at most this much of them, which a restart
+# keeps nothing of (no session, lock or unfinished build).  Past _SOON_FRAMES, at once.
+SOON_S = 0.002
+_SOON_FRAMES = 64
 
 
 def memory_key(tier: str, allocation_id: str) -> str:
@@ -153,6 +160,8 @@ class KeeperLink:
         self._since_trim = 0  # bytes of frames made since the heap's free pages were last given back
         self._tails_since = 0  # events frames queued since the base being made was taken
         self._rebasing = False
+        self._soon = False  # frames wait for the run task's next hand-on (SOON_S)
+        self._must = False  # a queued frame tells of a lasting change: hand it on now
         # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
         self._queued: list[tuple[bytes, list[int], frozenset[str]]] = []
         # Layout ("": the node) -> where in the stream its last lasting change ends.
@@ -303,6 +312,7 @@ class KeeperLink:
         blob = encode_entries(entries)
         lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
         self._queue("events", {"entries": blob}, lasting=lasting)
+        self._must = self._must or bool(lasting)
         self._tail_bytes += len(blob)
         self._since_trim += len(blob)
         if len(blob) > _COUNTED_BYTES:
@@ -337,11 +347,20 @@ class KeeperLink:
 
     # -- sending -------------------------------------------------------------------------
 
-    def flush(self) -> None:
+    def flush(self, soon: bool = False) -> None:
         """Hand every queued frame on, in order, and send what the socket takes
-        now (as few system calls as their fds allow: at most 253 fds ride one)."""
+        now (as few system calls as their fds allow: at most 253 fds ride one).
+        ``soon``: unless a queued frame tells of a lasting change (or many
+        wait), within :data:`SOON_S` instead, by :meth:`run` (the ledger's
+        flush at the end of every write: see :data:`SOON_S`)."""
         if not self._queued:
             return
+        if soon and not self._must and len(self._queued) < _SOON_FRAMES:
+            if not self._soon:
+                self._soon = True
+                self._wake()
+            return
+        self._soon = self._must = False
         queued, self._queued = self._queued, []
         if not self.alive:
             for _, fds, _ in queued:
@@ -481,6 +500,10 @@ class KeeperLink:
                 finally:
                     self._rebasing = False
                 continue
+            if self._soon and self.alive:
+                await trio.sleep(SOON_S)
+                self.flush()
+                continue
             if not self._out or not self.alive:
                 self._work = trio.Event()
                 await self._work.wait()
@@ -570,6 +593,7 @@ class KeeperLink:
         for _, fds, _ in self._queued:
             _close(fds)
         self._queued, self._marks = [], {}
+        self._soon = self._must = False
         self.sent = self.enqueued
         self.behind_since, self._warned = None, False
         self._keeper_keys = set()
@@ -684,7 +708,7 @@ class MirroredLog(EventLog):
 
     def flush(self) -> None:
         if self.link is not None:
-            self.link.flush()
+            self.link.flush(soon=True)
 
     def added(self, conn: int) -> int:
         return 0 if self.link is None else self.link.added(conn)

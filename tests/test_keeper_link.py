@@ -1,0 +1,71 @@
+"""The server's side of its keeper channel (``gms.server.restart.mirror``), on a
+real socket pair read the way the keeper reads it: what tells of a lasting
+change is handed on at once, the rest within ``SOON_S``, in order, many
+requests' events in one system call."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import trio
+
+from gms.handover import frames
+from gms.handover.image import STATE_VERSION, ServerInfo, StateImage, decode_entries
+from gms.server.restart import mirror
+from gms.server.restart.mirror import KeeperLink, MirroredLog
+
+from .fsm_events import closed_reader, committed, reader, started, writer
+
+
+def _read_all(sock: socket.socket, reader_: frames.FrameReader) -> list[frames.Frame]:
+    """Every frame the keeper's end holds now (never waits)."""
+    got = []
+    while True:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(1 << 20, frames.ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        reader_.feed(data, frames.received_fds(ancillary))
+    while (frame := reader_.next_frame()) is not None:
+        got.append(frame)
+    return got
+
+
+def _kinds(frames_: list[frames.Frame]) -> list[str]:
+    """Event kinds in the events frames, in order."""
+    return [row.event.KIND for f in frames_ if f.kind == "events" for row in decode_entries(f.body["entries"])]
+
+
+async def test_events_of_no_lasting_change_follow_within_soon_s_and_a_lasting_one_goes_at_once():
+    ours, keepers = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = KeeperLink(ours)
+    log = MirroredLog(link=link)
+    log.extend([started(), *writer(1, "w")])
+    log.extend(committed(log.state, 1, "w"))
+    info = ServerInfo(os.getpid(), "host", 0, "uuid", False)
+    link.attach(lambda: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), lambda: [])
+    keeper = frames.FrameReader()
+    assert [f.kind for f in _read_all(keepers, keeper)] == ["base"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        # Two readers come and go (the ledger flushes after each write): nothing is sent yet.
+        for conn in (2, 3):
+            for batch in (reader(conn, "w"), closed_reader(conn, "w")):
+                log.extend(batch)
+                log.flush()
+        assert _read_all(keepers, keeper) == []
+        assert log.behind() and not log.behind(["w"]), "nothing lasting waits: no answer is held up"
+        await trio.sleep(mirror.SOON_S * 3)
+        got = _read_all(keepers, keeper)
+        assert _kinds(got) == ["SESSION_OPENED", "RO_CONNECT", "RO_DISCONNECT", "SESSION_CLOSED"] * 2
+        assert len(got) == 4 and not log.behind()  # four frames, one system call's worth
+        # A writer's grant over the layout is lasting: it goes at once, with what waited before it.
+        log.extend(reader(4, "w"))
+        log.flush()
+        log.extend(writer(5, "v"))
+        log.flush()
+        assert _kinds(_read_all(keepers, keeper)) == ["SESSION_OPENED", "RO_CONNECT", "SESSION_OPENED", "RW_CONNECT"]
+        nursery.cancel_scope.cancel()
+    ours.close()
+    keepers.close()
