@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 
@@ -224,3 +225,53 @@ def test_the_pool_counts_against_the_host_budget(start_server):
         gms.client.admin.evict(server.socket, name)
         read(server, name, sizes=(8 * MiB,))
     assert physical() == 16 * MiB
+
+
+# -- the pool sized by the builds (``--host-pool auto``, the default) --------------------------------
+
+
+def _build(server, name: str, sizes, tag: str = "weights") -> GMSClientMemoryManager:
+    """A writer that allocated ``sizes`` and has not committed yet."""
+    writer = GMSClientMemoryManager(server.socket, layout=name)
+    writer.connect(RequestedLockType.RW)
+    for slot, size in enumerate(sizes):
+        allocation_id, _ = writer.allocate_handle(size, tag=tag)
+        writer.write(writer.create_mapping(allocation_id), content(name, slot, size))
+        writer.metadata_put(f"t{slot}", allocation_id, 0, b"")
+    return writer
+
+
+def _pool(server) -> int:
+    return server.state().host_pool_bytes
+
+
+def test_a_default_server_pins_while_a_writer_builds_and_its_publish_takes_the_chunks(start_server):
+    server = start_server("--host-chunk", str(2 * CHUNK), "--log-level", "info")
+    wait_until(lambda: copier_running(server), timeout=60, what="the copier")
+    assert _pool(server) == 0, "nothing is built: nothing pinned"
+    sizes = (8 * MiB, 8 * MiB + 1)  # 8 + 10 MiB: whole chunks pinned ahead, the second's 2 MiB made at the commit
+    writer = _build(server, "m", sizes)
+    wait_until(lambda: _pool(server) == 16 * MiB, what="the pool to pin what the build may publish")
+    writer.commit("system")
+    writer.close()
+    assert "(4 of 5 chunks pinned ahead by the pool)" in server.log
+    wait_until(lambda: _pool(server) == 0, what="nothing pinned once the build is done")
+    read(server, "m", sizes)
+
+
+def test_the_pool_gives_back_what_a_build_did_not_publish_and_learns_it(start_server):
+    server = start_server("--host-chunk", str(CHUNK))
+    wait_until(lambda: copier_running(server), timeout=60, what="the copier")
+    writer = _build(server, "d", (8 * MiB,))
+    wait_until(lambda: _pool(server) == 8 * MiB, what="the pool to pin for the build")
+    writer.commit()  # on the GPU only: no host copy
+    writer.close()
+    wait_until(lambda: _pool(server) == 0, what="the pool to give it back")
+    # Rebuilt the same way, as a rule: its next build is not pinned for; a KV cache never is.
+    rebuild = _build(server, "d", (8 * MiB,))
+    kv = _build(server, "kv", (8 * MiB,), tag="kv_cache")
+    wait_until(lambda: server.layout("kv").bytes == 8 * MiB, what="the KV build")
+    time.sleep(1.0)  # four of the pool's looks at the builds
+    assert _pool(server) == 0
+    rebuild.abort()
+    kv.abort()

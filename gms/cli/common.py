@@ -47,6 +47,11 @@ def byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def pool_size(text: str) -> int | None:
+    """``--host-pool``: bytes, or ``auto`` (None: sized by the builds)."""
+    return None if text.strip().lower() == "auto" else byte_count(text)
+
+
 def client_error(command: str, exc: Exception) -> str:
     """The line a client command prints when the server call failed."""
     from ..errors import ResponseTimeoutError

@@ -12,7 +12,7 @@ from .. import paths
 from ..fds import reserve_fd_slots
 from ..heap import keep_big_blocks, return_big_blocks
 from ..wire.messages import MAX_FDS_PER_MESSAGE
-from .common import byte_count
+from .common import byte_count, pool_size
 
 EXIT_FATAL = 70  # EX_SOFTWARE: a broken invariant or a CUDA failure
 EXIT_CONFIG = 78  # EX_CONFIG: the policy file or an option cannot be used
@@ -47,9 +47,10 @@ def register(sub) -> None:
         help="start no copier process: clients copy to and from the host tier themselves",
     )
     serve.add_argument(
-        "--host-pool", type=byte_count, default=0, metavar="BYTES",
+        "--host-pool", type=pool_size, default=None, metavar="BYTES|auto",
         help="pinned host memory made ahead of need, so that a system publish does not wait for it "
-        "(counts against --host-budget; needs the copier)",
+        "(counts against --host-budget; needs the copier).  auto (the default): pinned while writers "
+        "build, up to what they have allocated, and given back once they are done; 0: none",
     )
     serve.add_argument(
         "--host-chunk", type=byte_count, default=64 << 20, metavar="BYTES",

@@ -23,7 +23,7 @@ class ServerConfig:
     # The copier (gms.copier): a process that moves host-tier bytes for clients;
     # off: clients copy themselves (today's protocol, always understood).
     copier: bool = True
-    host_pool_bytes: int = 0  # pinned host memory made ahead of need (needs the copier)
+    host_pool_bytes: int | None = None  # pinned host memory made ahead of need (needs the copier); None: sized by the builds
     host_chunk_bytes: int = 64 << 20  # the pool's unit
     policy: Policy = OPEN_POLICY
     alloc_retry_interval: float = 0.05

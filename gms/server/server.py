@@ -45,6 +45,7 @@ from .tiers.host_memory import HostMemory
 from .tiers.lanes import Lane
 from .tiers.memory import Memory
 from .tiers.memory_signal import MemorySignal
+from .tiers.pool_sizing import PoolSizing
 
 logger = logging.getLogger("gms.server")
 
@@ -172,6 +173,10 @@ class Server:
         """Fds the memory tables hold (each allocation, each host chunk)."""
         return 0 if self.core is None else sum(tier.fd_count() for tier in self.core.ledger.tiers.values())
 
+    def _node(self):
+        """The node's state as the log has it (what the host pool sizes itself by)."""
+        return self.core.state
+
     def _host_room(self) -> int | None:
         return None if self.core is None else host_room(self.core.state)
 
@@ -188,10 +193,11 @@ class Server:
             if config.copier:
                 level = logging.getLevelName(logger.getEffectiveLevel()).lower()
                 copier = CopierLink(self.backend.name, config.device, log_level=level)
+            auto = config.host_pool_bytes is None
             host = HostMemory(
                 Memory(self.host_tier, Lane("host")), link=copier,
-                pool_bytes=config.host_pool_bytes, chunk_bytes=config.host_chunk_bytes, observer=self.link,
-                fds=self.fds, room=self._host_room,
+                pool_bytes=config.host_pool_bytes or 0, chunk_bytes=config.host_chunk_bytes, observer=self.link,
+                fds=self.fds, room=self._host_room, sizing=PoolSizing(self._node) if auto else None,
             )
         device = await gpu.device_info()  # on the lane, like every call into a backend
         capacity = device.total_bytes

@@ -135,7 +135,7 @@ class ServiceCore:
         """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""
         host = self.ledger.tiers.get(MemoryTier.HOST)
         tasks = [self.copier.run] if self.copier is not None else []
-        return tasks + ([host.keep_pool] if host is not None and host.pool_target else [])
+        return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes."""

@@ -89,6 +89,7 @@ class Transfers:
             return [*self._host_copy_events(conn, self._missing(conn)), commit]
 
         timed: list[float] = []
+        counts: list[int] = []  # chunks from the pool, chunks in all
         adopted: list[str] = []
 
         async def fill() -> dict[str, list[str]]:
@@ -98,8 +99,9 @@ class Transfers:
                     f"{self.link.state}: make them from the client (the client library does) and commit again"
                 )
             timed.append(time.perf_counter())
-            chunks = await self._fill(missing)  # allocation id -> its chunks, filled
+            chunks, pooled = await self._fill(missing)  # allocation id -> its chunks, filled
             timed.append(time.perf_counter())
+            counts.extend((pooled, sum(map(len, chunks.values()))))
             return chunks
 
         def adopt(chunks: dict[str, list[str]]) -> None:
@@ -116,9 +118,10 @@ class Transfers:
             decide, fill, undo, keep=adopt, changed="the layout's host copies changed while the copier filled them")
         started, filled = timed
         log.info(
-            "publish of %r with host copies: %d allocations, %.1f MiB copied in %.1f ms, recorded in %.1f ms",
+            "publish of %r with host copies: %d allocations, %.1f MiB copied in %.1f ms (%d of %d chunks "
+            "pinned ahead by the pool), recorded in %.1f ms",
             layout.name, len(missing), sum(a.aligned_size for a in missing) / 2**20, (filled - started) * 1e3,
-            (time.perf_counter() - filled) * 1e3,
+            *counts, (time.perf_counter() - filled) * 1e3,
         )
         return Reply(m.CommitResponse(True, commit.layout_hash), close_after=True)
 
@@ -130,10 +133,15 @@ class Transfers:
         layout = layout_of(self.ledger.state, conn)
         return [e for a in missing for e in decide_host_copy(layout, conn, a.allocation_id)]
 
-    async def _fill(self, missing: list[Allocation]) -> dict[str, list[str]]:
-        """Chunks for every missing host copy, filled by the copier from the device.
-        Pool chunks are copied into at once; the rest is made on the lane meanwhile
-        and copied as it comes.  Raises HostCopyMissing if the copier could not."""
+    async def _fill(self, missing: list[Allocation]) -> tuple[dict[str, list[str]], int]:
+        """Chunks for every missing host copy, filled by the copier from the device,
+        and how many came from the pool.  Pool chunks are copied into at once; the
+        rest is made on the lane meanwhile and copied as it comes.  Raises
+        HostCopyMissing if the copier could not."""
+        with self.host.copying():  # the pool neither pins nor gives back while a publish takes from it
+            return await self._fill_chunks(missing)
+
+    async def _fill_chunks(self, missing: list[Allocation]) -> tuple[dict[str, list[str]], int]:
         C = self.host.chunk_bytes
         # Each copy: whole chunks of C first, then one exact chunk for the rest.
         parts: list[tuple[int, int, int]] = []  # (allocation index, offset, size)
@@ -188,7 +196,7 @@ class Transfers:
         filled: dict[str, list[str]] = {a.allocation_id: [] for a in missing}
         for k, (index, _, _) in enumerate(parts):
             filled[missing[index].allocation_id].append(chunk_of[k])
-        return filled
+        return filled, len(pooled)
 
     # -- restore ------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ for its whole life (``gms.server.tiers.copier_link``).  Two kinds:
 
 Pinning costs about 0.24 s per GiB on the H100 host (13 times the D2H copy
 it prepares); the pool pays it on the lane while nothing waits, up to
-``pool_bytes``, whenever it falls short.  Its bytes count against the host
+``pool_bytes`` whenever it falls short, or (``sizing``: ``--host-pool auto``,
+the default) up to what the builds under way may publish
+(``gms.server.tiers.pool_sizing``), giving back what they no longer need.  Its bytes count against the host
 budget (they are pinned memory the server holds) but are no host copy: the
 event log, which says what exists, does not know them, and the status probe
 shows them apart (``host_pool_bytes``).  The server keeps the physical total
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 
@@ -53,6 +56,7 @@ from ...fsm import HostBudgetExceeded, StateViolation
 from ..edge.admission import FdBudget
 from .copier_link import CopierLink
 from .memory import Memory
+from .pool_sizing import POLL_S, PoolSizing
 
 log = logging.getLogger("gms.server.host")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -86,7 +90,10 @@ class HostMemory:
         observer=None,
         fds: FdBudget | None = None,
         room: Callable[[], int | None] = lambda: None,
+        sizing: PoolSizing | None = None,
     ) -> None:
+        """``pool_bytes``: the pool's size, fixed (0: none); ``sizing``: sized by
+        the builds under way instead (pool_bytes is then ignored)."""
         self.chunks = chunks
         self.backend = chunks.backend
         self.lane = chunks.lane
@@ -95,7 +102,8 @@ class HostMemory:
         self.link = link
         self.chunk_bytes = align_up(max(chunk_bytes, 1), self.granularity)
         # Without a copier, pool chunks would only wait: nothing fills them.
-        self.pool_target = (pool_bytes // self.chunk_bytes) * self.chunk_bytes if link is not None else 0
+        self.sizing = sizing if link is not None else None
+        self._fixed = self._chunks_in(pool_bytes) if link is not None and sizing is None else 0
         # Room the host budget leaves beyond the recorded host copies (None:
         # unbounded): asked of the state, which the service owns (fsm.host_room).
         self.room = room
@@ -157,6 +165,17 @@ class HostMemory:
     @property
     def pool_bytes(self) -> int:
         return len(self._pool) * self.chunk_bytes
+
+    @property
+    def keeps_pool(self) -> bool:
+        return bool(self._fixed) or self.sizing is not None
+
+    def pool_target(self) -> int:
+        """What the pool should hold now, in whole chunks."""
+        return self._fixed if self.sizing is None else self.sizing.target(self.chunk_bytes)
+
+    def _chunks_in(self, size: int) -> int:
+        return size - size % self.chunk_bytes
 
     def chunks_of(self, allocation_id: str) -> list[tuple[str, int]]:
         """(chunk id, size) of an allocation's host copy, in order."""
@@ -386,14 +405,20 @@ class HostMemory:
                 self._quiet = trio.Event()
 
     async def keep_pool(self) -> None:
-        """Refill the pool whenever it falls short (a task in the server's nursery)."""
-        if not self.pool_target:
+        """Refill the pool whenever it falls short, and (sized by the builds) give
+        back what it holds beyond its target (a task in the server's nursery)."""
+        if not self.keeps_pool:
             return
         self._wake.set()
         while True:
-            await self._wake.wait()
+            with trio.move_on_after(POLL_S if self.sizing is not None else math.inf):
+                await self._wake.wait()
             self._wake = trio.Event()
-            while self.pool_bytes + self._making < self.pool_target and self._fits(self.chunk_bytes + self._wanted):
+            while self._copying:  # a publish may be taking chunks: decided once it is done
+                await self._quiet.wait()
+            while len(self._pool) * self.chunk_bytes > self.pool_target() and self._pool:
+                self._drop([self._pool.pop()])
+            while self.pool_bytes + self._making < self.pool_target() and self._fits(self.chunk_bytes + self._wanted):
                 if self._copying:
                     await self._quiet.wait()
                     continue  # decided again: the world changed meanwhile
