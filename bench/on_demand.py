@@ -168,6 +168,8 @@ def worker_main(socket_path: str, backend: str) -> None:
             packs.append(mapping)
         sync()
         filled = time.perf_counter()
+        if cmd.get("load_gbps"):  # the build takes as long as reading its bytes from disk at that rate would
+            time.sleep(max(0.0, sum(mp.size for mp in packs) / (cmd["load_gbps"] * 1e9) - (filled - t0)))
         entries = []
         for (name, shape), placement in zip(shapes, plan.placements):
             stride = [1] * len(shape)

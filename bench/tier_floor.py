@@ -20,7 +20,13 @@ Each in two servers, one after the other, in one run:
   to be full again (it refills between transfers at the speed of pinning,
   about 4 GiB/s on the H100 host: publishes closer together than that pay
   pinning for what the pool lacks);
-* ``clients`` (``--no-copier``): the clients copy (before this design).
+* ``clients`` (``--no-copier``): the clients copy (before this design);
+* ``auto`` and ``auto-now``: a default server (no ``--host-pool``: the pool
+  pins while the writer builds, ``gms.server.tiers.pool_sizing``), no wait
+  for any pool.  ``auto``: the writer's build takes as long as reading its
+  bytes from disk at ``--load-gbps`` (default 5 GB/s, a fast NVMe) would, as
+  an engine loading weights does; ``auto-now``: it commits as soon as its
+  bytes are on the device (random bytes made there: the worst case).
 
 Timing runs in ``bench/on_demand.py``'s worker process (torch and CUDA up
 before any clock, one new manager per request); its floor op is the one
@@ -34,7 +40,8 @@ and the ratios say nothing of a GPU.
     python bench/tier_floor.py --backend cuda --out /tmp/out     # 2, 8, 16 GiB -> /tmp/out/tier_floor_cuda.json
     python bench/tier_floor.py --backend cuda --check            # seconds: the copier's selftest, one small
                                                                  # publish and restore through it, bytes checked
-    # knobs: --sizes 2,8,16 --unit GiB --repeats 3 --configs copier,clients --pool BYTES --chunk BYTES
+    # knobs: --sizes 2,8,16 --unit GiB --repeats 3 --configs copier,clients,auto,auto-now --pool BYTES
+    #        --chunk BYTES --load-gbps 5
     #        --quick (1 and 2 GiB, or 16 and 32 MiB, once each)
 """
 
@@ -96,14 +103,15 @@ def copier_restores(socket_path: str, layout: str) -> bool:
 
 
 def run_config(name: str, backend: str, sizes: list[tuple[str, list, int]], directory: str,
-               pool: int, chunk: int, repeats: int) -> dict:
+               pool: int, chunk: int, repeats: int, load_gbps: float = 0.0) -> dict:
     from gms import get_event_history, get_runtime_state
     from gms.client import admin
 
-    flags = ["--no-copier"] if name == "clients" else ["--host-pool", str(pool), "--host-chunk", str(chunk)]
+    flags = {"clients": ["--no-copier"], "copier": ["--host-pool", str(pool), "--host-chunk", str(chunk)]}.get(
+        name, ["--host-chunk", str(chunk)])  # auto, auto-now: the pool as a default server sizes it
     out: dict = {"server_flags": flags, "sizes": {}}
     with Server(directory, backend, f"tier-{name}", *flags) as server:
-        if name == "copier":
+        if name != "clients":
             wait_for(lambda: get_runtime_state(server.socket).copier == "running", 120, "the copier")
         worker = on_demand.Worker(server.socket, backend)
         try:
@@ -117,7 +125,7 @@ def run_config(name: str, backend: str, sizes: list[tuple[str, list, int]], dire
                 for n in range(repeats):
                     pool_full()
                     published = worker.call("publish", layout="tier", shapes=shapes, seed=1000 + n,
-                                            residency="system")
+                                            residency="system", load_gbps=load_gbps if name == "auto" else 0)
                     if "error" in published:
                         raise RuntimeError(f"publish failed:\n{published['error']}")
                     pool_full()
@@ -134,6 +142,7 @@ def run_config(name: str, backend: str, sizes: list[tuple[str, list, int]], dire
                         "server_s": (stamps["RESTORE_LOADING"] - stamps["RESTORE_CLAIMED"]) / 1e9,
                         "copy_s": (stamps["RESTORE_FINISHED"] - stamps["RESTORE_LOADING"]) / 1e9,
                         "verified": loaded["verified"], "bytes": published["bytes"],
+                        "pool_after_bytes": get_runtime_state(server.socket).host_pool_bytes,  # idle pinned memory
                     })
                     print(f"  {name} {label}: publish {published['commit_s'] * 1e3:.1f} ms, "
                           f"restore {loaded['total_s'] * 1e3:.1f} ms, bytes ok {loaded['verified']}", flush=True)
@@ -223,7 +232,9 @@ def main() -> int:
     parser.add_argument("--sizes", help="layout sizes in --unit (default: 2,8,16 GiB on cuda; 32,64,128 MiB on host)")
     parser.add_argument("--unit", choices=("GiB", "MiB"))
     parser.add_argument("--repeats", type=int, default=3, help="publishes and restores per size and config")
-    parser.add_argument("--configs", default="copier,clients", help="copier (this design), clients (--no-copier)")
+    parser.add_argument("--configs", default="copier,clients,auto,auto-now",
+                        help="copier (a pool sized by hand), clients (--no-copier), auto and auto-now (a default server)")
+    parser.add_argument("--load-gbps", type=float, default=5.0, help="auto: the build's pace, as a disk read (GB/s)")
     parser.add_argument("--pool", default=None, help="--host-pool for the copier's server (default: the largest layout)")
     parser.add_argument("--chunk", default=None, help="--host-chunk (default 64MiB on cuda)")
     parser.add_argument("--out", default=None, help="folder for tier_floor_<backend>.json (default bench/results)")
@@ -271,7 +282,8 @@ def main() -> int:
         t0 = time.perf_counter()
         for config in [c for c in args.configs.split(",") if c]:
             print(f"{config}:", flush=True)
-            results["configs"][config] = run_config(config, args.backend, sizes, directory, pool, chunk, repeats)
+            results["configs"][config] = run_config(config, args.backend, sizes, directory, pool, chunk, repeats,
+                                                    args.load_gbps)
         results["seconds"] = time.perf_counter() - t0
         results["rows"] = summarize(results)
         report(results)
