@@ -271,7 +271,7 @@ def test_the_pool_gives_back_what_a_build_did_not_publish_and_learns_it(start_se
     rebuild = _build(server, "d", (8 * MiB,))
     kv = _build(server, "kv", (8 * MiB,), tag="kv_cache")
     wait_until(lambda: server.layout("kv").bytes == 8 * MiB, what="the KV build")
-    time.sleep(1.0)  # four of the pool's looks at the builds
+    time.sleep(1.0)  # ten of the pool's looks at the builds
     assert _pool(server) == 0
     rebuild.abort()
     kv.abort()
