@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "peers"))
-from _common import Server, cpu_name, write_json  # noqa: E402
-from harness import frame, measure, raw_handshake, stats  # noqa: E402
+from _common import Server, cpu_name, write_json
+from harness import frame, measure, raw_handshake, stats
 
 CONFIGS = {"keeper": [], "no keeper": ["--no-keeper"]}
 ROWS = ("allocate", "metadata_put", "metadata_get", "handshake", "raw_handshake")

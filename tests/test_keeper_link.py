@@ -44,7 +44,7 @@ async def test_events_of_no_lasting_change_follow_within_soon_s_and_a_lasting_on
     log.extend([started(), *writer(1, "w")])
     log.extend(committed(log.state, 1, "w"))
     info = ServerInfo(os.getpid(), "host", 0, "uuid", False)
-    link.attach(lambda: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), lambda: [])
+    link.attach(lambda: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), list)
     keeper = frames.FrameReader()
     assert [f.kind for f in _read_all(keepers, keeper)] == ["base"]
     async with trio.open_nursery() as nursery:

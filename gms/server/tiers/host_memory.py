@@ -16,7 +16,8 @@ Pinning costs about 0.24 s per GiB on the H100 host (13 times the D2H copy
 it prepares); the pool pays it on the lane while nothing waits, up to
 ``pool_bytes`` whenever it falls short, or (``sizing``: ``--host-pool auto``,
 the default) up to what the builds under way may publish
-(``gms.server.tiers.pool_sizing``), giving back what they no longer need.  Its bytes count against the host
+(``gms.server.tiers.pool_sizing``), giving back what they no longer need.
+Its bytes count against the host
 budget (they are pinned memory the server holds) but are no host copy: the
 event log, which says what exists, does not know them, and the status probe
 shows them apart (``host_pool_bytes``).  The server keeps the physical total
@@ -416,7 +417,7 @@ class HostMemory:
             self._wake = trio.Event()
             while self._copying:  # a publish may be taking chunks: decided once it is done
                 await self._quiet.wait()
-            while len(self._pool) * self.chunk_bytes > self.pool_target() and self._pool:
+            while self._pool and self.pool_bytes > self.pool_target():
                 self._drop([self._pool.pop()])
             while self.pool_bytes + self._making < self.pool_target() and self._fits(self.chunk_bytes + self._wanted):
                 if self._copying:
