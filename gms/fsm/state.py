@@ -25,6 +25,12 @@ class LockState(enum.Enum):
     RO = "RO"
 
 
+# Tags of allocations an engine never publishes (its KV cache, its CUDA graphs):
+# the server's host pool pins nothing for them (gms.server.tiers.pool_sizing).
+KV_CACHE, CUDA_GRAPH = "kv_cache", "cuda_graph"
+SCRATCH_TAGS = frozenset({KV_CACHE, CUDA_GRAPH})
+
+
 class Residency(str, enum.Enum):
     """Where a committed layout's bytes must live (set by its writer or an admin)."""
 

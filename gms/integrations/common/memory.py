@@ -34,6 +34,7 @@ from ... import torch as gms_torch
 from ...client.manager import GMSClientMemoryManager
 from ...errors import StaleMemoryLayoutError
 from ...fsm import GrantedLockType, RequestedLockType
+from ...fsm.state import CUDA_GRAPH, KV_CACHE
 from .config import EngineConfig
 from .errors import LayoutMismatchError, MissingWorkerError
 from .names import ModelIdentity
@@ -41,8 +42,8 @@ from .names import ModelIdentity
 log = logging.getLogger("gms.integrations")
 
 # The engines' tags for their memory (vLLM's sleep tags and SGLang's memory
-# types are the same words), and the tags of the gms allocations.
-WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
+# types are the same words), and the tags of the gms allocations (the scratch ones: gms.fsm.state).
+WEIGHTS = "weights"
 
 
 @attrs.define(eq=False)

@@ -161,7 +161,6 @@ class KeeperLink:
         self._tails_since = 0  # events frames queued since the base being made was taken
         self._rebasing = False
         self._soon = False  # frames wait for the run task's next hand-on (SOON_S)
-        self._must = False  # a queued frame tells of a lasting change: hand it on now
         # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
         self._queued: list[tuple[bytes, list[int], frozenset[str]]] = []
         # Layout ("": the node) -> where in the stream its last lasting change ends.
@@ -312,7 +311,6 @@ class KeeperLink:
         blob = encode_entries(entries)
         lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
         self._queue("events", {"entries": blob}, lasting=lasting)
-        self._must = self._must or bool(lasting)
         self._tail_bytes += len(blob)
         self._since_trim += len(blob)
         if len(blob) > _COUNTED_BYTES:
@@ -355,12 +353,12 @@ class KeeperLink:
         flush at the end of every write: see :data:`SOON_S`)."""
         if not self._queued:
             return
-        if soon and not self._must and len(self._queued) < _SOON_FRAMES:
+        if soon and len(self._queued) < _SOON_FRAMES and not any(lasting for _, _, lasting in self._queued):
             if not self._soon:
                 self._soon = True
                 self._wake()
             return
-        self._soon = self._must = False
+        self._soon = False
         queued, self._queued = self._queued, []
         if not self.alive:
             for _, fds, _ in queued:
@@ -593,7 +591,7 @@ class KeeperLink:
         for _, fds, _ in self._queued:
             _close(fds)
         self._queued, self._marks = [], {}
-        self._soon = self._must = False
+        self._soon = False
         self.sent = self.enqueued
         self.behind_since, self._warned = None, False
         self._keeper_keys = set()

@@ -104,7 +104,7 @@ class HostMemory:
         self.chunk_bytes = align_up(max(chunk_bytes, 1), self.granularity)
         # Without a copier, pool chunks would only wait: nothing fills them.
         self.sizing = sizing if link is not None else None
-        self._fixed = self._chunks_in(pool_bytes) if link is not None and sizing is None else 0
+        self._fixed = pool_bytes - pool_bytes % self.chunk_bytes if link is not None and sizing is None else 0
         # Room the host budget leaves beyond the recorded host copies (None:
         # unbounded): asked of the state, which the service owns (fsm.host_room).
         self.room = room
@@ -174,9 +174,6 @@ class HostMemory:
     def pool_target(self) -> int:
         """What the pool should hold now, in whole chunks."""
         return self._fixed if self.sizing is None else self.sizing.target(self.chunk_bytes)
-
-    def _chunks_in(self, size: int) -> int:
-        return size - size % self.chunk_bytes
 
     def chunks_of(self, allocation_id: str) -> list[tuple[str, int]]:
         """(chunk id, size) of an allocation's host copy, in order."""

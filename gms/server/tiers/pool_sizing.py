@@ -28,10 +28,9 @@ import os
 from collections.abc import Callable
 
 from ...fsm import NodeState
-from ...fsm.state import Residency
+from ...fsm.state import SCRATCH_TAGS, Residency
 
 POLL_S = 0.1  # how often the pool looks at the builds (a 64 MiB chunk pins in ~14 ms)
-SCRATCH_TAGS = frozenset({"kv_cache", "cuda_graph"})  # never published (gms.integrations.common.memory)
 
 
 def half_the_host() -> int:
