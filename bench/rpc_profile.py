@@ -1,4 +1,4 @@
-"""Where gms's per-request time goes: an RO handshake, a metadata get, an allocate.
+"""Where gms's per-request time goes: an RO handshake, a metadata get and put, an allocate.
 
 1. Timeline.  A gms server (host backend) in its own process, its session's
    socket, codec calls, dispatch and core calls wrapped to stamp
@@ -154,11 +154,15 @@ def instrument(stamps: list) -> None:
     from gms.server.service import requests as requests_mod
 
     requests_mod.Requests.handle = stamped(requests_mod.Requests.handle, "core.handle", "core.handle done")
+    from gms.server.tiers import memory as memory_mod  # an allocation's memory: the stock, the loop or the lane
+
+    memory_mod.Memory.create = stamped_async(memory_mod.Memory.create, "memory.create", "memory.create done")
 
 
 def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) -> None:
-    """``gms serve`` on the host backend, instrumented or profiled; the stamps or the
-    profile are written when SIGTERM ends the server."""
+    """``gms serve`` (on the backend ``--backend`` chose: ``GMS_PROFILE_BACKEND``),
+    instrumented or profiled; the stamps or the profile are written when SIGTERM
+    ends the server."""
     from gms.cli import main
 
     stamps: list = []
@@ -178,7 +182,7 @@ def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) 
     serve_py = Path(gms.cli.__file__).parent / "serve.py"
     alone = ["--no-keeper"] if serve_py.exists() and "--no-keeper" in serve_py.read_text() else []
     try:
-        main(["serve", "--backend", "host", "--socket", socket_path, "--log-level", "warning", *alone])
+        main(["serve", "--backend", os.environ.get("GMS_PROFILE_BACKEND", "host"), "--socket", socket_path, "--log-level", "warning", *alone])
     finally:
         if profile is not None:
             profile.disable()
@@ -201,7 +205,7 @@ class ServerProcess:
         self.socket = os.path.join(directory, f"{name}.sock")
         self.stamps_path = os.path.join(directory, f"{name}.stamps.json") if stamps else None
         self.profile_path = os.path.join(directory, f"{name}.prof") if cprofile else None
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE)]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", self.socket,
                                       self.stamps_path or "", self.profile_path or ""], env=env, preexec_fn=pinned)
         wait_for_socket(self.socket, self.proc)
@@ -288,9 +292,21 @@ def ops(path: str):
         hs.abort()
 
     writer = GMSClientMemoryManager(path, layout="scratch")
+    putter = GMSClientMemoryManager(path, layout="puts")
+    target: list[str] = []
+    keys = iter(range(1 << 40))
+
+    def put_setup():
+        putter.connect("RW")
+        target.append(putter.allocate_handle(2 << 20, "bench")[0])
+
+    def put():  # a new key each call, as a model's publish writes them (bench/peers' row)
+        putter.metadata_put(f"k.{next(keys)}", target[0], 0, b"v" * 64)
+
     return {
         "handshake": (lambda: None, handshake, lambda: None),
         "metadata_get": (lambda: reader.connect("RO"), lambda: reader.metadata_get("key.42"), reader.close),
+        "metadata_put": (put_setup, put, putter.close),
         "allocate": (lambda: writer.connect("RW"), lambda: writer.allocate_handle(2 << 20, "bench"), writer.close),
     }
 
@@ -416,7 +432,7 @@ print(json.dumps(out))
         server = ServerProcess(directory, tree, "plain")
         try:
             build_layout(server.socket)
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
             env.pop("GMS_CLIENT_SPIN_US", None)
             if spin_us is not None:
                 env["GMS_CLIENT_SPIN_US"] = str(spin_us)
@@ -750,7 +766,7 @@ def run_compare(base: Path, other: Path, n: int, rounds: int, cpus: str) -> dict
     runs: dict[str, list] = {"base": [], "other": []}
     for _ in range(rounds):
         for label, tree in (("base", base), ("other", other)):
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE)]))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(n), cpus],
                                  capture_output=True, text=True, env=env, check=True)
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -789,11 +805,14 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, metavar="TREE",
                         help="A/B: this tree's server and client against TREE's, interleaved")
     parser.add_argument("--rounds", type=int, default=5, help="--compare: rounds of both trees")
+    parser.add_argument("--backend", default="host", choices=("host", "cuda"),
+                        help="the instrumented and profiled servers' backend (the floors need none)")
     parser.add_argument("--only", choices=("timeline", "hotspots", "floors"))
     parser.add_argument("--cpus", default="split", choices=("split", "same", "free"),
                         help="split: client on CPU 0, servers on CPU 1; same: all on CPU 0; free: the scheduler's choice")
     parser.add_argument("--json", default="bench/results/rpc_profile.json")
     args = parser.parse_args()
+    os.environ["GMS_PROFILE_BACKEND"] = args.backend  # read by every server process this run starts
     n = 500 if args.quick else args.n
     if args.compare:
         result = run_compare(args.server_path, args.compare.resolve(), n, args.rounds, args.cpus)

@@ -10,6 +10,7 @@ from functools import partial
 
 from .. import paths
 from ..fds import reserve_fd_slots
+from ..cyclegc import install as install_frozen_heap
 from ..heap import keep_big_blocks, return_big_blocks
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .common import byte_count, pool_size
@@ -257,6 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return_big_blocks()  # this process is the keeper (gms.heap)
         return _keep(args)
     keep_big_blocks()
+    install_frozen_heap()  # full collections walk what is new, not the whole log (gms.cyclegc)
     reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
 
     import trio
