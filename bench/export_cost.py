@@ -38,16 +38,16 @@ def _median(samples: list[float]) -> float:
     return round(samples[len(samples) // 2], 1)
 
 
-def _timed(fn):
+def _timed(fn, *args):
     started = time.perf_counter_ns()
-    out = fn()
+    out = fn(*args)
     return out, (time.perf_counter_ns() - started) / 1e3
 
 
 def _keeper(sock: socket.socket) -> None:
     """Another process that keeps every fd it is sent, as the keeper does."""
     while True:
-        data, ancillary, _, _ = sock.recvmsg(16, socket.CMSG_SPACE(64 * 4))
+        data, _, _, _ = sock.recvmsg(16, socket.CMSG_SPACE(64 * 4))  # the fds stay open here
         if not data:
             return
 
@@ -55,25 +55,25 @@ def _keeper(sock: socket.socket) -> None:
 def one_case(label: str, *, n: int = 600, size: int = 2 << 20, after=None, keep: bool = False) -> dict:
     from cuda.bindings import driver as cu
 
-    import gms.cuda.vmm as vmm
+    from gms.cuda import vmm
 
     backend = vmm.VmmBackend(0)
     create, export, close, release, kept = [], [], [], [], []
     for _ in range(n):
-        (_, handle), t = _timed(lambda: cu.cuMemCreate(size, backend._prop, 0))
+        (_, handle), t = _timed(cu.cuMemCreate, size, backend._prop, 0)
         create.append(t)
-        (_, fd), t = _timed(lambda: cu.cuMemExportToShareableHandle(handle, vmm._POSIX_FD, 0))
+        (_, fd), t = _timed(cu.cuMemExportToShareableHandle, handle, vmm._POSIX_FD, 0)
         export.append(t)
         fd = int(fd)
         if keep or after is not None:
             if after is not None:
-                _, t = _timed(lambda: after(fd))
+                _, t = _timed(after, fd)
                 close.append(t)
             kept.append((handle, fd))
             continue
-        _, t = _timed(lambda: os.close(fd))
+        _, t = _timed(os.close, fd)
         close.append(t)
-        _, t = _timed(lambda: cu.cuMemRelease(handle))
+        _, t = _timed(cu.cuMemRelease, handle)
         release.append(t)
     for handle, fd in kept:
         os.close(fd)

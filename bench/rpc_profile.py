@@ -152,10 +152,10 @@ def instrument(stamps: list) -> None:
         setattr(core_mod.ServiceCore, name,
                 stamped(getattr(core_mod.ServiceCore, name), f"core.{name}", f"core.{name} done"))
     from gms.server.service import requests as requests_mod
+    from gms.server.tiers import memory as memory_mod
 
     requests_mod.Requests.handle = stamped(requests_mod.Requests.handle, "core.handle", "core.handle done")
-    from gms.server.tiers import memory as memory_mod  # an allocation's memory: the stock, the loop or the lane
-
+    # an allocation's memory: from the stock, made on the loop, or on the lane
     memory_mod.Memory.create = stamped_async(memory_mod.Memory.create, "memory.create", "memory.create done")
 
 
@@ -191,6 +191,11 @@ def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) 
             Path(stamps_path).write_text(json.dumps(stamps))
 
 
+def python_path(*trees: Path) -> str:
+    """``trees`` first, then this process's own path (a GPU host's packages installed with ``--target``)."""
+    return os.pathsep.join([*map(str, trees), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 SERVER_CPU: int | None = None  # set by --cpus: where every server process runs
 
 
@@ -205,7 +210,7 @@ class ServerProcess:
         self.socket = os.path.join(directory, f"{name}.sock")
         self.stamps_path = os.path.join(directory, f"{name}.stamps.json") if stamps else None
         self.profile_path = os.path.join(directory, f"{name}.prof") if cprofile else None
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        env = dict(os.environ, PYTHONPATH=python_path(tree, HERE))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", self.socket,
                                       self.stamps_path or "", self.profile_path or ""], env=env, preexec_fn=pinned)
         wait_for_socket(self.socket, self.proc)
@@ -432,7 +437,7 @@ print(json.dumps(out))
         server = ServerProcess(directory, tree, "plain")
         try:
             build_layout(server.socket)
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+            env = dict(os.environ, PYTHONPATH=python_path(ROOT))
             env.pop("GMS_CLIENT_SPIN_US", None)
             if spin_us is not None:
                 env["GMS_CLIENT_SPIN_US"] = str(spin_us)
@@ -766,7 +771,7 @@ def run_compare(base: Path, other: Path, n: int, rounds: int, cpus: str) -> dict
     runs: dict[str, list] = {"base": [], "other": []}
     for _ in range(rounds):
         for label, tree in (("base", base), ("other", other)):
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+            env = dict(os.environ, PYTHONPATH=python_path(tree, HERE))
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(n), cpus],
                                  capture_output=True, text=True, env=env, check=True)
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))

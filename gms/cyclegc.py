@@ -63,8 +63,3 @@ def install() -> FrozenHeap:
     gc.callbacks.append(policy)
     return policy
 
-
-def uninstall(policy: FrozenHeap) -> None:
-    """Stop freezing and thaw everything (tests)."""
-    gc.callbacks.remove(policy)
-    gc.unfreeze()
