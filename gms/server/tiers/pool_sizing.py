@@ -32,11 +32,12 @@ from ...fsm import NodeState
 from ...fsm.state import SCRATCH_TAGS, Residency
 
 POLL_S = 0.1  # how often the pool looks at the builds (a 64 MiB chunk pins in ~14 ms)
-# Allocations counted per look.  A count walks the build's allocations, about
-# 0.5 µs each on the 2-core host (cache misses, however it is written): at
-# 3,000, a 1.4 ms stall of the loop ten times a second.  In slices of this
-# many, a look costs a tenth of a millisecond at most and a big build's count
-# finishes a few looks later (its memory, immutable, is counted as it was).
+# Allocations counted per look.  A count walks the build's allocations (on the
+# 2-core host 0.48 ms at 3,000, 1.2 ms at 6,000, more when they are cold; twice
+# that on a GPU host's CPU), a stall of the loop ten times a second.  In slices
+# of this many, a look costs under 0.1 ms (bench/pool_look.py) and a big
+# build's count finishes a few looks later (its memory, immutable, counted as
+# it was).
 SLICE = 256
 
 
