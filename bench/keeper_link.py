@@ -56,7 +56,7 @@ async def one_round() -> dict[str, float]:
         log.extend(committed(log.state, 1, "w"))
         if label == "mirrored":
             info = ServerInfo(os.getpid(), "host", 0, "uuid", False)
-            link.attach(lambda log=log: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), list)
+            link.attach(lambda log=log, info=info: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), list)
         async with trio.open_nursery() as nursery:
             if label == "mirrored":
                 nursery.start_soon(link.run)
@@ -67,7 +67,7 @@ async def one_round() -> dict[str, float]:
                 log.extend(closed_reader(conn, "w"))
                 log.flush()
                 if conn % 50 == 0:
-                    await trio.sleep(0)  # the loop's other tasks (the link's run task) get their turn
+                    await trio.lowlevel.checkpoint()  # the loop's other tasks (the link's run task) get their turn
             out[label] = (time.perf_counter() - started_at) / HANDSHAKES * 1e6
             nursery.cancel_scope.cancel()
     ours.close()
