@@ -517,8 +517,7 @@ def _values(cls: type) -> Callable[[object], tuple]:
 def entry_row(entry: LogEntry) -> list:
     event = entry.event
     cls = type(event)
-    values = _VALUES.get(cls) or _values(cls)  # (looked up inline: every event the keeper is sent)
-    fields = dict(zip(_FIELDS[cls], values(event)))
+    fields = dict(zip(_fields(cls), _values(cls)(event)))
     return [entry.seq, entry.mono_ns, entry.wall_ns, event.KIND, fields]
 
 

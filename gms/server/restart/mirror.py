@@ -163,9 +163,6 @@ class KeeperLink:
         self._soon = False  # frames wait for the run task's next hand-on (SOON_S)
         # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
         self._queued: list[tuple[bytes, list[int], frozenset[str]]] = []
-        # How many of them a flush found lasting-free already: the next looks only
-        # at those queued since (a request's flush had scanned all, up to 64 frames).
-        self._looked = 0
         # Layout ("": the node) -> where in the stream its last lasting change ends.
         self._marks: dict[str, int] = {}
         self._out: deque[_Segment] = deque()  # frames handed on, not yet taken by the kernel
@@ -354,17 +351,15 @@ class KeeperLink:
         ``soon``: unless a queued frame tells of a lasting change (or many
         wait), within :data:`SOON_S` instead, by :meth:`run` (the ledger's
         flush at the end of every write: see :data:`SOON_S`)."""
-        queued = self._queued
-        if not queued:
+        if not self._queued:
             return
-        if soon and len(queued) < _SOON_FRAMES and not any(lasting for _, _, lasting in queued[self._looked:]):
-            self._looked = len(queued)
+        if soon and len(self._queued) < _SOON_FRAMES and not any(lasting for _, _, lasting in self._queued):
             if not self._soon:
                 self._soon = True
                 self._wake()
             return
         self._soon = False
-        self._queued, self._looked = [], 0
+        queued, self._queued = self._queued, []
         if not self.alive:
             for _, fds, _ in queued:
                 _close(fds)
@@ -595,7 +590,7 @@ class KeeperLink:
             _close(self._out.popleft().fds)
         for _, fds, _ in self._queued:
             _close(fds)
-        self._queued, self._looked, self._marks = [], 0, {}
+        self._queued, self._marks = [], {}
         self._soon = False
         self.sent = self.enqueued
         self.behind_since, self._warned = None, False
