@@ -38,3 +38,8 @@ async def test_a_big_build_is_counted_a_slice_per_look_and_scratch_never_counts(
 
     core.requests.handle(conn, m.CommitRequest(None))
     assert sizing.target(CHUNK) == 0, "nothing builds"
+
+
+def test_without_a_cap_the_pool_holds_at_most_half_the_hosts_memory():
+    half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    assert half > 0 and PoolSizing(lambda: None).cap_bytes == half
