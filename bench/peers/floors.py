@@ -9,7 +9,10 @@ is missing, and the row says so).  The rows time, from a fresh client
 process through the raw-socket harness:
 
 * connect, one frame each way, close (what a handshake costs at least);
-* one frame each way on an open connection (what any request costs at least).
+* one frame each way on an open connection (what any request costs at least);
+* the same from 8 client processes at once, closed loop (what the throughput
+  row's requests cost at least, the framework's scheduling of many
+  connections included).
 
     python bench/peers/floors.py serve trio|asyncio SOCKET     (run by bench/peers/run.py)
     python bench/peers/floors.py ROW PARAMS_JSON
@@ -22,7 +25,7 @@ import socket
 import struct
 import sys
 
-from harness import child_main, frame, measure, raw_handshake, read_frame, stats
+from harness import child_main, frame, measure, raw_handshake, read_frame, stats, throughput
 
 ANSWER = frame(b"\x81\xa4type\xb1HandshakeResponse")  # any small msgpack body
 REQUEST = frame(b"\x81\xa4type\xb0HandshakeRequest")
@@ -102,18 +105,25 @@ def connect_row(p: dict) -> dict:
     return stats(measure(raw_handshake(p["socket"], REQUEST), p["n"], p["warmup"]))
 
 
-def round_trip_row(p: dict) -> dict:
+def _round_trip(path: str):
+    """An open connection's round trip (the socket lives as long as the op)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(p["socket"])
+    sock.connect(path)
 
     def op() -> bytes:
         sock.sendall(REQUEST)
         return read_frame(sock)
 
-    try:
-        return stats(measure(op, p["n"], p["warmup"]))
-    finally:
-        sock.close()
+    return op
+
+
+def round_trip_row(p: dict) -> dict:
+    return stats(measure(_round_trip(p["socket"]), p["n"], p["warmup"]))
+
+
+def throughput_row(p: dict) -> dict:
+    return throughput(lambda: _round_trip(p["socket"]), p["processes"], p["duration"],
+                      first_cpu=3 if p.get("pin") else None)
 
 
 if __name__ == "__main__":
@@ -121,4 +131,5 @@ if __name__ == "__main__":
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         (serve_trio if sys.argv[2] == "trio" else serve_asyncio)(sys.argv[3])
     else:
-        child_main({"floor_connect": connect_row, "floor_round_trip": round_trip_row})
+        child_main({"floor_connect": connect_row, "floor_round_trip": round_trip_row,
+                    "floor_throughput": throughput_row})

@@ -60,6 +60,7 @@ TITLES = {
     "throughput": "RPC throughput, {processes} client processes (metadata get)",
     "floor_connect": "floor: connect, one frame each way, close, on a bare {frameworks} server",
     "floor_round_trip": "floor: one frame each way on an open connection, bare {frameworks} server",
+    "floor_throughput": "floor: throughput, {processes} client processes, one frame each way, bare {frameworks} server",
     "handshake_nopoll": "handshake RO, client, gms not polling (`GMS_CLIENT_SPIN_US=0`; extra)",
     "metadata_get_nopoll": "metadata get, gms not polling (extra)",
     "import": "import {allocations} allocations ({size}), fresh process, one call each",
@@ -67,8 +68,9 @@ TITLES = {
 }
 ORDER = ["handshake", "handshake_nopoll", "raw_handshake", "floor_connect", "allocate", "export", "allocate_export",
          "export_fds", "metadata_put", "metadata_get", "metadata_get_nopoll", "floor_round_trip", "throughput",
-         "import", "import_batched"]
-FLOOR_ROWS = ["floor_connect", "floor_round_trip"]
+         "floor_throughput", "import", "import_batched"]
+FLOOR_ROWS = ["floor_connect", "floor_round_trip", "floor_throughput"]
+RATE_ROWS = ("throughput", "floor_throughput")  # requests per second, all processes together
 EXTRA = {"handshake_nopoll": "handshake", "metadata_get_nopoll": "metadata_get", "import_batched": "import"}
 
 
@@ -161,7 +163,7 @@ def summarize(row: str, runs: list[dict]) -> dict:
         return out
     if row == "export_fds":
         out.update(added=median_of(good, "added"), exports=good[0]["exports"])
-    elif row == "throughput":
+    elif row in RATE_ROWS:
         out.update(ops_per_s=median_of(good, "ops_per_s"), processes=good[0]["processes"])
     elif row.startswith("import"):
         out.update({k: median_of(good, k) for k in ("total_ms", "setup_ms", "connect_ms", "list_ms", "map_ms")
@@ -189,7 +191,7 @@ def cell(row: str, s: dict | None) -> str:
         return "failed"
     if row == "export_fds":
         return f"+{s['added']:,.0f}"
-    if row == "throughput":
+    if row in RATE_ROWS:
         return f"{s['ops_per_s']:,.0f} /s"
     if row.startswith("import"):
         spread = f" ({s['min_ms']:.0f}-{s['max_ms']:.0f})" if s["min_ms"] != s["max_ms"] else ""
@@ -212,11 +214,11 @@ def table(results: dict) -> str:
         title = TITLES[row].format(n=first.get("exports", 0), processes=first.get("processes", 0),
                                    allocations=first.get("allocations", 0), size=size,
                                    frameworks=" / ".join(results.get("floors", {}).values()))
-        if row not in ("export_fds", "throughput") and not row.startswith("import") and row not in EXTRA:
+        if row != "export_fds" and row not in RATE_ROWS and not row.startswith("import") and row not in EXTRA:
             title += " p50 / p99"
         if row == "export_fds":
             r = ""
-        elif row == "throughput":
+        elif row in RATE_ROWS:
             r = ratio(g and g.get("ops_per_s"), d and d.get("ops_per_s"), higher_is_better=True)
         elif row.startswith("import"):
             r = ratio(g and g.get("total_ms"), d and d.get("total_ms"))
@@ -325,7 +327,7 @@ def main() -> None:
                     raise RuntimeError(f"{side.name} setup failed:\n{got['error']}")
                 side_params[side.name] = {"ids": got["ids"]}
             for row in READ_ROWS + WRITE_ROWS:
-                if row == "throughput":
+                if row in RATE_ROWS:
                     run_row(row, {"processes": args.processes, "duration": duration})
                 else:
                     n = SIZES[row][level]
@@ -352,7 +354,8 @@ def main() -> None:
                         pin_process(side.pid, SERVER_CPUS[side.name])
                 for row in FLOOR_ROWS:
                     n = SIZES["raw_handshake"][level]
-                    run_row(row, {"n": n, "warmup": max(2, n // 10)}, only=floor_sides)
+                    params = {"processes": args.processes, "duration": duration} if row in RATE_ROWS else {}
+                    run_row(row, {"n": n, "warmup": max(2, n // 10), **params}, only=floor_sides)
             finally:
                 for _, proc in floors:
                     proc.kill()
