@@ -34,6 +34,7 @@ from .fsm import (
 )
 from .fsm.events import ServerStarted
 from .status import layout_rows, tenant_rows
+from .store.log import restart_gap
 from .wire import messages as m
 
 
@@ -149,12 +150,12 @@ def replay_rows(lines: Iterable[str]) -> Replayed:
                 "retention (--event-log-retain) or not saved, and the state before them is not in "
                 "the file, so it cannot be rebuilt"
             )
-        if (count or from_image) and seq != last_seq + 1:
+        event = row_event(row)
+        if (count or from_image) and seq != last_seq + 1 and not restart_gap(seq, event, last_seq):
             raise LogFileError(
                 f"line {number}: event {seq} follows {last_seq}: the file is filtered (--layout) "
                 "or incomplete"
             )
-        event = row_event(row)
         try:
             state = fold(state, event)
         except Rejection as refused:  # a server never logs what its rules refuse

@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gms.fsm import InvariantViolation, LockState, StateViolation
-from gms.fsm.events import RoConnect
-from gms.store import EventLog, replay
+from gms.fsm.events import RoConnect, ServerResumed
+from gms.store import EventLog, LogEntry, Snapshot, replay
+from gms.store.log import RESTART_STRIDE, after_loss
 
 from .fsm_events import churn, closed_reader, committed, reader, started, writer
 
@@ -79,3 +80,71 @@ def test_entry_finds_kept_events_by_sequence_number():
     log.extend(churn(11))
     assert [log.entry(seq) for seq in (0, 1, 12)] == [None, None, None]
     assert [log.entry(seq).seq for seq in range(log.first_seq, 12)] == list(range(log.first_seq, 12))
+
+
+# -- a restart's gap: numbers are never used twice --------------------------------------------
+
+
+def restarted(follows: int) -> ServerResumed:
+    return ServerResumed(
+        0, "restart", 4242, "signal SIGKILL", 2, None, None, None, {"default": None}, layout="", follows_seq=follows,
+    )
+
+
+def test_a_restart_numbers_past_anything_the_dead_server_may_have_used():
+    assert [after_loss(n) for n in (0, 7, RESTART_STRIDE - 1, RESTART_STRIDE)] == [
+        RESTART_STRIDE, RESTART_STRIDE, RESTART_STRIDE, 2 * RESTART_STRIDE,
+    ]
+    log = EventLog(retain=None, chunk_size=4)
+    log.extend(churn(7))  # (the dead server had used more: they never reached its keeper)
+    log.skip_lost()
+    (entry,) = log.extend([restarted(7)])
+    assert entry.seq == RESTART_STRIDE and log.last_seq == RESTART_STRIDE
+    assert [e.seq for e in log.entries()] == [1, 2, 3, 4, 5, 6, 7, RESTART_STRIDE]
+    assert replay(log) == log.state
+
+
+@given(since=st.integers(0, 12), limit=st.none() | st.integers(0, 12), chunk=st.integers(1, 5))
+def test_reads_page_across_the_gap(since, limit, chunk):
+    log = EventLog(retain=None, chunk_size=chunk)
+    log.extend(churn(6))
+    log.skip_lost()
+    log.extend([restarted(6), *writer(9)])
+    seqs = [1, 2, 3, 4, 5, 6, RESTART_STRIDE, RESTART_STRIDE + 1, RESTART_STRIDE + 2]
+    since = since if since <= 6 else RESTART_STRIDE + since - 7
+    expected = [n for n in seqs if n > since][: limit if limit is not None else None]
+    assert [e.seq for e in log.since(since, limit)] == expected
+    assert [log.entry(n) for n in (7, RESTART_STRIDE - 1)] == [None, None], "nothing in the gap"
+    assert log.entry(RESTART_STRIDE).event == restarted(6)
+
+
+def test_a_log_resumed_across_a_gap_rebuilds_and_refuses_any_other():
+    log = EventLog(retain=None)
+    log.extend(churn(5))
+    log.skip_lost()
+    log.extend([restarted(5), *writer(9)])
+    entries = list(log.entries())
+    again = EventLog.resumed(Snapshot(0, EventLog().state), entries, retain=None)
+    assert (again.state, again.last_seq, [e.seq for e in again.entries()]) == (
+        log.state, log.last_seq, [e.seq for e in entries],
+    )
+    empty = Snapshot(0, EventLog().state)
+    broken = [entry if entry.seq != 4 else LogEntry(40, *entry[1:]) for entry in entries[:5]]
+    with pytest.raises(ValueError, match="event 40 cannot follow event 3"):
+        EventLog.resumed(empty, broken, retain=None)
+    for wrong in (restarted(4), restarted(6)):  # a restart that says it follows another event
+        with pytest.raises(ValueError, match=f"event {RESTART_STRIDE} cannot follow event 5"):
+            EventLog.resumed(empty, [*entries[:5], entries[5]._replace(event=wrong)], retain=None)
+    with pytest.raises(ValueError, match="cannot follow event 5"):  # nor past its restart's first number
+        EventLog.resumed(empty, [*entries[:5], entries[5]._replace(seq=RESTART_STRIDE + 1)], retain=None)
+
+
+def test_a_restart_with_nothing_kept_since_its_snapshot_starts_the_kept_numbers_at_its_own():
+    log = EventLog(retain=None)
+    log.extend(churn(5))
+    resumed = EventLog.resumed(Snapshot(log.last_seq, log.state), [], retain=None)
+    resumed.skip_lost()
+    resumed.extend([restarted(5)])
+    assert (resumed.first_seq, resumed.last_seq, len(resumed)) == (RESTART_STRIDE, RESTART_STRIDE, 1)
+    assert resumed.snapshot == Snapshot(RESTART_STRIDE - 1, log.state)
+    assert [e.seq for e in resumed.since(0)] == [RESTART_STRIDE]

@@ -27,6 +27,8 @@ from gms.handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
     ImageError,
+    ServerInfo,
+    StateImage,
     UnsupportedVersion,
     decode_entries,
     decode_image,
@@ -36,6 +38,7 @@ from gms.handover.image import (
 )
 from gms.keeper.store import Store
 from gms.store import EventLog, Snapshot
+from gms.store.log import after_loss
 from gms.wire import messages as m
 from gms.wire.codec import encode
 from gms.wire.connection import NEED_DATA, ServerConnection
@@ -149,6 +152,28 @@ def test_a_resumed_log_goes_on_with_the_next_number_and_replays():
     assert resumed.replay() == resumed.state
     with pytest.raises(ValueError, match="cannot follow"):
         EventLog.resumed(Snapshot(cut, snapshot_state), entries[cut + 1 :])
+
+
+def test_a_journal_across_a_restarts_gap_rebuilds_and_replays(tmp_path):
+    """A restart after a crash numbers past its gap (gms.store.log): the next
+    server rebuilds that journal, and `gms replay` reads it, gap and all."""
+    from gms.postmortem import replay_rows
+    from gms.server.restart.resume import save_journal
+
+    log = rich_log()
+    cut, last = 20, log.last_seq
+    log.skip_lost()
+    log.extend(decide_resume(log.state, _resumed(log.state, follows_seq=last)))
+    entries = list(log.entries())
+    assert entries[-len(log.since(last)) - 1].seq == last and log.since(last)[0].seq == after_loss(last)
+    base = fold_all(e.event for e in entries[:cut])
+    rebuilt = EventLog.resumed(Snapshot(cut, base), entries[cut:], retain=None)
+    assert (rebuilt.state, rebuilt.last_seq) == (log.state, log.last_seq)
+    info = ServerInfo(1, "host", 0, "host-0", True)
+    image = encode_image(StateImage(STATE_VERSION, info, cut, 9, base))
+    with open(save_journal(str(tmp_path), "host-0", image, [encode_entries(entries[cut:])], "a test")) as lines:
+        replayed = replay_rows(lines)
+    assert (replayed.state, replayed.last_seq) == (log.state, log.last_seq)
 
 
 # -- what a resume records -------------------------------------------------------------

@@ -62,7 +62,10 @@ class ServerResumed(Event):
     hand-over format it read.  The rest is the new server's configuration,
     which replaces the old one's (tenants the new policy no longer names keep
     their quotas: they may still own layouts); ``tenant_limits`` as in
-    SERVER_STARTED."""
+    SERVER_STARTED.  ``follows_seq``: the number of the old server's last event
+    the new one has; after a crash this event's own number is higher (the
+    events between, if any, never reached the keeper: ``gms.store.log``).
+    0 in a log from before it was recorded."""
 
     KIND: ClassVar[str] = "SERVER_RESUMED"
     mode: str
@@ -78,6 +81,7 @@ class ServerResumed(Event):
     device: int = 0
     device_uuid: str = ""
     tenant_limits: dict = attrs.field(factory=dict)
+    follows_seq: int = 0
 
 
 RESUME_MODES = ("restart", "take-over")

@@ -17,6 +17,15 @@ snapshot keeps alive beyond the live state (metadata since dropped); a chunk
 closes at ``chunk_size`` entries or a sixteenth of the bound, and the
 snapshot's share is recounted when a chunk opens or goes, so the log holds at
 most the bound plus one chunk (and the events of one request).
+
+Numbers are never used twice for the node's life.  A live take-over goes on
+from the last number; a restart after a crash cannot know how many of the
+dead server's last events its keeper never got (at most those of its last
+2 ms, none that told of a lasting change: ``gms.server.restart.mirror``), so
+it numbers from the next multiple of :data:`RESTART_STRIDE` above the last
+event it has (:meth:`EventLog.skip_lost`), and the history has a gap there,
+just before its SERVER_RESUMED.  A chunk holds consecutive numbers; a gap
+opens a new one.
 """
 
 from __future__ import annotations
@@ -29,12 +38,27 @@ from typing import NamedTuple
 
 import attrs
 
-from ..fsm.events import Event
+from ..fsm.events import Event, ServerResumed
 from ..fsm.node import EMPTY_NODE, NodeState, fold
 from .sizes import entry_bytes, pinned_bytes
 
 _MIN_CHUNK_BYTES = 64 << 10
 _NEVER = float("inf")
+# A restart numbers from the next multiple of this above the last event it has:
+# no server appends 2**32 events between two restarts (at 225,000 a second, five
+# hours of nothing but appends), so none it lost can have a number that high, and
+# numbers stay below 2**53 (a JSON reader's exact integers) for 2**21 restarts.
+RESTART_STRIDE = 1 << 32
+
+
+def after_loss(last_seq: int) -> int:
+    """The first number a server restarted after a crash uses (see the module's doc)."""
+    return (last_seq // RESTART_STRIDE + 1) * RESTART_STRIDE
+
+
+def restart_gap(seq: int, event: Event, last_seq: int) -> bool:
+    """Is event ``seq`` a restart that follows event ``last_seq`` across its gap?"""
+    return type(event) is ServerResumed and event.follows_seq == last_seq and seq == after_loss(last_seq)
 
 
 class LogEntry(NamedTuple):
@@ -90,7 +114,8 @@ def _start_seq(chunk: _Chunk) -> int:
 
 
 class EventLog:
-    """Sequence numbers start at 1 and have no gaps.
+    """Sequence numbers start at 1 and have no gaps but where a restart began
+    (:meth:`skip_lost`).
 
     ``retain`` bounds the entries kept (``None``: keep all): once more than
     ``retain`` were appended, between ``retain`` and ``retain + chunk_size``
@@ -133,18 +158,21 @@ class EventLog:
         The entries are counted against ``max_bytes`` as appended ones are, and
         the snapshot's share of metadata from the start (a take-over's snapshot
         is the live state: none).  ``options``: a subclass's own (the server's
-        ``MirroredLog``: its keeper link)."""
+        ``MirroredLog``: its keeper link).  The one gap allowed is just before
+        a SERVER_RESUMED (a restart after a crash: :meth:`skip_lost`)."""
         log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes, **options)
         log.state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
         entries = list(entries)
         befores = []
+        expected = log._next_seq
         for entry in entries:
-            if entry.seq != log._next_seq + len(befores):
-                raise ValueError(f"event {entry.seq} cannot follow event {log._next_seq + len(befores) - 1}")
+            if entry.seq != expected and not restart_gap(entry.seq, entry.event, expected - 1):
+                raise ValueError(f"event {entry.seq} cannot follow event {expected - 1}")
             befores.append(log.state)
             log.state = fold(log.state, entry.event)
+            expected = entry.seq + 1
         log._keep(entries, befores)
         if max_bytes is not None:
             log._pinned = pinned_bytes(log._chunks[0].start_state, log.state)
@@ -154,10 +182,17 @@ class EventLog:
     def _keep(self, entries: list[LogEntry], befores: list[NodeState]) -> None:
         """Entries folded already (``befores[i]`` the state before ``entries[i]``),
         kept in chunks: a chunk closes at ``chunk_size`` entries or its share of
-        the byte bound, remembering the state before its first entry."""
+        the byte bound, remembering the state before its first entry; a gap
+        in the numbers (a restart's) opens one too."""
         chunk = self._chunks[-1]
         for entry, before in zip(entries, befores):
-            if len(chunk.entries) == self._chunk_size or (
+            if entry.seq != chunk.start_seq + len(chunk.entries):
+                chunk = _Chunk(entry.seq, before)
+                if self._chunks[-1].entries:
+                    self._chunks.append(chunk)
+                else:  # (nothing kept yet: the first kept number moves with it)
+                    self._chunks[-1] = chunk
+            elif len(chunk.entries) == self._chunk_size or (
                 self._chunk_bytes is not None and chunk.bytes >= self._chunk_bytes
             ):
                 chunk = _Chunk(entry.seq, before)
@@ -172,6 +207,14 @@ class EventLog:
             self._kept += len(entries)
 
     # -- writing -----------------------------------------------------------
+
+    def skip_lost(self) -> None:
+        """A server restarted after a crash, before it appends anything: number
+        its events past any the dead server may have used (:func:`after_loss`)."""
+        self._next_seq = after_loss(self.last_seq)
+        last = self._chunks[-1]
+        if not last.entries:  # (else the next entry opens a chunk at the gap)
+            self._chunks[-1] = _Chunk(self._next_seq, last.start_state)
 
     def append(self, event: Event) -> LogEntry:
         """Fold, then store; a refused event (the fold raises) is not stored."""
@@ -296,16 +339,17 @@ class EventLog:
 
     def since(self, since_seq: int = 0, limit: int | None = None) -> list[LogEntry]:
         """Kept entries with ``seq > since_seq``, oldest first, at most ``limit``."""
-        start = max(since_seq + 1, self.first_seq)
-        stop = self._next_seq if limit is None else min(self._next_seq, start + max(limit, 0))
+        start = since_seq + 1
+        left = len(self) if limit is None else max(limit, 0)
         out: list[LogEntry] = []
+        chunks = self._chunks
         index = self._chunk_index(start)
-        while start < stop and index < len(self._chunks):
-            chunk = self._chunks[index]
-            lo = start - chunk.start_seq
-            hi = min(stop - chunk.start_seq, len(chunk.entries))
-            out.extend(chunk.entries[lo:hi])
-            start = chunk.start_seq + hi
+        while left > 0 and index < len(chunks):
+            chunk = chunks[index]
+            lo = max(0, start - chunk.start_seq)  # (0 past a gap)
+            taken = chunk.entries[lo : lo + left]
+            out.extend(taken)
+            left -= len(taken)
             index += 1
         return out
 
@@ -314,7 +358,8 @@ class EventLog:
         if not self.first_seq <= seq <= self.last_seq:
             return None
         chunk = self._chunks[self._chunk_index(seq)]
-        return chunk.entries[seq - chunk.start_seq]
+        index = seq - chunk.start_seq
+        return chunk.entries[index] if index < len(chunk.entries) else None  # (None: in a gap)
 
     def _chunk_index(self, seq: int) -> int:
         """The chunk holding ``seq`` (chunks close by count or by bytes: their

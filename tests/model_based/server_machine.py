@@ -176,6 +176,7 @@ class ServerMachine(RuleBasedStateMachine):
         self.next_conn = 1
         self.replica = EMPTY_NODE  # the server's history, folded here
         self.replica_seq = 0
+        self.replica_trail = [(0, EMPTY_NODE)]  # (seq, the replica after it): a restart may go back
         self.mapper = open_mapper(self.backend, 0)
 
     def teardown(self) -> None:
@@ -643,6 +644,7 @@ class ServerMachine(RuleBasedStateMachine):
         for event in events:
             replica = fold(replica, event.to_event())
             self.replica_seq = event.seq
+            self.replica_trail.append((event.seq, replica))
         self.replica = replica
         expected = self.state
         check_invariants(replica)

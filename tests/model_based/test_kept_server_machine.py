@@ -5,7 +5,9 @@ layouts, evictions, restores, bytes through real mappings, every step checked
 against the pure core) runs its server under a keeper and gains one rule: the
 server is SIGKILLed between any two steps.  The model's expected state becomes
 what the pure core says a restart leaves, the dead server's sessions
-disconnected (``gms.fsm.decide_resume``), and after the restart every check of
+disconnected (``gms.fsm.decide_resume``), less the events of its last 2 ms
+that never reached the keeper (none of them a lasting change: checked), and
+numbered past them; after the restart every check of
 the machine holds again: the server's history refolds to that state, the
 runtime probe and the memory the new server holds agree with it (the
 memory it adopted is exactly the committed layouts'), and readers see the
@@ -22,8 +24,11 @@ from hypothesis.stateful import rule
 
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
-from gms.fsm import decide_disconnect
+from gms.fsm import LASTING, decide_disconnect
+from gms.fsm.node import EMPTY_NODE
 from gms.postmortem import row_event
+from gms.store import EventLog, Snapshot
+from gms.store.log import after_loss
 
 from ..helpers import wait_until
 from .server_machine import ServerMachine, run_machine
@@ -55,12 +60,21 @@ class KeptServerMachine(ServerMachine):
         self.waiting = {}
         # The restart as the pure core decides it: the server's own SERVER_RESUMED
         # (its pid and reason are the server's to know), then every session gone.
-        (resumed,) = [
-            row_event(e.fields | {"kind": e.kind, "conn": e.conn})
-            for e in self.server.events(self.expected.last_seq)
-            if e.kind == "SERVER_RESUMED"
-        ]
+        (row,) = [e for e in self.server.events(self.expected.last_seq) if e.kind == "SERVER_RESUMED"]
+        resumed = row_event(row.fields | {"kind": row.kind, "conn": row.conn})
         assert (resumed.mode, resumed.old_pid, resumed.reason) == ("restart", old, "signal SIGKILL")
+        # What the dead server logged after the last event its keeper got is lost
+        # (handed on within 2 ms): never a lasting change, and its numbers never reused.
+        kept = resumed.follows_seq
+        lost = self.expected.since(kept)
+        assert all(entry.event.KIND not in LASTING for entry in lost), f"a lasting change lost: {lost}"
+        assert row.seq == after_loss(kept) > self.expected.last_seq
+        survived = [entry for entry in self.expected.entries() if entry.seq <= kept]
+        self.expected = EventLog.resumed(Snapshot(0, EMPTY_NODE), survived, retain=None)
+        # The server's history as folded here, back to that event.
+        self.replica_seq, self.replica = next((seq, state) for seq, state in reversed(self.replica_trail) if seq <= kept)
+        assert self.replica_seq == kept
+        self.expected.skip_lost()
         self._record([resumed])
         for conn in sorted(self.state.sessions):
             self._record(decide_disconnect(self.state, conn))

@@ -233,7 +233,7 @@ def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:
         0, handed.mode, handed.old_pid, handed.reason, handed.image.version,
         started.capacity_bytes, started.budget_bytes, started.host_budget_bytes, started.quotas, started.limits,
         backend=started.backend, device=started.device, device_uuid=started.device_uuid, layout="",
-        tenant_limits=started.tenant_limits,
+        tenant_limits=started.tenant_limits, follows_seq=core.ledger.log.last_seq,
     )
 
 
@@ -259,6 +259,8 @@ async def resume_core(core: ServiceCore, handed: Handed) -> None:
         core.state, resumed_event(core, handed), [(t, i) for t, i, _ in lost],
         reason=lost[0][2] if lost else "",
     )
+    if handed.mode == "restart":  # the dead server's last events may never have reached the keeper
+        core.ledger.log.skip_lost()
     try:
         core.ledger.record(events)
     except Rejection as refused:  # (judged above: only a loss could change it)
