@@ -123,8 +123,9 @@ def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> N
 def tree_env(tree: str) -> dict[str, str]:
     """The environment that runs ``tree``'s gms.  Run it with ``cwd=tree`` too: ``python -m
     gms`` (how the benches start servers) puts the working directory before PYTHONPATH,
-    so a run started from another checkout's root would serve that checkout's code."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    so a run started from another checkout's root would serve that checkout's code.
+    The caller's PYTHONPATH follows (a GPU host's packages installed with ``--target``)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
 
 
 def compare_trees(script: str, before: str, runs: int, args: list[str]) -> dict:

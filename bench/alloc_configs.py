@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_name, percentile, write_json  # noqa: E402
+from _common import cpu_name, percentile, wait_served, write_json  # noqa: E402
 
 SERVER = r"""
 import sys
@@ -53,16 +53,9 @@ def run(name: str, n: int = 3000) -> dict:
     sock = os.path.join(tempfile.mkdtemp(), "s.sock")
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(loop_bytes), sock, *flags])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                writer = GMSClientMemoryManager(sock)
-                writer.connect("RW")
-                break
-            except Exception:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.1)
+        wait_served(sock, server)
+        writer = GMSClientMemoryManager(sock)
+        writer.connect("RW")
         samples = []
         for _ in range(n):
             started = time.perf_counter_ns()

@@ -30,12 +30,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_name, write_json  # noqa: E402
+from _common import cpu_name, percentile, write_json  # noqa: E402
 
 
 def _median(samples: list[float]) -> float:
-    samples = sorted(samples[len(samples) // 10:])  # the first tenth warms up
-    return round(samples[len(samples) // 2], 1)
+    return round(percentile(samples[len(samples) // 10:], 0.5), 1)  # the first tenth warms up
 
 
 def _timed(fn, *args):

@@ -48,7 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import cpu_name, percentile, print_table, write_json  # noqa: E402
+from _common import cpu_name, percentile, print_table, tree_env, write_json  # noqa: E402
 
 now = time.perf_counter_ns
 
@@ -191,11 +191,6 @@ def serve(socket_path: str, stamps_path: str | None, cprofile_path: str | None) 
             Path(stamps_path).write_text(json.dumps(stamps))
 
 
-def python_path(*trees: Path) -> str:
-    """``trees`` first, then this process's own path (a GPU host's packages installed with ``--target``)."""
-    return os.pathsep.join([*map(str, trees), *filter(None, [os.environ.get("PYTHONPATH")])])
-
-
 SERVER_CPU: int | None = None  # set by --cpus: where every server process runs
 
 
@@ -210,7 +205,7 @@ class ServerProcess:
         self.socket = os.path.join(directory, f"{name}.sock")
         self.stamps_path = os.path.join(directory, f"{name}.stamps.json") if stamps else None
         self.profile_path = os.path.join(directory, f"{name}.prof") if cprofile else None
-        env = dict(os.environ, PYTHONPATH=python_path(tree, HERE))
+        env = tree_env(os.pathsep.join([str(tree), str(HERE)]))
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", self.socket,
                                       self.stamps_path or "", self.profile_path or ""], env=env, preexec_fn=pinned)
         wait_for_socket(self.socket, self.proc)
@@ -437,7 +432,7 @@ print(json.dumps(out))
         server = ServerProcess(directory, tree, "plain")
         try:
             build_layout(server.socket)
-            env = dict(os.environ, PYTHONPATH=python_path(ROOT))
+            env = tree_env(str(ROOT))
             env.pop("GMS_CLIENT_SPIN_US", None)
             if spin_us is not None:
                 env["GMS_CLIENT_SPIN_US"] = str(spin_us)
@@ -771,7 +766,7 @@ def run_compare(base: Path, other: Path, n: int, rounds: int, cpus: str) -> dict
     runs: dict[str, list] = {"base": [], "other": []}
     for _ in range(rounds):
         for label, tree in (("base", base), ("other", other)):
-            env = dict(os.environ, PYTHONPATH=python_path(tree, HERE))
+            env = tree_env(os.pathsep.join([str(tree), str(HERE)]))
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(n), cpus],
                                  capture_output=True, text=True, env=env, check=True)
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
