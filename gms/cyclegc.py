@@ -6,8 +6,9 @@ since the last one is a quarter of what that one found.  A server's heap is
 mostly its event log and its state (up to a million entries kept: frozen
 attrs objects, immutable maps, no cycles among them), so every full
 collection walked all of it, on the loop every client waits behind:
-400,000 handshakes' events cost eight full collections, 11% of the time,
-the longest 95 ms (``python bench/gc_pauses.py``, 2-core host).
+100,000 handshakes' 400,000 events cost eight full collections, 11% of the
+time, the longest 106 ms (``python bench/gc_pauses.py``, 2-core host;
+docs/results/gc_pauses_2core.json).
 
 So after each full collection what survived it is frozen (``gc.freeze``:
 moved where the collector never looks), and the next one walks only what

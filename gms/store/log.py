@@ -210,11 +210,9 @@ class EventLog:
 
     def skip_lost(self) -> None:
         """A server restarted after a crash, before it appends anything: number
-        its events past any the dead server may have used (:func:`after_loss`)."""
+        its events past any the dead server may have used (:func:`after_loss`;
+        the next entry opens a chunk at the gap)."""
         self._next_seq = after_loss(self.last_seq)
-        last = self._chunks[-1]
-        if not last.entries:  # (else the next entry opens a chunk at the gap)
-            self._chunks[-1] = _Chunk(self._next_seq, last.start_state)
 
     def append(self, event: Event) -> LogEntry:
         """Fold, then store; a refused event (the fold raises) is not stored."""
