@@ -138,3 +138,18 @@ if __name__ == "__main__":
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(encode_image(rich_image(version), version))  # only the current version can be written
     print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+def replay_saved(folder, entries: list, cut: int):
+    """Save ``entries`` (numbered from 1) as a server saves a journal that did
+    not rebuild, a base image of the first ``cut`` and then the rest, and read
+    it back as `gms replay` does."""
+    from gms.fsm import fold_all
+    from gms.handover.image import STATE_VERSION, encode_entries, encode_image
+    from gms.postmortem import replay_rows
+    from gms.server.restart.resume import save_journal
+
+    state = fold_all(entry.event for entry in entries[:cut])
+    base = encode_image(StateImage(STATE_VERSION, ServerInfo(1, "host", 0, "host-0", True), cut, 9, state))
+    with open(save_journal(str(folder), "host-0", base, [encode_entries(entries[cut:])], "a test")) as lines:
+        return replay_rows(lines)

@@ -27,8 +27,6 @@ from gms.handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
     ImageError,
-    ServerInfo,
-    StateImage,
     UnsupportedVersion,
     decode_entries,
     decode_image,
@@ -43,7 +41,7 @@ from gms.wire import messages as m
 from gms.wire.codec import encode
 from gms.wire.connection import NEED_DATA, ServerConnection
 
-from .handover_fixtures import FIXTURES, rich_image, rich_log
+from .handover_fixtures import FIXTURES, replay_saved, rich_image, rich_log
 
 MiB = 1 << 20
 
@@ -157,9 +155,6 @@ def test_a_resumed_log_goes_on_with_the_next_number_and_replays():
 def test_a_journal_across_a_restarts_gap_rebuilds_and_replays(tmp_path):
     """A restart after a crash numbers past its gap (gms.store.log): the next
     server rebuilds that journal, and `gms replay` reads it, gap and all."""
-    from gms.postmortem import replay_rows
-    from gms.server.restart.resume import save_journal
-
     log = rich_log()
     cut, last = 20, log.last_seq
     log.skip_lost()
@@ -169,10 +164,7 @@ def test_a_journal_across_a_restarts_gap_rebuilds_and_replays(tmp_path):
     base = fold_all(e.event for e in entries[:cut])
     rebuilt = EventLog.resumed(Snapshot(cut, base), entries[cut:], retain=None)
     assert (rebuilt.state, rebuilt.last_seq) == (log.state, log.last_seq)
-    info = ServerInfo(1, "host", 0, "host-0", True)
-    image = encode_image(StateImage(STATE_VERSION, info, cut, 9, base))
-    with open(save_journal(str(tmp_path), "host-0", image, [encode_entries(entries[cut:])], "a test")) as lines:
-        replayed = replay_rows(lines)
+    replayed = replay_saved(tmp_path, entries, cut)
     assert (replayed.state, replayed.last_seq) == (log.state, log.last_seq)
 
 

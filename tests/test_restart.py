@@ -31,7 +31,7 @@ from gms.store import LogEntry
 from gms.store.log import after_loss
 from gms.wire import messages as m
 
-from .handover_fixtures import rich_log
+from .handover_fixtures import replay_saved, rich_log
 from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_store, wait_until
 from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
@@ -404,20 +404,9 @@ def check_discarded(served, store, bad_seq: int, saved_dir) -> None:
 
 def test_the_saved_journal_of_a_good_state_replays(tmp_path):
     """What `gms replay` reads from a saved journal: the base image, then the events."""
-    from gms.postmortem import replay_rows
-    from gms.server.restart.resume import save_journal
-
     log = rich_log()
-    entries = list(log.entries())
     base_state = log.snapshot.state
-    info = ServerInfo(1, "host", 0, "host-0", True)
-    from gms.fsm import fold_all
-
-    cut = 10
-    base = encode_image(StateImage(STATE_VERSION, info, cut, 9, fold_all(e.event for e in entries[:cut])))
-    path = save_journal(str(tmp_path), "host-0", base, [encode_entries(entries[cut:])], "a test")
-    with open(path) as lines:
-        replayed = replay_rows(lines)
+    replayed = replay_saved(tmp_path, list(log.entries()), 10)
     assert replayed.state == log.state and replayed.last_seq == log.last_seq and base_state is not None
     assert replayed.runtime_state().layouts[-1].name == "weights"
     assert compute_layout_hash  # the layouts' hashes were checked by the replay's invariants
