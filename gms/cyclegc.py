@@ -23,9 +23,10 @@ policy goes by the clock alone.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 THAW_AFTER_S = 3600.0
 
@@ -53,6 +54,23 @@ class FrozenHeap:
         self._thawing = False
         gc.freeze()
         self.freezes += 1
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No collection while a node is rebuilt (a restart's journal, a take-over's
+    image): hundreds of thousands of new objects without a cycle among them,
+    which each collection on the way walked again (decoding 100,000 metadata
+    entries took 7.0 us each with the collector on, 1.5 off; 2-core host).
+    What was made is frozen once, at the end."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def install() -> FrozenHeap:

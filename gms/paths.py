@@ -10,15 +10,18 @@ user bind the path first and serve clients its own "weights"); and a client
 talks only to a server run by root, its own uid or one it names
 (``gms.peer.trusted_server_uids``).  ``<device-id>`` is the GPU's UUID for
 the CUDA backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
-``host-<N>`` for the host backend.  Where that path would not fit in a Unix
-socket address (a deep ``$GMS_SOCKET_DIR``), a digest of the device id
-replaces it: servers and clients derive the same name either way.
+``host-<N>`` for the host backend.  A client that is not root finds the
+server it started itself first (its own socket, in its own folder), then
+root's.  Where that path would not fit in a Unix socket address (a deep
+``$GMS_SOCKET_DIR``), a digest of the device id replaces it: servers and
+clients derive the same name either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes, with the terminating NUL
 SYSTEM_DIR = "/run/gms"
@@ -60,9 +63,20 @@ def socket_path(device: int = 0, backend: str = "auto", *, serving: bool = False
     ``serving``: where this process would serve it."""
     dev = device_id(device, backend)
     if not serving and not os.environ.get("GMS_SOCKET_DIR") and os.geteuid() != 0:
+        own = socket_path_in(user_dir(), dev)
+        if _own_socket(own):  # a server this user started (`gms serve` as this user) comes first
+            return own
         system = socket_path_in(SYSTEM_DIR, dev)
-        return system if os.path.exists(system) else socket_path_in(user_dir(), dev)
+        return system if os.path.exists(system) else own
     return socket_path_in(socket_dir(serving=serving), dev)
+
+
+def _own_socket(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def socket_path_in(directory: str, device_id: str) -> str:

@@ -47,6 +47,34 @@ def _bytes_fields(cls: type) -> frozenset[str]:
 
 
 _BYTES = {kind: _bytes_fields(cls) for kind, cls in EVENT_TYPES.items()}
+# What each field of an event may hold, by its annotation (a saved log is JSON anyone
+# may have edited: every value is checked here, once, before the core sees it).
+_ALLOWED = {"int": (int,), "str": (str,), "bytes": (bytes,), "dict": (dict,), "int | None": (int, type(None))}
+_FIELD_TYPES = {
+    kind: {f.name: _ALLOWED[str(f.type).strip()] for f in attrs.fields(cls)} for kind, cls in EVENT_TYPES.items()
+}
+
+
+def _well_typed(kind: str, fields: dict) -> None:
+    for name, value in fields.items():
+        allowed = _FIELD_TYPES[kind].get(name)
+        if allowed is None:
+            continue  # an unknown name: the event's own init refuses it
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise LogFileError(f"bad {kind} event: {name} is a {type(value).__name__}")
+        if isinstance(value, dict) and not _plain_dict(value):
+            raise LogFileError(f"bad {kind} event: {name} holds something other than names and numbers")
+
+
+def _plain_dict(value: dict, depth: int = 0) -> bool:
+    """Names to integers, None or (one level down) such dicts: what quotas and limits are."""
+    return all(
+        isinstance(k, str) and (
+            v is None or (isinstance(v, int) and not isinstance(v, bool))
+            or (depth == 0 and isinstance(v, dict) and _plain_dict(v, 1))
+        )
+        for k, v in value.items()
+    )
 
 
 def event_row(seq: int, time: float, event: Event) -> dict:
@@ -58,16 +86,19 @@ def event_row(seq: int, time: float, event: Event) -> dict:
 
 def row_event(row: dict) -> Event:
     kind = row.get("kind")
-    cls = EVENT_TYPES.get(kind)
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise LogFileError(f"unknown event kind {kind!r}")
     fields = {k: v for k, v in row.items() if k not in ("seq", "kind", "time", "mono_ns")}
-    for key in _BYTES[kind]:
-        if key in fields:
-            fields[key] = bytes.fromhex(fields[key])
     try:
+        for key in _BYTES[kind]:
+            if key in fields:
+                fields[key] = bytes.fromhex(fields[key])
+        _well_typed(kind, fields)
         return cls(**fields)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, LogFileError):
+            raise
         raise LogFileError(f"bad {kind} event: {exc}") from exc
 
 
@@ -86,7 +117,7 @@ class Replayed:
             device=self.started.device,
             device_uuid=self.started.device_uuid,
             capacity_bytes=state.capacity_bytes,
-            budget_bytes=state.budget_bytes if state.budget_bytes is not None else state.capacity_bytes,
+            budget_bytes=state.budget_bytes,
             used_bytes=state.gpu_bytes,
             host_budget_bytes=state.host_budget_bytes,
             host_used_bytes=state.host_bytes,
@@ -140,10 +171,9 @@ def replay_rows(lines: Iterable[str]) -> Replayed:
                 backend=info.backend, device=info.device, device_uuid=info.device_uuid, layout="",
             )
             continue
-        try:
-            seq = row["seq"]
-        except (KeyError, TypeError) as exc:
-            raise LogFileError(f"line {number}: not an event row: {exc}") from None
+        seq = row.get("seq") if isinstance(row, dict) else None
+        if type(seq) is not int:
+            raise LogFileError(f"line {number}: not an event row (its seq is {seq!r})")
         if count == 0 and not from_image and seq != 1:
             raise LogFileError(
                 f"the log starts at event {seq}: events 1..{seq - 1} were dropped by the server's "
@@ -160,10 +190,21 @@ def replay_rows(lines: Iterable[str]) -> Replayed:
             state = fold(state, event)
         except Rejection as refused:  # a server never logs what its rules refuse
             raise InvariantViolation(f"event {seq} ({event.KIND}) breaks a rule: {refused.message}") from None
+        except InvariantViolation:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a value no server writes (an edited file): said, not a traceback
+            raise LogFileError(
+                f"line {number}: event {seq} ({event.KIND}) cannot be folded: {type(exc).__name__}: {exc}"
+            ) from None
         if started is None:
             started = event
         count, last_seq = count + 1, seq
     if started is None:
         raise LogFileError("the log holds no events")
-    check_invariants(state)
+    try:
+        check_invariants(state)
+    except InvariantViolation:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as above
+        raise LogFileError(f"the state the log folds to cannot be checked: {type(exc).__name__}: {exc}") from None
     return Replayed(state, started, count, last_seq)

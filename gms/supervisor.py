@@ -7,19 +7,24 @@ doubles from half a second to 30 s (reset once a child has run for a
 minute); the other GPUs' servers, layouts and clients are not touched.  A
 child that exits with the configuration error code (78) is not restarted:
 the same options would fail again.  SIGTERM/SIGINT stops every child and
-then the supervisor, which exits 0.
+then the supervisor, which exits 0; SIGHUP is passed on to every child (each
+keeper restarts its server, reading the policy again).  Its children know it by
+``$GMS_SUPERVISOR_PID``: their servers name it as the process that stops the
+service (``gms status``, ``gms stop``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
-import sys
 
 import trio
 
 from .cuda import cuda_device_count
+from .keeper.conversation import SUPERVISOR_ENV
+from .launch import child_env, python_argv
 
 log = logging.getLogger("gms.supervisor")
 STOP_GRACE_S = 30
@@ -42,7 +47,7 @@ def parse_devices(text: str) -> list[int]:
 
 
 def child_argv(args: argparse.Namespace, device: int) -> list[str]:
-    argv = [sys.executable, "-m", "gms", "serve", "--device", str(device), "--backend", args.backend]
+    argv = python_argv("gms", "serve", "--device", str(device), "--backend", args.backend)
     options = {
         "--policy": args.policy,
         "--gpu-budget": args.gpu_budget,
@@ -63,6 +68,7 @@ def child_argv(args: argparse.Namespace, device: int) -> list[str]:
         # what a server may hold and for whom (docs/operations.md)
         "--event-log-bytes": args.event_log_bytes,
         "--max-metadata-bytes": args.max_metadata_bytes,
+        "--metadata-entry-bytes": args.metadata_entry_bytes,
         "--tenant-metadata-quota": args.tenant_metadata_quota,
         "--tenant-max-layouts": args.tenant_max_layouts,
         "--scan-cache-bytes": args.scan_cache_bytes,
@@ -113,7 +119,9 @@ class _Child:
         backoff = FIRST_BACKOFF_S
         while not stopping.is_set():
             started = trio.current_time()
-            self.proc = await trio.lowlevel.open_process(self.argv)
+            self.proc = await trio.lowlevel.open_process(
+                self.argv, env={**child_env(), SUPERVISOR_ENV: str(os.getpid())}
+            )
             code = await self.proc.wait()
             if stopping.is_set():
                 return
@@ -150,7 +158,7 @@ async def _supervise(commands: dict[int, list[str]]) -> int:
     stopping = trio.Event()
     given_up = 0
     # Listen before starting anything: a signal must never orphan a child.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as received:
         async with trio.open_nursery() as nursery:
 
             async def watch(child: _Child) -> None:
@@ -167,6 +175,13 @@ async def _supervise(commands: dict[int, list[str]]) -> int:
 
             async def on_signal() -> None:
                 async for signum in received:
+                    if signum == signal.SIGHUP:
+                        kept = [c for c in children if "--no-keeper" not in c.argv]
+                        log.info("SIGHUP: restarting %d servers (each keeper starts the next)", len(kept))
+                        for child in kept:  # (a server without a keeper would die of it, its layouts lost)
+                            if child.proc is not None and child.proc.returncode is None:
+                                child.proc.send_signal(signal.SIGHUP)
+                        continue
                     log.info("%s: stopping %d servers", signal.Signals(signum).name, len(children))
                     stopping.set()
                     async with trio.open_nursery() as stoppers:

@@ -1,11 +1,13 @@
 import os
+import re
+import resource
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from gms.cuda import cuda_device_count
 
-from .helpers import ServerProcess
+from .helpers import ServerProcess, shared_folder
 
 # "ci": what CI and the README's test command run (at least 300 examples of 50
 # steps for the core machine).  "dev": a quick local loop.
@@ -18,6 +20,40 @@ settings.register_profile(
 )
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=50)
 settings.load_profile(os.environ.get("GMS_HYPOTHESIS_PROFILE", "ci"))
+
+# Some tests hold hundreds of fds at once, as a server does: allow what the hard
+# limit allows (a user's login shell often sets the soft limit to 1024; gms
+# serve raises its own the same way).
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if _soft < _hard:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_hard, _hard))
+
+
+# CI runs the README's test command as a newcomer would, without the optional
+# packages, then again only what skipped for want of one, once installed
+# (.ci/run): where $GMS_OPTIONAL_SKIPS names a file, each test (or module) that
+# skipped because a package would not import is written there as
+# "<package> <node id>".
+_MISSING = re.compile(r"could not import '([\w.]+)'")
+
+
+def _note_optional_skip(report) -> None:
+    where = os.environ.get("GMS_OPTIONAL_SKIPS")
+    if not where or not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    found = _MISSING.search(str(report.longrepr[2]))
+    if found:
+        with open(where, "a", encoding="utf-8") as f:
+            f.write(f"{found.group(1).split('.')[0]} {report.nodeid}\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "setup" or report.when == "call":
+        _note_optional_skip(report)
+
+
+def pytest_collectreport(report):
+    _note_optional_skip(report)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,3 +92,26 @@ def start_server(tmp_path, backend):
 @pytest.fixture
 def server(start_server) -> ServerProcess:
     return start_server()
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder under /tmp other uids may enter, removed after the test."""
+    with shared_folder() as folder:
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_temp_dir():
+    """Ray keeps its sessions under /tmp/ray unless told otherwise: here, in a
+    folder of this run's (short, for Ray's socket paths), removed at the end."""
+    with shared_folder("gms-ray-") as folder:
+        old = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = str(folder)
+        try:
+            yield folder
+        finally:
+            if old is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = old

@@ -2,7 +2,8 @@
 
 ``python -m tests.handover_fixtures N`` wrote ``tests/fixtures/state_vN.bin``
 once, with version N of the hand-over format (version 1 before issue 21's
-bounds, version 2 with them); each is frozen: every later server must read it
+bounds, version 2 with them, version 3 with a metadata entry's own charge,
+issue 48); each is frozen: every later server must read it
 back to exactly the node ``rich_image(N)`` builds (``test_handover.py``).  Do
 not regenerate one when the format changes: add a version, and a reader for
 the old one.
@@ -33,7 +34,7 @@ from gms.wire import messages as m
 from gms.wire.codec import encode_body
 
 MiB = 1 << 20
-FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2)}
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2, 3)}
 FIXTURE = FIXTURES[1]  # the previous version: what a take-over from an older server reads
 # The allocations of the fixture's node: (layout, id, size, aligned).
 ALLOCATIONS = [
@@ -62,9 +63,10 @@ def _publish(log: EventLog, conn: int, name: str, tenant: str, residency: str, h
     log.append(SessionClosed(conn, layout=name))
 
 
-def rich_log(version: int = 2) -> EventLog:
+def rich_log(version: int = 3) -> EventLog:
     """Every kind of layout and session a take-over meets; from version 2 on, with
-    issue 21's bounds (a node metadata bound, tenants' metadata quotas and layouts)."""
+    issue 21's bounds (a node metadata bound, tenants' metadata quotas and layouts);
+    from version 3 on, with a charge per metadata entry."""
     log = EventLog(retain=None)
     limits: dict = {"max_layouts": 16}
     tenant_limits: dict = {}
@@ -72,6 +74,8 @@ def rich_log(version: int = 2) -> EventLog:
         limits.update(max_metadata_bytes=MiB, tenant_metadata_quota=64 << 10, tenant_max_layouts=8)
         tenant_limits = {"default": {"metadata_quota": 64 << 10, "max_layouts": 8},
                          "team": {"metadata_quota": 4096, "max_layouts": 3}}
+    if version >= 3:
+        limits.update(metadata_entry_bytes=16)
     log.append(ServerStarted(0, 64 * MiB, 48 * MiB, 32 * MiB, {"default": None, "team": 40 * MiB},
                              limits, backend="host", device=0, device_uuid="host-0", layout="",
                              tenant_limits=tenant_limits))
@@ -103,7 +107,7 @@ def _protocol(state: str, serving: object = None, buffered: bytes = b"", request
     )
 
 
-def rich_image(version: int = 2) -> StateImage:
+def rich_image(version: int = 3) -> StateImage:
     log = rich_log(version)
     half_frame = bytes.fromhex("0000002a") + b"\x83"  # a client's next request, 5 bytes of it
     conns = (
@@ -140,16 +144,21 @@ if __name__ == "__main__":
     print(f"wrote {path} ({path.stat().st_size} bytes)")
 
 
-def replay_saved(folder, entries: list, cut: int):
+def saved_journal(folder, entries: list, cut: int) -> str:
     """Save ``entries`` (numbered from 1) as a server saves a journal that did
-    not rebuild, a base image of the first ``cut`` and then the rest, and read
-    it back as `gms replay` does."""
+    not rebuild: a base image of the first ``cut``, then the rest.  Its path."""
     from gms.fsm import fold_all
     from gms.handover.image import STATE_VERSION, encode_entries, encode_image
-    from gms.postmortem import replay_rows
     from gms.server.restart.resume import save_journal
 
     state = fold_all(entry.event for entry in entries[:cut])
     base = encode_image(StateImage(STATE_VERSION, ServerInfo(1, "host", 0, "host-0", True), cut, 9, state))
-    with open(save_journal(str(folder), "host-0", base, [encode_entries(entries[cut:])], "a test")) as lines:
+    return save_journal(str(folder), "host-0", base, [encode_entries(entries[cut:])], "a test")
+
+
+def replay_saved(folder, entries: list, cut: int):
+    """:func:`saved_journal`, read back as `gms replay` does."""
+    from gms.postmortem import replay_rows
+
+    with open(saved_journal(folder, entries, cut)) as lines:
         return replay_rows(lines)

@@ -327,13 +327,19 @@ def connect_as(path: str, uid: int | None) -> RawConn:
     return RawConn.from_socket(socket.socket(fileno=fds[0]))
 
 
-def shared_folder(prefix: str = "gms-") -> Path:
-    """A folder other uids may enter (pytest's are private to their owner)."""
+@contextlib.contextmanager
+def shared_folder(prefix: str = "gms-"):
+    """A folder other uids may enter (pytest's are private to their owner),
+    removed with everything in it when the block ends."""
+    import shutil
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    folder.chmod(0o755)
-    return folder
+    try:
+        folder.chmod(0o755)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def build_layout(conn: RawConn, sizes=(3 * MiB, 5 * MiB), tag: str = "weights") -> list[m.AllocateResponse]:

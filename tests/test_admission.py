@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import time
 
@@ -28,7 +27,7 @@ from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES
 
-from .helpers import MiB, RawConn, dropped, shared_folder
+from .helpers import MiB, RawConn, dropped
 
 POLICY = parse_policy(
     """
@@ -301,7 +300,7 @@ def test_repeated_lines_pass_once_an_interval_and_a_summary_counts_the_rest(capl
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
-async def test_a_refused_client_gets_a_typed_error_naming_the_limit(tmp_path):
+async def test_a_refused_client_gets_a_typed_error_naming_the_limit(shared_tmp):
     from gms import GMSClientMemoryManager, LimitExceededError, get_runtime_state
 
     from .reliability.tenants import AsUid
@@ -321,16 +320,14 @@ async def test_a_refused_client_gets_a_typed_error_naming_the_limit(tmp_path):
                 found[name] = [exc.code, exc.limit, exc.scope, exc.used, exc.asked, exc.bound]
         return found
 
-    folder = shared_folder()
     async with trio.open_nursery() as nursery:
-        server = await serving(nursery, folder, socket_mode=0o666, max_connections_per_uid=2)
+        server = await serving(nursery, shared_tmp, socket_mode=0o666, max_connections_per_uid=2)
         child = AsUid(4243, as_stranger, server.config.socket_path)
         child.go()
         found = await trio.to_thread.run_sync(child.result, 30)
         expected = ["LIMIT_EXCEEDED", "max_connections_per_uid", "uid", 2, 1, 2]
         assert found == {"probe": expected, "connect": expected}
         nursery.cancel_scope.cancel()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_the_scan_cache_stays_within_its_bytes():

@@ -4,10 +4,10 @@ Each test is one way the keeper and the take-over lost, rolled back or gave
 away every layout, reproduced with the server as shipped (keeper on, the
 host backend, real processes and sockets), and what happens now:
 
-* a policy the node does not fit: the new server refuses, the keeper keeps
-  every fd and its journal, and the next server (the policy fixed) serves it;
-  a take-over with it is refused with 75 and the old server serves on, its
-  socket where it was;
+* a policy the node does not fit (a quota lowered under what a tenant holds):
+  the next server applies it, after a crash and in a take-over: the tenant
+  keeps and serves what it holds, cannot grow until it is under the quota,
+  and `gms status` says so; no other tenant notices (issue 48);
 * a keeper that reads nothing for seconds (SIGSTOP): nothing waits on it but
   the answers that tell of a lasting change; a reader goes on; when it reads
   again it catches up, and a crash after brings back the node as it is, not
@@ -77,43 +77,76 @@ def _cmdline(pid: int) -> str:
 # -- a configuration the node does not fit ------------------------------------------------------------
 
 
-def test_a_policy_the_node_does_not_fit_keeps_the_node_for_the_next_server(tmp_path):
-    """Was: the next server exited 70 on resume and its clean-up released every
-    layout; the keeper exited too and the socket was gone."""
+def _over_quota_then_under(socket_path: str, allocations, quota: int) -> None:
+    """The tenant over its lowered quota keeps and serves what it holds, cannot grow,
+    and grows again once under it."""
+    from gms.cli.inspect import status_table
+    from gms.client.probes import get_runtime_state
+
+    state = get_runtime_state(socket_path)
+    team = state.tenant("team")
+    assert (team.used_bytes, team.quota_bytes) == (16 * MiB, quota)
+    assert "quota (cannot grow)" in status_table(socket_path, state).splitlines()[-1]
+    reader = RawConn(socket_path)
+    assert reader.handshake("RO").success
+    for n, a in enumerate(allocations):  # what it holds is served
+        assert read_through(reader, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
+    reader.close()
+    grower = RawConn(socket_path)
+    assert grower.handshake("RW", layout="more").success
+    refused = grower.call(m.AllocateRequest(MiB, "w"))
+    assert refused.code == "QUOTA_EXCEEDED", refused
+    grower.close()
+    rebuild = RawConn(socket_path)  # a writer's grant clears the layout: the tenant is under its quota
+    assert rebuild.handshake("RW").success
+    assert isinstance(rebuild.call(m.AllocateRequest(quota, "w")), m.AllocateResponse)
+    assert get_runtime_state(socket_path).tenant("team").used_bytes == quota
+    rebuild.close()
+
+
+def test_a_policy_the_node_does_not_fit_is_applied_and_holds_the_tenant_where_it_is(tmp_path):
+    """Was (issue 32): the next server exited 70 and released every layout.  Was (issue 48):
+    it refused the node (exit 78, retried with back-off) and nothing was served, to any
+    tenant, until the operator changed the policy back.  Now the policy is applied."""
+    import re
+    import urllib.request
+
     path = policy(tmp_path, "64MiB")
-    server = kept(tmp_path, "--policy", str(path))
+    server = kept(tmp_path, "--policy", str(path), "--metrics-port", "0", "--log-level", "info")
     layout_hash, allocations = publish_raw(server.socket, "weights", (8 * MiB, 8 * MiB))
     path.write_text(POLICY.format(uid=os.getuid(), quota="4MiB"))  # lowered under what the team holds
-    os.kill(server.server_pid(), signal.SIGKILL)
-    wait_until(lambda: "cannot be served (its keeper keeps it)" in server.log, timeout=30,
-               what="the next server refuses the node")
-    assert server.proc.poll() is None, "the keeper is still there, holding the node"
-    assert os.path.exists(server.socket), "and the socket"
-    assert "quota" in server.log
-    path.write_text(POLICY.format(uid=os.getuid(), quota="64MiB"))  # fixed: the keeper's next try serves it
-    state = wait_until(lambda: state_or_none(server.socket), timeout=30, what="a server that serves the node")
-    assert state.layout("weights").memory_layout_hash == layout_hash
-    reader = RawConn(server.socket)
-    assert reader.handshake("RO").success
-    for n, a in enumerate(allocations):
-        assert read_through(reader, a.allocation_id, a.aligned_size) == pattern(n, a.aligned_size)
+    before = len(server.log)
+    killed(server)  # the next server (the spare, which reads the policy again) serves at once
+    assert server.layout("weights").memory_layout_hash == layout_hash
+    port = wait_until(lambda: re.findall(r"metrics on http://[^:]+:(\d+)/", server.log[before:]),
+                      what="the new server's metrics port")[-1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'gms_tenant_over_bound{bound="quota",tenant="team"} 1.0' in text
+    _over_quota_then_under(server.socket, allocations, 4 * MiB)
+    assert server.proc.poll() is None
 
 
-def test_a_take_over_whose_policy_the_node_does_not_fit_is_refused_and_the_old_one_serves_on(tmp_path):
-    """Was: exit 70 (docs promise 75) and the live socket unlinked."""
+def test_a_take_over_with_a_policy_the_node_does_not_fit_applies_it(tmp_path):
+    """Was: refused with 75 (issue 32's fix for an exit 70 that unlinked the live socket)."""
     path = policy(tmp_path, "64MiB")
     old = kept(tmp_path, "--policy", str(path))
-    layout_hash, _ = publish_raw(old.socket, "weights", (8 * MiB,))
+    layout_hash, allocations = publish_raw(old.socket, "weights", (8 * MiB, 8 * MiB))
     tight = tmp_path / "tight.toml"
-    tight.write_text(POLICY.format(uid=os.getuid(), quota="1MiB"))
-    new = subprocess.run(
+    tight.write_text(POLICY.format(uid=os.getuid(), quota="4MiB"))
+    log = open(tmp_path / "new.log", "wb")
+    new = subprocess.Popen(
         [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", old.socket, "--take-over",
-         "--no-keeper", "--policy", str(tight)], capture_output=True, text=True, timeout=60,
+         "--no-keeper", "--policy", str(tight)], stdout=log, stderr=subprocess.STDOUT,
     )
-    assert new.returncode == 75, new.stderr
-    assert "the old server serves on" in new.stderr and "quota" in new.stderr
-    assert os.path.exists(old.socket), "the live socket is where it was"
-    assert old.layout("weights").memory_layout_hash == layout_hash
+    try:
+        assert old.proc.wait(30) == 0  # taken over: its keeper retires
+        wait_until(lambda: (s := state_or_none(old.socket)) and s.pid == new.pid, timeout=30, what="the new server")
+        assert old.layout("weights").memory_layout_hash == layout_hash
+        _over_quota_then_under(old.socket, allocations, 4 * MiB)
+    finally:
+        new.kill()
+        new.wait()
+        log.close()
 
 
 # -- a keeper that stalls ----------------------------------------------------------------------
@@ -317,6 +350,27 @@ def test_connect_gives_up_on_a_server_that_accepts_and_never_answers(tmp_path):
     with pytest.raises(ResponseTimeoutError):
         mgr.connect(RequestedLockType.RO)
     assert time.monotonic() - started < 5
+    mute.close()
+
+
+def test_connect_with_the_default_deadline_gives_up_within_ten_heartbeats(tmp_path, monkeypatch):
+    """Was (issue 48): a waiting client expects a heartbeat every second, yet gave a
+    mute server the whole 60 s call timeout, and said it waited "within None s"."""
+    from gms.client import manager
+
+    assert manager.FIRST_WORD_S == 10 * manager.HEARTBEAT_MS / 1000 < manager.DEFAULT_CALL_TIMEOUT_S
+    monkeypatch.setattr(manager, "FIRST_WORD_S", 0.5)  # (the test waits half a second, not ten)
+    path = str(tmp_path / "mute.sock")
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(path)
+    mute.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(mute.accept()), daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(ResponseTimeoutError) as caught:
+        GMSClientMemoryManager(path).connect(RequestedLockType.RO)  # call_timeout_s: the default 60 s
+    assert time.monotonic() - started < 5
+    assert "said nothing for 0.5 s" in str(caught.value) and "None" not in str(caught.value)
     mute.close()
 
 

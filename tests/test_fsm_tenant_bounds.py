@@ -38,8 +38,9 @@ from .fsm_events import committed, opened
 MiB = 1 << 20
 
 
-def start(meta=None, layouts=None, node_meta=None, max_layouts=4096, tenants=("a", "b")) -> ServerStarted:
-    limits = Limits(max_layouts=max_layouts, max_metadata_bytes=node_meta).as_dict()
+def start(meta=None, layouts=None, node_meta=None, max_layouts=4096, tenants=("a", "b"), entry=0) -> ServerStarted:
+    """``entry``: the charge per metadata entry (0 here but where a test is about it)."""
+    limits = Limits(max_layouts=max_layouts, max_metadata_bytes=node_meta, metadata_entry_bytes=entry).as_dict()
     return ServerStarted(
         0, None, None, None, {t: None for t in tenants}, limits, layout="",
         tenant_limits={t: {"metadata_quota": meta, "max_layouts": layouts} for t in tenants},
@@ -81,6 +82,24 @@ def test_metadata_is_charged_to_the_owner_and_refused_past_its_quota():
     state = fold(state, put(1, "m", "k1", 10))
     state = fold(state, MetadataDeleted(1, "k1", layout="m"))
     assert (state.tenants["a"].metadata_bytes, state.metadata_bytes) == (0, 0)
+    check_invariants(state)
+
+
+def test_each_entry_is_charged_its_own_cost_besides_its_bytes():
+    """Issue 48: 2 million 6-byte entries passed as 12 MB (18% of a default quota)
+    and made the daemon 1.3 GiB: an entry costs its tuple, its maps' nodes, its
+    index, whatever its size.  The charge (Limits.metadata_entry_bytes) counts
+    against the quota and the node's bound; deleting or replacing gives it back."""
+    state = fold_all([start(meta=1000, node_meta=2000, entry=100), *built(1, "m")])
+    for n in range(9):  # 9 entries of "kN" + 6 bytes: (2 + 6 + 100) each = 972
+        state = fold(state, put(1, "m", f"k{n}", 6))
+    assert (state.tenants["a"].metadata_bytes, state.metadata_bytes) == (972, 972)
+    over = refusal(state, put(1, "m", "k9", 6))
+    assert (over.limit, over.used, over.asked, over.bound) == ("metadata_quota", 972, 108, 1000)
+    state = fold(state, put(1, "m", "k0", 10))  # a new value for a key: only its bytes more
+    assert state.tenants["a"].metadata_bytes == 976
+    state = fold(state, MetadataDeleted(1, "k0", layout="m"))
+    assert state.tenants["a"].metadata_bytes == 976 - 112
     check_invariants(state)
 
 

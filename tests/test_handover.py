@@ -14,7 +14,7 @@ import pytest
 from gms.fsm import (
     BudgetExceeded,
     InvariantViolation,
-    OverLimit,
+    Limits,
     StateViolation,
     check_invariants,
     decide_resume,
@@ -222,14 +222,15 @@ def test_memory_found_lost_drops_its_whole_layout_whatever_its_residency():
     assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0")}, "a pinned layout too, and its host copies"
 
 
-def test_a_new_configuration_that_cannot_hold_the_node_is_refused():
+def test_a_new_configuration_that_cannot_hold_the_node_is_refused_and_a_tenant_s_quota_is_applied():
     state = rich_log().state
     with pytest.raises(BudgetExceeded, match="more than the new GPU budget"):
         fold_all(decide_resume(state, _resumed(state, budget_bytes=MiB)), state)
     with pytest.raises(StateViolation, match="keeps no host tier"):
         fold_all(decide_resume(state, _resumed(state, host_budget_bytes=0)), state)
-    with pytest.raises(StateViolation, match="more than its new quota"):
-        fold_all(decide_resume(state, _resumed(state, quotas={"team": MiB})), state)
+    lowered = fold_all(decide_resume(state, _resumed(state, quotas={"team": MiB})), state)
+    check_invariants(lowered)  # applied, not refused (issue 48): the tenant holds what it held
+    assert lowered.tenants["team"].used_bytes > MiB and lowered.tenants["team"].over_bounds == ("quota",)
     grown = fold_all(decide_resume(state, _resumed(state, quotas={"new": 5, "team": None}, budget_bytes=None)), state)
     assert grown.tenants["new"].quota_bytes == 5 and grown.tenants["team"].quota_bytes is None
     assert grown.tenants["default"].quota_bytes is None, "a tenant the new policy drops keeps its entry"
@@ -237,9 +238,9 @@ def test_a_new_configuration_that_cannot_hold_the_node_is_refused():
         fold_all([_resumed(state)])  # never the first event
 
 
-def test_a_new_configuration_brings_its_metadata_and_layout_bounds_and_must_hold_the_node():
+def test_a_new_configuration_brings_its_metadata_and_layout_bounds():
     """Issue 21's bounds: the new server's replace the old one's (a version-1 node
-    had none), and bounds lowered under what the node holds are refused."""
+    had none); bounds lowered under what the node holds are applied (issue 48)."""
     old = decode_image(FIXTURES[1].read_bytes()).state
     tenant_limits = {"default": {"metadata_quota": 4096, "max_layouts": 8}}
     after = fold_all(decide_resume(old, _resumed(old, tenant_limits=tenant_limits)), old)
@@ -248,15 +249,26 @@ def test_a_new_configuration_brings_its_metadata_and_layout_bounds_and_must_hold
     assert after.tenants["team"].metadata_quota is None, "a tenant the new limits do not name: unbounded"
     assert after.limits.max_metadata_bytes == old.limits.max_metadata_bytes
     state = rich_log().state
-    with pytest.raises(OverLimit, match="max_metadata_bytes") as refused:
-        fold_all(decide_resume(state, _resumed(state, limits={**state.limits.as_dict(), "max_metadata_bytes": 8})), state)
-    assert (refused.value.scope, refused.value.used, refused.value.bound) == ("node", state.metadata_bytes, 8)
+    lowered = fold_all(decide_resume(state, _resumed(state, limits={**state.limits.as_dict(), "max_metadata_bytes": 8})),
+                       state)
+    check_invariants(lowered)  # applied (issue 48): the node holds what it held, and cannot grow
+    assert lowered.metadata_bytes == state.metadata_bytes > lowered.limits.max_metadata_bytes == 8
+    # A new charge per metadata entry (an older server's node, none): every owner recounted.
+    old_node = rich_log(2).state
+    assert old_node.limits.metadata_entry_bytes == 0
+    charged = fold_all(decide_resume(old_node, _resumed(old_node, limits=Limits().as_dict())), old_node)
+    check_invariants(charged)
+    entries = sum(len(layout.metadata) for layout in old_node.layouts.values())
+    assert charged.metadata_bytes == old_node.metadata_bytes + entries * Limits().metadata_entry_bytes
+    # A tenant's own bounds lowered under what it holds are applied (issue 48).
     small = {"team": {"metadata_quota": 8, "max_layouts": None}}
-    with pytest.raises(OverLimit, match="metadata_quota"):
-        fold_all(decide_resume(state, _resumed(state, tenant_limits=small)), state)
+    after = fold_all(decide_resume(state, _resumed(state, tenant_limits=small)), state)
+    check_invariants(after)
+    assert after.tenants["team"].over_bounds == ("metadata_quota",)
     one = {"default": {"metadata_quota": None, "max_layouts": 1}}
-    with pytest.raises(OverLimit, match="max_layouts"):
-        fold_all(decide_resume(state, _resumed(state, "take-over", tenant_limits=one)), state)
+    after = fold_all(decide_resume(state, _resumed(state, "take-over", tenant_limits=one)), state)
+    check_invariants(after)
+    assert after.tenants["default"].over_bounds == ("max_layouts",)
     # After a crash the dead writers' sessions close: default keeps only what it owns.
     two = {"default": {"metadata_quota": None, "max_layouts": 1}}
     after = fold_all(decide_resume(state, _resumed(state, tenant_limits=two)), state)
@@ -421,8 +433,7 @@ def test_the_image_carries_every_field_of_the_state():
     from gms.fsm.state import Allocation, LayoutState, MetadataEntry
     from gms.handover import image as codec
 
-    node = rich_image().state
-    body = codec._node_v2(node)
+    body = codec._body_v3(rich_image())["node"]
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
     assert {f.name for f in attrs.fields(LayoutState)} - derived == set(body["layouts"][0])
@@ -431,12 +442,12 @@ def test_the_image_carries_every_field_of_the_state():
         "layout_refs",
     ]
     assert len(body["tenants"][0]) == len(attrs.fields(TenantState))
-    assert [f.name for f in attrs.fields(Limits)] == list(codec._LIMITS_V2)
+    assert [f.name for f in attrs.fields(Limits)] == list(codec._LIMITS_V3)
     assert [f.name for f in attrs.fields(SessionInfo)] == [
         "layout", "tenant", "uid", "gid", "pid", "lock_type", "limit_bytes",
     ]
     assert [f.name for f in attrs.fields(Allocation)] == ["allocation_id", "size", "aligned_size", "tag", "layout_slot"]
-    assert [f.name for f in attrs.fields(MetadataEntry)] == ["key", "allocation_id", "offset_bytes", "value"]
+    assert list(MetadataEntry._fields) == ["key", "allocation_id", "offset_bytes", "value"]
 
 
 def test_a_tenant_sees_only_its_own_quotas_in_server_resumed():

@@ -139,9 +139,10 @@ def test_status_into_a_reader_that_went_away_ends_quietly(server):
     publish(server.socket, "model-a", b"a")
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before a byte is written
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's shell has it
     try:
         out = subprocess.run([sys.executable, "-m", "gms", "status", "--socket", server.socket],
-                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, env=env)
     finally:
         os.close(write_end)
     assert out.returncode == 141 and out.stderr == ""

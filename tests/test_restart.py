@@ -398,6 +398,7 @@ def check_discarded(served, store, bad_seq: int, saved_dir) -> None:
     assert "breaks a rule" in discarded["reason"] or "RO_CONNECT" in discarded["reason"]
     saved = discarded["saved_to"]
     assert saved.startswith(str(saved_dir))
+    assert os.stat(saved).st_mode & 0o777 == 0o600, "every tenant's metadata: the daemon's user's alone"
     replay = subprocess.run([sys.executable, "-m", "gms", "replay", saved], capture_output=True, text=True)
     assert replay.returncode == 2 and f"event {bad_seq} (RO_CONNECT)" in replay.stderr, replay
 

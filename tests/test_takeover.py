@@ -208,10 +208,8 @@ def test_a_new_server_that_reads_no_version_the_old_one_writes_is_refused_before
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root: a client of another uid")
-def test_only_the_server_s_uid_or_root_may_take_it_over(tmp_path):
-    from .helpers import shared_folder
-
-    folder = shared_folder()
+def test_only_the_server_s_uid_or_root_may_take_it_over(shared_tmp):
+    folder = shared_tmp
     old = server_process(folder, "--socket-mode", "666")
     stranger = connect_as(old.socket, 23999)
     refused = stranger.call(m.TakeOverRequest(list(READABLE_VERSIONS), 1))
@@ -278,7 +276,7 @@ class OldServer:
         conn = self.asked()
         conn.sendall(encode(m.TakeOverResponse(1, 4242)))
         frames.send_frame(conn, "image", {"image": self.image})
-        keyed = [*self.memory.items(), ("listener", self.listener.fileno()), ("conn:9", self.clients_end.fileno())]
+        keyed = [*self.memory.items(), ("listener", self.handed_listener()), ("conn:9", self.clients_end.fileno())]
         frames.send_fds(conn, "fds", keyed)
         frames.send_frame(conn, "end")
         frame = frames.recv_frame(conn, frames.FrameReader())
@@ -286,6 +284,9 @@ class OldServer:
         if frame.kind == "commit":
             frames.send_frame(conn, "bye")
         conn.close()
+
+    def handed_listener(self) -> int:
+        return self.listener.fileno()
 
     def close(self) -> None:
         for fd in self.memory.values():
@@ -418,12 +419,10 @@ def test_host_copies_in_chunks_go_to_the_new_server_and_its_keeper_and_restore_t
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root: clients of another uid")
-def test_handed_connections_count_against_their_uid_s_cap_on_the_new_server(tmp_path):
+def test_handed_connections_count_against_their_uid_s_cap_on_the_new_server(shared_tmp):
     """Admission (issue 21) on the new server: the handed connections are counted
     in, never refused, and hold their uid to its cap like any others."""
-    from .helpers import shared_folder
-
-    folder = shared_folder()
+    folder = shared_tmp
     args = ("--socket-mode", "666", "--max-connections-per-uid", "2")
     old = server_process(folder, *args)
     publish_raw(old.socket, "weights", (MiB,))

@@ -7,7 +7,6 @@ production), mapped to a tenant by the operator's policy file.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 
 import pytest
@@ -22,7 +21,6 @@ from .helpers import (
     ServerProcess,
     build_layout,
     connect_as,
-    shared_folder,
     wait_until,
 )
 
@@ -51,13 +49,13 @@ admin = true
 
 
 @pytest.fixture
-def tenanted(backend):
-    folder = shared_folder()
-    (folder / "policy.toml").write_text(POLICY)
-    server = ServerProcess(folder, "--policy", str(folder / "policy.toml"), "--socket-mode", "666", backend=backend)
+def tenanted(backend, shared_tmp):
+    (shared_tmp / "policy.toml").write_text(POLICY)
+    server = ServerProcess(
+        shared_tmp, "--policy", str(shared_tmp / "policy.toml"), "--socket-mode", "666", backend=backend
+    )
     yield server
     server.kill()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_uid_with_no_tenant_is_refused_at_handshake(tenanted):

@@ -202,6 +202,26 @@ def test_a_malformed_fd_frame_is_refused_with_75_not_70(tmp_path):
         old.close()
 
 
+@pytest.mark.parametrize("listener", ["a file", "a socket that does not listen"])
+def test_a_handed_listener_that_is_not_a_listening_socket_is_refused_with_75(tmp_path, listener):
+    """Was (issue 48): exit 1, the take-over neither done nor refused as the docs say."""
+
+    class WrongListener(OldServer):
+        def handed_listener(self) -> int:
+            if listener == "a file":
+                return os.open(str(tmp_path / "not-a-socket"), os.O_RDWR | os.O_CREAT)
+            return socket.socket(socket.AF_UNIX).detach()
+
+    old = WrongListener(str(tmp_path / "old.sock"), FIXTURE.read_bytes())
+    try:
+        out = take_over_from(old)
+        assert out.returncode == 75, out.stderr
+        assert "listener" in out.stderr and "Traceback" not in out.stderr
+        assert old.verdict.startswith("abort: ")
+    finally:
+        old.close()
+
+
 @needs_root
 def test_a_client_sends_nothing_to_a_stranger_on_its_socket_unless_told_to_trust_it(open_folder, monkeypatch):
     folder = open_folder
@@ -241,3 +261,55 @@ def test_a_server_will_not_serve_in_a_folder_another_user_owns(tmp_path):
          str(folder / "gms.sock")], capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 1 and f"belongs to uid {STRANGER}" in out.stderr, out.stderr
+
+
+# -- files root writes in folders others may write (issue 48) ---------------------------------
+
+
+def test_the_ready_file_is_never_written_through_a_planted_link(tmp_path, open_folder):
+    victim = tmp_path / "victim"
+    victim.write_text("root's own file\n")
+    (open_folder / "device-0.ready").symlink_to(victim)  # a local user's link where the ready file goes
+    out = subprocess.Popen(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--no-keeper", "--socket",
+         str(tmp_path / "gms.sock"), "--ready-dir", str(open_folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        ready = open_folder / "device-0.ready"
+        deadline = time.monotonic() + 30
+        while ready.is_symlink() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ready.is_symlink() and ready.read_text() == f"{out.pid}\n"
+        assert victim.read_text() == "root's own file\n", "the link was not followed"
+    finally:
+        out.terminate()
+        out.wait(30)
+    assert not (open_folder / "device-0.ready").exists() and victim.exists()
+
+
+def test_files_the_daemon_writes_follow_no_link_and_keep_their_mode(tmp_path, open_folder):
+    from gms import files
+
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    os.umask(old := os.umask(0o022))
+    (open_folder / "journal.jsonl").symlink_to(victim)
+    (open_folder / f".journal.jsonl.{os.getpid()}.new").symlink_to(victim)  # its temporary name too
+    with pytest.raises(FileExistsError):  # the temporary name is taken: nothing is written through it
+        with files.write_new(str(open_folder), "journal.jsonl") as out:
+            out.write("secrets\n")
+    os.unlink(open_folder / f".journal.jsonl.{os.getpid()}.new")
+    with files.write_new(str(open_folder), "journal.jsonl") as out:
+        out.write("secrets\n")
+    written = open_folder / "journal.jsonl"
+    assert not written.is_symlink() and written.read_text() == "secrets\n"
+    assert os.stat(written).st_mode & 0o777 == 0o600 and victim.read_text() == "untouched\n"
+    link = tmp_path / "folder-link"
+    link.symlink_to(open_folder)
+    with pytest.raises(OSError):  # a folder that is a link is not written in
+        with files.write_new(str(link), "other.jsonl") as out:
+            out.write("x")
+    files.remove(str(open_folder), "journal.jsonl")
+    assert not written.exists() and victim.exists()
+    assert old == os.umask(old)

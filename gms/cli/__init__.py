@@ -2,6 +2,7 @@
 
     gms serve      run a GPU's server under its keeper (``serve``), or one per GPU (``--devices``)
     gms keeper     a keeper for servers in other containers (``keeper``)
+    gms stop | restart   stop the service, or start its next server keeping every layout (``control``)
     gms status     the runtime state: layouts, tenants, budgets (``inspect``)
     gms history    the event log (``inspect``)
     gms replay     rebuild the state from a saved log, offline (``inspect``)
@@ -17,23 +18,28 @@ import os
 import signal
 import sys
 
-from . import admin, failover, inspect, keeper, ray, serve
+from ..launch import drop_unsafe_import_paths
+from . import admin, control, failover, inspect, keeper, ray, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, keeper, inspect, admin, failover, ray):
+    for module in (serve, control, keeper, inspect, admin, failover, ray):
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    dropped = drop_unsafe_import_paths()  # (`python -m gms` put the working folder there)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a keeper starts its server with the same words
+    args.dropped_import_paths = dropped
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # (a pipe buffers: its reader's going would otherwise raise at exit)
+        return code
     except BrokenPipeError:
         # The reader went away (``gms status | head``): end quietly, as a Unix tool
         # killed by SIGPIPE would, and keep the flush at exit from raising again.

@@ -54,6 +54,11 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
+def _tier(tier: str, host_backend: bool) -> str:
+    """The host backend's device memory is host memory too: called "device" there, not "gpu"."""
+    return "device" if host_backend and tier == "gpu" else tier
+
+
 def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     cells = [header, *[tuple(str(c) for c in row) for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -71,22 +76,60 @@ def keeper_line(state: m.GetRuntimeStateResponse) -> str:
         "none": "none (--no-keeper): a crash loses every layout",
     }
     line = words.get(state.keeper, state.keeper)
-    return line + (f"; {state.keepers_lost} lost since start" if state.keepers_lost else "")
+    pid = f"pid {state.keeper_pid}, " if state.keeper_pid else ""
+    return pid + line + (f"; {state.keepers_lost} lost since start" if state.keepers_lost else "")
+
+
+def server_line(state: m.GetRuntimeStateResponse) -> str:
+    if not state.pid:
+        return "-"
+    line = f"pid {state.pid}, up {state.uptime_s:.0f} s"
+    return line if state.keeper == "none" else line + "; `gms restart` starts the next one, every layout kept"
+
+
+def stop_line(state: m.GetRuntimeStateResponse) -> str:
+    """Which process to signal to stop the service (docs/operations.md, "Stopping and restarting")."""
+    pid = state.service_pid
+    if not pid:
+        return "the keeper runs in another process (gms keeper): stop that" if state.pid else "-"
+    if pid == state.pid:
+        what = "the server"
+    elif pid == state.keeper_pid:
+        what = "the keeper"
+    else:
+        what = "the supervisor of every device's server"
+    return f"`gms stop` (SIGTERM to pid {pid}, {what}): every layout released"
+
+
+def _over(t: m.TenantStatus) -> str:
+    from ..fsm.state import over_bounds
+
+    over = over_bounds(t.used_bytes, t.quota_bytes, t.metadata_bytes, t.metadata_quota, t.layouts, t.max_layouts)
+    return ", ".join(over) + " (cannot grow)" if over else "-"
+
+
+def _budget(budget: int | None, whole: str) -> str:
+    return f"budget {format_bytes(budget)}" if budget is not None else f"no budget ({whole})"
 
 
 def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
-    budget = state.budget_bytes
+    host_backend = state.backend == "host"
+    device = (
+        f"host memory (memfd) standing in for a GPU: the host backend, device {state.device}, {state.device_uuid}"
+        if host_backend else f"{state.backend}, device {state.device} ({state.device_name}) {state.device_uuid}"
+    )
     rows = [
         ("socket", path),
-        ("device", f"{state.backend}, device {state.device} ({state.device_name}) {state.device_uuid}"),
+        ("device", device),
         (
-            "gpu",
-            f"{format_bytes(state.used_bytes)} in layouts, budget {format_bytes(budget)}, "
+            "memory" if host_backend else "gpu",
+            f"{format_bytes(state.used_bytes)} in layouts, "
+            f"{_budget(state.budget_bytes, 'the whole capacity')}, "
             f"capacity {format_bytes(state.capacity_bytes)}, {format_bytes(state.device_free_bytes)} free",
         ),
         (
             "host tier",
-            f"{format_bytes(state.host_used_bytes)} of {format_bytes(state.host_budget_bytes)} budget"
+            f"{format_bytes(state.host_used_bytes)}, {_budget(state.host_budget_bytes, 'as host memory allows')}"
             + (f", pool {format_bytes(state.host_pool_bytes)} made ahead" if state.host_pool_bytes else ""),
         ),
         ("copier", state.copier + (f" (pid {state.copier_pid})" if state.copier_pid else "")),
@@ -95,18 +138,20 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (
             "handles",
-            f"gpu {state.server_handle_count} ({format_bytes(state.server_handle_bytes)}), "
+            f"{'device' if host_backend else 'gpu'} {state.server_handle_count} "
+            f"({format_bytes(state.server_handle_bytes)}), "
             f"host {state.host_handle_count} ({format_bytes(state.host_handle_bytes)}), "
             f"{state.allocations_cleared} cleared",
         ),
         ("events", f"{state.first_event_seq}..{state.last_event_seq} kept ({format_bytes(state.event_log_bytes)})"),
-        ("server", f"pid {state.pid}, up {state.uptime_s:.0f} s" if state.pid else "-"),
+        ("server", server_line(state)),
+        ("stop", stop_line(state)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     layouts = [
         (
-            r.name, r.state, r.residency, r.tier + (" (restoring)" if r.restoring else ""),
+            r.name, r.state, r.residency, _tier(r.tier, host_backend) + (" (restoring)" if r.restoring else ""),
             format_bytes(r.bytes), r.allocation_count, r.readers, "yes" if r.writer else "-",
             f"{r.waiting_writers}/{r.waiting_readers}", r.owner or "-", _ago(r.last_use_s),
             r.loads, r.restores, r.evictions, r.memory_layout_hash[:12] or "-",
@@ -125,10 +170,13 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions,
             format_bytes(t.metadata_bytes), format_bytes(t.metadata_quota),
             f"{t.layouts}/{'-' if t.max_layouts is None else t.max_layouts}",
+            _over(t),
         )
         for t in state.tenants
     ]
-    lines += ["", *_columns(("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS"), tenants)]
+    lines += ["", *_columns(
+        ("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS", "OVER"), tenants,
+    )]
     return "\n".join(lines)
 
 

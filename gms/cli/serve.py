@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from functools import partial
 
 from .. import paths
-from ..fds import reserve_fd_slots
 from ..cyclegc import install as install_frozen_heap
+from ..fds import reserve_fd_slots
 from ..heap import keep_big_blocks, return_big_blocks
+from ..launch import python_argv, safe_import_path
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .common import byte_count, pool_size
 
@@ -76,8 +78,14 @@ def register(sub) -> None:
     serve.add_argument("--max-metadata-keys", type=int, default=1 << 20, help="per layout")
     serve.add_argument("--max-layouts", type=int, default=4096, help="layouts on the server")
     serve.add_argument(
-        "--max-metadata-bytes", type=byte_count, default=1 << 30,
-        help="metadata keys and values of every layout, in the server's RAM (default 1GiB)",
+        "--max-metadata-bytes", type=byte_count, default=256 << 20,
+        help="metadata of every layout, in the server's RAM: keys, values and --metadata-entry-bytes "
+        "per entry (default 256MiB)",
+    )
+    serve.add_argument(
+        "--metadata-entry-bytes", type=byte_count, default=256,
+        help="what each metadata entry is charged beyond its key and value: its cost in the server's RAM "
+        "(default 256)",
     )
     serve.add_argument(
         "--tenant-metadata-quota", type=byte_count, default=64 << 20,
@@ -164,6 +172,7 @@ def server_config(args: argparse.Namespace):
         max_metadata_value_bytes=args.max_metadata_value_bytes,
         max_layouts=args.max_layouts,
         max_metadata_bytes=args.max_metadata_bytes,
+        metadata_entry_bytes=args.metadata_entry_bytes,
         tenant_metadata_quota=args.tenant_metadata_quota,
         tenant_max_layouts=args.tenant_max_layouts,
     )
@@ -179,6 +188,7 @@ def server_config(args: argparse.Namespace):
         host_pool_bytes=args.host_pool,
         host_chunk_bytes=args.host_chunk,
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
+        policy_file=args.policy,
         alloc_retry_interval=args.alloc_retry_interval,
         alloc_retry_timeout=args.alloc_retry_timeout,
         alloc_stock_bytes=args.alloc_stock,
@@ -220,13 +230,27 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _warn_unsafe_paths(args: argparse.Namespace) -> None:
+    """Say what root would import from folders others can write (docs/operations.md, "Running the daemon")."""
+    import gms
+
+    log = logging.getLogger("gms.serve")
+    for path in getattr(args, "dropped_import_paths", ()):
+        log.warning("not importing from %r: another user could put code there (run `gms serve`, "
+                    "or `python3 -P -m gms serve`)", path or "the working folder")
+    home = os.path.dirname(os.path.dirname(os.path.abspath(gms.__file__)))
+    if os.geteuid() == 0 and not safe_import_path(home):
+        log.warning("gms itself is installed in %s, which a user other than root can change: "
+                    "that user can run code as root in every gms process", home)
+
+
 def _keep(args: argparse.Namespace) -> int:
     """This process is the keeper; the server is its child, started with the same options."""
     import trio
 
     from ..keeper.run import keep_spawning
 
-    argv = [sys.executable, "-m", "gms", *getattr(args, "argv", ["serve"])]
+    argv = python_argv("gms", *getattr(args, "argv", ["serve"]))
     spare = {} if args.spare_after is None else {"spare_after": args.spare_after}
     return trio.run(partial(keep_spawning, argv, spare=not args.no_spare, **spare))
 
@@ -237,6 +261,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from ..policy import PolicyError
 
+    _warn_unsafe_paths(args)
     try:
         config = None if args.devices else server_config(args)
         if args.devices and args.policy:
@@ -264,6 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from ..server import SocketPathError, run_server
+    from ..server.restart.freshness import StaleCode
     from ..server.restart.resume import TakeOverRefused, Unresumable
 
     try:
@@ -274,6 +300,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for e in found:
                 print(f"gms serve: the take-over did not happen (the old server serves on): {e}", file=sys.stderr)
             return EXIT_REFUSED
+        if all(isinstance(e, StaleCode) for e in found):
+            for e in found:
+                print(f"gms serve: stepping aside for a server with the code in force: {e}", file=sys.stderr)
+            return 0
         if all(isinstance(e, Unresumable) for e in found):
             for e in found:
                 print(f"gms serve: the kept node cannot be served (its keeper keeps it): {e}", file=sys.stderr)

@@ -57,6 +57,9 @@ HandleInfo = m.GetAllocationResponse
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
 HEARTBEAT_MS = 1000  # asked of a server while a handshake waits for its lock
+# A live server answers a handshake, or says it waits (a heartbeat), within a
+# heartbeat: ten of them without a word is a server that accepted and hangs.
+FIRST_WORD_S = 10 * HEARTBEAT_MS / 1000
 DEFAULT_RECONNECT_TIMEOUT_S = 30.0
 # Requests that may wait for memory on the server (its --alloc-retry-timeout
 # decides how long): bounded by ``memory_timeout_s``, not ``call_timeout_s``.
@@ -270,7 +273,8 @@ class GMSClientMemoryManager:
             idle = self.call_timeout_s
             heartbeat = None if idle is None else max(100, min(HEARTBEAT_MS, int(idle * 1000 / 4)))
             request = m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes, expect_hash, heartbeat)
-            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle)
+            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle,
+                                         first_word=FIRST_WORD_S)
             if not response.success:
                 raise LockTimeoutError(
                     f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "

@@ -282,13 +282,19 @@ class RpcTransport:
         with self._lock:
             return self._broken(None)
 
-    def call(self, request: object, expect: type[T], timeout=_DEFAULT, *, idle: float | None = None) -> tuple[T, list[int]]:
+    def call(
+        self, request: object, expect: type[T], timeout=_DEFAULT, *, idle: float | None = None,
+        first_word: float | None = None,
+    ) -> tuple[T, list[int]]:
         """Send ``request``; return the ``expect`` response and the fds that came with it.
 
         ``timeout`` (seconds, None: no deadline) defaults to the transport's.
         ``idle``: the answer may take longer, as long as the server says at
         least this often that it still waits (``LockWaiting``, to a handshake
         that asked for it): silence for ``idle`` seconds is a timeout.
+        ``first_word``: the server's first word (an answer, or that it waits)
+        must come within this long, however long ``idle`` is (a server that
+        accepts and never answers is given up in seconds, not minutes).
         The caller owns (and must close) the returned fds.
         """
         frame = encode(request)
@@ -306,18 +312,21 @@ class RpcTransport:
             if sock is None:
                 raise GMSConnectionError("the connection is closed")
             overall = None if timeout is None else time.monotonic() + timeout
-            deadline = _sooner(overall, idle)
+            silence = idle if first_word is None or idle is None else min(idle, first_word)
+            deadline = _sooner(overall, silence)
             try:
                 self._send(sock, frame, deadline)
                 body, fds = self._read_frame(sock, time.perf_counter(), type(request), deadline)
                 while idle is not None and body is not None and not fds and _is_lock_waiting(body):
+                    silence = idle
                     deadline = _sooner(overall, idle)  # it still waits: silence is counted afresh
                     body, fds = self._read_frame(sock, None, type(request), deadline)
             except _Deadline:
                 self._close()  # the reply may still come: this stream cannot be trusted again
+                quiet = overall is None or (silence is not None and time.monotonic() < overall)
                 raise ResponseTimeoutError(
-                    f"no answer from the gms server at {self.socket_path} to {type(request).__name__} "
-                    f"within {timeout} s"
+                    f"no answer from the gms server at {self.socket_path} to {type(request).__name__}: "
+                    + (f"it said nothing for {silence:g} s" if quiet else f"none within {timeout:g} s")
                 ) from None
             except OSError as exc:
                 raise self._broken(exc) from exc

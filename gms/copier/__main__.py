@@ -13,6 +13,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..launch import drop_unsafe_import_paths
+
+    drop_unsafe_import_paths()  # (the server starts it with -P: nothing of the working folder is on it)
     parser = argparse.ArgumentParser(prog="python -m gms.copier", description=__doc__.splitlines()[0])
     parser.add_argument("--fd", type=int, help="the copier's end of the server's socketpair")
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))

@@ -109,8 +109,10 @@ def metadata_put(state: LayoutState, event: MetadataPut) -> LayoutState:
     if old is not None:
         size -= entry_bytes(old.key, old.value)
         keys = _unindex(keys, old.allocation_id, old.key)
-    keys = keys.set(event.allocation_id, keys.get(event.allocation_id, _EMPTY_KEYS).set(event.key, None))
-    entry = MetadataEntry(event.key, event.allocation_id, event.offset_bytes, event.value)
+    # The allocation's own id string, not the event's copy: one per allocation, not one per entry.
+    allocation_id = state.allocations[event.allocation_id].allocation_id
+    keys = keys.set(allocation_id, keys.get(allocation_id, _EMPTY_KEYS).set(event.key, None))
+    entry = MetadataEntry(event.key, allocation_id, event.offset_bytes, event.value)
     return replace(
         state, metadata=state.metadata.set(event.key, entry), keys_by_allocation=keys, metadata_bytes=size,
     )

@@ -9,8 +9,11 @@ from __future__ import annotations
 import attrs
 
 # Limits a log written before they existed did not enforce: folding such a log
-# must not refuse what its server accepted, so they read as "no bound" there.
-_ADDED_LATER = ("max_metadata_bytes", "tenant_metadata_quota", "tenant_max_layouts")
+# must not refuse what its server accepted, so they read as "no bound" there
+# (and its metadata entries as charged nothing but their bytes).
+_ADDED_LATER = {
+    "max_metadata_bytes": None, "tenant_metadata_quota": None, "tenant_max_layouts": None, "metadata_entry_bytes": 0,
+}
 
 
 @attrs.frozen
@@ -26,11 +29,16 @@ class Limits:
     max_allocation_bytes: int | None = None
     # Metadata (keys and values) lives in the daemon's RAM, not on the GPU:
     # bounded for the whole node, and per tenant by its metadata quota.
-    max_metadata_bytes: int | None = 1 << 30
+    max_metadata_bytes: int | None = 256 << 20
     # What a policy tenant gets where the policy names none (the fold reads each
     # tenant's resolved figures from SERVER_STARTED's ``tenant_limits``).
     tenant_metadata_quota: int | None = 64 << 20
     tenant_max_layouts: int | None = 256
+    # What a metadata entry costs beyond its key and value, charged to its owner's
+    # metadata quota and to the node's bound: the daemon's RAM per entry (its
+    # tuple, the maps' nodes, the index; about 220 bytes measured, docs/operations.md).
+    # Without it, 2 million 6-byte entries passed as 12 MB and cost 1.3 GiB.
+    metadata_entry_bytes: int = 256
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -40,5 +48,5 @@ class Limits:
         """Unknown names are ignored: a log from a newer server still folds.
         Limits added since a log was written are absent from it: unbounded."""
         names = {field.name for field in attrs.fields(cls)}
-        missing = {name: None for name in _ADDED_LATER if name not in values}
+        missing = {name: absent for name, absent in _ADDED_LATER.items() if name not in values}
         return cls(**missing, **{k: v for k, v in values.items() if k in names})

@@ -11,8 +11,9 @@ settled from the layout before and after, in O(1):
   GPU or evicted to the host: its quota bounds what it keeps in gms;
 * the node's ``gpu_bytes`` sums what is on the GPU now: the GPU budget bounds it;
 * ``host_bytes`` sums the host copies: the host budget bounds it;
-* a tenant is charged ``metadata_bytes`` (keys and values: the daemon's RAM)
-  for every layout it owns, bounded by its metadata quota, and the node's
+* a tenant is charged ``metadata_bytes`` (keys and values, and
+  ``Limits.metadata_entry_bytes`` per entry: the daemon's RAM) for every
+  layout it owns, bounded by its metadata quota, and the node's
   ``metadata_bytes`` sums them, bounded by ``max_metadata_bytes``;
 * a tenant counts the layouts it owns and those its sessions may write
   (``layout_refs``): its ``max_layouts`` bounds them.
@@ -44,6 +45,7 @@ from .state import (
     SessionInfo,
     TenantState,
     Tier,
+    charged_metadata,
 )
 
 __all__ = ["DEFAULT_TENANT", "EMPTY_NODE", "NodeState", "SessionInfo", "TenantState", "fold", "fold_all"]
@@ -76,7 +78,8 @@ def _settle(
     vacant = after.vacant
     was, now = before.owner, None if vacant else after.owner
     held = after.held_bytes - before.held_bytes
-    metadata = after.metadata_bytes - before.metadata_bytes
+    per_entry = node.limits.metadata_entry_bytes
+    metadata = after.metadata_bytes - before.metadata_bytes + (len(after.metadata) - len(before.metadata)) * per_entry
     layouts = node.layouts
     if not vacant:
         layouts = layouts.set(after.name, after)
@@ -93,9 +96,11 @@ def _settle(
     tenants = node.tenants
     if was != now:
         if was is not None:
-            tenants = _charge(tenants, was, -before.held_bytes, -before.metadata_bytes, -1, after.name, event)
+            tenants = _charge(
+                tenants, was, -before.held_bytes, -charged_metadata(before, per_entry), -1, after.name, event,
+            )
         if now is not None:
-            tenants = _charge(tenants, now, after.held_bytes, after.metadata_bytes, 1, after.name, event)
+            tenants = _charge(tenants, now, after.held_bytes, charged_metadata(after, per_entry), 1, after.name, event)
     elif now is not None and (held or metadata):
         tenants = _charge(tenants, now, held, metadata, 0, after.name, event)
     if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:

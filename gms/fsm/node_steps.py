@@ -12,7 +12,7 @@ from .errors import InvariantViolation
 from .events import Event, ServerResumed, ServerStarted, SessionClosed, SessionOpened
 from .limits import Limits
 from .replace import replace
-from .state import NodeState, SessionInfo, TenantState
+from .state import NodeState, SessionInfo, TenantState, charged_metadata
 
 
 def hold(event: Event, before: int, after: int, bound: int | None, what: str, *names: str) -> None:
@@ -54,8 +54,19 @@ def server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeStat
     """The new server's configuration replaces the old one's; a tenant the new
     policy does not name keeps its quotas (it may own layouts: they stay charged);
     one that ``tenant_limits`` does not name is unbounded in metadata and layouts
-    (a SERVER_RESUMED logged before those bounds existed)."""
+    (a SERVER_RESUMED logged before those bounds existed).  A new charge per
+    metadata entry recounts what every owner and the node are charged (one
+    pass over the layouts, not their entries)."""
+    limits = Limits.from_dict(event.limits)
     tenants = node.tenants
+    metadata_bytes = node.metadata_bytes
+    if limits.metadata_entry_bytes != node.limits.metadata_entry_bytes:
+        owed: dict[str, int] = {}
+        for layout in node.layouts.values():
+            if layout.owner is not None:
+                owed[layout.owner] = owed.get(layout.owner, 0) + charged_metadata(layout, limits.metadata_entry_bytes)
+        tenants = Map({name: replace(t, metadata_bytes=owed.get(name, 0)) for name, t in tenants.items()})
+        metadata_bytes = sum(owed.values())
     for name, quota in event.quotas.items():
         bounds = event.tenant_limits.get(name, {})
         tenant = tenants.get(name) or TenantState(name)
@@ -71,8 +82,9 @@ def server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeStat
         capacity_bytes=event.capacity_bytes,
         budget_bytes=event.budget_bytes,
         host_budget_bytes=event.host_budget_bytes,
-        limits=Limits.from_dict(event.limits),
+        limits=limits,
         tenants=tenants,
+        metadata_bytes=metadata_bytes,
         tick=tick,
     )
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import re
-from collections import Counter
 from collections.abc import Callable
 
 import attrs
@@ -85,7 +84,6 @@ from .events import (
     StateDiscarded,
 )
 from .folding import entry_bytes
-from .limits import Limits
 from .node_steps import observation, server_resumed, session_closed, session_opened
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
@@ -317,13 +315,16 @@ def _metadata_entry(node, layout: LayoutState, e: MetadataPut) -> None:
     old = layout.metadata.get(e.key)
     if old is None and len(layout.metadata) >= limits.max_metadata_keys:
         raise LimitExceeded(f"layout already holds {limits.max_metadata_keys} metadata keys")
-    more = entry_bytes(e.key, e.value) - (entry_bytes(old.key, old.value) if old is not None else 0)
+    more = entry_bytes(e.key, e.value) - (
+        entry_bytes(old.key, old.value) if old is not None else -limits.metadata_entry_bytes
+    )
     if more > 0:
         within_metadata_bounds(node, layout, more)
 
 
 def within_metadata_bounds(node, layout: LayoutState, more: int) -> None:
-    """Metadata is the daemon's RAM: the owner's metadata quota, then the node's bound."""
+    """Metadata is the daemon's RAM (keys, values, and each entry's own cost):
+    the owner's metadata quota, then the node's bound."""
     tenant = node.tenants[layout.owner]
     if tenant.metadata_quota is not None and tenant.metadata_bytes + more > tenant.metadata_quota:
         raise OverLimit(
@@ -471,44 +472,10 @@ def _resumable(node, layout: LayoutState | None, e: ServerResumed) -> None:
             f"the node holds {node.host_bytes} bytes of host copies, more than the new host budget of "
             f"{e.host_budget_bytes}"
         )
-    for name, quota in e.quotas.items():
-        tenant = node.tenants.get(name)
-        if tenant is not None and quota is not None and tenant.used_bytes > quota:
-            raise StateViolation(f"tenant {name!r} owns {tenant.used_bytes} bytes, more than its new quota of {quota}")
-    _resumable_bounds(node, e)
-
-
-def _resumable_bounds(node, e: ServerResumed) -> None:
-    """The metadata and layout bounds (issue 21's) the new server brings, against
-    what the node holds.  After a crash the dead sessions close right after
-    SERVER_RESUMED (their builds dropped): a tenant then counts only the built
-    layouts it owns."""
-    bound = Limits.from_dict(e.limits).max_metadata_bytes
-    if bound is not None and node.metadata_bytes > bound:
-        raise OverLimit(
-            "max_metadata_bytes", "node", node.metadata_bytes, 0, bound,
-            "the node keeps more metadata than the new server's bound",
-        )
-    owned = Counter(
-        layout.owner for layout in node.layouts.values() if layout.owner is not None and layout.writer is None
-    )
-    for name in e.quotas:
-        tenant = node.tenants.get(name)
-        if tenant is None:
-            continue
-        bounds = e.tenant_limits.get(name, {})
-        quota = bounds.get("metadata_quota")
-        if quota is not None and tenant.metadata_bytes > quota:
-            raise OverLimit(
-                "metadata_quota", "tenant", tenant.metadata_bytes, 0, quota,
-                f"tenant {name!r} keeps more metadata than its new quota",
-            )
-        most = bounds.get("max_layouts")
-        layouts = owned[name] if e.mode == "restart" else tenant.layouts
-        if most is not None and layouts > most:
-            raise OverLimit(
-                "max_layouts", "tenant", layouts, 0, most, f"tenant {name!r} holds more layouts than its new bound",
-            )
+    # Metadata bounds lowered under what is held (a tenant's policy, the node's
+    # bound, a new charge per entry) are applied, not refused: one tenant's policy,
+    # or an upgrade, must not stop the node.  What is over keeps what it holds
+    # and cannot grow until it is under (the fold's ``hold``; ``over_bounds``).
 
 
 # -- the table ------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ has a frozen fixture every later server must still read
 version; it reads the older ones, filling what they lack as their writers
 had it (version 1 came before issue 21's bounds: its tenants and node read
 as unbounded in metadata and layouts, and the counts those bounds keep are
-recounted from the layouts and sessions it carries).
+recounted from the layouts and sessions it carries; versions 1 and 2 came
+before a metadata entry was charged more than its bytes: their limits read
+``metadata_entry_bytes`` 0, as their totals were counted).
 
 Log entries travel to the keeper in the same terms (``encode_entries``): the
 event's kind and its fields by name, so a reader fills defaults for fields
@@ -42,8 +44,8 @@ from ..fsm.state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 from ..store import LogEntry
 
 MAGIC = b"gms-state"
-STATE_VERSION = 2  # what this server writes
-READABLE_VERSIONS = (1, 2)  # what it reads
+STATE_VERSION = 3  # what this server writes
+READABLE_VERSIONS = (1, 2, 3)  # what it reads
 
 
 class ImageError(ValueError):
@@ -141,12 +143,13 @@ def _limits_v1(limits: Limits) -> dict:
     return limits.as_dict()
 
 
-def metadata_rows(entries: Iterable[MetadataEntry]) -> list[list]:
-    """Metadata entries as a layout's ``metadata`` column holds them, sorted by key."""
-    return [[e.key, e.allocation_id, e.offset_bytes, e.value] for e in sorted(entries, key=_by_key)]
+def metadata_rows(entries: Iterable[MetadataEntry]) -> list[MetadataEntry]:
+    """Metadata entries as a layout's ``metadata`` column holds them, sorted by key:
+    each a row [key, allocation id, offset, value] (a MetadataEntry is that tuple)."""
+    return sorted(entries, key=_by_key)
 
 
-_by_key = operator.attrgetter("key")
+_by_key = operator.itemgetter(0)
 
 
 def _layout_v1(layout: LayoutState) -> dict:
@@ -241,13 +244,12 @@ def _read_layout_v1(d: dict) -> LayoutState:
         i: Allocation(allocation_id=i, size=size, aligned_size=aligned, tag=tag, layout_slot=slot)
         for i, size, aligned, tag, slot in d["allocations"]
     })
-    metadata = Map({
-        key: MetadataEntry(key=key, allocation_id=i, offset_bytes=offset, value=value)
-        for key, i, offset, value in d["metadata"]
-    })
+    ids = {i: i for i in allocations}  # each entry shares its allocation's id string (not one per entry)
+    entries = [MetadataEntry(key, ids.get(i, i), offset, value) for key, i, offset, value in d["metadata"]]
+    metadata = Map(zip(map(_by_key, entries), entries))
     keys: dict[str, dict[str, None]] = {}
-    for entry in metadata.values():
-        keys.setdefault(entry.allocation_id, {})[entry.key] = None
+    for key, allocation_id, _, _ in entries:
+        keys.setdefault(allocation_id, {})[key] = None
     return LayoutState(
         name=d["name"],
         writer=d["writer"],
@@ -413,14 +415,14 @@ def _read_node_v2(d: dict) -> NodeState:
     node = _read_node_v1({**d, "limits": {}, "tenants": []})
     return attrs.evolve(
         node,
-        limits=Limits(**dict(d["limits"])),
+        limits=Limits(**{"metadata_entry_bytes": 0, **dict(d["limits"])}),  # (version 2 had no such charge)
         tenants=Map({t.name: t for t in map(_read_tenant_v2, d["tenants"])}),
         metadata_bytes=d["metadata_bytes"],
     )
 
 
-def _read_v2(body: dict) -> StateImage:
-    image = _read_image(body, 2, _read_node_v2(body["node"]))
+def _read_v2(body: dict, version: int = 2) -> StateImage:
+    image = _read_image(body, version, _read_node_v2(body["node"]))
     return attrs.evolve(
         image,
         conns=tuple(
@@ -430,8 +432,25 @@ def _read_v2(body: dict) -> StateImage:
     )
 
 
-_WRITERS = {2: _body_v2}  # only the current version is written
-_READERS = {1: _read_v1, 2: _read_v2}
+# -- version 3: a metadata entry's own cost (Limits.metadata_entry_bytes) ---------------
+
+_LIMITS_V3 = (*_LIMITS_V2, "metadata_entry_bytes")
+
+
+def _body_v3(image: StateImage) -> dict:
+    body = _body_v2(image)
+    body["node"]["limits"] = [[name, getattr(image.state.limits, name)] for name in _LIMITS_V3]
+    return body
+
+
+def _read_v3(body: dict) -> StateImage:
+    if [name for name, _ in body["node"]["limits"]] != list(_LIMITS_V3):
+        raise ImageError(f"a version-3 image's limits are not {_LIMITS_V3}")
+    return _read_v2(body, 3)
+
+
+_WRITERS = {3: _body_v3}  # only the current version is written
+_READERS = {1: _read_v1, 2: _read_v2, 3: _read_v3}
 
 
 # -- the envelope --------------------------------------------------------------------

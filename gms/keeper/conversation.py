@@ -6,6 +6,7 @@ how a server's end is told (``describe``).  The keeper never parses a state.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import attrs
@@ -17,6 +18,15 @@ from .store import Store
 log = logging.getLogger("gms.keeper")
 
 BATCH_S = 0.005  # a keeper reads its server's frames at most this often (unless they pile up)
+SUPERVISOR_ENV = "GMS_SUPERVISOR_PID"  # set by ``gms serve --devices`` for its children
+
+
+def service_pid() -> int:
+    """The process whose SIGTERM stops this service cleanly (``gms stop``): the
+    ``gms serve --devices`` supervisor that started this keeper, else the keeper.
+    The supervisor's word is taken only from the process that is our parent."""
+    parent = os.getppid()
+    return parent if os.environ.get(SUPERVISOR_ENV) == str(parent) else os.getpid()
 
 
 @attrs.define
@@ -58,6 +68,7 @@ async def recv(sock: trio.socket.SocketType, reader: frames.FrameReader, lazy: b
 
 async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Frame) -> None:
     body, keyed = store.handback()
+    body.update(keeper_pid=os.getpid(), service_pid=service_pid())  # what `gms status` names
     await send(sock, "handback", body)
     for start in range(0, len(keyed), frames.MAX_FDS):
         batch = keyed[start : start + frames.MAX_FDS]
@@ -67,9 +78,10 @@ async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Fr
 
 async def converse(
     sock: trio.socket.SocketType, store: Store, pid: int, on_ready=lambda: None,
-    reader: frames.FrameReader | None = None, hello: frames.Frame | None = None,
+    reader: frames.FrameReader | None = None, hello: frames.Frame | None = None, on_taking=lambda: None,
 ) -> Outcome:
-    """One server, hello to EOF (``hello``: read already, with ``reader``)."""
+    """One server, hello to EOF (``hello``: read already, with ``reader``).
+    ``on_taking``: a spare said it has the hand-back."""
     outcome = Outcome(pid=pid)
     reader = reader or frames.FrameReader()
     try:
@@ -86,6 +98,8 @@ async def converse(
             elif said == "ready":  # (again after a stopping: a take-over that did not happen)
                 outcome.ready, outcome.why = True, None
                 on_ready()
+            elif said == "taking":
+                on_taking()
             elif said is not None and said.startswith("stopping:"):
                 outcome.why = said.split(":", 1)[1]
     except frames.ChannelClosed:

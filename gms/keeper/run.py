@@ -7,7 +7,8 @@ Two ways to run it:
   one when it dies: at once if it had served (or left on a signal); a server
   that dies before it serves (a crash loop) waits for a backoff that doubles
   from half a second to 30 s.  SIGTERM/SIGINT ask the server to
-  stop cleanly (it releases every layout) and then the keeper exits.
+  stop cleanly (it releases every layout) and then the keeper exits; SIGHUP
+  restarts the server (the next one serves the node, reading the policy again).
 * **listen** (``gms keeper --keeper-socket PATH``): servers in another
   container connect to it (Kubernetes: a pod's keeper and server containers
   share the folder); one store per device, one server per device at a time.
@@ -22,6 +23,7 @@ also pushes everything into systemd's fd store (``gms.keeper.systemd``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,7 +36,7 @@ from .. import sdnotify
 from ..handover import frames
 from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
 from .conversation import Outcome, converse, describe, recv, send
-from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn
+from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn, stopped
 from .store import Store
 from .systemd import SystemdMirror, restore
 
@@ -156,12 +158,20 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
     standing: Spare | None = None
     spare_asked = False  # a spare will be started (after spare_after)
     generation = 0  # servers started: a spare is made only while the one that served is still the one
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    serving = None  # the server process the node is with now
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         try:
             async with trio.open_nursery() as nursery:
 
                 async def on_signal() -> None:
                     async for signum in signals:
+                        if signum == signal.SIGHUP:  # `systemctl reload`: the next server reads the policy again
+                            if serving is not None and serving.returncode is None:
+                                log.info("SIGHUP: restarting server pid %d (it leaves the node to this keeper)",
+                                         serving.pid)
+                                with contextlib.suppress(ProcessLookupError):
+                                    os.kill(serving.pid, signal.SIGTERM)
+                            continue
                         log.info("%s: stopping the server (it releases every layout), then the keeper",
                                  signal.Signals(signum).name)
                         _notify("STOPPING=1")
@@ -188,7 +198,12 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                 while True:
                     started = trio.current_time()
                     generation += 1
-                    reader = hello = None
+                    reader = hello = taken = None
+                    served = trio.Event()
+                    if standing is not None and stopped(standing.proc.pid):
+                        log.warning("the spare server pid %d is stopped: starting another", standing.proc.pid)
+                        standing.discard()
+                        standing = None
                     if standing is not None:  # started ahead: once it said hello, the node is handed to it
                         with trio.move_on_after(SPARE_WAIT_S):
                             await standing.settled.wait()
@@ -212,9 +227,11 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                         log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
                     else:
                         proc, sock = await spawn(server_argv)
+                    serving = proc
 
                     def on_ready() -> None:
                         nonlocal notified_ready, spare_asked
+                        served.set()
                         if not notified_ready:
                             notified_ready = True
                             _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
@@ -239,7 +256,10 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                                 proc.kill()
 
                         inner.start_soon(ask_to_stop)
-                        outcome = await converse(sock, store, proc.pid, on_ready, reader=reader, hello=hello)
+                        if taken is not None:
+                            inner.start_soon(taken.watch_taking, served)
+                        outcome = await converse(sock, store, proc.pid, on_ready, reader=reader, hello=hello,
+                                                 on_taking=taken.took.set if taken is not None else lambda: None)
                         code = await proc.wait()
                         inner.cancel_scope.cancel()
                     sock.close()
@@ -270,14 +290,17 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
                         backoff = max(backoff, UNRESUMABLE_BACKOFF_S)  # a changed option or policy may serve it
                     if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
                         backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
-                    delay = 0.0 if outcome.why == "left" else backoff
+                    # Left on a signal, or a spare that stepped aside (its code was not the code in
+                    # force) or did not take the node promptly: the next one starts at once.
+                    at_once = outcome.why in ("left", "stale") or (taken is not None and taken.stalled)
+                    delay = 0.0 if at_once else backoff
                     log.error(
                         "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
                         outcome.pid, reason, f", {outcome.why}" if outcome.why else "",
                         "now" if delay == 0 else f"in {delay:.1f} s", len(store.fds),
                     )
                     _notify(f"STATUS=restarting the server ({reason})")
-                    if outcome.why != "left":
+                    if not at_once:
                         backoff = FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S)
                     with trio.move_on_after(delay):
                         await stopping.wait()

@@ -15,12 +15,25 @@ import attrs
 import trio
 
 from ..handover import frames
+from ..launch import child_env
 from .conversation import describe, recv, send
 
 log = logging.getLogger("gms.keeper")
 
 SPARE_AFTER_S = 2.0  # a spare starts this long after its server served (not beside that server's start)
 SPARE_WAIT_S = 10.0  # a server gone while its spare was still starting: how long the spare may still take
+SPARE_TAKE_S = 3.0  # a spare handed the node says it has it (``taking``) within this long
+STOPPED_S = 0.5  # a spare stopped this long (SIGSTOP, a debugger) before it serves is replaced
+WATCH_S = 0.05
+
+
+def stopped(pid: int) -> bool:
+    """Is the process stopped (by a signal, or traced)?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 async def spawn(server_argv: list[str]):
@@ -28,7 +41,7 @@ async def spawn(server_argv: list[str]):
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     argv = [*server_argv, "--keeper-fd", str(there.fileno())]
     try:
-        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),))
+        proc = await trio.lowlevel.open_process(argv, pass_fds=(there.fileno(),), env=child_env())
     except BaseException:
         here.close()
         raise
@@ -52,6 +65,8 @@ class Spare:
     settled: trio.Event = attrs.Factory(trio.Event)  # its hello came, or it went
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     taken: bool = False  # it is the server now
+    took: trio.Event = attrs.Factory(trio.Event)  # handed the node, it said ``taking``
+    stalled: bool = False  # handed the node, it did not take it promptly: killed
 
     async def stand_by(self) -> None:
         """Read its hello, answer ``standby``; return if it dies while it waits."""
@@ -70,6 +85,30 @@ class Spare:
             self.hello = None
             log.warning("the spare server pid %d ended while standing by (%s)", self.proc.pid,
                         describe(self.proc.returncode))
+
+    async def watch_taking(self, served: trio.Event) -> None:
+        """Handed the node, it must say so within SPARE_TAKE_S and never stand
+        stopped for STOPPED_S until it serves (``served``); else it is killed
+        (``stalled``) and the keeper starts a server from cold at once.  A spare
+        is handed the node the moment its server dies: nothing is served until
+        it serves, so one that is not running must not keep it."""
+        start = trio.current_time()
+        since = None  # when it was last seen stopped, if it still is
+        while not served.is_set():
+            now = trio.current_time()
+            since = (since or now) if stopped(self.proc.pid) else None
+            if not self.took.is_set() and now - start > SPARE_TAKE_S:
+                why = f"did not take the node within {SPARE_TAKE_S:g} s"
+            elif since is not None and now - since >= STOPPED_S:
+                why = f"stood stopped for {STOPPED_S:g} s"
+            else:
+                await trio.sleep(WATCH_S)
+                continue
+            log.warning("the spare server pid %d %s: killing it, and starting a server from cold",
+                        self.proc.pid, why)
+            self.stalled = True
+            self.proc.kill()
+            return
 
     def discard(self) -> None:
         """Not wanted (the keeper stops, or it died): nothing of the node is in it."""

@@ -103,6 +103,8 @@ class Store:
         elif kind == "ready":
             self.failed_resumes = 0
             return "ready"
+        elif kind == "taking":  # a spare has the hand-back: it is alive, and takes the node
+            return "taking"
         elif kind == "stopping":
             return f"stopping:{body.get('why', '')}"
         return None

@@ -26,6 +26,7 @@ class ServerConfig:
     host_pool_bytes: int | None = None  # pinned host memory made ahead of need (needs the copier); None: sized by the builds
     host_chunk_bytes: int = 64 << 20  # the pool's unit
     policy: Policy = OPEN_POLICY
+    policy_file: str | None = None  # where ``policy`` was read: read again by a spare taking a node
     alloc_retry_interval: float = 0.05
     alloc_retry_timeout: float | None = None
     # Small allocations made ahead of need (memory.Stock); None: 64 MiB on CUDA,

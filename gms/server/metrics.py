@@ -66,12 +66,19 @@ class _StateCollector:
         used = GaugeMetricFamily("gms_tenant_used_bytes", "Bytes a tenant keeps in gms", labels=["tenant"])
         quota = GaugeMetricFamily("gms_tenant_quota_bytes", "A tenant's quota in bytes", labels=["tenant"])
         sessions = GaugeMetricFamily("gms_tenant_sessions", "A tenant's handshaken connections", labels=["tenant"])
+        over = GaugeMetricFamily(
+            "gms_tenant_over_bound",
+            "1 for each bound a tenant holds more than (a policy lowered it): it cannot grow until under it",
+            labels=["tenant", "bound"],
+        )
         for name, tenant in state.tenants.items():
             used.add_metric([name], tenant.used_bytes)
             sessions.add_metric([name], tenant.sessions)
             if tenant.quota_bytes is not None:
                 quota.add_metric([name], tenant.quota_bytes)
-        yield from (layout_bytes, readers, info, waiting, used, quota, sessions)
+            for bound in tenant.over_bounds:
+                over.add_metric([name, bound], 1)
+        yield from (layout_bytes, readers, info, waiting, used, quota, sessions, over)
         keeper = core.keeper
         if keeper is not None:  # (a server without one has no keeper series)
             yield GaugeMetricFamily(

@@ -34,9 +34,10 @@ from .edge.admission import serve as serve_admitted
 from .edge.netio import Channel
 from .metrics import Metrics
 from .restart import succession
+from .restart.freshness import StaleCode, Started
 from .restart.mirror import DRAIN_S, MirroredLog
 from .restart.resume import TakeOverRefused, Unresumable
-from .restart.startup import open_link, prepare
+from .restart.startup import fresh_config, open_link, prepare
 from .service.core import ServiceCore
 from .service.quiesce import Quiesce
 from .service.session import Session, is_cancellation
@@ -147,6 +148,7 @@ class Server:
         host_tier: MemoryBackend | None = None,
     ) -> None:
         self.config = config
+        self.started = Started()  # its code as it started (a spare looks again when handed a node)
         self.backend = backend or open_backend(config.backend, config.device, config.host_capacity)
         if host_tier is None and config.host_tier:
             host_tier = open_host_tier(config.backend, config.device)
@@ -236,12 +238,20 @@ class Server:
             try:
                 # Blocking: nothing is served yet.  The device asked on its lane, like every backend call.
                 start = prepare(self.config, self.link, await gpu.device_info())
+                if self.link is not None and self.link.stood_by:  # a spare: what is in force now
+                    self.config = fresh_config(self.config, self.started)
             except TakeOverRefused:
                 self._refused()
                 raise
             except Unresumable as why:
                 logger.error("%s", why)
                 self.link.stopping("unresumable")
+                self.link.drain(DRAIN_S)
+                raise
+            except StaleCode as why:
+                logger.warning("this spare's code is not gms's on disk now (%s): the keeper starts a server "
+                               "with the code in force", why)
+                self.link.stopping("stale")
                 self.link.drain(DRAIN_S)
                 raise
             if start.retired:

@@ -411,6 +411,12 @@ class GetRuntimeStateResponse:
     keeper_backlog_bytes: int = 0
     keeper_behind_s: float = 0.0
     keepers_lost: int = 0
+    # Who to signal (extensions): the keeper's pid (0: none, or one that did not
+    # say), and the process whose SIGTERM stops the service cleanly (`gms stop`):
+    # the keeper, the `gms serve --devices` supervisor above it, or a server
+    # without a keeper itself (0: not known, a keeper in another container).
+    keeper_pid: int = 0
+    service_pid: int = 0
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""

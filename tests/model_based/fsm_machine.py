@@ -41,6 +41,7 @@ from gms.fsm import (
     decide_pin,
     decide_restore_finished,
     decide_restore_loading,
+    decide_resume,
     decide_session,
     fold,
     fold_all,
@@ -48,7 +49,7 @@ from gms.fsm import (
     queries,
     schedule,
 )
-from gms.fsm.events import RestoreLoading, ServerStarted, SessionClosed
+from gms.fsm.events import RestoreLoading, ServerResumed, ServerStarted, SessionClosed
 from gms.store import EventLog
 
 from .reference import ReferenceModel
@@ -62,7 +63,8 @@ LIMITS = Limits(
     max_key_bytes=6,
     max_tag_bytes=8,
     max_layouts=2,
-    max_metadata_bytes=24,  # two or three entries of up to 14 bytes (6-byte keys, 8-byte values)
+    max_metadata_bytes=28,  # two or three entries of up to 16 bytes (6-byte keys, 8-byte values, 2 each)
+    metadata_entry_bytes=2,  # an entry's own charge, besides its bytes
 )
 BUDGET = 16 * MiB
 HOST_BUDGET = 12 * MiB
@@ -73,7 +75,7 @@ TENANTS = {
     "t0": (0, set(), {"a"}),
 }
 # name: (metadata quota, max layouts); None: unbounded
-TENANT_LIMITS = {"t1": (16, 2), "t2": (None, 1), "t0": (0, 0)}
+TENANT_LIMITS = {"t1": (18, 2), "t2": (None, 1), "t0": (0, 0)}
 LAYOUTS = ["a", "b"]
 KEYS = ["k0", "k1", "k2", "k3", "k4", "", "too-long-key"]
 TAGS = ["weights", "kv_cache", "", "much-too-long"]
@@ -110,10 +112,11 @@ class FsmMachine(RuleBasedStateMachine):
         # Tiny retention, so replay goes through snapshots and cut chunks.
         self.log = EventLog(retain=24, chunk_size=4)
         self.events = []
-        quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
-        tenant_limits = {
-            name: {"metadata_quota": meta, "max_layouts": layouts} for name, (meta, layouts) in TENANT_LIMITS.items()
-        }
+        # The policy in force: a new server's (``new_policy``) replaces it.
+        self.quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
+        self.tenant_limits = dict(TENANT_LIMITS)
+        self.totals: dict[str, tuple[int, int, int]] = {}  # each tenant's bytes, metadata, layouts after the last step
+        quotas, tenant_limits = self.quotas, self._limits_field()
         self._append([
             ServerStarted(
                 0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(), layout="", tenant_limits=tenant_limits,
@@ -137,6 +140,9 @@ class FsmMachine(RuleBasedStateMachine):
         self.clock = 0
 
     # -- helpers ----------------------------------------------------------
+
+    def _limits_field(self) -> dict:
+        return {name: {"metadata_quota": meta, "max_layouts": most} for name, (meta, most) in self.tenant_limits.items()}
 
     def _tick(self) -> int:
         self.clock += 1
@@ -169,7 +175,7 @@ class FsmMachine(RuleBasedStateMachine):
 
     def _metadata_used(self, tenant: str | None = None) -> int:
         return sum(
-            len(key.encode()) + len(value)
+            len(key.encode()) + len(value) + LIMITS.metadata_entry_bytes
             for ref in self.refs.values() if tenant is None or ref.owner == tenant
             for key, (_, _, value) in ref.meta.items()
         )
@@ -250,7 +256,8 @@ class FsmMachine(RuleBasedStateMachine):
     def handshake(self, layout, lock, tenant, limit):
         conn = self.next_conn
         self.next_conn += 1
-        quota, writes, reads = TENANTS[tenant]
+        _, writes, reads = TENANTS[tenant]
+        quota = self.quotas[tenant]
         may_write, may_read = layout in writes, layout in reads | writes
         code, events = self._decide(
             lambda: decide_session(
@@ -266,9 +273,9 @@ class FsmMachine(RuleBasedStateMachine):
             expected = "INVALID_ARGUMENT"
         elif (
             effective != "RO"
-            and TENANT_LIMITS[tenant][1] is not None
+            and self.tenant_limits[tenant][1] is not None
             and layout not in self._tenant_layouts(tenant)
-            and len(self._tenant_layouts(tenant)) >= TENANT_LIMITS[tenant][1]
+            and len(self._tenant_layouts(tenant)) >= self.tenant_limits[tenant][1]
         ):
             expected = "LIMIT_EXCEEDED"  # the tenant's max_layouts
         elif effective != "RO" and self.refs[layout].vacant() and sum(
@@ -313,7 +320,7 @@ class FsmMachine(RuleBasedStateMachine):
             del ref.allocs[alloc_id]  # decided below, after the node's checks
             ref.next_slot -= 1
             _, tenant, limit = self.sessions[conn]
-            quota = TENANTS[tenant][0]
+            quota = self.quotas[tenant]
             used = sum(r.bytes() for r in self.refs.values() if r.owner == tenant)
             if limit is not None and ref.bytes() + aligned(size) > limit:
                 expected = "QUOTA_EXCEEDED"
@@ -350,8 +357,10 @@ class FsmMachine(RuleBasedStateMachine):
         old = ref.meta.get(key)
         expected = ref.metadata_put(conn, key, alloc_id, offset, value)
         if expected is None:
-            more = len(key.encode()) + len(value) - (len(key.encode()) + len(old[2]) if old else 0)
-            meta_quota = TENANT_LIMITS[ref.owner][0]
+            more = len(key.encode()) + len(value) - (
+                len(key.encode()) + len(old[2]) if old else -LIMITS.metadata_entry_bytes
+            )
+            meta_quota = self.tenant_limits[ref.owner][0]
             if more > 0:  # judged with the entry taken back out
                 if old is None:
                     del ref.meta[key]
@@ -484,6 +493,27 @@ class FsmMachine(RuleBasedStateMachine):
             del self.locks[conn]
             self._pump(layout)
 
+    # -- a new policy -------------------------------------------------------------
+
+    @precondition(lambda self: any(t.used_bytes or t.metadata_bytes for t in self.log.state.tenants.values()))
+    @rule(
+        quotas=st.fixed_dictionaries({name: st.sampled_from([None, 0, 2 * MiB, 6 * MiB, 12 * MiB]) for name in TENANTS}),
+        meta=st.fixed_dictionaries({name: st.sampled_from([None, 0, 10, 18]) for name in TENANTS}),
+        most=st.fixed_dictionaries({name: st.sampled_from([None, 0, 1, 2]) for name in TENANTS}),
+    )
+    def new_policy(self, quotas, meta, most):
+        """A take-over by a server with another policy (every session goes on).  A
+        tenant's bound lowered under what it holds is applied, never refused: it
+        keeps what it holds and cannot grow past the bound (issue 48)."""
+        self.quotas = quotas
+        self.tenant_limits = {name: (meta[name], most[name]) for name in TENANTS}
+        resumed = ServerResumed(
+            0, "take-over", 1, "a new policy", 2, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(),
+            layout="", tenant_limits=self._limits_field(),
+        )
+        self._append(decide_resume(self.log.state, resumed))
+        assert {n: t.quota_bytes for n, t in self.log.state.tenants.items()} == quotas
+
     # -- residency ----------------------------------------------------------------
 
     @rule(layout=st.sampled_from(LAYOUTS))
@@ -577,6 +607,12 @@ class FsmMachine(RuleBasedStateMachine):
             assert (layout.residency.value, layout.tier.value, set(layout.host_copies), layout.owner) == (
                 ref.residency, ref.tier, ref.host, ref.owner,
             )
+        for name, tenant in state.tenants.items():  # a total over its bound never grew (the fold's hold)
+            now = (tenant.used_bytes, tenant.metadata_bytes, tenant.layouts)
+            bounds = (tenant.quota_bytes, tenant.metadata_quota, tenant.max_layouts)
+            for total, before, bound in zip(now, self.totals.get(name, now), bounds):
+                assert bound is None or total <= bound or total <= before, (name, now, bounds)
+            self.totals[name] = now
         for tenant in TENANTS:
             charged = sum(ref.bytes() for ref in self.refs.values() if ref.owner == tenant)
             sessions = sum(1 for _, t, _ in self.sessions.values() if t == tenant)

@@ -162,6 +162,29 @@ def metadata_flood(path: str, seconds: float, value_bytes: int) -> dict:
     return {"puts": puts, "refusals": refusals, "first_refusal": first}
 
 
+def metadata_fill(path: str, layout: str, batch: int = 200) -> dict:
+    """As many tiny entries (a short key, a 1-byte value) as the tenant's metadata
+    quota takes, pipelined ``batch`` at a time, then the layout committed: the
+    most entries a tenant can make the daemon hold (issue 48's 2 million)."""
+    conn = RawConn(path)
+    assert answer(conn, m.HandshakeRequest("RW", 5000, layout)).success
+    allocation_id = answer(conn, m.AllocateRequest(1, "w")).allocation_id
+    stored, first, n = 0, None, 0
+    while first is None:
+        conn.send_raw(b"".join(encode(m.MetadataPutRequest(f"k{i}", allocation_id, 0, b"v"))
+                               for i in range(n, n + batch)))
+        for _ in range(batch):
+            response, _ = conn.recv(60)
+            if isinstance(response, m.ErrorResponse):
+                first = first or refusal(response)
+            else:
+                stored += 1
+        n += batch
+    assert answer(conn, m.CommitRequest()).success
+    conn.close()
+    return {"entries": stored, "first_refusal": first}
+
+
 def metadata_churn(path: str, seconds: float, value_bytes: int, keys: int) -> dict:
     """Values of ``value_bytes`` put under ``keys`` keys in turn, for ever replaced:
     within the tenant's metadata quota, never refused, every value new to the log
@@ -193,6 +216,32 @@ def unread_scans(path: str, seconds: float, layout: str, scans: int) -> dict:
     time.sleep(seconds)
     conn.close()
     return {"scans": scans}
+
+
+def trickled_scans(path: str, seconds: float, layout: str, scans: int, chunk: int = 40 << 10,
+                   every: float = 0.1) -> dict:
+    """Ask for the layout's whole metadata ``scans`` times in one go, then read
+    the answers as a trickle: ``chunk`` bytes every ``every`` seconds (issue 48's
+    client: it always reads something, so "no byte moved" never saw it)."""
+    conn = RawConn(path)
+    assert answer(conn, m.HandshakeRequest("RO", 5000, layout)).success
+    for _ in range(scans):
+        conn.send(m.MetadataScanRequest(""))
+    got, stop = 0, time.monotonic() + seconds
+    conn.sock.settimeout(every)
+    while time.monotonic() < stop:
+        try:
+            data = conn.sock.recv(chunk)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        if not data:
+            break
+        got += len(data)
+        time.sleep(every)
+    conn.close()
+    return {"scans": scans, "read": got}
 
 
 def cpu_hog(path: str, seconds: float) -> dict:

@@ -23,9 +23,11 @@ Needs root (it runs processes as other uids); CI runs the suite as root.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import shutil
+import signal
 import threading
 import time
 import urllib.request
@@ -36,7 +38,15 @@ from gms.client import admin
 from gms.client.probes import get_event_history, get_runtime_state
 from gms.wire import messages as m
 
-from ..helpers import MiB, RawConn, ServerProcess, build_layout, connect_as, wait_until
+from ..helpers import (
+    MiB,
+    RawConn,
+    ServerProcess,
+    build_layout,
+    connect_as,
+    state_or_none,
+    wait_until,
+)
 from .common import daemon_rss, is_root, open_dir, record, scale, summary_ms
 from .tenants import (
     AsUid,
@@ -45,9 +55,11 @@ from .tenants import (
     cpu_hog,
     layout_flood,
     metadata_churn,
+    metadata_fill,
     metadata_flood,
     partial_frames,
     reader_loop,
+    trickled_scans,
     unread_scans,
 )
 
@@ -372,20 +384,26 @@ def test_a_tenant_churning_big_values_costs_the_daemon_twice_what_it_stores(star
            growth_per_stored=round((max(watch.rss) - base) / stored, 2), **figures)
 
 
-def test_unread_answers_cannot_hold_a_take_over_nor_pause_the_server(start):
+@pytest.mark.parametrize("reads", ["nothing", "a trickle"])
+def test_unread_answers_cannot_hold_a_take_over_nor_pause_the_server(start, reads):
     """Issue 32: a tenant that pipelined two big metadata scans and read none of the
     answers froze every session for ~30 s at a take-over's quiet point (a send
-    never parks), and the take-over failed after 31.7 s.  Now an answer that
-    moves no byte for a second at a quiet point loses its client."""
+    never parks), and the take-over failed after 31.7 s.  Issue 48: one that read
+    them as a trickle (40 KiB every 0.1 s) did the same, the "moved no byte" rule
+    blind to it.  Now an answer still being sent 0.5 s after the pause loses its
+    client (quiesce.STUCK_S), however it reads: the take-over waits no longer."""
+    from gms.server.service.quiesce import STUCK_S
+
     server = start()
     writer = connect_as(server.socket, VICTIM)
     assert writer.handshake("RW", layout="shared").success
     (allocation,) = build_layout(writer, sizes=(2 * MiB,))
-    for n in range(16):
+    for n in range(14):
         assert writer.call(m.MetadataPutRequest(f"big{n}", allocation.allocation_id, 0, bytes([n]) * MiB)).success
     assert writer.call(m.CommitRequest()).success
     writer.close()
-    attacker = AsUid(ATTACKER, unread_scans, server.socket, 6.0, "shared", 2)
+    scans = unread_scans if reads == "nothing" else trickled_scans
+    attacker = AsUid(ATTACKER, scans, server.socket, 6.0, "shared", 2)
     victim = AsUid(VICTIM, reader_loop, server.socket, "v-model", 5.0)
     attacker.go()
     victim.go()
@@ -401,11 +419,65 @@ def test_unread_answers_cannot_hold_a_take_over_nor_pause_the_server(start):
         attacker.result(60)
         assert hit["error_count"] == 0, hit["errors"]
         slowest = max(hit["latencies"])
-        assert took < 10 and slowest < 3, (took, slowest)  # (was: every session paused until the attacker left)
-        assert "read none of its answer" in server.log, "the old server dropped the client that read nothing"
-        record("isolation", "unread big answers at a take-over", setup="keeper" if server.keeper else "no-keeper",
-               take_over_s=round(took, 2), victim_slowest_ms=round(slowest * 1000, 1),
-               victim_reads=len(hit["latencies"]))
+        # (was: every session paused until the attacker left, or the take-over gave up)
+        assert took < 10 and slowest < 3, (took, slowest)
+        assert f"within {STUCK_S:g} s of a take-over's pause" in server.log, "the old server dropped that client"
+        record("isolation", f"big answers read as {reads} at a take-over",
+               setup="keeper" if server.keeper else "no-keeper", take_over_s=round(took, 2),
+               victim_slowest_ms=round(slowest * 1000, 1), victim_reads=len(hit["latencies"]))
+    finally:
+        new.kill()
+
+
+# What a tenant at its default metadata quota may add to a restart and to a take-over's
+# pause (docs/reliability.md): about 250,000 small entries, measured at 1.7 s and 1.9 s
+# on the 2-core host; asserted with room for a loaded CI box.
+STORED_BOUND_S = 8.0
+
+
+def test_what_a_tenant_may_store_bounds_a_restart_and_a_take_over(start):
+    """Issue 48: 2 million 6-byte entries (12 MB: 18% of the default metadata quota,
+    when an entry was charged its bytes alone) grew the daemon to 1.3 GiB, and a
+    SIGKILL then served again after 29.8 s, a take-over paused every tenant 37.2 s.
+    Now an entry is charged its own cost too (Limits.metadata_entry_bytes): a tenant
+    at the default 64 MiB quota stores about 250,000 (the CI run: a quarter of the
+    quota), and a restart and a take-over's pause stay within STORED_BOUND_S."""
+    from gms.fsm import Limits
+
+    quota = scale(16 * MiB, Limits().tenant_metadata_quota)
+    policy = POLICY.replace(f'metadata_quota = "{METADATA_QUOTA}"', f"metadata_quota = {quota}")
+    server = start("--max-metadata-bytes", "1GiB", policy=policy)
+    filler = AsUid(ATTACKER, metadata_fill, server.socket, "x-entries")
+    filler.go()
+    got = filler.result(600)
+    first = got["first_refusal"]
+    assert (first["limit"], first["scope"]) == ("metadata_quota", "tenant"), first
+    per_entry = Limits().metadata_entry_bytes
+    assert got["entries"] * per_entry < quota < got["entries"] * (per_entry + 16), got["entries"]
+    wait_until(lambda: server.state().keeper != "behind", timeout=60, what="the keeper caught up")
+
+    old = server.state().pid
+    killed_at = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (s := state_or_none(server.socket)) and s.pid != old, timeout=120, interval=0.005,
+               what="the next server")
+    restart_s = time.monotonic() - killed_at
+    assert server.layout("x-entries").committed
+
+    victim = AsUid(VICTIM, reader_loop, server.socket, "v-model", 6.0)
+    victim.go()
+    time.sleep(1.0)
+    old = server.state().pid
+    new = ServerProcess(server.tmp_path, "--take-over", "--handover-timeout", "60", socket_path=server.socket,
+                        keeper=server.keeper)
+    try:
+        wait_until(lambda: new.state().pid != old, timeout=120, what="the new server serving")
+        hit = victim.result(120)
+        assert hit["error_count"] == 0, hit["errors"]
+        pause_s = max(hit["latencies"])
+        assert restart_s < STORED_BOUND_S and pause_s < STORED_BOUND_S, (restart_s, pause_s)
+        record("isolation", "a tenant's metadata at its quota: restart and take-over", entries=got["entries"],
+               quota_mib=quota // MiB, restart_s=round(restart_s, 2), take_over_pause_s=round(pause_s, 2))
     finally:
         new.kill()
 

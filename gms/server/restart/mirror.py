@@ -64,6 +64,7 @@ from ...handover import frames
 from ...handover.image import STATE_VERSION, StateImage, encode_entries, encode_image
 from ...handover.journal import PartWriter
 from ...heap import give_back_free_memory
+from ...peer import peer_of
 from ...store import EventLog, LogEntry
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
@@ -123,6 +124,19 @@ class Handback:
     features: frozenset = frozenset()
 
 
+def _keeper_pids(sock: socket.socket, body: dict) -> tuple[int, int]:
+    """(keeper, service) pids as the keeper named them, where the kernel bears
+    them out: the socket's peer is that keeper (or this process, which made the
+    channel for a keeper it started).  A keeper seen from another pid namespace
+    (another container) names pids that mean nothing here: (0, 0)."""
+    keeper, service = (v if type(v) is int and v > 0 else 0 for v in (body.get("keeper_pid"), body.get("service_pid")))
+    try:
+        seen = peer_of(sock).pid
+    except OSError:
+        seen = 0
+    return (keeper, service) if seen in (keeper, os.getpid()) and keeper else (0, 0)
+
+
 class KeeperGone(Exception):
     """The keeper channel broke."""
 
@@ -144,6 +158,8 @@ class KeeperLink:
         self.sock: socket.socket | None = None
         self.alive = False
         self.lost = 0  # keepers lost since the start
+        self.keeper_pid = self.service_pid = 0  # as the keeper named them at its hand-back
+        self.stood_by = False  # this server was a spare: the node came long after it started
         self._keeper_keys: set[str] = set()
         self._parts: bool = False
         self._writer = PartWriter()
@@ -217,6 +233,7 @@ class KeeperLink:
                 sock.settimeout(None)
                 head = frames.recv_frame(sock, reader)
                 sock.settimeout(timeout)
+                self.stood_by = True
             if head.kind != "handback":
                 head.close_fds()
                 raise KeeperGone(f"the keeper answered {head.kind!r}, not a hand-back")
@@ -234,6 +251,8 @@ class KeeperLink:
                         listener = fd
                     else:
                         fds[key] = fd
+            if self.stood_by:  # a spare says it is alive and has the node (else the keeper starts another)
+                frames.send_frame(sock, "taking", {})
         except (OSError, frames.FrameError) as exc:
             raise KeeperGone(f"the keeper channel broke during the hand-back: {exc}") from exc
         finally:
@@ -241,6 +260,7 @@ class KeeperLink:
         body = head.body
         features = frozenset(body.get("features", ()))
         self._parts = PARTS in features
+        self.keeper_pid, self.service_pid = _keeper_pids(sock, body)
         self._keeper_keys = set(fds) | ({LISTENER} if listener is not None else set())
         return Handback(
             mode=body["mode"], listener=listener, base=body.get("base"), tails=tuple(body.get("tails", ())),

@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from ... import files
 from ...cuda import DeviceInfo, align_up
+from ...cyclegc import paused
 from ...fsm import (
     InvariantViolation,
     MemoryTier,
@@ -108,10 +110,11 @@ def rebuild(
     """(image, log, next conn) from a keeper's journal; raises Unreplayable.
     ``resumed`` makes the log (the server's: a ``MirroredLog`` with its link)."""
     try:
-        image = decode_base(base)
-        entries = [entry for tail in tails for entry in decode_entries(tail)]
-        log_ = resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
-        check_invariants(log_.state)
+        with paused():
+            image = decode_base(base)
+            entries = [entry for tail in tails for entry in decode_entries(tail)]
+            log_ = resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
+            check_invariants(log_.state)
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc
     next_conn = max([image.next_conn] + [entry.event.conn + 1 for entry in entries])
@@ -124,10 +127,12 @@ def save_journal(
     """Write a journal that did not rebuild where ``gms replay`` reads it: one
     JSON line per event, after a first line with the base image (hex) when
     there is one; what does not decode is kept as hex too.  Returns the path."""
-    os.makedirs(folder, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = os.path.join(folder, f"gms-unreplayable-{label}-{stamp}-{os.getpid()}.jsonl")
-    with open(path, "w") as out:
+    name = f"gms-unreplayable-{label}-{stamp}-{os.getpid()}.jsonl"
+    path = os.path.join(folder, name)
+    # Every tenant's metadata is in it: readable by the daemon's user alone, and
+    # never written through a link planted in the folder (gms.files).
+    with files.write_new(folder, name, 0o600) as out:
         out.write(json.dumps({"kind": "GMS_JOURNAL", "reason": reason}) + "\n")
         if base is not None:
             try:

@@ -20,16 +20,18 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from functools import partial
 
 import attrs
 
 from ...cuda import DeviceInfo
+from ...launch import child_env, python_argv
 from ...paths import device_id
 from ...peer import own_uids, require_peer
+from ...policy import PolicyError
 from ..config import ServerConfig
+from .freshness import Started, in_force
 from .mirror import KeeperLink, MirroredLog
 from .resume import (
     Handed,
@@ -138,8 +140,8 @@ def spawn_keeper(argv: list[str]) -> socket.socket:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         subprocess.Popen(
-            [sys.executable, "-m", "gms", "keeper", "--adopt-fd", str(theirs.fileno()), "--", *argv],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            python_argv("gms", "keeper", "--adopt-fd", str(theirs.fileno()), "--", *argv),
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=child_env(),
         )
     except BaseException:
         ours.close()
@@ -160,7 +162,7 @@ def server_argv(argv: list[str]) -> list[str]:
             skip = True
         elif not word.startswith("--keeper-fd="):
             out.append(word)
-    return [sys.executable, "-m", "gms", *out]
+    return python_argv("gms", *out)
 
 
 def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -> Start:
@@ -222,6 +224,16 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
     return Start(listener, handed=handed, link=link)
 
 
+def fresh_config(config: ServerConfig, started: Started) -> ServerConfig:
+    """A spare handed a node: the configuration in force now (gms.server.restart.freshness).
+    Raises StaleCode, or Unresumable where the policy no longer loads (as a server
+    started cold would stop: exit 78, the keeper keeping the node)."""
+    try:
+        return in_force(config, started)
+    except PolicyError as exc:
+        raise Unresumable(f"the policy cannot be used: {exc}") from None
+
+
 def _close_handback(handback, listener) -> None:
     """This server's copies of what the keeper handed back (the keeper keeps its own)."""
     for fd in handback.fds.values():
@@ -257,4 +269,4 @@ def _label(config: ServerConfig) -> str:
         return f"device-{config.device}"
 
 
-__all__ = ["Discarded", "Start", "TakeOverRefused", "open_link", "prepare", "take_over"]
+__all__ = ["Discarded", "Start", "TakeOverRefused", "fresh_config", "open_link", "prepare", "take_over"]

@@ -22,6 +22,7 @@ import sys
 import attrs
 import trio
 
+from ... import files
 from ...fsm.events import StateDiscarded
 from ...handover.image import StateImage
 from ...peer import peer_of
@@ -255,15 +256,13 @@ def ready_file(path: str | None, ready: bool) -> None:
     A file that cannot be written (a full disk, say) is said, never fatal: the node matters more."""
     if path is None:
         return
+    folder, name = os.path.split(os.path.abspath(path))
     try:
         if ready:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "w") as out:
+            with files.write_new(folder, name, 0o644) as out:  # (no link followed: gms.files)
                 out.write(f"{os.getpid()}\n")
         else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+            files.remove(folder, name)
     except OSError as exc:
         log.error("the ready file %s could not be %s: %s", path, "written" if ready else "removed", exc)
 

@@ -38,10 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 
 import attrs
 import trio
 
+from ...cyclegc import paused
 from ...fsm import check_invariants
 from ...handover import frames
 from ...handover.image import (
@@ -127,6 +129,24 @@ def _hand_over_blocking(sock: socket.socket, first: bytes, image: bytes, keyed, 
     if frame.kind == "commit":
         return "commit"
     return f"{frame.kind}: {frame.body.get('reason', '')}"
+
+
+def listening_socket(fd: int) -> None:
+    """Is ``fd`` a listening Unix stream socket (what a server hands over as its
+    listener)?  ImageError if not: the take-over is refused, not served from it."""
+    try:
+        mode = os.fstat(fd).st_mode
+        probe = socket.socket(fileno=os.dup(fd)) if stat.S_ISSOCK(mode) else None
+    except OSError as exc:
+        raise ImageError(f"the handed listener is unusable: {exc}") from None
+    if probe is None:
+        raise ImageError("the handed listener is not a socket")
+    with probe:
+        ok = (probe.family, probe.type) == (socket.AF_UNIX, socket.SOCK_STREAM) and probe.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+        )
+    if not ok:
+        raise ImageError("the handed listener is not a listening Unix stream socket")
 
 
 async def hand_over(server, channel: Channel, protocol, request: m.TakeOverRequest) -> None:
@@ -314,9 +334,11 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
         try:
             if listener is None:
                 raise ImageError("the running server handed over no listening socket")
-            image = decode_image(image_frame.body["image"])
-            # Checked as a restart's journal is: a forged or broken image is refused, not served.
-            check_invariants(image.state)
+            listening_socket(listener)
+            with paused():
+                image = decode_image(image_frame.body["image"])
+                # Checked as a restart's journal is: a forged or broken image is refused, not served.
+                check_invariants(image.state)
         except Exception as exc:  # noqa: BLE001 - whatever does not check out is refused, not served
             _close_fds([fd for fd in [listener, *offer_fds.values(), *conn_fds.values()] if fd is not None])
             abort(sock, str(exc))

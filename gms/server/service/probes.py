@@ -88,10 +88,11 @@ def history_entry(entry: LogEntry) -> dict:
 def keeper_status(keeper) -> dict:
     """The keeper's fields of the runtime state (``none``: the server runs without one)."""
     if keeper is None:
-        return {"keeper": "none"}
+        return {"keeper": "none", "service_pid": os.getpid()}
     return {
         "keeper": keeper.state, "keeper_backlog_bytes": keeper.backlog_bytes(),
         "keeper_behind_s": round(keeper.behind_s(), 3), "keepers_lost": keeper.lost,
+        "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid,
     }
 
 
@@ -155,7 +156,7 @@ class Probes:
             device_name=info.name,
             device_uuid=info.uuid,
             capacity_bytes=state.capacity_bytes,
-            budget_bytes=state.budget_bytes if state.budget_bytes is not None else state.capacity_bytes,
+            budget_bytes=state.budget_bytes,
             used_bytes=state.gpu_bytes,
             host_budget_bytes=state.host_budget_bytes,
             host_used_bytes=state.host_bytes,

@@ -53,7 +53,7 @@ from ..edge.reply import Reply, UnknownRequest, error_reply
 from ..metrics import Metrics
 from .core import ServiceCore
 from .placement import OutOfMemoryTimeout
-from .quiesce import Parked, Quiesce, only_parked
+from .quiesce import STUCK_S, Parked, Quiesce, only_parked
 from .requests import HANDLERS
 from .waits import Waits
 
@@ -131,8 +131,8 @@ class Session:
         self._scope.cancel()
 
     def drop_stuck(self) -> None:
-        """A take-over's quiet point found this session's answer stuck (its client
-        reads nothing): end the session, as a failed send would."""
+        """A take-over's quiet point found this session still sending its answer
+        (its client reads slowly or not at all): end it, as a failed send would."""
         self._stuck = True
         self._scope.cancel()
 
@@ -168,7 +168,7 @@ class Session:
                     await self._finish_pending()
                 await self._serve()
             if self._stuck:
-                raise SendFailed("its client read none of its answer while the server waited for a quiet point")
+                raise SendFailed(f"its client did not take its answer within {STUCK_S:g} s of a take-over's pause")
             if self._revoked:
                 log.info("conn %d (pid %d): lock revoked by an admin", self.conn, self.peer.pid)
             elif self._scope.cancelled_caught:
@@ -401,6 +401,8 @@ class Session:
     async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
         restored = False  # by the copier: then the reader is granted a plain RO
         if grant.restore:
+            if request.heartbeat_ms:  # a word before the restore's waits: this server is alive
+                self.channel.send_if_idle(encode(m.LockWaiting(0)))
             layout = self.core.state.layout(request.layout)
             try:
                 with self._waiting_for(Waiting.RESTORE):

@@ -26,13 +26,13 @@ import logging
 import math
 import signal
 import socket
-import sys
 from collections.abc import Callable
 
 import attrs
 import trio
 
 from ...copier import messages as msg
+from ...launch import child_env, python_argv
 
 log = logging.getLogger("gms.server.copier")
 
@@ -73,10 +73,7 @@ class CopierLink:
         log_level: str = "warning",
         ready_timeout: float = READY_TIMEOUT_S,
     ) -> None:
-        self.argv = [
-            sys.executable, "-m", "gms.copier", "--backend", backend, "--device", str(device),
-            "--log-level", log_level,
-        ]
+        self.argv = python_argv("gms.copier", "--backend", backend, "--device", str(device), "--log-level", log_level)
         self.state = "starting"  # starting, running, down (between copiers), stopped
         self.pid = 0
         self.engine = ""
@@ -183,7 +180,7 @@ class CopierLink:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             process = await trio.lowlevel.open_process(
-                [*self.argv, "--fd", str(child.fileno())], pass_fds=(child.fileno(),)
+                [*self.argv, "--fd", str(child.fileno())], pass_fds=(child.fileno(),), env=child_env()
             )
         except OSError as exc:
             parent.close()

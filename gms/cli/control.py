@@ -1,0 +1,163 @@
+"""``gms stop`` and ``gms restart``: the service's life, by the signals its processes answer.
+
+The server names who to signal (``gms status``): ``gms stop`` sends SIGTERM
+to the process that runs the service (the keeper, or the ``gms serve
+--devices`` supervisor above it, or a server without a keeper), which stops
+its server cleanly, releasing every layout, and waits until the socket is
+gone.  ``gms restart`` sends SIGTERM to the server alone: it leaves its node
+to its keeper, which starts the next server with every layout (clients ride
+through), reading the options, the policy and the code again.  The kernel
+decides who may signal whom: root, or the service's own user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from ..errors import GMSError
+from .common import client_error, positive_seconds, socket_of, target_args
+
+DEFAULT_WAIT_S = 60.0
+
+
+class ControlError(Exception):
+    """What the command cannot do, said as one line."""
+
+
+def register(sub) -> None:
+    stop = sub.add_parser(
+        "stop", help="stop the service (keeper, server, spare, copier): every layout is released",
+    )
+    restart = sub.add_parser(
+        "restart",
+        help="start the next server under the same keeper: every layout kept, clients ride through, "
+        "the policy and the code read again",
+    )
+    for parser, handler in ((stop, cmd_stop), (restart, cmd_restart)):
+        target_args(parser)
+        parser.add_argument(
+            "--wait", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="SECONDS",
+            help=f"how long to wait for it to be done (default {DEFAULT_WAIT_S:g})",
+        )
+        parser.set_defaults(handler=handler)
+
+
+def is_gms(pid: int) -> bool:
+    """Is ``pid`` a gms process (its command line names gms)?  A pid read from a
+    server a moment ago may be another process's by now: never signal that."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().split(b"\0")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no /proc to look in: the server's word will do
+    return any(os.path.basename(w) == b"gms" or w.startswith(b"gms") for w in words[:4])
+
+
+def signal_process(pid: int, signum: int, what: str) -> None:
+    if not is_gms(pid):
+        raise ControlError(f"pid {pid} ({what}) is not a gms process (any more): nothing sent")
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        raise ControlError(f"pid {pid} ({what}) is gone already") from None
+    except PermissionError:
+        raise ControlError(
+            f"not allowed to signal pid {pid} ({what}): run this as root or as the user that started the service"
+        ) from None
+
+
+def _state(path: str, timeout: float):
+    from ..client.probes import get_runtime_state
+
+    return get_runtime_state(path, timeout=timeout)
+
+
+def _until(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise ControlError(f"{what} within {seconds:g} s (--wait waits longer)")
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or one only its parent has yet to reap."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def stop(path: str, *, timeout: float, wait: float) -> str:
+    state = _state(path, timeout)
+    pid = state.service_pid
+    if not pid:
+        raise ControlError(
+            f"the server on {path} names no process to stop: its keeper runs in another container "
+            "(gms keeper) or is of an older gms; stop that keeper, or the server with SIGTERM"
+        )
+    if pid == state.pid:
+        what = "the server, which runs without a keeper"
+    elif pid == state.keeper_pid:
+        what = "the keeper"
+    else:
+        what = "the supervisor of every device's server (gms serve --devices)"
+    signal_process(pid, signal.SIGTERM, what)
+    _until(lambda: _gone(pid), wait, f"pid {pid} ({what}) did not stop")
+    return f"stopped: pid {pid} ({what}) released every layout and ended"
+
+
+def restart(path: str, *, timeout: float, wait: float) -> str:
+    state = _state(path, timeout)
+    if state.keeper == "none":
+        raise ControlError(
+            f"the server on {path} runs without a keeper (--no-keeper): a restart would lose every layout. "
+            "Replace it live with `gms serve --take-over` (same socket), or stop and start it"
+        )
+    old = state.pid
+    signal_process(old, signal.SIGTERM, "the server")
+
+    def new_server() -> bool:
+        try:
+            return _state(path, timeout).pid not in (0, old)
+        except GMSError:
+            return False
+
+    _until(new_server, wait, f"no new server answered on {path} after pid {old}")
+    now = _state(path, timeout)
+    return f"restarted: server pid {old} -> {now.pid}, {len(now.layouts)} layouts kept"
+
+
+def _run(verb: str, action, args: argparse.Namespace) -> int:
+    try:
+        print(action(socket_of(args), timeout=args.timeout, wait=args.wait))
+    except GMSError as exc:
+        print(client_error(verb, exc), file=sys.stderr)
+        return 1
+    except ControlError as exc:
+        print(f"gms {verb}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    return _run("stop", stop, args)
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    return _run("restart", restart, args)
