@@ -40,6 +40,7 @@ from gms import (
     StaleMemoryLayoutError,
 )
 from gms.errors import LockTimeoutError
+from gms.handover.words import Leaving, Say
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, build_layout, descendants, kill_tree, state_or_none, wait_until
@@ -275,12 +276,13 @@ def test_a_journal_that_cannot_be_resumed_nor_saved_is_kept(tmp_path):
             said = []
             try:
                 while True:
-                    said.append(store.apply(frames.recv_frame(conn, reader)))
+                    frame = frames.recv_frame(conn, reader)
+                    said.append((store.apply(frame), frame.body.get("why")))
             except frames.ChannelClosed:
                 pass
         output = server.communicate(timeout=30)[0]
         assert server.returncode == 78, output
-        assert said == ["stopping:unresumable"], "it told its keeper to keep the node"
+        assert said == [(Say.STOPPING, Leaving.UNRESUMABLE)], "it told its keeper to keep the node"
         assert sorted(store.fds) == ["gpu:w0", "gpu:w1"] and store.base == base, "nothing let go"
         assert "could not be saved" in output
     finally:

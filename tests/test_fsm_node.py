@@ -353,3 +353,30 @@ def test_a_fold_step_that_leaves_its_rule_s_moves_stops_the_fold(monkeypatch):
     monkeypatch.setitem(rules.RULES, RwAbort, attrs.evolve(rules.RULES[RwAbort], step=lambda layout, event: layout))
     with pytest.raises(InvariantViolation, match="RW_ABORT took layout 'w' from RW/gpu to RW/gpu"):
         fold_all([RwAbort(1, layout="w")], state)
+
+
+def test_every_event_declares_what_it_releases_and_whether_a_restart_keeps_it():
+    """Issue 50: what an event releases and whether a restart must keep it are
+    columns of its rule, declared by every row (a row that leaves one out does
+    not load), not sets kept elsewhere: forgetting ``lasting`` would let an
+    answer leave before the keeper holds the change."""
+    from gms.fsm import EVENT_TYPES, LASTING
+    from gms.fsm import folding as steps
+    from gms.fsm.events import RwConnect
+    from gms.fsm.rules import ANY_LOCK, NODE_ONLY, RULES, Rule, Who
+
+    assert set(EVENT_TYPES.values()) == set(RULES) | set(NODE_ONLY)
+    for kind, rule in RULES.items():
+        assert isinstance(rule.lasting, bool), kind
+        assert rule.releases is None or callable(rule.releases), kind
+    with pytest.raises(TypeError, match="releases|lasting"):
+        Rule(Who.ANYONE, ANY_LOCK, step=steps.unchanged)
+    assert LASTING == {
+        "SERVER_STARTED", "SERVER_RESUMED", "STATE_DISCARDED", "RW_CONNECT", "RW_COMMIT", "RESIDENCY_SET",
+        "LAYOUT_EVICTED", "RESTORE_FINISHED", "LAYOUT_LOST",
+    }
+    assert [kind for kind, rule in RULES.items() if rule.owns] == [RwConnect]
+    assert {kind.KIND: rule.releases.__name__ for kind, rule in RULES.items() if rule.releases} == {
+        "RW_CONNECT": "everything", "RW_ABORT": "everything", "ALLOCATION_FREED": "one_allocation",
+        "LAYOUT_EVICTED": "gpu_copy", "RESTORE_ABORTED": "half_restored", "LAYOUT_LOST": "everything",
+    }

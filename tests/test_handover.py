@@ -23,6 +23,7 @@ from gms.fsm import (
 )
 from gms.fsm.events import LayoutLost, RwAbort, ServerResumed
 from gms.handover import frames
+from gms.handover.words import Say
 from gms.handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
@@ -372,7 +373,7 @@ def test_the_keeper_keeps_what_the_server_says_and_hands_it_back():
     store.apply(frames.Frame("base", {"image": b"IMG2", "keys": ["listener"]}))  # a base drops the rest
     assert sorted(store.fds) == ["listener"] and store.tails == []
     assert ("gpu:b", False) in told and ("gpu:a", False) in told
-    assert store.apply(frames.Frame("stopping", {"why": "taken-over"})) == "stopping:taken-over"
+    assert store.apply(frames.Frame("stopping", {"why": "taken-over"})) is Say.STOPPING
     store.drop_node(keep_listener=False)
     store.retired = True
     assert store.handback() == ({"mode": "retired", "features": ["parts"]}, []) and not store.fds

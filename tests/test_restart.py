@@ -560,3 +560,37 @@ def test_a_keeper_slow_to_read_is_waited_for_not_dropped(tmp_path):
     assert reader.metadata_get("k31")[2] == bytes([31]) * (MiB - 64), "the last event reached the keeper"
     reader.close()
     server.stop()
+
+
+@pytest.mark.parametrize("why, code, ready, holds, stalled, backoff, expected", [
+    # a clean stop, a take-over done or refused: the keeper ends
+    ("shutdown", 0, True, False, False, 0.0, ("done", 0)),
+    ("taken-over", 0, True, True, False, 0.0, ("done", 0)),
+    ("refused", 75, False, True, False, 0.0, ("done", 75)),
+    (None, 75, False, True, False, 0.0, ("done", 75)),
+    # a server that could not start, and no node to keep: the same options would fail again
+    (None, 78, False, False, False, 0.0, ("done", 78)),
+    (None, 1, False, False, False, 0.0, ("done", 1)),
+    # ... with a node: kept, and tried again after the unresumable back-off
+    (None, 78, False, True, False, 0.0, ("again", 5.0, 10.0)),
+    ("unresumable", 78, False, True, False, 0.0, ("again", 5.0, 10.0)),
+    # it served, then died: the next at once (a SIGKILL), the back-off armed for a crash loop
+    (None, -9, True, True, False, 4.0, ("again", 0.0, 0.5)),
+    # a crash loop before serving: the back-off doubles, to 30 s
+    (None, 70, False, True, False, 0.5, ("again", 0.5, 1.0)),
+    (None, 70, False, True, False, 20.0, ("again", 20.0, 30.0)),
+    # a signal, a stale spare, a stalled one: the next at once, the back-off untouched
+    ("left", -15, True, True, False, 0.0, ("again", 0.0, 0.0)),
+    ("stale", 0, False, True, False, 0.5, ("again", 0.0, 0.5)),
+    (None, -9, False, True, True, 0.5, ("again", 0.0, 0.5)),
+])
+def test_what_the_keeper_does_once_a_server_is_gone(why, code, ready, holds, stalled, backoff, expected):
+    """The spawning keeper's restart policy, one table (gms.keeper.run.after_server)."""
+    from gms.handover.words import Leaving
+    from gms.keeper.conversation import Outcome
+    from gms.keeper.run import Again, after_server
+
+    outcome = Outcome(why=Leaving(why) if why else None, ready=ready, pid=7)
+    then = after_server(outcome, code, holds_node=holds, stalled=stalled, backoff=backoff, ran_s=1.0)
+    got = ("again", then.delay, then.backoff) if isinstance(then, Again) else ("done", then.code)
+    assert got == expected

@@ -67,8 +67,8 @@ from .residency import (
     plan_evictions,
     why_not_evictable,
 )
-from .resume import LASTING, decide_resume, held_memory
-from .rules import RULES, Rule, Who, fold_layout, parse_residency
+from .resume import decide_resume, held_memory
+from .rules import LASTING, RULES, Rule, Who, fold_layout, parse_residency
 from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 

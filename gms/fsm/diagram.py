@@ -50,7 +50,10 @@ def _checks(rule: Rule) -> str:
     return "; ".join(names) or "-"
 
 
-_FLAGS = {"uses": "uses the layout", "releases": "may release memory", "makes_room": "may make room"}
+_FLAGS = {
+    "owns": "its writer's tenant owns the layout", "uses": "uses the layout", "makes_room": "may make room",
+    "lasting": "**kept by a restart**",
+}
 
 
 def _does(rule: Rule) -> str:
@@ -58,6 +61,8 @@ def _does(rule: Rule) -> str:
     where = "layout" if rule.step is not None else "node"
     step = (rule.step or rule.node_step).__name__
     flags = [text for flag, text in _FLAGS.items() if getattr(rule, flag)]
+    if rule.releases is not None:
+        flags.insert(2, f"releases `{rule.releases.__name__}`")
     return f"`{step}` on the {where}" + "".join(f"; {text}" for text in flags)
 
 

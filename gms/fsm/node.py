@@ -34,7 +34,7 @@ from immutables import Map
 
 from . import rules
 from .errors import InvariantViolation
-from .events import Event, RwConnect, ServerStarted
+from .events import Event, ServerStarted
 from .node_steps import hold, refer, server_started
 from .replace import rebuilt, replace, stamp
 from .state import (
@@ -49,10 +49,6 @@ from .state import (
 )
 
 __all__ = ["DEFAULT_TENANT", "EMPTY_NODE", "NodeState", "SessionInfo", "TenantState", "fold", "fold_all"]
-
-# Events after which a layout counts as used (LRU order): their rules say so.
-_USES = rules.kinds("uses")
-
 
 # -- layout events: fold the layout, settle the accounting ---------------------------------
 
@@ -152,10 +148,9 @@ def _hold_bounds(
 def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState, rule: rules.Rule) -> NodeState:
     after = rule.step(before, event)
     rules.check_move(rule, event, before, after)
-    kind = type(event)
-    if kind is RwConnect:
+    if rule.owns:
         after = stamp(after, before, owner=node.sessions[event.conn].tenant, last_use=tick)
-    elif kind in _USES:
+    elif rule.uses:
         after = stamp(after, before, last_use=tick)
     return _settle(node, before, after, event, tick)
 

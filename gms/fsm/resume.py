@@ -25,17 +25,6 @@ from .events import Event, LayoutLost, ServerResumed
 from .node import NodeState, fold_all
 from .sessions import decide_disconnect
 
-# Events whose effect a restart keeps: the node's own, and what changes a
-# committed layout (a writer's grant clears one, a commit makes one, an
-# eviction, a pin, a finished restore, a loss).  The rest concern sessions and
-# their locks, which a restart ends, uncommitted builds, which it drops, or are
-# observations.  An answer that tells a client of a lasting change must not
-# go out before the keeper has it; any other answer need not wait.
-LASTING = frozenset({
-    "SERVER_STARTED", "SERVER_RESUMED", "STATE_DISCARDED", "RW_CONNECT", "RW_COMMIT", "RESIDENCY_SET",
-    "LAYOUT_EVICTED", "RESTORE_FINISHED", "LAYOUT_LOST",
-})
-
 
 def decide_resume(
     node: NodeState,

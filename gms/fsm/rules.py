@@ -85,6 +85,7 @@ from .events import (
 )
 from .folding import entry_bytes
 from .node_steps import observation, server_resumed, session_closed, session_opened
+from .releases import ReleaseFn, everything, gpu_copy, half_restored, one_allocation
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -137,8 +138,17 @@ class Rule:
     needs_layout: bool = True  # False: node events that may name no layout
     # What it does beyond its fold step, for the shell and the LRU order:
     uses: bool = False  # the layout counts as used after it (the eviction order)
-    releases: bool = False  # it may release memory (gms.fsm.effects says which)
     makes_room: bool = False  # an idle layout may have become evictable (a lock let go, a residency set)
+    owns: bool = False  # the writer's tenant becomes the layout's owner (charged for it)
+    # Declared by every row (no default): the memory it releases, read from the
+    # layout before it (a function of gms.fsm.releases; None: none), and whether
+    # a restart keeps what it did (``lasting``: the node's configuration, or a
+    # committed layout made, cleared, dropped, evicted, restored or pinned).  An
+    # answer that tells of a lasting change leaves only once the keeper holds
+    # it (gms.server.restart.mirror); a restart keeps nothing else (no session,
+    # lock, unfinished build or restore half done).
+    releases: ReleaseFn | None = attrs.field(kw_only=True)
+    lasting: bool = attrs.field(kw_only=True)
     # What it does: one of the two, its fold step.
     step: LayoutStep | None = None  # on the layout it names (the node settles the bytes)
     node_step: NodeStep | None = None  # on the node (the server's resume, sessions)
@@ -489,92 +499,111 @@ RULES: dict[type[Event], Rule] = {
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
         (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped")),
-        uses=True, releases=True, step=steps.rw_connect,
+        uses=True, owns=True, releases=everything, lasting=True, step=steps.rw_connect,
     ),
     RwCommit: Rule(
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit", uses=True,
-        makes_room=True, step=steps.rw_commit,
+        makes_room=True, releases=None, lasting=True, step=steps.rw_commit,
     ),
-    RwAbort: Rule(Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=True, step=steps.rw_abort),
+    RwAbort: Rule(
+        Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=everything, lasting=False,
+        step=steps.rw_abort,
+    ),
     RoConnect: Rule(
         Who.SESSION, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU), uses=True,
-        step=steps.ro_connect,
+        releases=None, lasting=False, step=steps.ro_connect,
     ),
     RoDisconnect: Rule(
         Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last")), uses=True, makes_room=True,
-        step=steps.ro_disconnect,
+        releases=None, lasting=False, step=steps.ro_disconnect,
     ),
     # the writer's layout
     AllocationCreated: Rule(
         Who.WRITER, stays(RW), stays(GPU),
         (_new_allocation, _allocation_sizes, _allocation_admitted), action="allocate",
-        step=steps.allocation_created,
+        releases=None, lasting=False, step=steps.allocation_created,
     ),
     AllocationFreed: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free", releases=True,
-        step=steps.allocation_freed,
+        Who.WRITER, stays(RW), stays(GPU), (_known_allocation, _unreferenced), action="free",
+        releases=one_allocation, lasting=False, step=steps.allocation_freed,
     ),
     MetadataPut: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put", step=steps.metadata_put,
+        Who.WRITER, stays(RW), stays(GPU), (_metadata_entry,), action="metadata_put", releases=None, lasting=False,
+        step=steps.metadata_put,
     ),
     MetadataDeleted: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete", step=steps.metadata_deleted,
+        Who.WRITER, stays(RW), stays(GPU), (_known_key,), action="metadata_delete", releases=None, lasting=False,
+        step=steps.metadata_deleted,
     ),
     HostCopyCreated: Rule(
-        Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies", step=steps.host_copy_created,
+        Who.WRITER, stays(RW), stays(GPU), (_host_copy_admitted,), action="host copies", releases=None,
+        lasting=False, step=steps.host_copy_created,
     ),
     # residency
     ResidencySet: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU), (_residency_field,), action="pin", makes_room=True,
-        step=steps.residency_set,
+        releases=None, lasting=True, step=steps.residency_set,
     ),
     LayoutEvicted: Rule(
         Who.ANYONE,
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
         (Move(GPU, HOST, "system"), Move(GPU, GPU, "unpinned: a fresh layout")),
-        (_not_pinned,), action="evict", refusal=NotEvictable, releases=True, step=steps.layout_evicted,
+        (_not_pinned,), action="evict", refusal=NotEvictable, releases=gpu_copy, lasting=True,
+        step=steps.layout_evicted,
     ),
     RestoreClaimed: Rule(
-        Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True, step=steps.restore_claimed,
+        Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True, releases=None,
+        lasting=False, step=steps.restore_claimed,
     ),
     RestoreLoading: Rule(
         Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"),), (_restore_admitted,),
-        step=steps.restore_loading,
+        releases=None, lasting=False, step=steps.restore_loading,
     ),
     RestoreFinished: Rule(
         Who.RESTORER, stays(RO), (Move(RESTORING, GPU, "filled: the restorer reads"),), uses=True, makes_room=True,
-        step=steps.restore_finished,
+        releases=None, lasting=True, step=steps.restore_finished,
     ),
     RestoreAborted: Rule(
-        Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES, releases=True, makes_room=True,
-        step=steps.restore_aborted,
+        Who.RESTORER, (Move(RO, COMMITTED),), EVICTED_LEAVES, makes_room=True, releases=half_restored,
+        lasting=False, step=steps.restore_aborted,
     ),
     # a restarted server found the layout's memory gone: dropped whole, once nobody holds it
     LayoutLost: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
-        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=True, step=steps.layout_lost,
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=everything, lasting=True,
+        step=steps.layout_lost,
     ),
     # a new server with the node's state
-    ServerResumed: Rule(Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False, node_step=server_resumed),
+    ServerResumed: Rule(
+        Who.ANYONE, ANY_LOCK, checks=(_resumable,), needs_layout=False, releases=None, lasting=True,
+        node_step=server_resumed,
+    ),
     # sessions
     SessionOpened: Rule(
-        Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False, node_step=session_opened,
+        Who.ANYONE, ANY_LOCK, checks=(_session_admitted,), needs_layout=False, releases=None, lasting=False,
+        node_step=session_opened,
     ),
-    SessionClosed: Rule(Who.ANYONE, ANY_LOCK, checks=(_session_ends,), node_step=session_closed),
-    # observations: they change nothing
-    AllocationOomWait: Rule(Who.HOLDER, stays(RW, RO), step=steps.unchanged),
-    AllocationOomGaveUp: Rule(Who.HOLDER, stays(RW, RO), step=steps.unchanged),
-    LockTimeout: Rule(Who.SESSION, ANY_LOCK, step=steps.unchanged),
-    SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
-    LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK, node_step=observation),
-    ConnectionDropped: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
-    StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, node_step=observation),
+    SessionClosed: Rule(
+        Who.ANYONE, ANY_LOCK, checks=(_session_ends,), releases=None, lasting=False, node_step=session_closed,
+    ),
+    # observations: they change nothing (a STATE_DISCARDED is kept: it says why the node started empty)
+    AllocationOomWait: Rule(Who.HOLDER, stays(RW, RO), releases=None, lasting=False, step=steps.unchanged),
+    AllocationOomGaveUp: Rule(Who.HOLDER, stays(RW, RO), releases=None, lasting=False, step=steps.unchanged),
+    LockTimeout: Rule(Who.SESSION, ANY_LOCK, releases=None, lasting=False, step=steps.unchanged),
+    SessionRefused: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False, node_step=observation),
+    LayoutRevoked: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, node_step=observation),
+    ConnectionDropped: Rule(
+        Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False, node_step=observation,
+    ),
+    StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
 }
-NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event
+NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event (lasting: the configuration)
+# The kinds whose effect a restart keeps (their rows' ``lasting``, and the start).
+LASTING = frozenset({ServerStarted.KIND} | {kind.KIND for kind, rule in RULES.items() if rule.lasting})
 
 
 def kinds(flag: str) -> frozenset[type[Event]]:
-    """The event types whose rule has ``flag`` (``uses``, ``releases``, ``makes_room``)."""
+    """The event types whose rule has ``flag`` (``uses``, ``releases``, ``makes_room``, ``owns``, ``lasting``)."""
     return frozenset(kind for kind, rule in RULES.items() if getattr(rule, flag))
 
 

@@ -13,6 +13,7 @@ import attrs
 import trio
 
 from ..handover import frames
+from ..handover.words import Leaving, Say
 from .store import Store
 
 log = logging.getLogger("gms.keeper")
@@ -33,7 +34,7 @@ def service_pid() -> int:
 class Outcome:
     """How one server's conversation ended."""
 
-    why: str | None = None  # what the server said before it went ("shutdown", "taken-over", ...)
+    why: Leaving | None = None  # what the server said before it went
     ready: bool = False
     pid: int = 0
 
@@ -69,11 +70,11 @@ async def recv(sock: trio.socket.SocketType, reader: frames.FrameReader, lazy: b
 async def hand_back(sock: trio.socket.SocketType, store: Store, hello: frames.Frame) -> None:
     body, keyed = store.handback()
     body.update(keeper_pid=os.getpid(), service_pid=service_pid())  # what `gms status` names
-    await send(sock, "handback", body)
+    await send(sock, Say.HANDBACK, body)
     for start in range(0, len(keyed), frames.MAX_FDS):
         batch = keyed[start : start + frames.MAX_FDS]
-        await send(sock, "fds", {"keys": [k for k, _ in batch]}, [fd for _, fd in batch])
-    await send(sock, "end")
+        await send(sock, Say.FDS, {"keys": [k for k, _ in batch]}, [fd for _, fd in batch])
+    await send(sock, Say.END)
 
 
 async def converse(
@@ -87,21 +88,22 @@ async def converse(
     try:
         if hello is None:
             hello = await recv(sock, reader)
-        if hello.kind != "hello":
+        if hello.kind != Say.HELLO:
             raise frames.FrameError(f"a server began with {hello.kind!r}, not hello")
         outcome.pid = hello.body.get("pid", pid)
         await hand_back(sock, store, hello)
         while True:
-            said = store.apply(await recv(sock, reader, lazy=True))
-            if said == "released":  # its fds are closed: a session waiting for memory may try again
-                await send(sock, "released")
-            elif said == "ready":  # (again after a stopping: a take-over that did not happen)
+            frame = await recv(sock, reader, lazy=True)
+            said = store.apply(frame)
+            if said is Say.RELEASED:  # its fds are closed: a session waiting for memory may try again
+                await send(sock, Say.RELEASED)
+            elif said is Say.READY:  # (again after a stopping: a take-over that did not happen)
                 outcome.ready, outcome.why = True, None
                 on_ready()
-            elif said == "taking":
+            elif said is Say.TAKING:
                 on_taking()
-            elif said is not None and said.startswith("stopping:"):
-                outcome.why = said.split(":", 1)[1]
+            elif said is Say.STOPPING:
+                outcome.why = Leaving.read(frame.body.get("why", ""))
     except frames.ChannelClosed:
         pass
     except (OSError, frames.FrameError, ValueError) as exc:

@@ -30,10 +30,12 @@ import signal
 import socket
 import stat
 
+import attrs
 import trio
 
 from .. import sdnotify
 from ..handover import frames
+from ..handover.words import Leaving, Say
 from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
 from .conversation import Outcome, converse, describe, recv, send
 from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn, stopped
@@ -73,18 +75,20 @@ def settle(store: Store, outcome: Outcome, reason: str, code: int | None = None)
     a node only when told to (a shutdown, a take-over): whatever else happened,
     the node waits for the next server."""
     why = outcome.why
-    if why == "taken-over":
+    if why is Leaving.TAKEN_OVER:
         store.drop_node(keep_listener=False)
         store.retired = True
-    elif why in ("shutdown", "refused"):
+    elif why in (Leaving.SHUTDOWN, Leaving.REFUSED):
         store.drop_node(keep_listener=False)
     else:
         if not outcome.ready and store.base is not None and failed_by_itself(code):
             store.failed_resumes += 1
-        if why == "left":
+        if why is Leaving.LEFT:
             reason = f"it left its node to the keeper on a signal ({reason})"
-        elif why == "unresumable":
+        elif why is Leaving.UNRESUMABLE:
             reason = f"it could not serve the node ({reason})"
+        elif why is Leaving.STALE:
+            reason = f"its code was not gms's on disk now ({reason})"
         store.old_pid, store.reason = outcome.pid, reason
 
 
@@ -141,9 +145,56 @@ def _notify(state: str) -> None:
 # -- spawn -----------------------------------------------------------------------------
 
 
-async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None, *,
-                        spare: bool = True, spare_after: float = SPARE_AFTER_S) -> int:
-    """Start ``server_argv`` (plus ``--keeper-fd N``) again and again; returns the exit code.
+@attrs.frozen
+class Again:
+    """Start the next server after ``delay`` seconds; ``backoff``: the one after that, if it fails too."""
+
+    delay: float
+    backoff: float
+
+
+@attrs.frozen
+class Done:
+    """The keeper ends with ``code``."""
+
+    code: int
+    why: str
+
+
+def after_server(
+    outcome: Outcome, code: int | None, *, holds_node: bool, stalled: bool, backoff: float, ran_s: float,
+) -> Again | Done:
+    """What the keeper does once a server is gone (pure: the policy in one place).
+
+    It ends when told to (a clean stop; a take-over, done or refused), and when
+    a server could not start and there is no node to keep for one that could.
+    Otherwise the next server starts: at once after a server that served (or
+    left on a signal, or a spare that stepped aside or stalled), else after a
+    back-off that doubles from FIRST_BACKOFF_S to MAX_BACKOFF_S (a crash loop),
+    at least UNRESUMABLE_BACKOFF_S after one that could not serve the node (a
+    changed option or policy may)."""
+    why = outcome.why
+    if why is Leaving.SHUTDOWN:
+        return Done(code or 0, "the server stopped")
+    if why is Leaving.TAKEN_OVER:
+        return Done(0, "the server was taken over by another (its keeper holds the node now)")
+    if why is Leaving.REFUSED or code == EXIT_REFUSED:
+        return Done(EXIT_REFUSED, "the take-over did not happen; the old server serves on")
+    if (code == EXIT_CONFIG or (code == 1 and not outcome.ready)) and not holds_node:
+        # The same options would fail again (a socket another server holds, say).
+        return Done(code, "the server could not start, and there is no node to keep")
+    if why is Leaving.UNRESUMABLE or code == EXIT_CONFIG:
+        backoff = max(backoff, UNRESUMABLE_BACKOFF_S)
+    if outcome.ready or ran_s >= HEALTHY_AFTER_S:
+        backoff = 0.0
+    if why in (Leaving.LEFT, Leaving.STALE) or stalled:
+        return Again(0.0, backoff)
+    return Again(backoff, FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S))
+
+
+class SpawningKeeper:
+    """``gms serve``'s keeper: it starts ``server_argv`` (plus ``--keeper-fd N``)
+    again and again, each server handed the node the last one left.
 
     ``adopted``: the channel of a server already running, whose keeper died and
     which started this one in its place (``gms keeper --adopt-fd``): it is kept
@@ -151,168 +202,181 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
     ``spare_after`` seconds after a server served, the next one is started and
     stands by (:class:`Spare`); one that dies standing by is not replaced
     until a server serves again."""
-    store, _ = open_store()
-    stopping = trio.Event()
-    backoff = 0.0
-    notified_ready = False
-    standing: Spare | None = None
-    spare_asked = False  # a spare will be started (after spare_after)
-    generation = 0  # servers started: a spare is made only while the one that served is still the one
-    serving = None  # the server process the node is with now
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+
+    def __init__(self, server_argv: list[str], adopted: socket.socket | None, spare: bool, spare_after: float) -> None:
+        self.server_argv = server_argv
+        self.adopted = adopted
+        self.spare, self.spare_after = spare, spare_after
+        self.store, _ = open_store()
+        self.stopping = trio.Event()
+        self.standing: Spare | None = None  # the spare standing by
+        self.spare_asked = False  # a spare will be started (after spare_after)
+        self.generation = 0  # servers started: a spare is made only while the one that served is still the one
+        self.serving = None  # the server process the node is with now
+        self.notified_ready = False
+        self.backoff = 0.0
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self) -> int:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._on_signals, signals)
+                    code = await self._keep()
+                    nursery.cancel_scope.cancel()
+                    return code
+            finally:
+                self.store.close()
+                if self.standing is not None:  # (killed: reaped at once)
+                    self.standing.discard()
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await self.standing.proc.wait()
+
+    async def _keep(self) -> int:
+        while True:
+            started = trio.current_time()
+            outcome, code, taken = await self._one_server()
+            reason = describe(code)
+            settle(self.store, outcome, reason, code)
+            if self.stopping.is_set():
+                return 0
+            then = after_server(
+                outcome, code, holds_node=self.store.holds_node(), stalled=taken is not None and taken.stalled,
+                backoff=self.backoff, ran_s=trio.current_time() - started,
+            )
+            if isinstance(then, Done):
+                (log.info if then.code == 0 else log.error)("%s (%s): done", then.why, reason)
+                return then.code
+            self.backoff = then.backoff
+            log.error(
+                "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
+                outcome.pid, reason, f", {outcome.why.value}" if outcome.why else "",
+                "now" if then.delay == 0 else f"in {then.delay:.1f} s", len(self.store.fds),
+            )
+            _notify(f"STATUS=restarting the server ({reason})")
+            with trio.move_on_after(then.delay):
+                await self.stopping.wait()
+            if self.stopping.is_set():
+                return 0
+
+    async def _one_server(self) -> tuple[Outcome, int | None, Spare | None]:
+        """The next server (the spare standing by, the adopted one, or a new one),
+        from its hello to its end: (how it ended, its exit code, the spare taken)."""
+        self.generation += 1
+        served = trio.Event()
+        standing = self._take_spare()
+        if standing is not None:  # started ahead: once it said hello, the node is handed to it
+            await self._settle_spare(standing)
+        taken = self._take_spare(ready=True)
+        reader = hello = None
+        if taken is not None:
+            proc, sock, reader, hello = taken.proc, taken.sock, taken.reader, taken.hello
+            log.info("the spare server pid %d takes the node", proc.pid)
+        elif self.adopted is not None:  # a server that runs already: not our child
+            here, self.adopted = self.adopted, None
+            proc, sock = _Adopted(peer_of(here).pid), trio.socket.from_stdlib_socket(here)
+            log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
+        else:
+            proc, sock = await spawn(self.server_argv)
+        self.serving = proc
+        async with trio.open_nursery() as inner:
+            inner.start_soon(self._ask_to_stop, sock, proc)
+            if taken is not None:
+                inner.start_soon(taken.watch_taking, served)
+            outcome = await converse(
+                sock, self.store, proc.pid, lambda: self._on_ready(proc, served), reader=reader, hello=hello,
+                on_taking=taken.took.set if taken is not None else lambda: None,
+            )
+            code = await proc.wait()
+            inner.cancel_scope.cancel()
+        sock.close()
+        return outcome, code, taken
+
+    def _take_spare(self, ready: bool = False) -> Spare | None:
+        """The spare standing by, if there is one to hand the node to (``ready``:
+        its hello said); a stopped one is discarded at once."""
+        standing = self.standing
+        if standing is not None and stopped(standing.proc.pid):
+            log.warning("the spare server pid %d is stopped: starting another", standing.proc.pid)
+            standing.discard()
+            self.standing = standing = None
+        if standing is None or not ready:
+            return standing
+        self.standing = None
+        if standing.hello is None:
+            return None
+        standing.taken = True
+        standing.scope.cancel()
+        return standing
+
+    async def _settle_spare(self, standing: Spare) -> None:
+        """A spare still starting: wait for its hello a while (a server gone early)."""
+        with trio.move_on_after(SPARE_WAIT_S):
+            await standing.settled.wait()
+        if self.standing is standing and not standing.settled.is_set():
+            log.warning("the spare server pid %d did not say hello in %.0f s: starting another",
+                        standing.proc.pid, SPARE_WAIT_S)
+            standing.discard()
+            self.standing = None
+
+    def _on_ready(self, proc, served: trio.Event) -> None:
+        served.set()
+        if not self.notified_ready:
+            self.notified_ready = True
+            _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
+        else:
+            _notify(f"STATUS=serving (server pid {proc.pid})")
+        if self.spare and self.standing is None and not self.spare_asked:
+            self.spare_asked = True
+            self._nursery.start_soon(self._make_spare, self.generation)
+
+    async def _make_spare(self, served: int) -> None:
+        await trio.sleep(self.spare_after)
+        if served != self.generation or self.stopping.is_set():  # that server is gone already
+            self.spare_asked = False
+            return
+        proc, sock = await spawn(self.server_argv)
+        self.standing, self.spare_asked = (candidate := Spare(proc, sock)), False
+        await candidate.stand_by()  # returns if it dies standing by, is taken or discarded
+        if not candidate.taken:
+            if self.standing is candidate:
+                self.standing = None
+            candidate.discard()
+            await candidate.proc.wait()  # reaped (killed: at once)
+
+    async def _ask_to_stop(self, sock, proc) -> None:
+        await self.stopping.wait()
         try:
-            async with trio.open_nursery() as nursery:
+            await send(sock, Say.STOP)
+        except OSError:
+            pass
+        with trio.move_on_after(STOP_GRACE_S):
+            await proc.wait()
+        if proc.returncode is None:
+            log.error("the server ignored the stop; killing it")
+            proc.kill()
 
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        if signum == signal.SIGHUP:  # `systemctl reload`: the next server reads the policy again
-                            if serving is not None and serving.returncode is None:
-                                log.info("SIGHUP: restarting server pid %d (it leaves the node to this keeper)",
-                                         serving.pid)
-                                with contextlib.suppress(ProcessLookupError):
-                                    os.kill(serving.pid, signal.SIGTERM)
-                            continue
-                        log.info("%s: stopping the server (it releases every layout), then the keeper",
-                                 signal.Signals(signum).name)
-                        _notify("STOPPING=1")
-                        stopping.set()
-                        return
+    async def _on_signals(self, signals) -> None:
+        async for signum in signals:
+            if signum == signal.SIGHUP:  # `systemctl reload`: the next server reads the policy again
+                serving = self.serving
+                if serving is not None and serving.returncode is None:
+                    log.info("SIGHUP: restarting server pid %d (it leaves the node to this keeper)", serving.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(serving.pid, signal.SIGTERM)
+                continue
+            log.info("%s: stopping the server (it releases every layout), then the keeper",
+                     signal.Signals(signum).name)
+            _notify("STOPPING=1")
+            self.stopping.set()
+            return
 
-                async def make_spare(served: int) -> None:
-                    nonlocal standing, spare_asked
-                    await trio.sleep(spare_after)
-                    if served != generation or stopping.is_set():  # that server is gone already
-                        spare_asked = False
-                        return
-                    proc, sock = await spawn(server_argv)
-                    standing, spare_asked = (candidate := Spare(proc, sock)), False
-                    await candidate.stand_by()  # returns if it dies standing by, is taken or discarded
-                    if not candidate.taken:
-                        if standing is candidate:
-                            standing = None
-                        candidate.discard()
-                        await candidate.proc.wait()  # reaped (killed: at once)
 
-                nursery.start_soon(on_signal)
-                code = 0
-                while True:
-                    started = trio.current_time()
-                    generation += 1
-                    reader = hello = taken = None
-                    served = trio.Event()
-                    if standing is not None and stopped(standing.proc.pid):
-                        log.warning("the spare server pid %d is stopped: starting another", standing.proc.pid)
-                        standing.discard()
-                        standing = None
-                    if standing is not None:  # started ahead: once it said hello, the node is handed to it
-                        with trio.move_on_after(SPARE_WAIT_S):
-                            await standing.settled.wait()
-                        if standing is not None and not standing.settled.is_set():
-                            log.warning("the spare server pid %d did not say hello in %.0f s: starting another",
-                                        standing.proc.pid, SPARE_WAIT_S)
-                            standing.discard()
-                            standing = None
-                        if standing is not None and standing.hello is not None:
-                            taken, standing = standing, None
-                            taken.taken = True
-                            taken.scope.cancel()
-                            proc, sock, reader, hello = taken.proc, taken.sock, taken.reader, taken.hello
-                            log.info("the spare server pid %d takes the node", proc.pid)
-                    if hello is not None:
-                        pass
-                    elif adopted is not None:  # a server that runs already: not our child
-                        here, adopted = adopted, None
-                        proc = _Adopted(peer_of(here).pid)
-                        sock = trio.socket.from_stdlib_socket(here)
-                        log.info("keeping the node of server pid %d, whose keeper is gone", proc.pid)
-                    else:
-                        proc, sock = await spawn(server_argv)
-                    serving = proc
-
-                    def on_ready() -> None:
-                        nonlocal notified_ready, spare_asked
-                        served.set()
-                        if not notified_ready:
-                            notified_ready = True
-                            _notify(f"READY=1\nSTATUS=serving (server pid {proc.pid})")
-                        else:
-                            _notify(f"STATUS=serving (server pid {proc.pid})")
-                        if spare and standing is None and not spare_asked:
-                            spare_asked = True
-                            nursery.start_soon(make_spare, generation)
-
-                    async with trio.open_nursery() as inner:
-
-                        async def ask_to_stop() -> None:
-                            await stopping.wait()
-                            try:
-                                await send(sock, "stop")
-                            except OSError:
-                                pass
-                            with trio.move_on_after(STOP_GRACE_S):
-                                await proc.wait()
-                            if proc.returncode is None:
-                                log.error("the server ignored the stop; killing it")
-                                proc.kill()
-
-                        inner.start_soon(ask_to_stop)
-                        if taken is not None:
-                            inner.start_soon(taken.watch_taking, served)
-                        outcome = await converse(sock, store, proc.pid, on_ready, reader=reader, hello=hello,
-                                                 on_taking=taken.took.set if taken is not None else lambda: None)
-                        code = await proc.wait()
-                        inner.cancel_scope.cancel()
-                    sock.close()
-                    reason = describe(code)
-                    settle(store, outcome, reason, code)
-                    if stopping.is_set() or outcome.why == "shutdown":
-                        store.close()
-                        nursery.cancel_scope.cancel()
-                        return 0 if stopping.is_set() else code
-                    if outcome.why == "taken-over":
-                        log.info("the server was taken over by another (its keeper holds the node now): done")
-                        store.close()
-                        nursery.cancel_scope.cancel()
-                        return 0
-                    if outcome.why == "refused" or code == EXIT_REFUSED:
-                        log.error("the take-over did not happen; the old server serves on")
-                        store.close()
-                        nursery.cancel_scope.cancel()
-                        return EXIT_REFUSED
-                    if (code == EXIT_CONFIG or (code == 1 and not outcome.ready)) and not store.holds_node():
-                        # The same options would fail again (a socket another server holds, say),
-                        # and there is no node to keep for a server that could.
-                        log.error("the server could not start (%s); not starting another", reason)
-                        store.close()
-                        nursery.cancel_scope.cancel()
-                        return code
-                    if outcome.why == "unresumable" or code == EXIT_CONFIG:
-                        backoff = max(backoff, UNRESUMABLE_BACKOFF_S)  # a changed option or policy may serve it
-                    if outcome.ready or trio.current_time() - started >= HEALTHY_AFTER_S:
-                        backoff = 0.0  # it served: the next one starts at once (a crash loop backs off)
-                    # Left on a signal, or a spare that stepped aside (its code was not the code in
-                    # force) or did not take the node promptly: the next one starts at once.
-                    at_once = outcome.why in ("left", "stale") or (taken is not None and taken.stalled)
-                    delay = 0.0 if at_once else backoff
-                    log.error(
-                        "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
-                        outcome.pid, reason, f", {outcome.why}" if outcome.why else "",
-                        "now" if delay == 0 else f"in {delay:.1f} s", len(store.fds),
-                    )
-                    _notify(f"STATUS=restarting the server ({reason})")
-                    if not at_once:
-                        backoff = FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S)
-                    with trio.move_on_after(delay):
-                        await stopping.wait()
-                    if stopping.is_set():
-                        store.close()
-                        nursery.cancel_scope.cancel()
-                        return 0
-        finally:
-            if standing is not None:  # (killed: reaped at once)
-                standing.discard()
-                with trio.CancelScope(shield=True), trio.move_on_after(5):
-                    await standing.proc.wait()
+async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = None, *,
+                        spare: bool = True, spare_after: float = SPARE_AFTER_S) -> int:
+    """Start ``server_argv`` again and again (:class:`SpawningKeeper`); returns the exit code."""
+    return await SpawningKeeper(server_argv, adopted, spare, spare_after).run()
 
 
 # -- listen ----------------------------------------------------------------------------
@@ -363,7 +427,7 @@ async def keep_listening(path: str) -> int:
                             hello = await recv(sock, reader)
                     except (OSError, frames.FrameError, trio.TooSlowError):
                         hello = None
-                    if hello is None or hello.kind != "hello":
+                    if hello is None or hello.kind != Say.HELLO:
                         reader.close()
                         sock.close()
                         return
@@ -377,7 +441,7 @@ async def keep_listening(path: str) -> int:
                         sock.close()
                         settle(store, outcome, "its connection to the keeper closed")
                         log.info("server pid %d of device %s went (%s)", outcome.pid, device or "?",
-                                 outcome.why or "no word: its state is kept for the next one")
+                                 outcome.why.value if outcome.why else "no word: its state is kept for the next one")
 
                 async def accept() -> None:
                     while True:
@@ -390,7 +454,7 @@ async def keep_listening(path: str) -> int:
                              len(conversations))
                     for sock in list(conversations.values()):
                         try:
-                            await send(sock, "stop")
+                            await send(sock, Say.STOP)
                         except OSError:
                             pass
                     with trio.move_on_after(STOP_GRACE_S):

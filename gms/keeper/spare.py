@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from ..handover import frames
+from ..handover.words import Say
 from ..launch import child_env
 from .conversation import describe, recv, send
 
@@ -73,9 +74,9 @@ class Spare:
         with self.scope:
             try:
                 hello = await recv(self.sock, self.reader)
-                if hello.kind != "hello":
+                if hello.kind != Say.HELLO:
                     raise frames.FrameError(f"a spare began with {hello.kind!r}, not hello")
-                await send(self.sock, "standby")
+                await send(self.sock, Say.STANDBY)
                 self.hello = hello
             except (OSError, frames.FrameError) as exc:
                 log.warning("the spare server pid %d went before it could stand by: %s", self.proc.pid, exc)

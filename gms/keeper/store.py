@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 
 from ..handover.frames import Frame
+from ..handover.words import Mode, Say
 
 LISTENER = "listener"
 FEATURES = ["parts"]  # what this keeper understands beyond the first version's frames
@@ -73,11 +74,11 @@ class Store:
 
     # -- the server's frames ----------------------------------------------------------
 
-    def apply(self, frame: Frame) -> str | None:
-        """Take one frame from the server; returns its kind when it ends or
-        changes the conversation (``ready``, ``stopping:<why>``), else None."""
+    def apply(self, frame: Frame) -> Say | None:
+        """Take one frame from the server; returns what the conversation acts on
+        (``RELEASED``: acknowledge; ``READY``, ``TAKING``, ``STOPPING``), else None."""
         kind, body = frame.kind, frame.body
-        if kind == "hold":
+        if kind == Say.HOLD:
             keys = body.get("keys", [])
             if len(keys) != len(frame.fds):
                 frame.close_fds()
@@ -86,27 +87,27 @@ class Store:
                 self.hold(key, fd)
             return None
         frame.close_fds()  # only holds carry fds
-        if kind == "release":
+        if kind == Say.RELEASE:
             for key in body.get("keys", []):
                 self.release(key)
             if body.get("ack"):
-                return "released"
-        elif kind == "events":
+                return Say.RELEASED
+        elif kind == Say.EVENTS:
             self.tails.append(body["entries"])
             self.on_journal("events", body["entries"])
-        elif kind == "part":
+        elif kind == Say.PART:
             self._staged[body["key"]] = body["data"]
-        elif kind == "base":
+        elif kind == Say.BASE:
             self._new_base(body)
-        elif kind == "confirm":
+        elif kind == Say.CONFIRM:
             self.provisional = None
-        elif kind == "ready":
+        elif kind == Say.READY:
             self.failed_resumes = 0
-            return "ready"
-        elif kind == "taking":  # a spare has the hand-back: it is alive, and takes the node
-            return "taking"
-        elif kind == "stopping":
-            return f"stopping:{body.get('why', '')}"
+            return Say.READY
+        elif kind == Say.TAKING:  # a spare has the hand-back: it is alive, and takes the node
+            return Say.TAKING
+        elif kind == Say.STOPPING:
+            return Say.STOPPING
         return None
 
     def _new_base(self, body: dict) -> None:
@@ -137,11 +138,11 @@ class Store:
         empty node; the listener if the keeper holds one, else the server binds
         or takes over) or ``resume`` (the last server's journal and fds)."""
         if self.retired:
-            return {"mode": "retired", "features": FEATURES}, []
+            return {"mode": Mode.RETIRED.value, "features": FEATURES}, []
         if self.base is None:
-            return {"mode": "fresh", "features": FEATURES}, self._listener()
+            return {"mode": Mode.FRESH.value, "features": FEATURES}, self._listener()
         body = {
-            "mode": "resume", "features": FEATURES, "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
+            "mode": Mode.RESUME.value, "features": FEATURES, "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
             "reason": self.reason, "failed_resumes": self.failed_resumes,
         }
         if self.provisional is not None:

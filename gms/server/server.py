@@ -24,6 +24,7 @@ import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..fsm import host_room
+from ..handover.words import Leaving
 from ..peer import Peer, own_uids
 from ..store import EventLog
 from ..units import parse_budget
@@ -35,7 +36,7 @@ from .edge.netio import Channel
 from .metrics import Metrics
 from .restart import succession
 from .restart.freshness import StaleCode, Started
-from .restart.mirror import DRAIN_S, MirroredLog
+from .restart.mirror import DRAIN_S
 from .restart.resume import TakeOverRefused, Unresumable
 from .restart.startup import fresh_config, open_link, prepare
 from .service.core import ServiceCore
@@ -164,9 +165,9 @@ class Server:
         self.link = None
         # The fd budget, given to the memory tables as they are made; bound at admission.
         self.fds = FdBudget.for_config(config, memory=self._memory_fds)
-        # How serving ended without releasing anything: "taken-over" (another
-        # server holds the node) or "left" (a signal: the keeper holds it).
-        self.left_as: str | None = None
+        # How serving ended without releasing anything (TAKEN_OVER: another server
+        # holds the node; LEFT: a signal, the keeper holds it; ...); None: a clean stop.
+        self.left_as: Leaving | None = None
         self._nursery: trio.Nursery | None = None
         self._accepting: trio.CancelScope | None = None
         self._accept_again = trio.Event()
@@ -205,7 +206,7 @@ class Server:
         capacity = device.total_bytes
         if log is None:
             bounds = {"retain": config.event_log_retain, "max_bytes": config.event_log_bytes}
-            log = MirroredLog(link=self.link, **bounds) if self.link is not None else EventLog(**bounds)
+            log = EventLog(**bounds)
         self.core = ServiceCore(
             gpu,
             host,
@@ -245,13 +246,13 @@ class Server:
                 raise
             except Unresumable as why:
                 logger.error("%s", why)
-                self.link.stopping("unresumable")
+                self.link.stopping(Leaving.UNRESUMABLE)
                 self.link.drain(DRAIN_S)
                 raise
             except StaleCode as why:
                 logger.warning("this spare's code is not gms's on disk now (%s): the keeper starts a server "
                                "with the code in force", why)
-                self.link.stopping("stale")
+                self.link.stopping(Leaving.STALE)
                 self.link.drain(DRAIN_S)
                 raise
             if start.retired:
@@ -277,7 +278,7 @@ class Server:
             try:
                 await succession.take_the_node(self, core, start)
             except Unresumable:
-                self.left_as = "unresumable"
+                self.left_as = Leaving.UNRESUMABLE
                 raise
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
@@ -317,7 +318,7 @@ class Server:
                 # A crash under a keeper: it holds the node and starts the next server,
                 # which resumes it.  Nothing is released, the socket stays (the keeper's).
                 logger.error("the server failed: its keeper keeps the node for the next one")
-                self.left_as = "crashed"
+                self.left_as = Leaving.CRASHED
             if self.left_as is None:
                 listener.close()
                 _remove_if_ours(path, inode)
@@ -325,13 +326,13 @@ class Server:
                     with trio.CancelScope(shield=True):
                         await core.aclose()
                 if link is not None:
-                    link.stopping("shutdown")
+                    link.stopping(Leaving.SHUTDOWN)
             else:
                 listener.close()  # another process holds the socket: nothing is released
                 if core is not None:
                     for tier in core.ledger.tiers.values():
                         tier.lane.stop()
-                if link is not None and self.left_as != "crashed":  # (a take-over told it already)
+                if link is not None and self.left_as is not Leaving.CRASHED:  # (a take-over told it already)
                     link.stopping(self.left_as)
             if link is not None:
                 link.drain(DRAIN_S)
@@ -364,7 +365,11 @@ class Server:
 
     def handed_over(self) -> None:
         """Another server holds the node now: stop, letting go of nothing."""
-        self.left_as = "taken-over"
+        self.left_as = Leaving.TAKEN_OVER
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (the way out then decides what is released: ``left_as``)."""
         self._nursery.cancel_scope.cancel()
 
     def _close_backends(self) -> None:
@@ -376,10 +381,17 @@ class Server:
         """A connection admission let in: its session is made now (a take-over's
         quiet point counts it from here: one whose task had not started yet was
         left out of a hand-over, and its client reset), its task starts soon."""
-        session = Session(
-            self.core, self.config, Channel(sock, peer), self.metrics, self.quiesce,
-            on_take_over=self._taken_over_by,
+        self.start_session(self.new_session(Channel(sock, peer)), ticket)
+
+    def new_session(self, channel: Channel, **going_on) -> Session:
+        """A session of this server on ``channel`` (``going_on``: a handed one's
+        conn, protocol and first-request deadline: ``Session``'s own)."""
+        return Session(
+            self.core, self.config, channel, self.metrics, self.quiesce, on_take_over=self._taken_over_by,
+            **going_on,
         )
+
+    def start_session(self, session: Session, ticket: Ticket) -> None:
         self._nursery.start_soon(self.run_session, session, ticket)
 
     async def run_session(self, session: Session, ticket: Ticket) -> None:
@@ -415,7 +427,7 @@ async def run_server(config: ServerConfig) -> None:
                     name = signal.Signals(signum).name
                     if server.link is not None and server.link.alive and server.core is not None:
                         logger.info("%s: leaving the node to the keeper", name)
-                        server.left_as = "left"
+                        server.left_as = Leaving.LEFT
                     else:
                         logger.info("%s: shutting down", name)
                     nursery.cancel_scope.cancel()

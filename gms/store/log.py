@@ -149,7 +149,7 @@ class EventLog:
     @classmethod
     def resumed(
         cls, snapshot: Snapshot, entries: Iterable[LogEntry] = (), *, retain: int | None = 1_000_000,
-        chunk_size: int = 4096, max_bytes: int | None = None, **options,
+        chunk_size: int = 4096, max_bytes: int | None = None,
     ) -> EventLog:
         """A log that goes on from another server's: its snapshot is ``snapshot``
         (the state after event ``last_seq``), then ``entries`` (the events after
@@ -157,10 +157,9 @@ class EventLog:
         raises); the next event appended is numbered after the last of them.
         The entries are counted against ``max_bytes`` as appended ones are, and
         the snapshot's share of metadata from the start (a take-over's snapshot
-        is the live state: none).  ``options``: a subclass's own (the server's
-        ``MirroredLog``: its keeper link).  The one gap allowed is just before
-        a SERVER_RESUMED (a restart after a crash: :meth:`skip_lost`)."""
-        log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes, **options)
+        is the live state: none).  The one gap allowed is just before a
+        SERVER_RESUMED (a restart after a crash: :meth:`skip_lost`)."""
+        log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes)
         log.state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
@@ -258,25 +257,6 @@ class EventLog:
         if self._kept >= self._trim_at:
             self._trim()
         return entries
-
-    def flush(self) -> None:
-        """Make what was stored durable: nothing to do for a log in memory (the
-        server's ``MirroredLog`` sends it to its keeper here).  The ledger calls it
-        at the end of every write, before anything it wrote can be answered."""
-
-    def added(self, conn: int) -> int:
-        """Bytes the connection's requests have handed on to be made durable (0 in memory)."""
-        return 0
-
-    def behind(self, layouts=None, conn=None, since=0) -> bool:
-        """Is something stored not durable yet (the server's keeper has not taken
-        it; ``layouts``: a lasting change of these layouts or of the node), or
-        did ``conn``'s request (``since``: its :meth:`added` before) add much to a
-        long wait?"""
-        return False
-
-    async def durable(self, layouts=None, conn=None, since=0) -> None:
-        """Return once :meth:`behind` would say no (at once, in memory)."""
 
     def _over(self) -> bool:
         first = self._chunks[0]

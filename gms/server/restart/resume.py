@@ -26,7 +26,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import attrs
 
@@ -105,15 +105,13 @@ def decode_base(base: bytes | dict) -> StateImage:
 
 def rebuild(
     base: bytes | dict, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
-    resumed: Callable[..., EventLog] = EventLog.resumed,
 ) -> tuple[StateImage, EventLog, int]:
-    """(image, log, next conn) from a keeper's journal; raises Unreplayable.
-    ``resumed`` makes the log (the server's: a ``MirroredLog`` with its link)."""
+    """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
     try:
         with paused():
             image = decode_base(base)
             entries = [entry for tail in tails for entry in decode_entries(tail)]
-            log_ = resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
+            log_ = EventLog.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
             check_invariants(log_.state)
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc

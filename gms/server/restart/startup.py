@@ -21,18 +21,19 @@ import os
 import socket
 import subprocess
 import time
-from functools import partial
 
 import attrs
 
 from ...cuda import DeviceInfo
+from ...handover.words import Mode
 from ...launch import child_env, python_argv
 from ...paths import device_id
 from ...peer import own_uids, require_peer
 from ...policy import PolicyError
+from ...store import EventLog, Snapshot
 from ..config import ServerConfig
 from .freshness import Started, in_force
-from .mirror import KeeperLink, MirroredLog
+from .mirror import KeeperLink
 from .resume import (
     Handed,
     TakeOverRefused,
@@ -73,17 +74,14 @@ def _listener(fd: int) -> socket.socket:
     return socket.socket(fileno=fd)
 
 
-def from_offer(offer: Offer, config: ServerConfig, link: KeeperLink | None) -> Handed:
+def from_offer(offer: Offer, config: ServerConfig) -> Handed:
     image = offer.image
-    log_ = MirroredLog.resumed(_snapshot(image), retain=config.event_log_retain, max_bytes=config.event_log_bytes,
-                               link=link)
+    log_ = EventLog.resumed(_snapshot(image), retain=config.event_log_retain, max_bytes=config.event_log_bytes)
     return Handed("take-over", image, log_, image.next_conn, dict(offer.fds), offer.old_pid, "take-over",
                   dict(offer.conn_fds))
 
 
-def _snapshot(image):
-    from ...store import Snapshot
-
+def _snapshot(image) -> Snapshot:
     return Snapshot(image.last_seq, image.state)
 
 
@@ -99,7 +97,7 @@ def take_over(config: ServerConfig, device: DeviceInfo, link: KeeperLink | None 
         offer.close_fds()
         raise
     log.info("pid %d is handing its node over (state version %d)", offer.old_pid, offer.image.version)
-    return Start(_listener(offer.listener), handed=from_offer(offer, config, link), offer=offer, link=link)
+    return Start(_listener(offer.listener), handed=from_offer(offer, config), offer=offer, link=link)
 
 
 def open_link(config: ServerConfig) -> KeeperLink | None:
@@ -170,10 +168,10 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
     if link is None:
         return take_over(config, device) if config.take_over else Start(None)
     handback = link.hello(device.uuid)
-    if handback.mode == "retired":
+    if handback.mode is Mode.RETIRED:
         return Start(None, link=link, retired=True)
     listener = _listener(handback.listener) if handback.listener is not None else None
-    if handback.mode != "resume" or handback.base is None:
+    if handback.mode is not Mode.RESUME or handback.base is None:
         for fd in handback.fds.values():
             os.close(fd)
         if listener is None and config.take_over:
@@ -195,7 +193,6 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             raise Unreplayable(why_not)
         image, log_, next_conn = rebuild(
             handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
-            resumed=partial(MirroredLog.resumed, link=link),
         )
     except Unreplayable as exc:
         folder = config.state_dir or os.path.dirname(os.path.abspath(config.socket_path))

@@ -25,6 +25,7 @@ import trio
 from ... import files
 from ...fsm.events import StateDiscarded
 from ...handover.image import StateImage
+from ...handover.words import Leaving, Say
 from ...peer import peer_of
 from ...wire.connection import PRE_SESSION_MAX_FRAME_BYTES, ServerConnection
 from ..config import ServerConfig
@@ -32,7 +33,7 @@ from ..edge.netio import Channel
 from ..metrics import Metrics
 from ..service.core import ServiceCore
 from ..service.lock_queues import Waiter
-from ..service.session import Session, granted_as
+from ..service.session import granted_as
 from .mirror import DRAIN_S, LISTENER, KeeperGone, memory_key
 from .resume import Handed, TakeOverRefused, resume_core
 from .startup import Start, connect_keeper, server_argv, spawn_keeper
@@ -89,9 +90,9 @@ async def take_the_node(server, core: ServiceCore, start: Start) -> None:
 
 def refused(server) -> None:
     """A take-over that did not happen: hold nothing of the old server's."""
-    server.left_as = "refused"
+    server.left_as = Leaving.REFUSED
     if server.link is not None:
-        server.link.stopping("refused")
+        server.link.stopping(Leaving.REFUSED)
         server.link.drain(DRAIN_S)
         server.link = None
 
@@ -161,8 +162,7 @@ def spawn(server, images, order) -> None:
         p = image.protocol
         protocol = ServerConnection.thaw(server.config.max_frame_bytes, attrs.asdict(p), PRE_SESSION_MAX_FRAME_BYTES)
         left = None if image.first_request_left_ms is None else image.first_request_left_ms / 1000
-        session = Session(server.core, server.config, channel, server.metrics, server.quiesce, conn=image.conn,
-                          protocol=protocol, first_request_left=left, on_take_over=server._taken_over_by)
+        session = server.new_session(channel, conn=image.conn, protocol=protocol, first_request_left=left)
         # Counted in, never judged: these clients were served a moment ago (admission.enter).
         tickets[image.conn] = server.admission.enter(channel.peer)
         pending = image.pending
@@ -183,7 +183,7 @@ def spawn(server, images, order) -> None:
     for layout, _ in order:
         server.core.ledger.grant(layout)
     for conn, session in sessions.items():
-        server._nursery.start_soon(server.run_session, session, tickets[conn])
+        server.start_session(session, tickets[conn])
 
 
 async def watch_keeper(server) -> None:
@@ -196,10 +196,10 @@ async def watch_keeper(server) -> None:
     and the metrics say so (``keeper: gone``)."""
     link = server.link
     while True:
-        why = await link.watch()
-        if why == "stop":
+        said = await link.watch()
+        if said is Say.STOP:
             log.info("the keeper asks this server to stop")
-            server._nursery.cancel_scope.cancel()
+            server.stop()
             return
         log.error("the keeper is gone: finding another (until then a crash loses the node)")
         await find_keeper(server)

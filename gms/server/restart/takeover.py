@@ -46,6 +46,7 @@ import trio
 from ...cyclegc import paused
 from ...fsm import check_invariants
 from ...handover import frames
+from ...handover.words import Leaving
 from ...handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
@@ -218,7 +219,7 @@ async def _tell_keeper(server, timeout: float) -> str:
     link = server.link
     if link is None or not link.alive:
         return "commit"
-    link.stopping("taken-over")
+    link.stopping(Leaving.TAKEN_OVER)
     with trio.move_on_after(timeout):
         await link.durable()
     if link.alive and link.behind():

@@ -55,6 +55,7 @@ from ..tiers.host_memory import HostMemory
 from ..tiers.lanes import Lane
 from ..tiers.memory import Memory
 from ..tiers.memory_signal import MemorySignal
+from .durability import IN_MEMORY
 from .host_tier import HostTier
 from .ledger import Ledger
 from .lock_queues import GrantCallback, LockQueues, Waiter
@@ -89,8 +90,8 @@ class ServiceCore:
         scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
         keeper=None,
     ) -> None:
-        """``keeper``: the server's keeper link, told of nothing here but shown
-        by the probes and the metrics (``gms.server.restart.mirror``)."""
+        """``keeper``: the server's keeper link (``gms.server.restart.mirror``): where
+        what the ledger stores becomes durable, shown by the probes and the metrics."""
         if host is not None and not isinstance(host, HostMemory):
             # exact host copies, no copier: clients copy
             host = HostMemory(host, fds=host.fds, room=lambda: host_room(self.ledger.state))
@@ -100,8 +101,10 @@ class ServiceCore:
         self.queues = LockQueues()
         tiers = {MemoryTier.GPU: gpu} | ({MemoryTier.HOST: host} if host is not None else {})
         self.ledger = Ledger(
-            log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released
+            log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released,
+            durability=keeper if keeper is not None else IN_MEMORY,
         )
+        self.durability = self.ledger.durability
         # What this server runs with: the log's first event, or (a log handed
         # over from another server) what SERVER_RESUMED carries (gms.server.restart.resume).
         self.started_event = ServerStarted(

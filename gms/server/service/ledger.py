@@ -8,7 +8,8 @@ table forgets it at once), grants whatever the changed layouts can grant now
 layout and releases its memory too), and, if any memory was released or a
 layout may have become evictable (a lock let go, a residency changed, a
 queue emptied), wakes every session waiting for memory.  Nothing else
-appends to the log.
+appends to the log.  Every stored batch goes to the server's durability (its
+keeper, or nothing: ``durability``), flushed at the end of each write.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ...fsm import (
 from ...fsm.events import Event
 from ...store import EventLog, Folded
 from ..tiers.memory import Memory
+from .durability import IN_MEMORY, Durability
 from .lock_queues import LockQueues
 
 T = TypeVar("T")
@@ -46,8 +48,10 @@ class Ledger:
         *,
         on_event: Callable[[Event], None],
         on_released: Callable[[], None],
+        durability: Durability = IN_MEMORY,
     ) -> None:
         self.log = log
+        self.durability = durability
         self.tiers = tiers
         self.queues = queues
         self._on_event = on_event
@@ -75,7 +79,7 @@ class Ledger:
                 if layout and self.queues.waiting_on(layout):
                     room = self._grant(layout) or room
         finally:
-            self.log.flush()
+            self.durability.flush(soon=True)
         if room:
             self._on_released()
         return room
@@ -135,7 +139,7 @@ class Ledger:
         try:
             room = self.queues.waiting_on(layout) and self._grant(layout)
         finally:
-            self.log.flush()
+            self.durability.flush(soon=True)
         if room or (waiter_left and layout not in self.queues.busy()):
             self._on_released()
 
@@ -160,7 +164,9 @@ class Ledger:
             if by_server:
                 raise InvariantViolation(f"the server proposed an illegal event: {refused.message}") from refused
             raise
-        for entry in log.store(folded):
+        entries = log.store(folded)
+        self.durability.logged(entries)
+        for entry in entries:
             self._on_event(entry.event)
         return folded
 

@@ -90,7 +90,7 @@ def keeper_status(keeper) -> dict:
     if keeper is None:
         return {"keeper": "none", "service_pid": os.getpid()}
     return {
-        "keeper": keeper.state, "keeper_backlog_bytes": keeper.backlog_bytes(),
+        "keeper": keeper.state.value, "keeper_backlog_bytes": keeper.backlog_bytes(),
         "keeper_behind_s": round(keeper.behind_s(), 3), "keepers_lost": keeper.lost,
         "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid,
     }

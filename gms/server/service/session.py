@@ -241,7 +241,7 @@ class Session:
                 return
             if protocol.requests == 1:
                 scope.deadline = math.inf  # the first request came in time
-            since = self.core.log.added(self.conn)
+            since = self.core.durability.added(self.conn)
             reply = await self._answer(request)
             if isinstance(request, m.PROBES):  # it only describes: nothing to wait for
                 await self._send(reply)
@@ -258,9 +258,9 @@ class Session:
         try:
             if protocol.closing:
                 return  # revoked while it was served: the notice went in its place
-            log = self.core.log
-            if log.behind(durable, self.conn, since):
-                await log.durable(durable, self.conn, since)
+            durability = self.core.durability
+            if durability.behind(durable, self.conn, since):
+                await durability.durable(durable, self.conn, since)
             await self._slot.before_send(answer_bytes(reply.message))
             await self.channel.send(protocol.send(reply.message, close=reply.close_after), reply.fds)
             self._slot.settle(protocol.buffered)
@@ -273,7 +273,7 @@ class Session:
     async def _finish_pending(self) -> None:
         kind = self.waits.take_pending()
         request = self.protocol.serving
-        since = self.core.log.added(self.conn)
+        since = self.core.durability.added(self.conn)
         try:
             if kind is Waiting.LOCK:
                 reply = await self._wait_for_lock()

@@ -1,0 +1,56 @@
+"""What an event releases of the memory the server owns, read from the layout before it.
+
+One function per kind of release; each rule in ``gms.fsm.rules`` names the one
+its event uses (its ``releases`` column), or None.  Pure: a layout and an
+event in, (tier, allocation id, aligned size) rows out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+from .events import AllocationFreed, Event
+from .state import LayoutState, Residency, Tier
+
+
+class MemoryTier(str, enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+
+
+Released = list[tuple[MemoryTier, str, int]]
+ReleaseFn = Callable[[LayoutState, Event], Released]
+
+
+def _all(layout: LayoutState, *, gpu: bool, host: bool) -> Released:
+    out = []
+    if gpu:
+        out += [(MemoryTier.GPU, a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
+    if host:
+        out += [(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
+    return out
+
+
+def everything(layout: LayoutState, event: Event) -> Released:
+    """The layout's memory on every tier (a writer's grant clears it; an abort or a loss drops it)."""
+    return _all(layout, gpu=layout.tier is not Tier.HOST, host=True)
+
+
+def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:
+    """The freed allocation, and its host copy if it has one."""
+    allocation = layout.allocations[event.allocation_id]
+    out = [(MemoryTier.GPU, allocation.allocation_id, allocation.aligned_size)]
+    if allocation.allocation_id in layout.host_copies:
+        out.append((MemoryTier.HOST, allocation.allocation_id, allocation.aligned_size))
+    return out
+
+
+def gpu_copy(layout: LayoutState, event: Event) -> Released:
+    """An eviction: the GPU's memory; the host copies too if the layout is unpinned (dropped)."""
+    return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
+
+
+def half_restored(layout: LayoutState, event: Event) -> Released:
+    """An abandoned restore: the GPU memory it had made, if any (the host copy stays)."""
+    return _all(layout, gpu=layout.tier is Tier.RESTORING, host=False)

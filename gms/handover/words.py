@@ -1,0 +1,73 @@
+"""The words a server and its keeper say to each other, typed, in one place.
+
+The channel carries frames (``gms.handover.frames``) whose kinds are
+:class:`Say`; a keeper's hand-back names a :class:`Mode`; a server that ends
+on purpose says why (:class:`Leaving`) and the keeper acts on it
+(``gms.keeper.run``).  String enums: what travels is their value, so either
+side reads a peer of an older version that spoke plain strings.
+
+The conversation, in order::
+
+    server -> keeper   HELLO {pid, device, version}
+    keeper -> server   STANDBY (a spare: the rest comes when the server before it is gone)
+    keeper -> server   HANDBACK {mode, base, tails, ...}, FDS ..., END
+    server -> keeper   TAKING (a spare: it has the node, and is alive)
+    server -> keeper   HOLD, EVENTS, RELEASE, PART, BASE, CONFIRM ... (as things happen)
+    server -> keeper   READY (serving)
+    keeper -> server   RELEASED (an fd it kept is closed), STOP (stop cleanly)
+    server -> keeper   STOPPING {why: Leaving} (then it goes)
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Say(str, enum.Enum):
+    """A frame's kind on the server-keeper channel."""
+
+    HELLO = "hello"
+    STANDBY = "standby"
+    HANDBACK = "handback"
+    FDS = "fds"
+    END = "end"
+    TAKING = "taking"
+    HOLD = "hold"
+    EVENTS = "events"
+    RELEASE = "release"
+    PART = "part"
+    BASE = "base"
+    CONFIRM = "confirm"
+    READY = "ready"
+    STOPPING = "stopping"
+    RELEASED = "released"
+    STOP = "stop"
+
+
+class Mode(str, enum.Enum):
+    """What a keeper's hand-back gives a starting server."""
+
+    FRESH = "fresh"  # an empty node (and the listener, if the keeper holds one)
+    RESUME = "resume"  # the last server's journal and memory
+    RETIRED = "retired"  # this keeper's server was taken over by another: serve nothing
+
+
+class Leaving(str, enum.Enum):
+    """Why a server ends, as it tells its keeper before it goes (``STOPPING``),
+    and what the keeper does then (``gms.keeper.run``)."""
+
+    SHUTDOWN = "shutdown"  # a clean stop, every fd released: the keeper ends too
+    TAKEN_OVER = "taken-over"  # another server holds the node: the keeper retires
+    LEFT = "left"  # a signal, the node the keeper's: the next server at once
+    REFUSED = "refused"  # the take-over it was asked for did not happen: the keeper ends (75)
+    UNRESUMABLE = "unresumable"  # it cannot serve the kept node: the next one after a back-off
+    STALE = "stale"  # a spare whose code is not gms's on disk now: a server from cold at once
+    CRASHED = "crashed"  # the server's own word for a failure (it tells nothing): the node is kept
+
+    @classmethod
+    def read(cls, word: str) -> Leaving | None:
+        """A peer's word (None: one this version does not know: the node is kept)."""
+        try:
+            return cls(word)
+        except ValueError:
+            return None

@@ -1,0 +1,393 @@
+"""The server's stream to its keeper, sans I/O: what to send, in what order, and what waits for it.
+
+:class:`KeeperStream` is the keeper channel's protocol object (the h11
+pattern): the server tells it what happened (memory made or let go, events
+stored, a write done, a base due) and it answers what bytes and fds to send
+next (:meth:`next_segment`), learns what the kernel took (:meth:`took`), and
+says what an answer must wait for (:meth:`behind`, :meth:`target`).  No
+socket, no Trio, no clock: ``gms.server.restart.mirror.KeeperLink`` drives it
+over the socket, and ``tests/test_keeper_stream.py`` drives it with none.
+
+Its life (:class:`Phase`)::
+
+    UNATTACHED --attach--> ATTACHED --first base sent--> BASED --(a base due, made, sent)--> BASED
+         \\__________________________\\______________________\\--gone--> GONE (a new channel: UNATTACHED)
+
+What a frame is for (the channel's words: ``gms.handover.words.Say``):
+``HOLD`` memory made (its fds, dup'd: they ride the frame's first byte),
+before the event that records it; ``EVENTS`` log entries as stored, before
+the memory they released is let go; ``RELEASE`` memory let go; ``PART`` and
+``BASE`` a new base; ``CONFIRM``, ``READY``, ``STOPPING``.
+
+Ordering and waiting.  Frames are queued, then *handed on* (to the out
+queue, in order) at the end of a write: at once if one of them tells of a
+lasting change (``gms.fsm.LASTING``) or many wait, else a moment later
+(``soon``: the shell flushes within ``SOON_S``, so one system call carries
+many requests' events).  An answer that tells of a lasting change of a
+layout waits until the kernel took the frame with that layout's last such
+change (:meth:`target`); a request that added much to a keeper far behind
+waits too (:meth:`pressed`).  Nothing else waits on the keeper.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+from ...fsm import LASTING
+from ...handover import frames
+from ...handover.image import StateImage, encode_entries, encode_image
+from ...handover.journal import PartWriter
+from ...handover.words import Leaving, Say
+from ...store import LogEntry
+
+MIN_TAIL_BYTES = 4 << 20  # a new base once this many bytes of events were sent since the last one
+BACKLOG_BYTES = 8 << 20  # past this, or past ...
+TAIL_BOUND_BYTES = 4 * MIN_TAIL_BYTES  # ... this much of events since the keeper's base, a request that added
+SMALL_BYTES = 64 << 10  # ... more than this to the keeper's stream waits for the keeper to catch up
+_COUNTED_BYTES = 16 << 10  # batches of events counted against their connection (smaller ones never wait)
+TRIM_AFTER_BYTES = 64 << 20  # the heap's free pages given back after this many bytes of frames (gms.heap)
+STEP_BYTES = 1 << 20  # a base's encoding lets others run after about this much
+SOON_FRAMES = 64  # past this many queued frames, a flush hands them on at once
+
+
+def memory_key(tier: str, allocation_id: str) -> str:
+    return f"{tier}:{allocation_id}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    tier, _, allocation_id = key.partition(":")
+    return tier, allocation_id
+
+
+class Phase(enum.Enum):
+    UNATTACHED = "unattached"  # a channel, nothing sent yet (the hand-back, or a keeper found again)
+    ATTACHED = "attached"  # serving: frames flow, the first base is on its way
+    BASED = "based"  # the keeper has a whole base
+    GONE = "gone"  # no channel (a keeper that went away, or none yet)
+
+
+class LinkState(str, enum.Enum):
+    """What ``gms status`` says of the keeper (``keeper``)."""
+
+    STARTING = "starting"  # not attached, or its first base on the way: a crash may lose the node
+    ATTACHED = "attached"  # a crash loses nothing
+    BEHIND = "behind"  # frames wait for the keeper to read (answers to lasting changes wait too)
+    GONE = "gone"  # no keeper: a crash loses the node
+
+
+class Segment:
+    """Bytes handed on, with the fds (ours: dups) that ride their first byte."""
+
+    __slots__ = ("data", "fds")
+
+    def __init__(self, data: memoryview, fds: list[int]) -> None:
+        self.data = data
+        self.fds = fds
+
+
+class KeeperStream:
+    def __init__(self, close_fds: Callable[[Iterable[int]], None] | None = None) -> None:
+        self._close = close_fds or _close
+        self.phase = Phase.GONE
+        self.parts = False  # the keeper keeps its base in parts (else whole images)
+        self.keeper_keys: set[str] = set()  # what the keeper holds of ours already (its hand-back)
+        self.rebase_due = False  # a base is to be made, a little at a time (the shell's task)
+        self.soon = False  # frames wait for the shell's hand-on within SOON_S
+        self._writer = PartWriter()
+        self._image: Callable[[], StateImage] | None = None
+        self._held_keys: Callable[[], list[str]] = list
+        self._wants_ack: Callable[[], bool] = lambda: False
+        self._tail_bytes = 0  # events since the base being made (or the last one) was taken
+        self._tail_before = 0  # while a base is made: the events between the last one and it
+        self._added: dict[int, int] = {}  # conn -> bytes its big batches of events added
+        self._base_cost = 0  # bytes the last base sent
+        self.since_trim = 0  # bytes of frames made since the heap's free pages were last given back
+        self._tails_since = 0  # events frames queued since the base being made was taken
+        # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
+        self._queued: list[tuple[bytes, list[int], frozenset[str]]] = []
+        # Layout ("": the node) -> where in the stream its last lasting change ends.
+        self._marks: dict[str, int] = {}
+        self.out: deque[Segment] = deque()  # frames handed on, not yet taken by the kernel
+        self.enqueued = 0  # bytes handed on since the start
+        self.sent = 0  # of which the kernel took
+
+    # -- the channel's life ------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        return self.phase is not Phase.GONE
+
+    @property
+    def attached(self) -> bool:
+        return self.phase in (Phase.ATTACHED, Phase.BASED)
+
+    @property
+    def state(self) -> LinkState:
+        if self.phase is Phase.GONE:
+            return LinkState.GONE
+        if self.phase is not Phase.BASED:
+            return LinkState.STARTING
+        return LinkState.BEHIND if self.out else LinkState.ATTACHED
+
+    def opened(self, parts: bool = False, keeper_keys: Iterable[str] = ()) -> None:
+        """A new channel (a keeper's hand-back read): nothing of ours is attached yet."""
+        self.phase, self.parts, self.keeper_keys = Phase.UNATTACHED, parts, set(keeper_keys)
+
+    def attach(
+        self,
+        image: Callable[[], StateImage],
+        held: list[tuple[str, int]],
+        held_keys: Callable[[], list[str]],
+        wants_ack: Callable[[], bool],
+    ) -> None:
+        """Serving from now on: queue the fds the keeper lacks of ``held``; the shell
+        then sends a whole base, at once (:meth:`base_now`) or a little at a time."""
+        self._image, self._held_keys, self._wants_ack = image, held_keys, wants_ack
+        self._queue_holds([(key, fd) for key, fd in held if key not in self.keeper_keys])
+        self.phase = Phase.ATTACHED
+        self._writer.forget()
+
+    def gone(self) -> None:
+        """The channel is done: drop what waits for it (a later keeper gets a whole base)."""
+        self.phase = Phase.GONE
+        while self.out:
+            self._close(self.out.popleft().fds)
+        for _, fds, _ in self._queued:
+            self._close(fds)
+        self._queued, self._marks = [], {}
+        self.soon = self.rebase_due = False
+        self.sent = self.enqueued
+        self.keeper_keys = set()
+        self._writer.forget()
+
+    # -- what happens ---------------------------------------------------------------------
+
+    def held(self, tier: str, items: list[tuple[str, int]]) -> None:
+        """Memory made: goes with the next frame, before the event that records it."""
+        if self.attached:
+            self._queue_holds([(memory_key(tier, i), fd) for i, fd in items])
+
+    def released(self, tier: str, allocation_ids: list[str]) -> None:
+        """Memory let go (after its event)."""
+        if self.attached:
+            body = {"keys": [memory_key(tier, i) for i in allocation_ids]}
+            if self._wants_ack():
+                body["ack"] = True
+            self.send(Say.RELEASE, body)
+
+    def logged(self, entries: list[LogEntry]) -> None:
+        """Events stored: handed on at the write's :meth:`flush`, or with an earlier frame.
+        A base falls due once the events since the last one outweigh it."""
+        if not self.attached:
+            return
+        blob = encode_entries(entries)
+        lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
+        self._queue(Say.EVENTS, {"entries": blob}, lasting=lasting)
+        self._tail_bytes += len(blob)
+        self.since_trim += len(blob)
+        if len(blob) > _COUNTED_BYTES:
+            added = self._added
+            if len(added) > 1024:  # connections long gone: their next big request counts afresh
+                added.clear()
+            conn = entries[0].event.conn
+            added[conn] = added.get(conn, 0) + len(blob)
+        self._tails_since += 1
+        if self.parts:
+            self._writer.note(entries)
+        if self.rebase_due:
+            return
+        if self.parts:
+            # What the keeper keeps beyond the state is the events since its base:
+            # a few MiB, whatever the state's size (a base sends only what changed).
+            self.rebase_due = self._tail_bytes >= MIN_TAIL_BYTES
+        elif self._tail_bytes >= max(MIN_TAIL_BYTES, self._base_cost):  # an older keeper: whole images
+            self.base_now(None)
+
+    def send(self, kind: Say, body: dict | None = None) -> None:
+        """Queue a frame and hand on everything queued (``CONFIRM``, ``READY``, ...)."""
+        self._queue(kind, body)
+        self.flush()
+
+    def stopping(self, why: Leaving) -> None:
+        self.send(Say.STOPPING, {"why": why.value})
+
+    def flush(self, soon: bool = False) -> bool:
+        """Hand every queued frame on, in order (as few segments as their fds allow:
+        at most 253 fds ride one).  ``soon``: unless a queued frame tells of a lasting
+        change (or many wait), leave them for the shell's hand-on within SOON_S
+        instead.  True if some were left so (``soon`` is then set)."""
+        if not self._queued:
+            return False
+        if soon and len(self._queued) < SOON_FRAMES and not any(lasting for _, _, lasting in self._queued):
+            self.soon = True
+            return True
+        self.soon = False
+        queued, self._queued = self._queued, []
+        if not self.open:
+            for _, fds, _ in queued:
+                self._close(fds)
+            return False
+        batch: list[bytes] = []
+        fds: list[int] = []
+        lasting: set[str] = set()
+        for frame, frame_fds, layouts in queued:
+            if batch and len(fds) + len(frame_fds) > frames.MAX_FDS:
+                self._hand_on(b"".join(batch), fds, lasting)
+                batch, fds, lasting = [], [], set()
+            batch.append(frame)
+            fds += frame_fds
+            lasting |= layouts
+        if batch:
+            self._hand_on(b"".join(batch), fds, lasting)
+        return False
+
+    # -- what the kernel takes ----------------------------------------------------------------
+
+    def next_segment(self) -> Segment | None:
+        return self.out[0] if self.out and self.open else None
+
+    def took(self, n: int) -> None:
+        """The kernel took ``n`` bytes of the next segment (its fds with the first)."""
+        segment = self.out[0]
+        self._close(segment.fds)
+        segment.fds = []
+        if n < len(segment.data):
+            segment.data = segment.data[n:]
+        else:
+            self.out.popleft()
+        self.sent += n
+
+    # -- what an answer waits for --------------------------------------------------------------
+
+    def added(self, conn: int) -> int:
+        """Bytes of events the connection's requests added (big batches only: those
+        whose clients may be asked to wait)."""
+        return self._added.get(conn, 0)
+
+    def behind(self, layouts: Iterable[str] | None = None, conn: int | None = None, since: int = 0) -> bool:
+        """Has the keeper not been given everything yet (``layouts``: every lasting
+        change of these layouts, and of the node)?  ``conn``, ``since``: its
+        :meth:`added` before the request answered; one that added more than
+        SMALL_BYTES also waits while the keeper is far behind (:meth:`pressed`)."""
+        if layouts is None:
+            return bool(self.out) or bool(self._queued)
+        return self.sent < self.target(layouts) or self.pressed(conn, since)
+
+    def pressed(self, conn: int | None, since: int) -> bool:
+        """A request that added much while the keeper is far behind (BACKLOG_BYTES
+        not taken, or TAIL_BOUND_BYTES of events since its base): its client waits,
+        so what waits here and what the keeper keeps beyond the state stay bounded."""
+        if conn is None or not self.open or self._added.get(conn, 0) - since <= SMALL_BYTES:
+            return False
+        return self.position() - self.sent > BACKLOG_BYTES or self._tail_bytes + self._tail_before > TAIL_BOUND_BYTES
+
+    def position(self) -> int:
+        """Bytes handed to the stream so far, queued ones included."""
+        return self.enqueued + sum(len(frame) for frame, _, _ in self._queued)
+
+    def target(self, layouts: Iterable[str] | None = None) -> int:
+        """Where in the stream the last lasting change of ``layouts`` (and of the
+        node) ends; everything handed on, for None."""
+        if layouts is None:
+            return self.enqueued
+        marks, sent = self._marks, self.sent
+        target = 0
+        for layout in (*layouts, ""):
+            mark = marks.get(layout, 0)
+            if mark > sent:
+                target = max(target, mark)
+            elif mark:
+                del marks[layout]  # taken: forgotten
+        return target
+
+    def backlog_bytes(self) -> int:
+        return self.position() - self.sent
+
+    # -- bases -----------------------------------------------------------------------------------
+
+    def base_now(self, keys: list[str] | None, provisional: int | None = None) -> None:
+        """A whole base at once (when attaching, or for a keeper that keeps images)."""
+        image = self._image()
+        body: dict = {}
+        if self.parts:
+            parts, names = self._writer.parts(image)
+            for name, data in parts.items():
+                self._queue(Say.PART, {"key": name, "data": data})
+            body["parts"] = names
+            cost = sum(map(len, parts.values()))
+        else:
+            blob = encode_image(image)
+            body["image"] = blob
+            cost = len(blob)
+        if keys is not None:
+            body["keys"] = keys
+        if provisional is not None:
+            body["provisional"] = provisional
+        self.send(Say.BASE, body)
+        self._base_cost, self._tail_bytes, self._tails_since = cost, 0, 0
+        self.phase = Phase.BASED
+
+    def rebase(self) -> Iterator[bool]:
+        """Make the next base, the parts that changed since the last one: the state
+        is immutable, so the image taken first is the base, and the events queued
+        meanwhile are its tail.  Yields between steps (True: hand on what is queued
+        first); the shell lets others run at each.  Stops early if the channel goes."""
+        self.rebase_due = False
+        image = self._image()
+        self._tails_since, self._tail_before, self._tail_bytes = 0, self._tail_bytes, 0
+        cost = since = 0
+        steps = self._writer.steps(image)
+        try:
+            for name, data in steps:
+                if not self.open:
+                    self._writer.forget()
+                    return
+                if name is None:  # a good place to let others run
+                    yield False
+                    continue
+                self._queue(Say.PART, {"key": name, "data": data})
+                cost += len(data)
+                since += len(data)
+                if since >= STEP_BYTES:
+                    since = 0
+                    self.flush()
+                    yield True
+        except BaseException:
+            self._writer.forget()
+            raise
+        if not self.open:
+            self._writer.forget()
+            return
+        self.send(Say.BASE, {"parts": steps.keys, "tails": self._tails_since, "keys": self._held_keys()})
+        self._base_cost, self._tail_before, self.phase = cost, 0, Phase.BASED
+        self.since_trim += cost
+
+    # -- inside ------------------------------------------------------------------------------------
+
+    def _hand_on(self, data: bytes, fds: list[int], lasting: set[str]) -> None:
+        self.out.append(Segment(memoryview(data), fds))
+        self.enqueued += len(data)
+        for layout in lasting:
+            self._marks[layout] = self.enqueued
+
+    def _queue(self, kind: Say, body: dict | None = None, fds: list[int] | None = None,
+               lasting: frozenset = frozenset()) -> None:
+        if self.open:
+            self._queued.append((frames.encode_frame(kind, body, len(fds or ())), fds or [], lasting))
+        elif fds:
+            self._close(fds)
+
+    def _queue_holds(self, keyed: list[tuple[str, int]]) -> None:
+        """The fds are duplicated: the frame may wait here while the memory's own fd is closed."""
+        for start in range(0, len(keyed), frames.MAX_FDS):  # a frame's fds ride one system call
+            batch = keyed[start : start + frames.MAX_FDS]
+            if self.open:
+                self._queue(Say.HOLD, {"keys": [key for key, _ in batch]}, [os.dup(fd) for _, fd in batch])
+
+
+def _close(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
