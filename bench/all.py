@@ -28,8 +28,7 @@ def main() -> None:
     quick = ["--quick"] if args.quick else []
     from gms.cuda import cuda_device_count
 
-    runs = [["event_log.py"], ["core_ops.py"], ["gc_pauses.py"], ["pool_look.py"], ["keeper_link.py"],
-            ["rpc.py", "--backend", "host"], ["keeper_cost.py"],
+    runs = [["event_log.py"], ["core_ops.py"], ["rpc.py", "--backend", "host"],
             ["tenants.py", "--backend", "host"],
             ["on_demand.py", "--backend", "host"], ["tier_floor.py", "--backend", "host"]]
     if shutil.which("valgrind"):  # instructions per request, counted (a few minutes)

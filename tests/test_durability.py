@@ -338,42 +338,41 @@ def test_memory_freed_under_a_keeper_wakes_the_allocation_waiting_for_it(tmp_pat
 # -- a server that accepts and never answers -----------------------------------------------------
 
 
-def test_connect_gives_up_on_a_server_that_accepts_and_never_answers(tmp_path):
+@pytest.fixture
+def mute(tmp_path):
+    """A socket that accepts connections and never says a word."""
+    path = str(tmp_path / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    yield path
+    listener.close()
+
+
+def test_connect_gives_up_on_a_server_that_accepts_and_never_answers(mute):
     """Was: connect() without timeout_ms blocked for good (still blocked after 100 s
     with call_timeout_s=5)."""
-    path = str(tmp_path / "mute.sock")
-    mute = socket.socket(socket.AF_UNIX)
-    mute.bind(path)
-    mute.listen(8)
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(mute.accept()), daemon=True).start()
-    mgr = GMSClientMemoryManager(path, call_timeout_s=1.0)
+    mgr = GMSClientMemoryManager(mute, call_timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(ResponseTimeoutError):
         mgr.connect(RequestedLockType.RO)
     assert time.monotonic() - started < 5
-    mute.close()
 
 
-def test_connect_with_the_default_deadline_gives_up_within_ten_heartbeats(tmp_path, monkeypatch):
+def test_connect_with_the_default_deadline_gives_up_within_ten_heartbeats(mute, monkeypatch):
     """Was (issue 48): a waiting client expects a heartbeat every second, yet gave a
     mute server the whole 60 s call timeout, and said it waited "within None s"."""
     from gms.client import manager
 
     assert manager.FIRST_WORD_S == 10 * manager.HEARTBEAT_MS / 1000 < manager.DEFAULT_CALL_TIMEOUT_S
     monkeypatch.setattr(manager, "FIRST_WORD_S", 0.5)  # (the test waits half a second, not ten)
-    path = str(tmp_path / "mute.sock")
-    mute = socket.socket(socket.AF_UNIX)
-    mute.bind(path)
-    mute.listen(8)
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(mute.accept()), daemon=True).start()
     started = time.monotonic()
     with pytest.raises(ResponseTimeoutError) as caught:
-        GMSClientMemoryManager(path).connect(RequestedLockType.RO)  # call_timeout_s: the default 60 s
+        GMSClientMemoryManager(mute).connect(RequestedLockType.RO)  # call_timeout_s: the default 60 s
     assert time.monotonic() - started < 5
     assert "said nothing for 0.5 s" in str(caught.value) and "None" not in str(caught.value)
-    mute.close()
 
 
 def test_a_lock_wait_longer_than_call_timeout_s_is_waited_out(tmp_path):

@@ -163,3 +163,12 @@ def test_a_base_falls_due_once_the_events_outweigh_it_and_is_made_in_steps(monke
     stream.stopping(Leaving.SHUTDOWN)
     (said,) = kernel.take()
     assert (said.kind, said.body) == (Say.STOPPING, {"why": "shutdown"})
+
+
+def test_the_conversation_names_every_word_once():
+    """gms.handover.words.CONVERSATION (drawn in docs/architecture.md) is the whole
+    vocabulary of the channel, each word said by one side."""
+    from gms.handover.words import CONVERSATION
+
+    said = [say for _, say, _ in CONVERSATION]
+    assert sorted(said) == sorted(Say) and len(said) == len(set(said))

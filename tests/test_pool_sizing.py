@@ -36,7 +36,7 @@ async def test_a_big_build_is_counted_a_slice_per_look_and_scratch_never_counts(
     assert sizing.target(CHUNK) == (count * 2 + 3) * CHUNK
     assert PoolSizing(lambda: core.log.state, cap_bytes=5 * CHUNK + 1).target(CHUNK) == 5 * CHUNK, "capped"
 
-    core.requests.handle(conn, m.CommitRequest(None))
+    core.requests.commit(conn, m.CommitRequest(None))
     assert sizing.target(CHUNK) == 0, "nothing builds"
 
 

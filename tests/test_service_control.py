@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from gms import GMSClientMemoryManager, RequestedLockType
+from gms.procs import gone
 
 from .helpers import MiB, ServerProcess, wait_until
 
@@ -21,15 +22,6 @@ from .helpers import MiB, ServerProcess, wait_until
 def gms(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gms", *args], capture_output=True, text=True, timeout=120,
                           env=env)
-
-
-def gone(pid: int) -> bool:
-    """Exited (a zombie not yet reaped by whoever adopted it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def commit_layout(path: str, name: str = "weights") -> str:

@@ -63,13 +63,19 @@ def test_the_successor_goes_on_from_the_image_once():
 
 
 def test_every_request_type_has_one_route():
-    """The session's table routes every request the wire defines (a take-over is the
-    succession's, asked for by its own hook), and the admin verbs' table is m.ADMIN."""
-    from gms.server.service.core import ADMIN_VERBS
-    from gms.server.service.session import ROUTES
+    """Issue 50: one table (gms.server.service.routes) routes every request the wire
+    defines, a take-over included; its columns say which wait, which are admin
+    verbs (m.ADMIN: checked once) and which only describe (m.PROBES); and
+    UnknownRequest is raised in one place, the session's."""
+    import subprocess
+
+    from gms.server.service.routes import DESCRIBES, ROUTES
     from gms.wire import messages as m
 
     defined = {t for t in vars(m).values() if isinstance(t, type) and t.__name__.endswith("Request")}
-    assert defined - set(ROUTES) == {m.TakeOverRequest}
-    assert set(ROUTES) <= defined
-    assert set(ADMIN_VERBS) == set(m.ADMIN)
+    assert set(ROUTES) == defined
+    assert {t for t, r in ROUTES.items() if r.admin} == set(m.ADMIN)
+    assert DESCRIBES == set(m.PROBES)
+    assert {t for t, r in ROUTES.items() if r.waits} >= {m.HandshakeRequest, m.AllocateRequest, m.CommitRequest}
+    raised = subprocess.run(["grep", "-rn", "raise UnknownRequest", "gms"], capture_output=True, text=True).stdout
+    assert [line.split(":")[0] for line in raised.splitlines()] == ["gms/server/service/session.py"], raised

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import gms
+from gms.procs import gone
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, ServerProcess, connect_as, wait_until
@@ -75,7 +76,7 @@ def test_a_spare_whose_code_changed_on_disk_steps_aside_for_a_cold_start(tmp_pat
         os.utime(module, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # "upgraded" since the spare started
         new = killed(service)
         assert new != spare, "the spare must not serve code that is not gms's on disk now"
-        wait_until(lambda: not os.path.exists(f"/proc/{spare}") or _zombie(spare), timeout=10,
+        wait_until(lambda: gone(spare), timeout=10,
                    what="the stale spare gone")
         assert service.layout("weights").committed
         assert "stepping aside" in service.log or "code in force" in service.log
@@ -98,7 +99,7 @@ def test_a_stopped_spare_is_replaced_by_a_cold_start(tmp_path):
         took = time.monotonic() - started
         assert new != spare and took < 15, f"served again by pid {new} after {took:.1f} s"
         assert service.layout("weights").committed
-        wait_until(lambda: not os.path.exists(f"/proc/{spare}") or _zombie(spare), timeout=10,
+        wait_until(lambda: gone(spare), timeout=10,
                    what="the stopped spare killed")
     finally:
         service.kill()
@@ -140,11 +141,3 @@ async def test_a_spare_handed_the_node_that_stops_or_never_takes_it_is_killed(mo
     assert not stalled
     stalled, seconds = await watched(stop=True, took=True, serves=True)  # it serves: nothing to watch
     assert not stalled and seconds < 0.1
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True

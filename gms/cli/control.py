@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 
+from .. import procs
 from ..errors import GMSError
 from .common import client_error, positive_seconds, socket_of, target_args
 
@@ -86,21 +87,13 @@ def _until(predicate, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _gone(pid: int) -> bool:
-    """Exited: no such process, or one only its parent has yet to reap."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
+def service_role(state) -> str:
+    """What the process that stops the service is (``state.service_pid``)."""
+    if state.service_pid == state.pid:
+        return "the server"
+    if state.service_pid == state.keeper_pid:
+        return "the keeper"
+    return "the supervisor of every device's server"
 
 
 def stop(path: str, *, timeout: float, wait: float) -> str:
@@ -111,14 +104,9 @@ def stop(path: str, *, timeout: float, wait: float) -> str:
             f"the server on {path} names no process to stop: its keeper runs in another container "
             "(gms keeper) or is of an older gms; stop that keeper, or the server with SIGTERM"
         )
-    if pid == state.pid:
-        what = "the server, which runs without a keeper"
-    elif pid == state.keeper_pid:
-        what = "the keeper"
-    else:
-        what = "the supervisor of every device's server (gms serve --devices)"
+    what = service_role(state)
     signal_process(pid, signal.SIGTERM, what)
-    _until(lambda: _gone(pid), wait, f"pid {pid} ({what}) did not stop")
+    _until(lambda: procs.gone(pid), wait, f"pid {pid} ({what}) did not stop")
     return f"stopped: pid {pid} ({what}) released every layout and ended"
 
 

@@ -89,16 +89,11 @@ def server_line(state: m.GetRuntimeStateResponse) -> str:
 
 def stop_line(state: m.GetRuntimeStateResponse) -> str:
     """Which process to signal to stop the service (docs/operations.md, "Stopping and restarting")."""
-    pid = state.service_pid
-    if not pid:
+    from .control import service_role
+
+    if not state.service_pid:
         return "the keeper runs in another process (gms keeper): stop that" if state.pid else "-"
-    if pid == state.pid:
-        what = "the server"
-    elif pid == state.keeper_pid:
-        what = "the keeper"
-    else:
-        what = "the supervisor of every device's server"
-    return f"`gms stop` (SIGTERM to pid {pid}, {what}): every layout released"
+    return f"`gms stop` (SIGTERM to pid {state.service_pid}, {service_role(state)}): every layout released"
 
 
 def _over(t: m.TenantStatus) -> str:

@@ -6,16 +6,8 @@ on purpose says why (:class:`Leaving`) and the keeper acts on it
 (``gms.keeper.run``).  String enums: what travels is their value, so either
 side reads a peer of an older version that spoke plain strings.
 
-The conversation, in order::
-
-    server -> keeper   HELLO {pid, device, version}
-    keeper -> server   STANDBY (a spare: the rest comes when the server before it is gone)
-    keeper -> server   HANDBACK {mode, base, tails, ...}, FDS ..., END
-    server -> keeper   TAKING (a spare: it has the node, and is alive)
-    server -> keeper   HOLD, EVENTS, RELEASE, PART, BASE, CONFIRM ... (as things happen)
-    server -> keeper   READY (serving)
-    keeper -> server   RELEASED (an fd it kept is closed), STOP (stop cleanly)
-    server -> keeper   STOPPING {why: Leaving} (then it goes)
+The conversation, in order, is :data:`CONVERSATION` (docs/architecture.md
+draws it from there: ``sequence_diagram``).
 """
 
 from __future__ import annotations
@@ -71,3 +63,35 @@ class Leaving(str, enum.Enum):
             return cls(word)
         except ValueError:
             return None
+
+
+SERVER, KEEPER = "server", "keeper"
+
+# (who says it, what, when): the conversation of one server with its keeper, in order.
+CONVERSATION: tuple[tuple[str, str, str], ...] = (
+    (SERVER, Say.HELLO, "{pid, device, version}"),
+    (KEEPER, Say.STANDBY, "a spare: the rest when the server before it is gone"),
+    (KEEPER, Say.HANDBACK, "{mode: " + " | ".join(m.value for m in Mode) + ", base, tails}"),
+    (KEEPER, Say.FDS, "every fd it holds, 253 a frame"),
+    (KEEPER, Say.END, ""),
+    (SERVER, Say.TAKING, "a spare: alive, and it has the node"),
+    (SERVER, Say.HOLD, "memory made (its fds), before its event"),
+    (SERVER, Say.EVENTS, "log entries as stored"),
+    (SERVER, Say.RELEASE, "memory let go, after its event"),
+    (KEEPER, Say.RELEASED, "its fds closed: a waiter for memory may try again"),
+    (SERVER, Say.PART, "a new base, the parts that changed"),
+    (SERVER, Say.BASE, "the base whole (its parts named)"),
+    (SERVER, Say.CONFIRM, "a take-over committed"),
+    (SERVER, Say.READY, "serving"),
+    (KEEPER, Say.STOP, "stop cleanly"),
+    (SERVER, Say.STOPPING, "{why: " + " | ".join(w.value for w in Leaving if w is not Leaving.CRASHED) + "}"),
+)
+
+
+def sequence_diagram() -> str:
+    """:data:`CONVERSATION` as a mermaid sequence diagram (docs/architecture.md)."""
+    lines = ["```mermaid", "sequenceDiagram", "    participant S as server", "    participant K as keeper"]
+    for who, say, note in CONVERSATION:
+        arrow = "S->>K" if who == SERVER else "K-->>S"
+        lines.append(f"    {arrow}: {say.value.upper()}" + (f" {note}" if note else ""))
+    return "\n".join(lines + ["```"])

@@ -37,8 +37,9 @@ from .. import sdnotify
 from ..handover import frames
 from ..handover.words import Leaving, Say
 from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
+from ..procs import stopped
 from .conversation import Outcome, converse, describe, recv, send
-from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn, stopped
+from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn
 from .store import Store
 from .systemd import SystemdMirror, restore
 

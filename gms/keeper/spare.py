@@ -17,6 +17,7 @@ import trio
 from ..handover import frames
 from ..handover.words import Say
 from ..launch import child_env
+from ..procs import stopped
 from .conversation import describe, recv, send
 
 log = logging.getLogger("gms.keeper")
@@ -26,15 +27,6 @@ SPARE_WAIT_S = 10.0  # a server gone while its spare was still starting: how lon
 SPARE_TAKE_S = 3.0  # a spare handed the node says it has it (``taking``) within this long
 STOPPED_S = 0.5  # a spare stopped this long (SIGSTOP, a debugger) before it serves is replaced
 WATCH_S = 0.05
-
-
-def stopped(pid: int) -> bool:
-    """Is the process stopped (by a signal, or traced)?"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
 
 
 async def spawn(server_argv: list[str]):

@@ -32,7 +32,15 @@ from __future__ import annotations
 import enum
 
 from . import messages as m
-from .codec import HEADER, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode, encode_body
+from .codec import (
+    HEADER,
+    FrameDecoder,
+    ProtocolError,
+    UnknownMessageType,
+    decode,
+    encode,
+    encode_body,
+)
 
 
 class ConnectionState(enum.Enum):
@@ -159,6 +167,10 @@ class ServerConnection:
 
     def _admit(self, message: object) -> object:
         first = self.requests == 1
+        shape = m.SHAPES.get(type(message))
+        if shape is not None and (wrong := shape(message)) is not None:
+            code, why = wrong
+            return Refused(why, code)
         if isinstance(message, m.ONE_SHOT):
             if first:
                 self._one_shot = True

@@ -6,7 +6,7 @@ and whose other keys are the fields below.  docs/protocol.md is the contract.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -601,3 +601,21 @@ PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
 ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)
 ONE_SHOT: tuple[type, ...] = PROBES + ADMIN + (TakeOverRequest,)  # answered, then the connection closes
 MAX_FDS_PER_MESSAGE = 253  # the kernel's SCM_MAX_FD
+
+
+def _at_most_fds(ids: list, what: str) -> tuple[str, str] | None:
+    if len(ids) > MAX_FDS_PER_MESSAGE:
+        return "LIMIT_EXCEEDED", f"at most {MAX_FDS_PER_MESSAGE} {what}"
+    return None
+
+
+# What a request's fields must be whatever the server's state (refused by the
+# wire, once: gms.wire.connection): (code, message) where a shape is wrong.
+SHAPES: dict[type, Callable[[object], tuple[str, str] | None]] = {
+    ExportAllocationsRequest: lambda r: _at_most_fds(r.allocation_ids, "allocations per export"),
+    ExportHostCopiesRequest: lambda r: _at_most_fds(r.allocation_ids, "host copies per request"),
+    ExportHostChunksRequest: lambda r: ("INVALID_ARGUMENT", "start must be >= 0") if r.start < 0 else None,
+    HandshakeRequest: lambda r: (
+        ("INVALID_ARGUMENT", "timeout_ms must be >= 0") if r.timeout_ms is not None and r.timeout_ms < 0 else None
+    ),
+}

@@ -194,11 +194,11 @@ async def test_a_retained_log_replays_to_the_live_state():
         core.handshake(conn, m.HandshakeRequest(lock.value, 0, layout), peer, granted.append)
         if core.state.layout(layout).writer == conn:
             allocation = await core.placement.allocate(conn, 2 * MiB, "w")
-            core.requests.handle(conn, m.MetadataPutRequest("k", allocation.allocation_id, 0, b"v"))
+            core.requests.metadata_put(conn, m.MetadataPutRequest("k", allocation.allocation_id, 0, b"v"))
             if n % 4:
-                core.requests.handle(conn, m.CommitRequest())
+                core.requests.commit(conn, m.CommitRequest())
         elif conn in core.state.layout(layout).readers:
-            core.requests.handle(conn, m.ListAllocationsRequest())
+            core.requests.list_allocations(conn, m.ListAllocationsRequest())
         core.disconnect(conn)
         if n % 97 == 0:
             assert core.log.replay() == core.state

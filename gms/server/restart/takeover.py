@@ -46,7 +46,6 @@ import trio
 from ...cyclegc import paused
 from ...fsm import check_invariants
 from ...handover import frames
-from ...handover.words import Leaving
 from ...handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
@@ -59,6 +58,7 @@ from ...handover.image import (
     decode_image,
     encode_image,
 )
+from ...handover.words import Leaving
 from ...peer import UntrustedPeer, own_uids, require_peer
 from ...wire import FrameDecoder, ProtocolError, decode, encode
 from ...wire import messages as m

@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from ...cuda import DeviceInfo, MemoryBackend
 from ...fsm import (
-    InvalidArgument,
     Limits,
     MemoryTier,
     NodeState,
@@ -48,7 +47,7 @@ from ...policy import OPEN_POLICY, Policy
 from ...store import EventLog
 from ...wire import messages as m
 from ..edge.inflight import InFlight
-from ..edge.reply import Reply, UnknownRequest
+from ..edge.reply import Reply
 from ..edge.tarpit import Tarpit
 from ..tiers.copier_link import CopierLink
 from ..tiers.host_memory import HostMemory
@@ -201,8 +200,6 @@ class ServiceCore:
         """The SESSION_OPENED a handshake proposes; a refusal by the policy is
         recorded (SESSION_REFUSED) and raised."""
         requested = _LOCK_TYPES[check_lock_type(request.lock_type)]
-        if request.timeout_ms is not None and request.timeout_ms < 0:
-            raise InvalidArgument("timeout_ms must be >= 0")
         tenant = self.policy.tenant_for(peer.uid, peer.gid)
         try:
             if tenant is None:
@@ -247,34 +244,37 @@ class ServiceCore:
 
     # -- admin -------------------------------------------------------------------------
 
-    def admin(self, conn: int, request: object, peer: Peer) -> Reply:
+    def refusal_delay(self, peer: Peer) -> float:
+        """How long a refusal of ``peer``'s past its limits waits (admins never do)."""
+        if self.policy.is_admin(peer.uid, peer.gid, self.server_uid):
+            return 0.0
+        return self.tarpit.delay(peer.uid)
+
+    def require_admin(self, peer: Peer, request: object) -> None:
+        """Admin verbs are for the server's uid, root, or a policy admin (the route table asks, once)."""
         if not self.policy.is_admin(peer.uid, peer.gid, self.server_uid):
             raise PermissionDenied(
                 f"uid {peer.uid} may not {type(request).__name__[:-7].lower()}: admin verbs are for "
                 "the server's uid, root, or a policy admin"
             )
-        verb = ADMIN_VERBS.get(type(request))
-        if verb is None:
-            raise UnknownRequest(f"{type(request).__name__} is not an admin request")
-        return verb(self, conn, validate_layout_name(request.layout), request, peer)
 
-    def _revoke_verb(self, conn: int, name: str, request: m.RevokeRequest, peer: Peer) -> Reply:
-        return Reply(m.RevokeResponse(self.revoke(conn, name, peer)))
-
-    def _evict(self, conn: int, name: str, request: m.EvictRequest, peer: Peer) -> Reply:
+    def evict(self, conn: int, layout: str) -> Reply:
+        name = validate_layout_name(layout)
         before = self.state.layout(name)
         self.ledger.record(decide_evict(self.state, conn, name, "admin"))
         tier = self.state.layout(name).tier.value if name in self.state.layouts else "none"
         return Reply(m.EvictResponse(tier, before.gpu_bytes))
 
-    def _pin(self, conn: int, name: str, request: m.PinRequest, peer: Peer) -> Reply:
-        self.ledger.record(decide_pin(self.state, conn, name, request.residency))
+    def pin(self, conn: int, layout: str, residency: str) -> Reply:
+        name = validate_layout_name(layout)
+        self.ledger.record(decide_pin(self.state, conn, name, residency))
         return Reply(m.PinResponse(self.state.layout(name).residency.value))
 
     def revoke(self, conn: int, layout: str, peer: Peer) -> int:
         """Take the layout's locks away: the writer aborts (its memory is
         released), readers and a restorer are dropped, the next waiter is granted.
         Idempotent: a layout nobody holds (its holder died already) revokes 0."""
+        layout = validate_layout_name(layout)
         victims = holders(self.state, layout)
         self.ledger.record([LayoutRevoked(conn, peer.uid, len(victims), layout=layout)])
         for victim in victims:
@@ -283,14 +283,6 @@ class ServiceCore:
             if hook is not None:
                 hook()
         return len(victims)
-
-
-# The admin verbs (``m.ADMIN``), after the admin check: one row each.
-ADMIN_VERBS: dict[type, Callable[..., Reply]] = {
-    m.RevokeRequest: ServiceCore._revoke_verb,
-    m.EvictRequest: ServiceCore._evict,
-    m.PinRequest: ServiceCore._pin,
-}
 
 
 async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from ...cuda import OutOfMemory, align_up
 from ...fsm import (
     HostBudgetExceeded,
-    InvalidArgument,
     LimitExceeded,
     decide_host_copy,
     queries,
@@ -40,8 +39,6 @@ class HostTier:
     async def export_copies(self, conn: int, allocation_ids: list[str]) -> Reply:
         """The writer: make the missing copies, then export them all.  The restorer:
         export the copies the layout has."""
-        if len(allocation_ids) > MAX_FDS_PER_MESSAGE:
-            raise LimitExceeded(f"at most {MAX_FDS_PER_MESSAGE} host copies per request")
         require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
         layout = queries.layout_of(self.ledger.state, conn)
         if not queries.host_copies_to_export(layout, conn, allocation_ids):  # the writer: made if missing
@@ -56,8 +53,6 @@ class HostTier:
         """The restorer: the chunks of the host copies, in order, 253 fds at most an
         answer (a host copy the copier filled is several chunks of pool memory)."""
         require_host_tier(self.ledger.state)  # (its budget is 0 exactly where self.host is None)
-        if start < 0:
-            raise InvalidArgument("start must be >= 0")
         queries.host_chunks_to_export(queries.layout_of(self.ledger.state, conn), conn, allocation_ids)
         rows: list[tuple[str, int, str, int]] = []
         for allocation_id in allocation_ids:

@@ -128,12 +128,6 @@ class Probes:
             raise PermissionDenied(f"uid {peer.uid} is no tenant of this server's policy")
         return View(tenant, self.policy)
 
-    async def answer(self, request: object, peer: Peer) -> m.GetRuntimeStateResponse | m.GetEventHistoryResponse:
-        view = self.view_for(peer)
-        if isinstance(request, m.GetRuntimeStateRequest):
-            return await self.runtime_state(view)
-        return self.history(request.since_seq, request.limit, request.layout, view)
-
     def _seconds_since(self, seq: int) -> float | None:
         entry = self.ledger.log.entry(seq)
         return None if entry is None else (time.monotonic_ns() - entry.mono_ns) / 1e9

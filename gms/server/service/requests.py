@@ -1,5 +1,6 @@
 """The requests a session's state answers at once: reads, metadata, free, commit, exports.
 
+The session's route table (``gms.server.service.routes``) sends each here.
 Each handler turns a request into a decision (``gms.fsm``) and records what
 it proposes through the ledger (the fold's rules accept or refuse it), or
 reads the state; an export ``dup()``s fds from the tier's table.  None of
@@ -9,13 +10,10 @@ them waits, so they run on the event loop without a thread; what waits
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from collections.abc import Callable
 
 from ...fsm import (
     LayoutState,
-    LimitExceeded,
     decide_commit,
     decide_free,
     decide_metadata_delete,
@@ -24,8 +22,7 @@ from ...fsm import (
     queries,
 )
 from ...wire import messages as m
-from ...wire.messages import MAX_FDS_PER_MESSAGE
-from ..edge.reply import Reply, UnknownRequest, allocation_info
+from ..edge.reply import Reply, allocation_info
 from ..tiers.memory import Memory
 from .ledger import Ledger
 
@@ -75,73 +72,64 @@ class Requests:
         self.gpu = gpu
         self.scans = ScanCache(scan_cache_bytes)
 
-    def handle(self, conn: int, request: object) -> Reply:
-        """Raises a Rejection for an invalid request (the shell answers an error)."""
-        handler = HANDLERS.get(type(request))
-        if handler is None:
-            raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
-        return handler(self, conn, request)
-
     def _layout(self, conn: int) -> LayoutState:
         return queries.layout_of(self.log.state, conn)
 
-    def _export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
+    def export(self, conn: int, req: m.ExportAllocationRequest) -> Reply:
         allocation = queries.export_one(self._layout(conn), conn, req.allocation_id)
         fd = self.gpu.export_lent(allocation.allocation_id)
         return Reply(allocation_info(allocation, m.ExportAllocationResponse), fds=(fd,))
 
-    def _export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:
-        if len(req.allocation_ids) > MAX_FDS_PER_MESSAGE:
-            raise LimitExceeded(f"at most {MAX_FDS_PER_MESSAGE} allocations per export")
+    def export_many(self, conn: int, req: m.ExportAllocationsRequest) -> Reply:
         found = queries.exportable(self._layout(conn), conn, req.allocation_ids)
         fds = self.gpu.export_many(a.allocation_id for a in found)
         return Reply(m.ExportAllocationsResponse([allocation_info(a) for a in found]), fds=tuple(fds))
 
-    def _get_allocation(self, conn: int, req: m.GetAllocationRequest) -> Reply:
+    def get_allocation(self, conn: int, req: m.GetAllocationRequest) -> Reply:
         allocation = queries.get_allocation(self._layout(conn), conn, req.allocation_id)
         return Reply(allocation_info(allocation, m.GetAllocationResponse))
 
-    def _list_allocations(self, conn: int, req: m.ListAllocationsRequest) -> Reply:
+    def list_allocations(self, conn: int, req: m.ListAllocationsRequest) -> Reply:
         found = queries.list_allocations(self._layout(conn), conn, req.tag)
         return Reply(m.ListAllocationsResponse([allocation_info(a) for a in found]))
 
-    def _free(self, conn: int, req: m.FreeAllocationRequest) -> Reply:
+    def free(self, conn: int, req: m.FreeAllocationRequest) -> Reply:
         self.ledger.record(decide_free(self._layout(conn), conn, req.allocation_id))
         return _FREED
 
-    def _commit(self, conn: int, req: m.CommitRequest) -> Reply:
+    def commit(self, conn: int, req: m.CommitRequest) -> Reply:
         (commit,) = decide_commit(self._layout(conn), conn, req.residency or "device")
         # The lock is released (and waiters granted: a writer clears the hash
         # at once) before the response goes out, so the hash comes from the event.
         self.ledger.record([commit])
         return Reply(m.CommitResponse(True, commit.layout_hash), close_after=True)
 
-    def _metadata_put(self, conn: int, req: m.MetadataPutRequest) -> Reply:
+    def metadata_put(self, conn: int, req: m.MetadataPutRequest) -> Reply:
         layout = self._layout(conn)
         self.ledger.record(decide_metadata_put(layout, conn, req.key, req.allocation_id, req.offset_bytes, req.value))
         return _PUT
 
-    def _metadata_put_many(self, conn: int, req: m.MetadataPutManyRequest) -> Reply:
+    def metadata_put_many(self, conn: int, req: m.MetadataPutManyRequest) -> Reply:
         entries = [(e.key, e.allocation_id, e.offset_bytes, e.value) for e in req.entries]
         events = decide_metadata_put_many(self._layout(conn), conn, entries)
         self.ledger.record(events)  # all or nothing
         return Reply(m.MetadataPutManyResponse(True, len(events)))
 
-    def _metadata_get(self, conn: int, req: m.MetadataGetRequest) -> Reply:
+    def metadata_get(self, conn: int, req: m.MetadataGetRequest) -> Reply:
         entry = queries.get_metadata(self._layout(conn), conn, req.key)
         if entry is None:
             return Reply(m.MetadataGetResponse(False))
         return Reply(m.MetadataGetResponse(True, entry.allocation_id, entry.offset_bytes, entry.value))
 
-    def _metadata_delete(self, conn: int, req: m.MetadataDeleteRequest) -> Reply:
+    def metadata_delete(self, conn: int, req: m.MetadataDeleteRequest) -> Reply:
         events = decide_metadata_delete(self._layout(conn), conn, req.key)
         self.ledger.record(events)
         return Reply(m.MetadataDeleteResponse(bool(events)))
 
-    def _metadata_list(self, conn: int, req: m.MetadataListRequest) -> Reply:
+    def metadata_list(self, conn: int, req: m.MetadataListRequest) -> Reply:
         return Reply(m.MetadataListResponse(queries.list_metadata(self._layout(conn), conn, req.prefix)))
 
-    def _metadata_scan(self, conn: int, req: m.MetadataScanRequest) -> Reply:
+    def metadata_scan(self, conn: int, req: m.MetadataScanRequest) -> Reply:
         layout = self._layout(conn)
         queries.require_view(layout, conn, "metadata_scan")
         if len(req.prefix) > self.ledger.state.limits.max_key_bytes:
@@ -159,29 +147,5 @@ class Requests:
         self.scans.put(layout, req.prefix, response)
         return Reply(response)
 
-    def _state_hash(self, conn: int, req: m.GetStateHashRequest) -> Reply:
+    def state_hash(self, conn: int, req: m.GetStateHashRequest) -> Reply:
         return Reply(m.GetStateHashResponse(self._layout(conn).layout_hash or ""))
-
-
-def close_fds(reply: Reply) -> None:
-    for fd in reply.fds:
-        os.close(fd)
-
-
-# The requests answered here, at once and in one step of the core (the session's
-# table, ``gms.server.service.session.ROUTES``, sends each of these types here).
-HANDLERS: dict[type, Callable[[Requests, int, object], Reply]] = {
-    m.ExportAllocationRequest: Requests._export,
-    m.ExportAllocationsRequest: Requests._export_many,
-    m.GetAllocationRequest: Requests._get_allocation,
-    m.ListAllocationsRequest: Requests._list_allocations,
-    m.FreeAllocationRequest: Requests._free,
-    m.CommitRequest: Requests._commit,
-    m.MetadataPutRequest: Requests._metadata_put,
-    m.MetadataPutManyRequest: Requests._metadata_put_many,
-    m.MetadataGetRequest: Requests._metadata_get,
-    m.MetadataDeleteRequest: Requests._metadata_delete,
-    m.MetadataListRequest: Requests._metadata_list,
-    m.MetadataScanRequest: Requests._metadata_scan,
-    m.GetStateHashRequest: Requests._state_hash,
-}

@@ -4,7 +4,9 @@
 waits on: its lock, memory; what a take-over hands on).
 
 Feed what the socket gives to the connection object, serve each request it
-hands out (the core decides), send what it encodes; unwind on any exit.
+hands out by its route (``gms.server.service.routes``: one table; a
+handshake's own steps are ``handshake``), send what it encodes; unwind on any
+exit.  The core decides; this loop only reads, waits, sends and unwinds.
 The trust boundary of the seed, in one place:
 
 * a connection that sends no whole request within ``--handshake-timeout``
@@ -29,14 +31,14 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 
 from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection
-from ...fsm.events import ConnectionDropped, LockTimeout, RestoreClaimed, RoConnect
+from ...fsm.events import ConnectionDropped, RestoreClaimed, RoConnect
 from ...handover.image import Waiting
-from ...wire import ProtocolError, UnknownMessageType, encode
+from ...wire import ProtocolError, UnknownMessageType
 from ...wire import messages as m
 from ...wire.connection import (
     NEED_DATA,
@@ -46,20 +48,18 @@ from ...wire.connection import (
     ServerConnection,
 )
 from ..config import ServerConfig
-from ..edge.admission import FdsExhausted
 from ..edge.inflight import answer_bytes
-from ..edge.netio import Channel, PeerGone, SendFailed, wait_or_hangup
+from ..edge.netio import Channel, PeerGone, SendFailed
 from ..edge.reply import Reply, UnknownRequest, error_reply
 from ..metrics import Metrics
+from . import handshake
 from .core import ServiceCore
-from .placement import OutOfMemoryTimeout
 from .quiesce import STUCK_S, Parked, Quiesce, only_parked
-from .requests import HANDLERS
+from .routes import DESCRIBES, ROUTES, TakeOverAsked
 from .waits import Waits
 
 log = logging.getLogger("gms.server")
 
-MIN_HEARTBEAT_MS = 100  # a client asking for more is told this often at most
 
 
 def is_cancellation(exc: BaseException) -> bool:
@@ -71,11 +71,6 @@ def is_cancellation(exc: BaseException) -> bool:
 
 class FirstRequestLate(Exception):
     """No whole request arrived within the handshake deadline."""
-
-
-class _TakeOver(Exception):
-    def __init__(self, request: m.TakeOverRequest) -> None:
-        self.request = request
 
 
 class Session:
@@ -117,10 +112,10 @@ class Session:
         self._scope = trio.CancelScope()
         self._revoked = False
         self._stuck = False  # dropped at a quiet point: its client read nothing of its answer
-        self._on_take_over = on_take_over
+        self.on_take_over = on_take_over
         # What it waits on, as data (what a quiet point hands over): gms.server.service.waits.
         self.waits = Waits()
-        self._granted: trio.Event | None = None  # made when a handshake has to wait
+        self.grant_event: trio.Event | None = None  # made when a handshake has to wait
         self.quiesce.started(self)  # counted from here, before its task runs: a quiet point waits for it
 
     def _revoke(self) -> None:
@@ -147,7 +142,7 @@ class Session:
                          granted=granted, now=trio.current_time())
 
     @contextlib.contextmanager
-    def _waiting_for(self, what: Waiting):
+    def waiting_for(self, what: Waiting):
         """Mark a memory wait; a take-over stopping it leaves the mark for the hand-over."""
         self.waits.wait_memory(what)
         try:
@@ -175,10 +170,10 @@ class Session:
                 raise self._stopped()  # while it waited for a request
         except (ProtocolError, PeerGone, SendFailed) as exc:
             self._dropped(exc)
-        except _TakeOver as asked:  # the connection is the take-over's now (no session: a one-shot)
+        except TakeOverAsked as asked:  # the connection is the take-over's now (no session: a one-shot)
             close = False
             self.quiesce.ended(self)
-            self._on_take_over(self.channel, self.protocol, asked.request)
+            self.on_take_over(self.channel, self.protocol, asked.request)
         except FirstRequestLate:
             self.metrics.refused.labels("handshake_timeout").inc()
             log.info("a connection sent no request within %.1f s of connecting: closed", self.config.handshake_timeout)
@@ -243,7 +238,7 @@ class Session:
                 scope.deadline = math.inf  # the first request came in time
             since = self.core.durability.added(self.conn)
             reply = await self._answer(request)
-            if isinstance(request, m.PROBES):  # it only describes: nothing to wait for
+            if type(request) in DESCRIBES:  # it only describes: nothing to wait for
                 await self._send(reply)
             else:
                 await self._send(reply, (self._layout_name() or getattr(request, "layout", ""),), since)
@@ -276,11 +271,11 @@ class Session:
         since = self.core.durability.added(self.conn)
         try:
             if kind is Waiting.LOCK:
-                reply = await self._wait_for_lock()
+                reply = await handshake.wait_for_lock(self)
             elif kind is Waiting.RESTORE:
-                reply = await self._after_grant(request, self.waits.grant)
+                reply = await handshake.after_grant(self, request, self.waits.grant)
             else:
-                reply = await self._allocate(request)
+                reply = await ROUTES[m.AllocateRequest].answer(self, request)
         except Rejection as rejection:
             reply = error_reply(rejection)
         await self._send(reply, (self._layout_name(),), since)
@@ -304,7 +299,7 @@ class Session:
         else:
             protocol.wrote(await self.channel.receive_into(space))
 
-    async def _until_gone(self) -> None:
+    async def until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
 
         Used while a request waits (for a lock, for memory) and the loop reads
@@ -322,173 +317,25 @@ class Session:
         if isinstance(request, UnknownMessageType):
             return Reply(m.ErrorResponse(str(request), "UNKNOWN_MESSAGE"))
         try:
-            if isinstance(request, m.TakeOverRequest) and self._on_take_over is not None:
-                raise _TakeOver(request)
             route = ROUTES.get(type(request))
-            if route is None:
+            if route is None or (route.only_if is not None and not route.only_if(self)):
                 raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
-            return await route(self, request)
+            if route.admin:
+                self.core.require_admin(self.peer, request)
+            return await route.answer(self, request) if route.waits else route.answer(self, request)
         except Rejection as rejection:
-            if isinstance(rejection, (OverLimit, QuotaExceeded)):
-                await self._pace_refusal()
+            if isinstance(rejection, (OverLimit, QuotaExceeded)) and (delay := self.core.refusal_delay(self.peer)):
+                await trio.sleep(delay)  # a uid that keeps asking past its limits (gms.server.edge.tarpit)
             return error_reply(rejection)
-
-    async def _pace_refusal(self) -> None:
-        """A uid that keeps asking past its limits waits for its refusals (admins never)."""
-        core, peer = self.core, self.peer
-        if core.policy.is_admin(peer.uid, peer.gid, core.server_uid):
-            return
-        delay = core.tarpit.delay(peer.uid)
-        if delay:
-            await trio.sleep(delay)
 
     def on_grant(self, grant: Grant) -> None:
         """The ledger granted this session's lock (maybe while a take-over paused it)."""
         self.waits.granted(grant)
-        if self._granted is not None:
-            self._granted.set()
+        if self.grant_event is not None:
+            self.grant_event.set()
 
     def alive(self) -> bool:
         return not self.channel.hung_up()
-
-    async def _handshake(self, request: m.HandshakeRequest) -> Reply:
-        waits = self.waits
-        requested = self.core.handshake(self.conn, request, self.peer, self.on_grant, self.alive)
-        if waits.grant is not None:  # at once: nobody was ahead
-            self.metrics.lock_waited(requested.value, 0.0)
-            return await self._after_grant(request, waits.grant)
-        timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
-        waits.ask_lock(request, requested, timeout, trio.current_time())
-        return await self._wait_for_lock()
-
-    async def _wait_for_lock(self) -> Reply:
-        waits = self.waits
-        wait = waits.lock
-        request, requested = wait.request, wait.requested
-        if waits.grant is None:
-            hung_up = False
-            self._granted = trio.Event()
-            with trio.move_on_at(wait.deadline), self.quiesce.interruptible():
-                hung_up = await wait_or_hangup(self._until_granted, self._until_gone)
-            if waits.grant is None:
-                waits.lock_ended()
-                self.core.cancel_lock_request(self.conn)
-                if hung_up:
-                    raise PeerGone("hung up while waiting for the lock")
-                self.core.ledger.record(
-                    [LockTimeout(self.conn, requested.value, request.timeout_ms or 0, layout=request.layout)]
-                )
-                return Reply(self._handshake_response(None))
-        waits.lock_ended()
-        self.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
-        return await self._after_grant(request, waits.grant)
-
-    async def _until_granted(self) -> None:
-        """Wait for the grant, saying so now and then to a client that asked
-        (``heartbeat_ms``): it then tells a wait from a server that hangs."""
-        heartbeat_ms = getattr(self.waits.lock.request, "heartbeat_ms", None)
-        if not heartbeat_ms:
-            await self._granted.wait()
-            return
-        every = max(heartbeat_ms, MIN_HEARTBEAT_MS) / 1000
-        while True:
-            with trio.move_on_after(every):
-                await self._granted.wait()
-                return
-            waited = int((trio.current_time() - self.waits.lock.asked_at) * 1000)
-            self.channel.send_if_idle(encode(m.LockWaiting(waited)))
-
-    async def _after_grant(self, request: m.HandshakeRequest, grant: Grant) -> Reply:
-        restored = False  # by the copier: then the reader is granted a plain RO
-        if grant.restore:
-            if request.heartbeat_ms:  # a word before the restore's waits: this server is alive
-                self.channel.send_if_idle(encode(m.LockWaiting(0)))
-            layout = self.core.state.layout(request.layout)
-            try:
-                with self._waiting_for(Waiting.RESTORE):
-                    await self.core.placement.with_memory(
-                        self.conn, lambda: self.core.placement.restore(self.conn), layout.held_bytes, "restore",
-                        self._until_gone, self.quiesce.interruptible,
-                    )
-            except (OutOfMemoryTimeout, FdsExhausted) as exc:
-                return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
-            if self.core.transfers is not None:
-                restored = await self.core.transfers.restore(self.conn, self._until_gone)
-        return Reply(self._handshake_response(grant, restored))
-
-    def _handshake_response(self, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
-        state = self.core.state
-        session = state.sessions.get(self.conn)
-        layout = state.layout(session.layout) if session else None
-        device = self.core.device
-        return m.HandshakeResponse(
-            success=grant is not None,
-            committed=bool(layout and layout.committed),
-            granted_lock_type=None if grant is None else grant.granted.value,
-            backend=device.backend,
-            device=device.device,
-            device_uuid=device.uuid,
-            memory_layout_hash=(layout.layout_hash if layout else None) or "",
-            layout=layout.name if layout else "",
-            tenant=session.tenant if session else "",
-            restore=grant is not None and grant.restore and not restored,
-            max_frame_bytes=self.config.max_frame_bytes,
-        )
-
-    async def _allocate(self, request: m.AllocateRequest) -> Reply:
-        placement = self.core.placement
-        with self._waiting_for(Waiting.ALLOCATE), self.metrics.allocate_seconds.time():
-            response = await placement.with_memory(
-                self.conn, lambda: placement.allocate(self.conn, request.size, request.tag),
-                request.size, request.tag, self._until_gone, self.quiesce.interruptible,
-            )
-        return Reply(response)
-
-
-# -- every request a session answers, and who answers it: one table ---------------------
-
-
-async def _probe(s: Session, request) -> Reply:
-    return Reply(await s.core.probes.answer(request, s.peer))
-
-
-async def _admin(s: Session, request) -> Reply:
-    return s.core.admin(s.conn, request, s.peer)
-
-
-async def _host_copies(s: Session, request: m.ExportHostCopiesRequest) -> Reply:
-    return await s.core.host_tier.export_copies(s.conn, request.allocation_ids)
-
-
-async def _host_chunks(s: Session, request: m.ExportHostChunksRequest) -> Reply:
-    return s.core.host_tier.export_chunks(s.conn, request.allocation_ids, request.start)
-
-
-async def _commit(s: Session, request: m.CommitRequest) -> Reply:
-    if s.core.transfers is not None:  # the copier fills the host copies a residency needs
-        return await s.core.transfers.commit(s.conn, request)
-    return s.core.requests.handle(s.conn, request)
-
-
-async def _restore_done(s: Session, request: m.RestoreDoneRequest) -> Reply:
-    return Reply(m.RestoreDoneResponse(s.core.finish_restore(s.conn)))
-
-
-async def _core(s: Session, request) -> Reply:
-    return s.core.requests.handle(s.conn, request)  # at once, in one step of the core
-
-
-ROUTES: dict[type, Callable[[Session, object], Awaitable[Reply]]] = {
-    **dict.fromkeys(HANDLERS, _core),
-    **dict.fromkeys(m.PROBES, _probe),
-    **dict.fromkeys(m.ADMIN, _admin),
-    m.HandshakeRequest: Session._handshake,  # may wait for the lock
-    m.AllocateRequest: Session._allocate,  # may wait for memory
-    m.ExportHostCopiesRequest: _host_copies,
-    m.ExportHostChunksRequest: _host_chunks,
-    m.CommitRequest: _commit,
-    m.RestoreDoneRequest: _restore_done,
-}
 
 
 def granted_as(conn: int, layout: str, granted: str, restore: bool) -> Grant:

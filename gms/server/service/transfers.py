@@ -79,11 +79,11 @@ class Transfers:
     async def commit(self, conn: int, request: m.CommitRequest) -> Reply:
         layout = layout_of(self.ledger.state, conn)
         if request.residency != "system":
-            return self.requests.handle(conn, request)
+            return self.requests.commit(conn, request)
         decide_commit(layout, conn, request.residency)  # the writer's, a known residency: else refused here
         missing = self._missing(conn)
         if not missing:
-            return self.requests.handle(conn, request)
+            return self.requests.commit(conn, request)
         def decide():
             (commit,) = decide_commit(layout_of(self.ledger.state, conn), conn, request.residency)
             return [*self._host_copy_events(conn, self._missing(conn)), commit]

@@ -1,0 +1,116 @@
+"""A handshake, served: the session opened (the core decides), the lock waited
+for (heartbeats to a client that asked), a restore of an evicted layout made
+for the reader asked to, and the answer.
+
+Each function takes the session it serves (``gms.server.service.session``):
+its connection, what it waits on (``Session.waits``, sans I/O: what a take-over
+hands over) and its way of seeing its client go (``Session.until_gone``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+
+from ...fsm import Grant
+from ...fsm.events import LockTimeout
+from ...handover.image import Waiting
+from ...wire import encode
+from ...wire import messages as m
+from ..edge.admission import FdsExhausted
+from ..edge.netio import PeerGone, wait_or_hangup
+from ..edge.reply import Reply, error_reply
+from .placement import OutOfMemoryTimeout
+
+MIN_HEARTBEAT_MS = 100  # a client asking for more is told this often at most
+
+
+async def handshake(s, request: m.HandshakeRequest) -> Reply:
+    waits = s.waits
+    requested = s.core.handshake(s.conn, request, s.peer, s.on_grant, s.alive)
+    if waits.grant is not None:  # at once: nobody was ahead
+        s.metrics.lock_waited(requested.value, 0.0)
+        return await after_grant(s, request, waits.grant)
+    timeout = math.inf if request.timeout_ms is None else request.timeout_ms / 1000
+    waits.ask_lock(request, requested, timeout, trio.current_time())
+    return await wait_for_lock(s)
+
+
+async def wait_for_lock(s) -> Reply:
+    """Until the lock is granted, the wait times out, or the client hangs up."""
+    waits = s.waits
+    wait = waits.lock
+    request, requested = wait.request, wait.requested
+    if waits.grant is None:
+        hung_up = False
+        s.grant_event = trio.Event()
+        with trio.move_on_at(wait.deadline), s.quiesce.interruptible():
+            hung_up = await wait_or_hangup(lambda: _until_granted(s), s.until_gone)
+        if waits.grant is None:
+            waits.lock_ended()
+            s.core.cancel_lock_request(s.conn)
+            if hung_up:
+                raise PeerGone("hung up while waiting for the lock")
+            s.core.ledger.record([LockTimeout(s.conn, requested.value, request.timeout_ms or 0, layout=request.layout)])
+            return Reply(response(s, None))
+    waits.lock_ended()
+    s.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
+    return await after_grant(s, request, waits.grant)
+
+
+async def _until_granted(s) -> None:
+    """Wait for the grant, saying so now and then to a client that asked
+    (``heartbeat_ms``): it then tells a wait from a server that hangs."""
+    heartbeat_ms = getattr(s.waits.lock.request, "heartbeat_ms", None)
+    if not heartbeat_ms:
+        await s.grant_event.wait()
+        return
+    every = max(heartbeat_ms, MIN_HEARTBEAT_MS) / 1000
+    while True:
+        with trio.move_on_after(every):
+            await s.grant_event.wait()
+            return
+        waited = int((trio.current_time() - s.waits.lock.asked_at) * 1000)
+        s.channel.send_if_idle(encode(m.LockWaiting(waited)))
+
+
+async def after_grant(s, request: m.HandshakeRequest, grant: Grant) -> Reply:
+    """The grant made: a restorer's memory and copy first, then the answer."""
+    core = s.core
+    restored = False  # by the copier: then the reader is granted a plain RO
+    if grant.restore:
+        if request.heartbeat_ms:  # a word before the restore's waits: this server is alive
+            s.channel.send_if_idle(encode(m.LockWaiting(0)))
+        layout = core.state.layout(request.layout)
+        try:
+            with s.waiting_for(Waiting.RESTORE):
+                await core.placement.with_memory(
+                    s.conn, lambda: core.placement.restore(s.conn), layout.held_bytes, "restore",
+                    s.until_gone, s.quiesce.interruptible,
+                )
+        except (OutOfMemoryTimeout, FdsExhausted) as exc:
+            return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
+        if core.transfers is not None:
+            restored = await core.transfers.restore(s.conn, s.until_gone)
+    return Reply(response(s, grant, restored))
+
+
+def response(s, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
+    state = s.core.state
+    session = state.sessions.get(s.conn)
+    layout = state.layout(session.layout) if session else None
+    device = s.core.device
+    return m.HandshakeResponse(
+        success=grant is not None,
+        committed=bool(layout and layout.committed),
+        granted_lock_type=None if grant is None else grant.granted.value,
+        backend=device.backend,
+        device=device.device,
+        device_uuid=device.uuid,
+        memory_layout_hash=(layout.layout_hash if layout else None) or "",
+        layout=layout.name if layout else "",
+        tenant=session.tenant if session else "",
+        restore=grant is not None and grant.restore and not restored,
+        max_frame_bytes=s.config.max_frame_bytes,
+    )
