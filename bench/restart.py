@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import signal
 import subprocess

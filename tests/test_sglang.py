@@ -89,6 +89,28 @@ def test_only_the_gms_load_format_activates():
         launcher.socket  # noqa: B018 - the launcher has no GPU
 
 
+def test_a_scheduler_knows_its_gpu_on_either_generation_of_sglang_s_api(monkeypatch):
+    """Scheduler(server_args, port_args, gpu_id, ...) up to 0.5.17; 0.5.23's
+    Scheduler(server_args, port_args) keeps the GPU in its runtime context."""
+    import sys
+    import types
+
+    from gms.integrations.sglang import hooks
+
+    args = server_args(extra={"gms_exit_with_parent": False})
+    hooks.note_scheduler(None, args, "ports", 5, 0)
+    assert process.active().device == 5
+    hooks.note_scheduler(None, server_args=args, port_args="ports", gpu_id=6)
+    assert process.active().device == 6
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.get_device = lambda: SimpleNamespace(gpu_id=7)
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    hooks.note_scheduler(None, args, "ports")
+    assert process.active().device == 7
+
+
 def test_a_wrong_key_fails_at_start_up():
     with pytest.raises(ConfigError, match="gms_read_onyl"):
         process.activate(server_args(extra={"gms_read_onyl": True}))

@@ -34,7 +34,7 @@ from ... import torch as gms_torch
 from ...client.manager import GMSClientMemoryManager
 from ...errors import StaleMemoryLayoutError
 from ...fsm import GrantedLockType, RequestedLockType
-from ...fsm.state import CUDA_GRAPH, KV_CACHE
+from ...fsm.state import CUDA_GRAPH, KV_CACHE  # noqa: F401 - CUDA_GRAPH: the engines take it from here
 from .config import EngineConfig
 from .errors import LayoutMismatchError, MissingWorkerError
 from .names import ModelIdentity

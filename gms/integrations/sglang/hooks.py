@@ -44,10 +44,20 @@ def note_launcher(result, self, *args, **kwargs) -> None:
 
 
 def note_scheduler(self, *args, **kwargs) -> None:
-    """A scheduler process (one per GPU rank): its server args and its GPU."""
+    """A scheduler process (one per GPU rank): its server args and its GPU.
+    Two generations of SGLang's API: ``Scheduler(server_args, port_args, gpu_id,
+    ...)`` (0.5.11 to 0.5.17), and ``Scheduler(server_args, port_args)`` with the
+    GPU in the process's runtime context (0.5.23: ``get_device().gpu_id``, read
+    from the wheel; not yet run on a GPU: docs/sglang.md)."""
     server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
-    gpu_id = kwargs["gpu_id"] if "gpu_id" in kwargs else args[2]
+    gpu_id = kwargs["gpu_id"] if "gpu_id" in kwargs else (args[2] if len(args) > 2 else _context_gpu())
     process.activate(server_args, int(gpu_id))
+
+
+def _context_gpu() -> int:
+    from sglang.srt.runtime_context import get_device  # (SGLang 0.5.23's runtime context)
+
+    return get_device().gpu_id
 
 
 def memory_saver(original, *args, **kwargs) -> Any:
