@@ -69,6 +69,10 @@ class Phase(enum.Enum):
     GONE = "gone"  # no channel (a keeper that went away, or none yet)
 
 
+_GONE = Phase.GONE
+_LIVE = (Phase.ATTACHED, Phase.BASED)  # (looked up once: these are asked on every request)
+
+
 class LinkState(str, enum.Enum):
     """What ``gms status`` says of the keeper (``keeper``)."""
 
@@ -118,11 +122,11 @@ class KeeperStream:
 
     @property
     def open(self) -> bool:
-        return self.phase is not Phase.GONE
+        return self.phase is not _GONE
 
     @property
     def attached(self) -> bool:
-        return self.phase in (Phase.ATTACHED, Phase.BASED)
+        return self.phase in _LIVE
 
     @property
     def state(self) -> LinkState:
@@ -167,22 +171,23 @@ class KeeperStream:
 
     def held(self, tier: str, items: list[tuple[str, int]]) -> None:
         """Memory made: goes with the next frame, before the event that records it."""
-        if self.attached:
+        if self.phase in _LIVE:
             self._queue_holds([(memory_key(tier, i), fd) for i, fd in items])
 
     def released(self, tier: str, allocation_ids: list[str]) -> None:
         """Memory let go (after its event)."""
-        if self.attached:
+        if self.phase in _LIVE:
             body = {"keys": [memory_key(tier, i) for i in allocation_ids]}
             if self._wants_ack():
                 body["ack"] = True
             self.send(Say.RELEASE, body)
 
-    def logged(self, entries: list[LogEntry]) -> None:
+    def logged(self, entries: list[LogEntry]) -> bool:
         """Events stored: handed on at the write's :meth:`flush`, or with an earlier frame.
-        A base falls due once the events since the last one outweigh it."""
-        if not self.attached:
-            return
+        A base falls due once the events since the last one outweigh it (True: an
+        older keeper's whole image was handed on at once)."""
+        if self.phase not in _LIVE:
+            return False
         blob = encode_entries(entries)
         lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
         self._queue(Say.EVENTS, {"entries": blob}, lasting=lasting)
@@ -198,13 +203,15 @@ class KeeperStream:
         if self.parts:
             self._writer.note(entries)
         if self.rebase_due:
-            return
+            return False
         if self.parts:
             # What the keeper keeps beyond the state is the events since its base:
             # a few MiB, whatever the state's size (a base sends only what changed).
             self.rebase_due = self._tail_bytes >= MIN_TAIL_BYTES
         elif self._tail_bytes >= max(MIN_TAIL_BYTES, self._base_cost):  # an older keeper: whole images
             self.base_now(None)
+            return True
+        return False
 
     def send(self, kind: Say, body: dict | None = None) -> None:
         """Queue a frame and hand on everything queued (``CONFIRM``, ``READY``, ...)."""
@@ -214,19 +221,22 @@ class KeeperStream:
     def stopping(self, why: Leaving) -> None:
         self.send(Say.STOPPING, {"why": why.value})
 
-    def flush(self, soon: bool = False) -> bool:
+    def flush(self, soon: bool = False) -> bool | None:
         """Hand every queued frame on, in order (as few segments as their fds allow:
         at most 253 fds ride one).  ``soon``: unless a queued frame tells of a lasting
         change (or many wait), leave them for the shell's hand-on within SOON_S
-        instead.  True if some were left so (``soon`` is then set)."""
+        instead.  True: left so (``soon`` is set); False: handed on; None: nothing
+        was queued."""
         if not self._queued:
-            return False
+            return None
         if soon and len(self._queued) < SOON_FRAMES and not any(lasting for _, _, lasting in self._queued):
+            if self.soon:
+                return None  # (the shell knows already)
             self.soon = True
             return True
         self.soon = False
         queued, self._queued = self._queued, []
-        if not self.open:
+        if self.phase is _GONE:
             for _, fds, _ in queued:
                 self._close(fds)
             return False
@@ -247,7 +257,7 @@ class KeeperStream:
     # -- what the kernel takes ----------------------------------------------------------------
 
     def next_segment(self) -> Segment | None:
-        return self.out[0] if self.out and self.open else None
+        return self.out[0] if self.out and self.phase is not _GONE else None
 
     def took(self, n: int) -> None:
         """The kernel took ``n`` bytes of the next segment (its fds with the first)."""
@@ -280,7 +290,7 @@ class KeeperStream:
         """A request that added much while the keeper is far behind (BACKLOG_BYTES
         not taken, or TAIL_BOUND_BYTES of events since its base): its client waits,
         so what waits here and what the keeper keeps beyond the state stay bounded."""
-        if conn is None or not self.open or self._added.get(conn, 0) - since <= SMALL_BYTES:
+        if conn is None or self.phase is _GONE or self._added.get(conn, 0) - since <= SMALL_BYTES:
             return False
         return self.position() - self.sent > BACKLOG_BYTES or self._tail_bytes + self._tail_before > TAIL_BOUND_BYTES
 
@@ -375,7 +385,7 @@ class KeeperStream:
 
     def _queue(self, kind: Say, body: dict | None = None, fds: list[int] | None = None,
                lasting: frozenset = frozenset()) -> None:
-        if self.open:
+        if self.phase is not _GONE:
             self._queued.append((frames.encode_frame(kind, body, len(fds or ())), fds or [], lasting))
         elif fds:
             self._close(fds)

@@ -126,7 +126,10 @@ class KeeperLink:
 
     def __init__(self, sock: socket.socket | None = None) -> None:
         self.sock: socket.socket | None = None
-        self.stream = KeeperStream()
+        self.stream = stream = KeeperStream()
+        # What the ledger and the memory tables ask on every request: the stream's own
+        # methods, not a call through this shell each (gms.server.service.durability).
+        self.held, self.added, self.behind = stream.held, stream.added, stream.behind
         self.lost = 0  # keepers lost since the start
         self.keeper_pid = self.service_pid = 0  # as the keeper named them at its hand-back
         self.stood_by = False  # this server was a spare: the node came long after it started
@@ -253,10 +256,6 @@ class KeeperLink:
 
     # -- as it happens (and the ledger's Durability) --------------------------------
 
-    def held(self, tier: str, items: list[tuple[str, int]]) -> None:
-        """Memory made: sent with the next frame, before the event that records it."""
-        self.stream.held(tier, items)
-
     def released(self, tier: str, allocation_ids: list[str]) -> None:
         """Memory let go (after its event): sent now, with what is queued before it."""
         self.stream.released(tier, allocation_ids)
@@ -264,11 +263,10 @@ class KeeperLink:
 
     def logged(self, entries: list[LogEntry]) -> None:
         """Events stored: sent at the ledger's :meth:`flush`, or with an earlier frame."""
-        self.stream.logged(entries)
-        if self.stream.rebase_due:
+        if self.stream.logged(entries):
+            self._send_now()  # (an older keeper's whole image, handed on)
+        elif self.stream.rebase_due:
             self._wake()  # the task makes it, a little at a time
-        elif self.stream.out:
-            self._send_now()  # (an older keeper's whole image went out)
 
     def ready(self, **info) -> None:
         self.stream.send(Say.READY, {"pid": os.getpid(), **info})
@@ -284,16 +282,11 @@ class KeeperLink:
     def flush(self, soon: bool = False) -> None:
         """Hand every queued frame on and send what the socket takes now.  ``soon``:
         within :data:`SOON_S` by :meth:`run`, unless one tells of a lasting change."""
-        if self.stream.flush(soon):
+        done = self.stream.flush(soon)
+        if done:
             self._wake()
-        else:
+        elif done is False:
             self._send_now()
-
-    def added(self, conn: int) -> int:
-        return self.stream.added(conn)
-
-    def behind(self, layouts: Iterable[str] | None = None, conn: int | None = None, since: int = 0) -> bool:
-        return self.stream.behind(layouts, conn, since)
 
     async def durable(self, layouts: Iterable[str] | None = None, conn: int | None = None, since: int = 0) -> None:
         """Return once the keeper's socket holds every frame queued so far, or
