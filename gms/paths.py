@@ -79,6 +79,27 @@ def _own_socket(path: str) -> bool:
     return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
 
 
+STATE_DIR = "/var/lib/gms"  # root's disk tier (kept across reboots, unlike /run)
+
+
+def disk_dir(socket: str, state_dir: str | None = None) -> str:
+    """Where the server of ``socket`` keeps its disk tier by default: ``<state
+    dir>/<socket name>.disk``.  Without a state dir, a server on a default socket
+    keeps it where a reboot leaves it (``/var/lib/gms`` for root, the user's
+    ``$XDG_STATE_HOME/gms`` or ``~/.local/state/gms``: ``/run`` and the runtime
+    folder are emptied at boot); one on a socket of its own, beside the socket."""
+    folder, name = os.path.split(os.path.abspath(socket))
+    if state_dir:
+        folder = state_dir
+    elif folder in (SYSTEM_DIR, os.path.abspath(user_dir())) and not os.environ.get("GMS_SOCKET_DIR"):
+        if os.geteuid() == 0:
+            folder = STATE_DIR
+        else:
+            base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+            folder = os.path.join(base, "gms")
+    return os.path.join(folder, os.path.splitext(name)[0] + ".disk")
+
+
 def socket_path_in(directory: str, device_id: str) -> str:
     """The socket for a device in ``directory``; raises ``ValueError``
     when even the short form is too long for a Unix socket."""

@@ -9,6 +9,8 @@ A TOML file, one ``[[tenant]]`` table per tenant::
     quota = "40GiB"              # bytes it may keep in gms; omit for unlimited
     metadata_quota = "64MiB"     # metadata keys and values it may keep (the server's RAM)
     max_layouts = 256            # layouts it may own or write at once
+    disk_quota = "200GiB"        # snapshots of its layouts on the disk tier; omit for unlimited
+    persist = true               # its commits save a snapshot unless the writer says otherwise
     read = ["llama-*", "shared"] # layouts it may read (fnmatch patterns)
     write = ["llama-*", "kv-*"]  # layouts it may write (and so read)
     admin = false                # may revoke, evict and pin
@@ -33,7 +35,9 @@ import attrs
 from .fsm import DEFAULT_TENANT
 from .units import parse_bytes
 
-_TENANT_KEYS = {"name", "uids", "gids", "quota", "metadata_quota", "max_layouts", "read", "write", "admin"}
+_TENANT_KEYS = {
+    "name", "uids", "gids", "quota", "metadata_quota", "max_layouts", "read", "write", "admin", "disk_quota", "persist",
+}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -53,6 +57,8 @@ class TenantPolicy:
     everyone: bool = False  # the default tenant of a server without a policy
     metadata_quota: int | None = None  # None: the server's default
     max_layouts: int | None = None  # None: the server's default
+    disk_quota: int | None = None  # None: unlimited (the disk tier's budget bounds it)
+    persist: bool = False  # a commit that does not say saves a snapshot (gms.disk)
 
     def may_write(self, layout: str) -> bool:
         return self.everyone or any(fnmatch.fnmatchcase(layout, p) for p in self.write)
@@ -79,6 +85,10 @@ class Policy:
         tenant = self.tenant_for(uid, gid)
         return tenant is not None and tenant.admin and not tenant.everyone
 
+    def persists(self, tenant: str) -> bool:
+        """Whether ``tenant``'s commits save a snapshot unless the writer says."""
+        return any(t.persist for t in self.tenants if t.name == tenant)
+
     def quotas(self) -> dict[str, int | None]:
         return {t.name: t.quota_bytes for t in self.tenants}
 
@@ -90,6 +100,7 @@ class Policy:
             t.name: {
                 "metadata_quota": None if t.everyone else _or(t.metadata_quota, metadata_quota),
                 "max_layouts": None if t.everyone else _or(t.max_layouts, max_layouts),
+                "disk_quota": t.disk_quota,
             }
             for t in self.tenants
         }
@@ -160,18 +171,19 @@ def _tenant(table: dict, index: int, lines: _Lines) -> TenantPolicy:
             raise lines.error(index, key, f"{key} must be a list of layout name patterns")
         return tuple(value)
 
-    quota = table.get("quota")
-    if quota is not None:
+    def size(key: str) -> int | None:
+        value = table.get(key)
+        if value is None:
+            return None
         try:
-            quota = parse_bytes(quota)
+            return parse_bytes(value)
         except ValueError as exc:
-            raise lines.error(index, "quota", f"quota: {exc}") from None
-    metadata_quota = table.get("metadata_quota")
-    if metadata_quota is not None:
-        try:
-            metadata_quota = parse_bytes(metadata_quota)
-        except ValueError as exc:
-            raise lines.error(index, "metadata_quota", f"metadata_quota: {exc}") from None
+            raise lines.error(index, key, f"{key}: {exc}") from None
+
+    quota, metadata_quota, disk_quota = size("quota"), size("metadata_quota"), size("disk_quota")
+    persist = table.get("persist", False)
+    if not isinstance(persist, bool):
+        raise lines.error(index, "persist", "persist must be true or false")
     max_layouts = table.get("max_layouts")
     if max_layouts is not None and (type(max_layouts) is not int or max_layouts < 0):
         raise lines.error(index, "max_layouts", "max_layouts must be a non-negative integer")
@@ -183,7 +195,7 @@ def _tenant(table: dict, index: int, lines: _Lines) -> TenantPolicy:
         raise lines.error(index, "name", f"tenant {name!r} lists no uids or gids: nobody could be it")
     return TenantPolicy(
         name, uids, gids, quota, patterns("read"), patterns("write"), admin,
-        metadata_quota=metadata_quota, max_layouts=max_layouts,
+        metadata_quota=metadata_quota, max_layouts=max_layouts, disk_quota=disk_quota, persist=persist,
     )
 
 

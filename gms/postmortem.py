@@ -49,7 +49,15 @@ def _bytes_fields(cls: type) -> frozenset[str]:
 _BYTES = {kind: _bytes_fields(cls) for kind, cls in EVENT_TYPES.items()}
 # What each field of an event may hold, by its annotation (a saved log is JSON anyone
 # may have edited: every value is checked here, once, before the core sees it).
-_ALLOWED = {"int": (int,), "str": (str,), "bytes": (bytes,), "dict": (dict,), "int | None": (int, type(None))}
+_ALLOWED = {
+    "int": (int,), "str": (str,), "bytes": (bytes,), "dict": (dict,), "int | None": (int, type(None)), "bool": (bool,),
+    "list": (list,),
+}
+# The rows of list fields (LAYOUT_RECOVERED's), column by column; a bytes column is hex in the file.
+_ROWS = {
+    ("LAYOUT_RECOVERED", "allocations"): (str, int, int, str, int),
+    ("LAYOUT_RECOVERED", "metadata"): (str, str, int, bytes),
+}
 _FIELD_TYPES = {
     kind: {f.name: _ALLOWED[str(f.type).strip()] for f in attrs.fields(cls)} for kind, cls in EVENT_TYPES.items()
 }
@@ -64,6 +72,24 @@ def _well_typed(kind: str, fields: dict) -> None:
             raise LogFileError(f"bad {kind} event: {name} is a {type(value).__name__}")
         if isinstance(value, dict) and not _plain_dict(value):
             raise LogFileError(f"bad {kind} event: {name} holds something other than names and numbers")
+        if isinstance(value, list) and not _rows_of(value, _ROWS.get((kind, name), ())):
+            raise LogFileError(f"bad {kind} event: {name} holds rows of another shape")
+
+
+def _rows_of(rows: list, columns: tuple[type, ...]) -> bool:
+    return bool(columns) and all(
+        isinstance(row, list) and len(row) == len(columns) and all(
+            isinstance(v, t) and (t is int or not isinstance(v, bool)) and not (t is int and isinstance(v, bool))
+            for v, t in zip(row, columns)
+        )
+        for row in rows
+    )
+
+
+def _hex_rows(rows: list, to_hex: bool) -> list:
+    """A list field's bytes columns as hex (for the file), or back."""
+    return [[(v.hex() if to_hex else bytes.fromhex(v)) if isinstance(v, (bytes, str)) and n == 3 else v
+             for n, v in enumerate(row)] if isinstance(row, list) else row for row in rows]
 
 
 def _plain_dict(value: dict, depth: int = 0) -> bool:
@@ -80,6 +106,8 @@ def _plain_dict(value: dict, depth: int = 0) -> bool:
 def event_row(seq: int, time: float, event: Event) -> dict:
     row = {"seq": seq, "kind": event.KIND, "time": time}
     for key, value in attrs.asdict(event).items():
+        if (event.KIND, key) == ("LAYOUT_RECOVERED", "metadata"):
+            value = _hex_rows(value, True)
         row[key] = value.hex() if isinstance(value, bytes) else value
     return row
 
@@ -94,6 +122,8 @@ def row_event(row: dict) -> Event:
         for key in _BYTES[kind]:
             if key in fields:
                 fields[key] = bytes.fromhex(fields[key])
+        if kind == "LAYOUT_RECOVERED" and isinstance(fields.get("metadata"), list):
+            fields["metadata"] = _hex_rows(fields["metadata"], False)
         _well_typed(kind, fields)
         return cls(**fields)
     except (TypeError, ValueError) as exc:

@@ -44,6 +44,8 @@ def layout_rows(
                 loads=layout.loads,
                 restores=layout.restores,
                 evictions=layout.evictions,
+                disk_bytes=layout.disk_bytes,
+                persist=layout.persist,
             )
         )
     return rows
@@ -53,7 +55,7 @@ def tenant_rows(state: NodeState) -> list[m.TenantStatus]:
     return [
         m.TenantStatus(
             t.name, t.used_bytes, t.quota_bytes, t.sessions, t.metadata_bytes, t.metadata_quota, t.layouts,
-            t.max_layouts,
+            t.max_layouts, t.disk_bytes, t.disk_quota,
         )
         for t in sorted(state.tenants.values(), key=lambda t: t.name)
     ]

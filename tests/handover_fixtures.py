@@ -3,7 +3,7 @@
 ``python -m tests.handover_fixtures N`` wrote ``tests/fixtures/state_vN.bin``
 once, with version N of the hand-over format (version 1 before issue 21's
 bounds, version 2 with them, version 3 with a metadata entry's own charge,
-issue 48); each is frozen: every later server must read it
+issue 48, version 4 with the disk tier, issue 52); each is frozen: every later server must read it
 back to exactly the node ``rich_image(N)`` builds (``test_handover.py``).  Do
 not regenerate one when the format changes: add a version, and a reader for
 the old one.
@@ -27,6 +27,7 @@ from gms.fsm.events import (
     RwConnect,
     ServerStarted,
     SessionOpened,
+    SnapshotSaved,
 )
 from gms.handover.image import ConnImage, PendingImage, ProtocolImage, ServerInfo, StateImage
 from gms.store import EventLog
@@ -34,7 +35,7 @@ from gms.wire import messages as m
 from gms.wire.codec import encode_body
 
 MiB = 1 << 20
-FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2, 3)}
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2, 3, 4)}
 FIXTURE = FIXTURES[1]  # the previous version: what a take-over from an older server reads
 # The allocations of the fixture's node: (layout, id, size, aligned).
 ALLOCATIONS = [
@@ -44,11 +45,14 @@ ALLOCATIONS = [
     ("warm", "h0", 2 * MiB, 2 * MiB),
     ("kv", "k0", 5 * MiB, 6 * MiB),
 ]
+PARKED = [("parked", "p0", 2 * MiB, 2 * MiB)]  # version 4: a layout on the disk tier (no memory)
 
 
-def _publish(log: EventLog, conn: int, name: str, tenant: str, residency: str, host_copies: bool) -> None:
+def _publish(
+    log: EventLog, conn: int, name: str, tenant: str, residency: str, host_copies: bool, persist: bool = False,
+) -> None:
     log.extend([SessionOpened(conn, tenant, 1000, 1000, 100 + conn, "RW", layout=name), RwConnect(conn, layout=name)])
-    for slot, (layout, allocation_id, size, aligned) in enumerate(a for a in ALLOCATIONS if a[0] == name):
+    for slot, (layout, allocation_id, size, aligned) in enumerate(a for a in ALLOCATIONS + PARKED if a[0] == name):
         log.extend([
             AllocationCreated(conn, allocation_id, size, aligned, "weights", slot, layout=name),
             MetadataPut(conn, f"{allocation_id}.t", allocation_id, 0, b"meta-" + allocation_id.encode(), layout=name),
@@ -57,16 +61,20 @@ def _publish(log: EventLog, conn: int, name: str, tenant: str, residency: str, h
             log.append(HostCopyCreated(conn, allocation_id, layout=name))
     state = log.state.layout(name)
     digest = compute_layout_hash(state.allocations.values(), state.metadata.values())
-    log.extend([RwCommit(conn, digest, residency, layout=name)])
+    log.extend([RwCommit(conn, digest, residency, persist, layout=name)])
     from gms.fsm.events import SessionClosed
 
     log.append(SessionClosed(conn, layout=name))
+    if persist:
+        file = f"{digest[:24]}-{conn:016x}.gsnap"
+        log.append(SnapshotSaved(0, digest, state.held_bytes + 4096, file, layout=name))
 
 
-def rich_log(version: int = 3) -> EventLog:
+def rich_log(version: int = 4) -> EventLog:
     """Every kind of layout and session a take-over meets; from version 2 on, with
     issue 21's bounds (a node metadata bound, tenants' metadata quotas and layouts);
-    from version 3 on, with a charge per metadata entry."""
+    from version 3 on, with a charge per metadata entry; from version 4 on, a disk
+    tier (a budget, a tenant's disk quota, a snapshot, a layout on disk only)."""
     log = EventLog(retain=None)
     limits: dict = {"max_layouts": 16}
     tenant_limits: dict = {}
@@ -76,13 +84,19 @@ def rich_log(version: int = 3) -> EventLog:
                          "team": {"metadata_quota": 4096, "max_layouts": 3}}
     if version >= 3:
         limits.update(metadata_entry_bytes=16)
+    disk = version >= 4
+    if disk:
+        tenant_limits["team"]["disk_quota"] = 16 * MiB
     log.append(ServerStarted(0, 64 * MiB, 48 * MiB, 32 * MiB, {"default": None, "team": 40 * MiB},
                              limits, backend="host", device=0, device_uuid="host-0", layout="",
-                             tenant_limits=tenant_limits))
-    _publish(log, 1, "weights", "default", "device", host_copies=False)
+                             tenant_limits=tenant_limits, disk_budget_bytes=256 * MiB if disk else 0))
+    _publish(log, 1, "weights", "default", "device", host_copies=False, persist=disk)
     _publish(log, 2, "cold", "team", "system", host_copies=True)
     _publish(log, 3, "warm", "team", "system", host_copies=True)
     log.extend([LayoutEvicted(0, "admin", layout="cold"), LayoutEvicted(0, "budget", layout="warm")])
+    if disk:
+        _publish(log, 9, "parked", "team", "unpinned", host_copies=False, persist=True)
+        log.append(LayoutEvicted(0, "budget", layout="parked"))
     # A reader of weights; a restorer half-way through warm; a writer building kv;
     # a writer queued behind the reader; a reader queued behind the restore.
     log.extend([SessionOpened(4, "default", 1000, 1000, 104, "RO", layout="weights"), RoConnect(4, layout="weights")])
@@ -107,7 +121,7 @@ def _protocol(state: str, serving: object = None, buffered: bytes = b"", request
     )
 
 
-def rich_image(version: int = 3) -> StateImage:
+def rich_image(version: int = 4) -> StateImage:
     log = rich_log(version)
     half_frame = bytes.fromhex("0000002a") + b"\x83"  # a client's next request, 5 bytes of it
     conns = (

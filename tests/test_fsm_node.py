@@ -373,7 +373,7 @@ def test_every_event_declares_what_it_releases_and_whether_a_restart_keeps_it():
         Rule(Who.ANYONE, ANY_LOCK, step=steps.unchanged)
     assert LASTING == {
         "SERVER_STARTED", "SERVER_RESUMED", "STATE_DISCARDED", "RW_CONNECT", "RW_COMMIT", "RESIDENCY_SET",
-        "LAYOUT_EVICTED", "RESTORE_FINISHED", "LAYOUT_LOST",
+        "LAYOUT_EVICTED", "RESTORE_FINISHED", "LAYOUT_LOST", "SNAPSHOT_SAVED", "LAYOUT_RECOVERED",
     }
     assert [kind for kind, rule in RULES.items() if rule.owns] == [RwConnect]
     assert {kind.KIND: rule.releases.__name__ for kind, rule in RULES.items() if rule.releases} == {

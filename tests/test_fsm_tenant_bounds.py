@@ -258,10 +258,12 @@ uids = [2]
 """
     )
     assert policy.tenant_limits(64 * MiB, 256) == {
-        "a": {"metadata_quota": MiB, "max_layouts": 3},
-        "b": {"metadata_quota": 64 * MiB, "max_layouts": 256},
+        "a": {"metadata_quota": MiB, "max_layouts": 3, "disk_quota": None},
+        "b": {"metadata_quota": 64 * MiB, "max_layouts": 256, "disk_quota": None},
     }
-    assert OPEN_POLICY.tenant_limits(64 * MiB, 256) == {"default": {"metadata_quota": None, "max_layouts": None}}
+    assert OPEN_POLICY.tenant_limits(64 * MiB, 256) == {
+        "default": {"metadata_quota": None, "max_layouts": None, "disk_quota": None},
+    }
 
 
 @pytest.mark.parametrize(

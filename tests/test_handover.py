@@ -23,7 +23,6 @@ from gms.fsm import (
 )
 from gms.fsm.events import LayoutLost, RwAbort, ServerResumed
 from gms.handover import frames
-from gms.handover.words import Say
 from gms.handover.image import (
     READABLE_VERSIONS,
     STATE_VERSION,
@@ -35,6 +34,7 @@ from gms.handover.image import (
     encode_image,
     image_version,
 )
+from gms.handover.words import Say
 from gms.keeper.store import Store
 from gms.store import EventLog, Snapshot
 from gms.store.log import after_loss
@@ -194,7 +194,7 @@ def test_a_restart_disconnects_every_dead_session_in_order_and_keeps_the_committ
     ]
     after = fold_all(events, state)
     check_invariants(after)
-    assert sorted(after.layouts) == ["cold", "warm", "weights"], "the build is dropped"
+    assert sorted(after.layouts) == ["cold", "parked", "warm", "weights"], "the build is dropped"
     assert after.layout("warm").tier.value == "host", "a half-done restore goes back to the host tier"
     for name in ("cold", "warm", "weights"):
         before, now = state.layout(name), after.layout(name)
@@ -217,10 +217,11 @@ def test_memory_found_lost_drops_its_whole_layout_whatever_its_residency():
     assert [(e.layout, e.allocation_id, e.tier) for e in lost] == [("weights", "w1", "gpu"), ("cold", "c0", "host")]
     after = fold_all(events, state)
     check_invariants(after)
-    assert sorted(after.layouts) == ["warm"]
+    assert sorted(after.layouts) == ["parked", "warm"], "parked is on disk only: no memory to lose"
     released = {(r.tier.value, r.allocation_id) for e in lost for r in released_memory(
         fold_all(events[: events.index(e)], state), e)}
-    assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0")}, "a pinned layout too, and its host copies"
+    snapshot = ("disk", state.layout("weights").disk_file)
+    assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0"), snapshot}, "a pinned layout too, its copies"
 
 
 def test_a_new_configuration_that_cannot_hold_the_node_is_refused_and_a_tenant_s_quota_is_applied():
@@ -434,13 +435,13 @@ def test_the_image_carries_every_field_of_the_state():
     from gms.fsm.state import Allocation, LayoutState, MetadataEntry
     from gms.handover import image as codec
 
-    body = codec._body_v3(rich_image())["node"]
+    body = codec._body_v4(rich_image())["node"]
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
     assert {f.name for f in attrs.fields(LayoutState)} - derived == set(body["layouts"][0])
     assert [f.name for f in attrs.fields(TenantState)] == [
         "name", "quota_bytes", "used_bytes", "sessions", "metadata_quota", "metadata_bytes", "max_layouts",
-        "layout_refs",
+        "layout_refs", "disk_quota", "disk_bytes",
     ]
     assert len(body["tenants"][0]) == len(attrs.fields(TenantState))
     assert [f.name for f in attrs.fields(Limits)] == list(codec._LIMITS_V3)

@@ -103,6 +103,20 @@ def _over(t: m.TenantStatus) -> str:
     return ", ".join(over) + " (cannot grow)" if over else "-"
 
 
+def _saved(row: m.LayoutStatus) -> str:
+    if row.disk_bytes:
+        return format_bytes(row.disk_bytes)
+    return "saving" if row.persist and row.committed else "-"
+
+
+def disk_line(state: m.GetRuntimeStateResponse) -> str:
+    if state.disk_budget_bytes == 0:
+        return "off (commits cannot persist)"
+    free = f", {format_bytes(state.disk_free_bytes)} free on its disk" if state.disk_free_bytes is not None else ""
+    return (f"{format_bytes(state.disk_used_bytes)} in snapshots, "
+            f"{_budget(state.disk_budget_bytes, 'as the disk allows')}{free}" + (f", {state.disk_dir}" if state.disk_dir else ""))
+
+
 def _budget(budget: int | None, whole: str) -> str:
     return f"budget {format_bytes(budget)}" if budget is not None else f"no budget ({whole})"
 
@@ -127,6 +141,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             f"{format_bytes(state.host_used_bytes)}, {_budget(state.host_budget_bytes, 'as host memory allows')}"
             + (f", pool {format_bytes(state.host_pool_bytes)} made ahead" if state.host_pool_bytes else ""),
         ),
+        ("disk tier", disk_line(state)),
         ("copier", state.copier + (f" (pid {state.copier_pid})" if state.copier_pid else "")),
         ("keeper", keeper_line(state)),
         ("metadata", f"{format_bytes(state.metadata_bytes)} of {format_bytes(state.max_metadata_bytes)} (server RAM)"),
@@ -147,14 +162,14 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
     layouts = [
         (
             r.name, r.state, r.residency, _tier(r.tier, host_backend) + (" (restoring)" if r.restoring else ""),
-            format_bytes(r.bytes), r.allocation_count, r.readers, "yes" if r.writer else "-",
+            format_bytes(r.bytes), _saved(r), r.allocation_count, r.readers, "yes" if r.writer else "-",
             f"{r.waiting_writers}/{r.waiting_readers}", r.owner or "-", _ago(r.last_use_s),
             r.loads, r.restores, r.evictions, r.memory_layout_hash[:12] or "-",
         )
         for r in state.layouts
     ]
     lines += ["", *_columns(
-        ("LAYOUT", "STATE", "RESIDENCY", "TIER", "BYTES", "ALLOCS", "READERS", "WRITER",
+        ("LAYOUT", "STATE", "RESIDENCY", "TIER", "BYTES", "ON DISK", "ALLOCS", "READERS", "WRITER",
          "WAITING W/R", "OWNER", "LAST USE", "LOADS", "RESTORES", "EVICTIONS", "HASH"),
         layouts,
     )]
@@ -165,12 +180,13 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
             t.name, format_bytes(t.used_bytes), format_bytes(t.quota_bytes), t.sessions,
             format_bytes(t.metadata_bytes), format_bytes(t.metadata_quota),
             f"{t.layouts}/{'-' if t.max_layouts is None else t.max_layouts}",
-            _over(t),
+            format_bytes(t.disk_bytes), format_bytes(t.disk_quota), _over(t),
         )
         for t in state.tenants
     ]
     lines += ["", *_columns(
-        ("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS", "OVER"), tenants,
+        ("TENANT", "USED", "QUOTA", "SESSIONS", "METADATA", "META QUOTA", "LAYOUTS", "DISK", "DISK QUOTA", "OVER"),
+        tenants,
     )]
     return "\n".join(lines)
 

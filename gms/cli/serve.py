@@ -50,6 +50,13 @@ def register(sub) -> None:
         help="start no copier process: clients copy to and from the host tier themselves",
     )
     serve.add_argument(
+        "--disk-dir", metavar="DIR",
+        help="the disk tier's folder: snapshots of layouts committed to persist, found again after a reboot "
+        "(default: /var/lib/gms/<socket>.disk for root's default socket, else beside the state)",
+    )
+    serve.add_argument("--disk-budget", metavar="BYTES", help="bytes of snapshots on disk (default: what fits)")
+    serve.add_argument("--no-disk-tier", action="store_true", help="keep no snapshots (commits cannot persist)")
+    serve.add_argument(
         "--host-pool", type=pool_size, default=None, metavar="BYTES|auto",
         help="pinned host memory made ahead of need, so that a system publish does not wait for it "
         "(counts against --host-budget; needs the copier).  auto (the default): pinned while writers "
@@ -187,6 +194,9 @@ def server_config(args: argparse.Namespace):
         copier=not args.no_copier,
         host_pool_bytes=args.host_pool,
         host_chunk_bytes=args.host_chunk,
+        disk_tier=not args.no_disk_tier,
+        disk_dir=args.disk_dir,
+        disk_budget=args.disk_budget,
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
         policy_file=args.policy,
         alloc_retry_interval=args.alloc_retry_interval,

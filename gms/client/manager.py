@@ -553,7 +553,7 @@ class GMSClientMemoryManager:
                 return self._layout_hash or ""
             return self._call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
 
-    def commit(self, residency: str | None = None) -> bool:
+    def commit(self, residency: str | None = None, persist: bool | None = None) -> bool:
         """Publish: synchronize, unmap every local mapping, then commit.
 
         ``residency``: ``device`` (default: stays on the GPU), ``system`` (the
@@ -562,6 +562,8 @@ class GMSClientMemoryManager:
         no host copy: its next user reloads it).  A server with a copier
         fills the host copy itself; from a server without one
         (``HOST_COPY_MISSING``) this process fills it, then commits again.
+        ``persist``: the server saves a snapshot to its disk tier after the
+        commit, so the layout outlives a reboot (None: the tenant's policy says).
 
         The mappings and their addresses are kept; after commit the manager is
         disconnected and remembers the committed hash, so ``connect(RO)`` and
@@ -572,17 +574,17 @@ class GMSClientMemoryManager:
             self._require(GrantedLockType.RW, "commit")
             self._unmap_all()  # synchronizes first: the server's copier reads what was written
             if residency == "system":
-                response = self._commit_system()
+                response = self._commit_system(persist)
             else:
-                response, _ = self._call(m.CommitRequest(residency), m.CommitResponse)
+                response, _ = self._call(m.CommitRequest(residency, persist), m.CommitResponse)
             self._layout_hash = response.memory_layout_hash
             self.abort()  # the server closes a committed writer's connection
             return response.success
 
-    def _commit_system(self) -> m.CommitResponse:
+    def _commit_system(self, persist: bool | None) -> m.CommitResponse:
         # The server's copier fills the host copies (its pool may be short: pinning
         # then takes time, so memory_timeout_s bounds the answer, as for allocations).
-        request = m.CommitRequest("system")
+        request = m.CommitRequest("system", persist)
         try:
             return self._call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
         except GMSServerError as exc:

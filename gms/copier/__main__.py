@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from .engines import open_engine
     from .process import Copier
 
+    # A file past RLIMIT_FSIZE is an error to answer (EFBIG: the save fails), not a signal that kills.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     engine = open_engine(args.backend, args.device)
     Copier(engine, sock).run()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from cuda.bindings import driver as cu
 
 from ..cuda.vmm import VmmMapper
-from .engine import MapperEngine
+from .engine import Mapped, MapperEngine
 
 
 class _StreamMapper(VmmMapper):
@@ -38,8 +38,25 @@ class _StreamMapper(VmmMapper):
         self._make_current()
         self._run("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
 
+    def pinned(self, size: int) -> int:
+        self._make_current()
+        return int(self._run("cuMemHostAlloc", cu.cuMemHostAlloc(size, 0)))
+
+    def unpin(self, address: int) -> None:
+        self._make_current()
+        self._run("cuMemFreeHost", cu.cuMemFreeHost(address))
+
+    def copy_sync(self, dst: int, src: int, size: int, to_host: bool) -> None:
+        self._make_current()
+        if to_host:
+            self._run("cuMemcpyDtoH", cu.cuMemcpyDtoH(dst, src, size))
+        else:
+            self._run("cuMemcpyHtoD", cu.cuMemcpyHtoD(dst, src, size))
+
 
 class CudaEngine(MapperEngine):
+    host_addressable = False  # the disk path stages through pinned buffers
+
     def __init__(self, device: int) -> None:
         mapper = _StreamMapper(device)
         super().__init__(mapper)
@@ -52,3 +69,12 @@ class CudaEngine(MapperEngine):
 
     def wait(self, to_host: bool) -> None:
         self.mapper.wait_for(self._streams[to_host])
+
+    def staging(self, size: int) -> Mapped:
+        return Mapped(self.mapper.pinned(size), size, None)
+
+    def free_staging(self, mapped: Mapped) -> None:
+        self.mapper.unpin(mapped.va)
+
+    def copy_now(self, dst: int, src: int, size: int, to_host: bool) -> None:
+        self.mapper.copy_sync(dst, src, size, to_host)

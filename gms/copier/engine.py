@@ -16,6 +16,7 @@ client maps with; only the copying differs:
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from typing import Protocol
 
@@ -33,6 +34,7 @@ class Mapped:
 
 class Engine(Protocol):
     name: str
+    host_addressable: bool  # a mapped device allocation is plain memory here (the host backend)
 
     def map_chunk(self, fd: int, size: int) -> Mapped:
         """Map host memory (consumes ``fd``) until ``unmap``."""
@@ -47,6 +49,14 @@ class Engine(Protocol):
 
     def wait(self, to_host: bool) -> None:
         """Until every copy started on the direction's queue has landed."""
+
+    def staging(self, size: int) -> Mapped:
+        """Host memory the device copies to and from at full speed (pinned), until ``free_staging``."""
+
+    def free_staging(self, mapped: Mapped) -> None: ...
+
+    def copy_now(self, dst: int, src: int, size: int, to_host: bool) -> None:
+        """Copy and return once the bytes are there (the disk path's, from any thread)."""
 
 
 class MapperEngine:
@@ -84,12 +94,22 @@ class HostEngine(MapperEngine):
     """The host backend's copier: memfd mappings and ``memmove``."""
 
     name = "memmove (host backend)"
+    host_addressable = True  # the disk path reads and writes mapped allocations directly
 
     def copy(self, dst: int, src: int, size: int, to_host: bool) -> None:
         ctypes.memmove(dst, src, size)
 
     def wait(self, to_host: bool) -> None:
         pass  # memmove has returned: the bytes are there
+
+    def staging(self, size: int) -> Mapped:
+        buffer = mmap.mmap(-1, size)
+        return Mapped(ctypes.addressof(ctypes.c_char.from_buffer(buffer)), size, buffer)
+
+    def free_staging(self, mapped: Mapped) -> None:
+        pass  # (the mmap goes with its last reference)
+
+    copy_now = copy
 
 
 def _close(fd: int) -> None:

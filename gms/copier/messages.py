@@ -17,6 +17,8 @@ Server to copier:
 * :class:`Copy`: move bytes between device allocations (one fd each, mapped
   for the copy only) and mapped chunks, to the host (a publish) or to the
   device (a restore).
+* :class:`FileCopy`: move bytes between device allocations and a snapshot
+  file (the disk tier, ``gms.disk``), checksummed per extent.
 
 Copier to server: :class:`Ready` once it can copy, :class:`Done` per copy.
 """
@@ -71,6 +73,25 @@ class Copy:
 
 
 @attrs.frozen
+class FileCopy:
+    """Copy ``job`` between device allocations (fd ``i``, ``device_sizes[i]``
+    bytes) and a snapshot file (the last fd).  Extent ``k`` is ``size[k]`` bytes
+    of allocation ``allocation[k]`` at ``offset[k]``, at ``file_offset[k]`` in
+    the file: written there when ``to_file`` (a save: ``Done.crcs`` says each
+    extent's crc32), read from there otherwise (a restore: each extent checked
+    against ``crc[k]``; a mismatch or a short read fails the copy as corrupt)."""
+
+    job: int
+    to_file: bool
+    device_sizes: list[int]
+    allocation: list[int]
+    offset: list[int]
+    file_offset: list[int]
+    size: list[int]
+    crc: list[int]
+
+
+@attrs.frozen
 class Ready:
     pid: int
     engine: str  # what moves the bytes, for the server's log
@@ -82,10 +103,12 @@ class Done:
 
     job: int
     error: str = ""
+    crcs: list[int] = attrs.field(factory=list)  # a save's, per extent
+    corrupt: bool = False  # a restore found the file's bytes are not what was saved
 
 
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # a plain int: ``int & IntFlag`` runs the enum's operator
-_TYPES = {cls.__name__: cls for cls in (MapChunks, UnmapChunks, Copy, Ready, Done)}
+_TYPES = {cls.__name__: cls for cls in (MapChunks, UnmapChunks, Copy, FileCopy, Ready, Done)}
 
 
 def encode(message: object) -> bytes:

@@ -36,23 +36,25 @@ import socket
 import threading
 import time
 
+from . import files
 from . import messages as msg
 from .engine import Engine, Mapped
 
 log = logging.getLogger("gms.copier")
-# Test hook (tests/test_copier.py): "restore:N" or "publish:N" stops this
-# process (SIGSTOP) once N moves of that direction have landed, so a test
-# can kill it with a copy half done.
+# Test hook (tests/test_copier.py, tests/test_disk_tier.py): "restore:N",
+# "publish:N", "save:N" or "load:N" stops this process (SIGSTOP) once N moves
+# (or extents) of that kind have landed, so a test can kill it with a copy half done.
 STOP_AFTER_ENV = "GMS_COPIER_STOP_AFTER"
 UNMAP_PATIENCE_S = 1.0  # the longest a released chunk waits for a pause between copies
+_KINDS = {"publish": True, "restore": False, "save": "save", "load": "load"}
 
 
-def _stop_after() -> tuple[bool, int] | None:
+def _stop_after() -> tuple[object, int] | None:
     spec = os.environ.get(STOP_AFTER_ENV, "")
     if not spec:
         return None
-    direction, _, count = spec.partition(":")
-    return direction == "publish", int(count)
+    kind, _, count = spec.partition(":")
+    return _KINDS[kind], int(count)
 
 
 class Copier:
@@ -73,8 +75,11 @@ class Copier:
         self._unmaps: queue.SimpleQueue = queue.SimpleQueue()  # Mapped chunks to unmap, or None: stop
         self._failure: BaseException | None = None  # of the mapping thread: ends the process
         self._stopping = threading.Event()
-        self._moves = {True: 0, False: 0}
+        self._moves = {True: 0, False: 0, "save": 0, "load": 0}
+        self._moves_lock = threading.Lock()
         self._stop_after = _stop_after()
+        self._files: files.FileCopier | None = None  # made at the first file copy
+        self._disk: queue.SimpleQueue = queue.SimpleQueue()  # (FileCopy, fds), or None: stop
 
     # -- the link ---------------------------------------------------------------
 
@@ -92,6 +97,8 @@ class Copier:
         ]
         mapper = threading.Thread(target=self._map_chunks, name="copier-map")
         unmapper = threading.Thread(target=self._unmap_chunks, name="copier-unmap")
+        disk = threading.Thread(target=self._work_files, name="copier-files")
+        workers.append(disk)
         for worker in [*workers, mapper, unmapper]:
             worker.start()
         self._send(msg.Ready(os.getpid(), self.engine.name))
@@ -108,7 +115,7 @@ class Copier:
             self._maps.put(None)
             mapper.join()
             self._stop()
-            for q in self._queues.values():
+            for q in [*self._queues.values(), self._disk]:
                 q.put(None)
             for worker in workers:
                 worker.join()
@@ -117,6 +124,8 @@ class Copier:
             for mapped in self._chunks.values():
                 self.engine.unmap(mapped)
             self._chunks.clear()
+            if self._files is not None:
+                self._files.close()
         if self._failure is not None:
             raise self._failure
 
@@ -141,6 +150,13 @@ class Copier:
         elif isinstance(message, msg.Copy):
             log.debug("copy %d received", message.job)
             self._dispatch(message, fds)
+        elif isinstance(message, msg.FileCopy):
+            error = files.check(message, len(fds))
+            if error:
+                msg.close_fds(fds)
+                self._send(msg.Done(message.job, error))
+            else:
+                self._disk.put((message, fds))
         else:
             msg.close_fds(fds)
             raise msg.LinkError(f"the copier takes no {type(message).__name__}")
@@ -345,11 +361,57 @@ class Copier:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def _maybe_stop(self, to_host: bool) -> None:
-        self._moves[to_host] += 1
-        if self._stop_after is not None and self._stop_after == (to_host, self._moves[to_host]):
-            self.engine.wait(to_host)  # what was started has landed: a copy half done
+    def _maybe_stop(self, kind: object) -> None:
+        with self._moves_lock:
+            self._moves[kind] += 1
+            stop = self._stop_after is not None and self._stop_after == (kind, self._moves[kind])
+        if stop:
+            if isinstance(kind, bool):
+                self.engine.wait(kind)  # what was started has landed: a copy half done
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    # -- file copies (the disk tier) ---------------------------------------------------------
+
+    def _work_files(self) -> None:
+        """One file copy at a time (its extents run on the FileCopier's threads)."""
+        while True:
+            item = self._disk.get()
+            if item is None:
+                return
+            job, fds = item
+            if self._stopping.is_set():
+                msg.close_fds(fds)
+                continue
+            self._send(self._copy_file(job, fds))
+
+    def _copy_file(self, job: msg.FileCopy, fds: list[int]) -> msg.Done:
+        *device_fds, file_fd = fds
+        device: list[Mapped] = []
+        consumed = 0
+        kind = "save" if job.to_file else "load"
+        started = time.perf_counter()
+        try:
+            if self._files is None:
+                self._files = files.FileCopier(self.engine)
+            for i, fd in enumerate(device_fds):
+                consumed = i + 1  # map_device consumes the fd, mapped or not
+                device.append(self.engine.map_device(fd, job.device_sizes[i], writable=not job.to_file))
+            crcs = self._files.run(job, device, file_fd, lambda: self._maybe_stop(kind))
+        except files.Corrupt as exc:
+            log.error("restore %d from a snapshot: %s", job.job, exc)
+            return msg.Done(job.job, f"corrupt: {exc}", corrupt=True)
+        except Exception as exc:  # noqa: BLE001 - answered: the server says why the save or restore failed
+            log.warning("file copy %d failed: %s", job.job, exc)
+            return msg.Done(job.job, f"{type(exc).__name__}: {exc}")
+        finally:
+            msg.close_fds(device_fds[consumed:])
+            os.close(file_fd)
+            for mapped in device:
+                self.engine.unmap(mapped)
+        moved = sum(job.size)
+        log.info("%s %d: %.1f MiB in %d extents, %.2f GiB/s", kind, job.job, moved / 2**20, len(job.size),
+                 moved / 2**30 / max(time.perf_counter() - started, 1e-9))
+        return msg.Done(job.job, crcs=crcs if job.to_file else [])
 
 
 def _malformed(job: msg.Copy, fds: int) -> str:

@@ -72,7 +72,7 @@ def decide_metadata_delete(state: LayoutState, conn: int, key: str) -> list[Even
 
 
 def decide_commit(
-    state: LayoutState, conn: int, residency: Residency | str = Residency.DEVICE
+    state: LayoutState, conn: int, residency: Residency | str = Residency.DEVICE, persist: bool = False,
 ) -> list[Event]:
     """Publish, with the layout's hash.  Only the writer's commit is worth hashing;
     dangling metadata cannot be produced by legal events, so finding one is a
@@ -80,7 +80,7 @@ def decide_commit(
     require(state, conn, Who.WRITER, "commit")
     residency = parse_residency(residency)
     layout_hash = compute_layout_hash(state.allocations.values(), state.metadata.values())
-    return [RwCommit(conn, layout_hash, residency.value, layout=state.name)]
+    return [RwCommit(conn, layout_hash, residency.value, bool(persist), layout=state.name)]
 
 
 def decide_host_copy(state: LayoutState, conn: int, allocation_id: str) -> list[Event]:

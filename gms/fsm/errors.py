@@ -134,3 +134,11 @@ class HostBudgetExceeded(LimitExceeded):
     """The host tier is full: the writer gets this instead of a host copy; nothing is lost."""
 
     code = "HOST_MEMORY_EXHAUSTED"
+
+
+class SnapshotUnreadable(Rejection):
+    """A layout on the disk tier could not be restored: its snapshot did not read
+    back whole (then the layout is dropped: the next writer builds it again) or
+    no copier could read it (then it stays on disk: ask again)."""
+
+    code = "SNAPSHOT_UNREADABLE"

@@ -4,7 +4,7 @@ Every event names the connection it came from (``conn``, an integer the
 server hands out per accepted socket; 0 is the server itself) and the layout
 it concerns (``layout``; ``""`` for node-wide events).  Lock events carry the
 seed's names; layout events describe one change of a layout; residency events
-move a layout between the GPU and the host tier; session events say who is
+move a layout between the GPU, the host tier and the disk; session events say who is
 connected, as which tenant; observations change nothing in the state but are
 kept in the log for post-mortems.
 """
@@ -34,9 +34,10 @@ class ServerStarted(Event):
     budgets are None when unlimited (a host budget of 0: no host tier).
     ``limits`` are the server's :class:`~gms.fsm.limits.Limits` as a dict, so
     the fold enforces exactly what the server enforced when it logged.
-    ``tenant_limits`` maps a tenant to its resolved ``metadata_quota`` (bytes)
-    and ``max_layouts`` (None: unbounded); a tenant it does not name (a log
-    from before these limits) is unbounded.
+    ``tenant_limits`` maps a tenant to its resolved ``metadata_quota`` (bytes),
+    ``max_layouts`` and ``disk_quota`` (None: unbounded); a tenant it does not
+    name (a log from before these limits) is unbounded.  ``disk_budget_bytes``
+    bounds the snapshots on disk (0: no disk tier, as in a log from before it).
     """
 
     KIND: ClassVar[str] = "SERVER_STARTED"
@@ -50,6 +51,7 @@ class ServerStarted(Event):
     device: int = 0
     device_uuid: str = ""
     tenant_limits: dict = attrs.field(factory=dict)
+    disk_budget_bytes: int | None = 0
 
 
 @attrs.frozen
@@ -82,6 +84,7 @@ class ServerResumed(Event):
     device_uuid: str = ""
     tenant_limits: dict = attrs.field(factory=dict)
     follows_seq: int = 0
+    disk_budget_bytes: int | None = 0
 
 
 RESUME_MODES = ("restart", "take-over")
@@ -120,11 +123,13 @@ class RwConnect(Event):
 
 @attrs.frozen
 class RwCommit(Event):
-    """The writer published its layout; ``layout_hash`` is what readers will see."""
+    """The writer published its layout; ``layout_hash`` is what readers will see.
+    ``persist``: save a snapshot of it to disk (``SNAPSHOT_SAVED`` follows)."""
 
     KIND: ClassVar[str] = "RW_COMMIT"
     layout_hash: str
     residency: str = "device"
+    persist: bool = False
 
 
 @attrs.frozen
@@ -248,6 +253,38 @@ class LayoutLost(Event):
     tier: str
 
 
+# -- the disk tier (gms.disk) ----------------------------------------------------
+
+
+@attrs.frozen
+class SnapshotSaved(Event):
+    """A snapshot of the committed layout of ``layout_hash`` (``file`` in the disk
+    tier's folder, ``bytes`` long, checksummed per chunk) was made visible: the
+    layout now outlives the node."""
+
+    KIND: ClassVar[str] = "SNAPSHOT_SAVED"
+    layout_hash: str
+    bytes: int
+    file: str
+
+
+@attrs.frozen
+class LayoutRecovered(Event):
+    """A server that started with nothing found this layout's snapshot on disk:
+    it is committed again, with the same hash, on the disk tier, owned by
+    ``owner`` (its first reader restores it).  ``allocations`` rows are
+    ``[id, size, aligned size, tag, slot]``, ``metadata`` rows
+    ``[key, allocation id, offset, value]``."""
+
+    KIND: ClassVar[str] = "LAYOUT_RECOVERED"
+    owner: str
+    layout_hash: str
+    allocations: list
+    metadata: list
+    bytes: int
+    file: str
+
+
 # -- observations (no state change) -------------------------------------------
 
 
@@ -320,6 +357,18 @@ class StateDiscarded(Event):
     old_pid: int
 
 
+@attrs.frozen
+class SnapshotFailed(Event):
+    """A layout's snapshot could not be saved (a full disk, the disk tier's
+    budget, an I/O error, no copier) or read back (corrupt, truncated, of
+    another layout): ``reason`` says which.  The commit stands; a layout whose
+    snapshot does not read back is dropped (``LAYOUT_LOST``), never served."""
+
+    KIND: ClassVar[str] = "SNAPSHOT_FAILED"
+    layout_hash: str
+    reason: str
+
+
 NODE_EVENTS: tuple[type[Event], ...] = (ServerStarted, ServerResumed, SessionOpened, SessionClosed)
 LOCK_EVENTS: tuple[type[Event], ...] = (RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect)
 LAYOUT_EVENTS: tuple[type[Event], ...] = (
@@ -338,6 +387,7 @@ RESIDENCY_EVENTS: tuple[type[Event], ...] = (
     RestoreAborted,
     LayoutLost,
 )
+DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered)
 OBSERVATIONS: tuple[type[Event], ...] = (
     AllocationOomWait,
     AllocationOomGaveUp,
@@ -346,8 +396,9 @@ OBSERVATIONS: tuple[type[Event], ...] = (
     LayoutRevoked,
     ConnectionDropped,
     StateDiscarded,
+    SnapshotFailed,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
-    for cls in NODE_EVENTS + LOCK_EVENTS + LAYOUT_EVENTS + RESIDENCY_EVENTS + OBSERVATIONS
+    for cls in NODE_EVENTS + LOCK_EVENTS + LAYOUT_EVENTS + RESIDENCY_EVENTS + DISK_EVENTS + OBSERVATIONS
 }

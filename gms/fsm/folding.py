@@ -19,6 +19,7 @@ from .events import (
     HostCopyCreated,
     LayoutEvicted,
     LayoutLost,
+    LayoutRecovered,
     MetadataDeleted,
     MetadataPut,
     ResidencySet,
@@ -31,6 +32,7 @@ from .events import (
     RwAbort,
     RwCommit,
     RwConnect,
+    SnapshotSaved,
 )
 from .replace import rebuilt, replace
 from .state import Allocation, LayoutState, MetadataEntry, Residency, Tier
@@ -53,7 +55,7 @@ def rw_connect(state: LayoutState, event: RwConnect) -> LayoutState:
 def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
     return replace(
         state, writer=None, committed=True, layout_hash=event.layout_hash,
-        residency=Residency(event.residency), loads=state.loads + 1,
+        residency=Residency(event.residency), persist=event.persist, loads=state.loads + 1,
     )
 
 
@@ -146,7 +148,11 @@ def residency_set(state: LayoutState, event: ResidencySet) -> LayoutState:
 
 def layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
     if state.residency is Residency.UNPINNED:
-        # No host copy: its next user reloads it from wherever it came from.
+        if state.saved:  # its snapshot holds it: the next reader restores from disk
+            return replace(
+                state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1,
+            )
+        # No copy anywhere: its next user reloads it from wherever it came from.
         return state.fresh(evictions=state.evictions + 1)
     return replace(state, tier=Tier.HOST, evictions=state.evictions + 1)
 
@@ -170,7 +176,51 @@ def restore_finished(state: LayoutState, event: RestoreFinished) -> LayoutState:
 
 
 def restore_aborted(state: LayoutState, event: RestoreAborted) -> LayoutState:
-    return replace(state, tier=Tier.HOST, restorer=None)
+    return replace(state, tier=restore_source(state), restorer=None)
+
+
+def restore_source(state: LayoutState) -> Tier:
+    """Where an evicted layout's bytes are restored from: its host copies (residency
+    system), else its snapshot on disk."""
+    return Tier.HOST if state.residency is Residency.SYSTEM else Tier.DISK
+
+
+# -- the disk tier ------------------------------------------------------------------------
+
+
+def snapshot_saved(state: LayoutState, event: SnapshotSaved) -> LayoutState:
+    return replace(state, disk_bytes=event.bytes, disk_file=event.file)
+
+
+def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:
+    """The layout as its snapshot describes it, on the disk tier; ``unpinned``: a
+    restored copy may be evicted back to its snapshot (``gms pin`` changes that)."""
+    allocations = {
+        allocation_id: Allocation(allocation_id, size, aligned, tag, slot)
+        for allocation_id, size, aligned, tag, slot in event.allocations
+    }
+    metadata = {}
+    keys: dict[str, dict[str, None]] = {}
+    for key, allocation_id, offset, value in event.metadata:
+        allocation_id = allocations[allocation_id].allocation_id  # one id string per allocation
+        metadata[key] = MetadataEntry(key, allocation_id, offset, value)
+        keys.setdefault(allocation_id, {})[key] = None
+    return state.fresh(
+        committed=True,
+        allocations=Map(allocations),
+        metadata=Map(metadata),
+        keys_by_allocation=Map({a: Map(k) for a, k in keys.items()}),
+        metadata_bytes=sum(entry_bytes(m.key, m.value) for m in metadata.values()),
+        layout_hash=event.layout_hash,
+        next_layout_slot=1 + max((a.layout_slot for a in allocations.values()), default=-1),
+        held_bytes=sum(a.aligned_size for a in allocations.values()),
+        owner=event.owner,
+        residency=Residency.UNPINNED,
+        tier=Tier.DISK,
+        persist=True,
+        disk_bytes=event.bytes,
+        disk_file=event.file,
+    )
 
 
 def layout_lost(state: LayoutState, event: LayoutLost) -> LayoutState:

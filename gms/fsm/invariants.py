@@ -37,8 +37,14 @@ def layout_problems(state: LayoutState):
         yield f"readers of a layout whose bytes are on tier {state.tier.value}"
     if state.restorer is not None and state.tier is Tier.GPU:
         yield "a restorer of a resident layout"
-    if state.tier is not Tier.GPU and state.residency is not Residency.SYSTEM:
-        yield f"evicted with residency {state.residency.value}"
+    if state.tier is Tier.HOST and state.residency is not Residency.SYSTEM:
+        yield f"in the host tier with residency {state.residency.value}"
+    if state.tier is Tier.DISK and (not state.saved or state.residency is Residency.SYSTEM or state.host_copies):
+        yield "on the disk tier without a snapshot alone"
+    if state.tier is Tier.RESTORING and state.residency is not Residency.SYSTEM and not state.saved:
+        yield "restoring with neither host copies nor a snapshot"
+    if state.saved and not (state.committed and state.persist and state.disk_file):
+        yield "a snapshot of a layout not committed to persist, or with no file"
     if state.tier is Tier.RESTORING and state.restorer is None:
         yield "restoring with no restorer"
     if state.writer is None and not state.committed and (state.allocations or state.metadata):
@@ -94,7 +100,8 @@ def _node_problems(node: NodeState):
     used: Counter[str] = Counter()
     metadata_used: Counter[str] = Counter()
     refs: dict[str, Counter[str]] = {name: Counter() for name in node.tenants}
-    gpu = host = metadata = 0
+    gpu = host = metadata = disk = 0
+    disk_used: Counter[str] = Counter()
     for name, layout in node.layouts.items():
         if layout.name != name:
             yield f"layout filed under {name!r} is {layout.name!r}"
@@ -111,6 +118,9 @@ def _node_problems(node: NodeState):
             yield f"layout {name!r} holds metadata but has no owner"
         gpu += layout.gpu_bytes
         host += layout.host_bytes
+        disk += layout.disk_bytes
+        if layout.owner is not None:
+            disk_used[layout.owner] += layout.disk_bytes
         metadata += charged
         for conn in [layout.writer, layout.restorer, *layout.readers]:
             if conn is None:
@@ -134,6 +144,8 @@ def _node_problems(node: NodeState):
         yield f"gpu_bytes {node.gpu_bytes} != {gpu} on the GPU"
     if host != node.host_bytes:
         yield f"host_bytes {node.host_bytes} != {host} in host copies"
+    if disk != node.disk_bytes:
+        yield f"disk_bytes {node.disk_bytes} != {disk} in snapshots"
     if node.budget_bytes is not None and node.gpu_bytes > node.budget_bytes:
         yield f"{node.gpu_bytes} bytes on the GPU exceed the budget of {node.budget_bytes}"
     if node.host_budget_bytes is not None and node.host_bytes > node.host_budget_bytes:
@@ -144,6 +156,8 @@ def _node_problems(node: NodeState):
             yield f"tenant {name!r} is charged {tenant.used_bytes}, owns {used[name]}"
         if tenant.sessions != sessions[name]:
             yield f"tenant {name!r} counts {tenant.sessions} sessions, has {sessions[name]}"
+        if tenant.disk_bytes != disk_used[name]:
+            yield f"tenant {name!r} is charged {tenant.disk_bytes} disk bytes, owns {disk_used[name]}"
         if tenant.metadata_bytes != metadata_used[name]:
             yield f"tenant {name!r} is charged {tenant.metadata_bytes} metadata bytes, owns {metadata_used[name]}"
         if dict(tenant.layout_refs) != dict(refs[name]):

@@ -6,7 +6,7 @@ queue per layout, and whenever a layout's state may have changed asks
 reader is admitted while an ``RW`` request waits, so a stream of readers
 cannot starve a writer.  A reader that arrives at an evicted layout is granted
 the restore instead (``RESTORE_CLAIMED``): it brings the layout back from the
-host tier while the readers behind it wait.
+host tier or the disk while the readers behind it wait.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def grant_for(
 def lock_event(state: LayoutState, conn: int, granted: GrantedLockType) -> Event:
     if granted is GrantedLockType.RW:
         return RwConnect(conn, layout=state.name)
-    if state.tier is Tier.HOST:
+    if state.tier is Tier.HOST or state.tier is Tier.DISK:
         return RestoreClaimed(conn, layout=state.name)
     return RoConnect(conn, layout=state.name)
 

@@ -11,6 +11,8 @@ settled from the layout before and after, in O(1):
   GPU or evicted to the host: its quota bounds what it keeps in gms;
 * the node's ``gpu_bytes`` sums what is on the GPU now: the GPU budget bounds it;
 * ``host_bytes`` sums the host copies: the host budget bounds it;
+* ``disk_bytes`` sums the snapshots on disk: the disk budget bounds it, and
+  each owner is charged its layouts' (its disk quota bounds them);
 * a tenant is charged ``metadata_bytes`` (keys and values, and
   ``Limits.metadata_entry_bytes`` per entry: the daemon's RAM) for every
   layout it owns, bounded by its metadata quota, and the node's
@@ -53,7 +55,9 @@ __all__ = ["DEFAULT_TENANT", "EMPTY_NODE", "NodeState", "SessionInfo", "TenantSt
 # -- layout events: fold the layout, settle the accounting ---------------------------------
 
 
-def _charge(tenants: Map, name: str, held: int, metadata: int, refs: int, layout: str, event: Event) -> Map:
+def _charge(
+    tenants: Map, name: str, held: int, metadata: int, refs: int, layout: str, event: Event, disk: int = 0,
+) -> Map:
     tenant = tenants.get(name)
     if tenant is None:
         raise InvariantViolation(f"{event.KIND}: layout owned by unknown tenant {name!r}")
@@ -61,6 +65,8 @@ def _charge(tenants: Map, name: str, held: int, metadata: int, refs: int, layout
     state["used_bytes"] = tenant.used_bytes + held
     if metadata:
         state["metadata_bytes"] = tenant.metadata_bytes + metadata
+    if disk:
+        state["disk_bytes"] = tenant.disk_bytes + disk
     if refs:
         state["layout_refs"] = refer(tenant.layout_refs, layout, refs)
     return tenants.set(name, rebuilt(tenant, state))
@@ -74,6 +80,7 @@ def _settle(
     vacant = after.vacant
     was, now = before.owner, None if vacant else after.owner
     held = after.held_bytes - before.held_bytes
+    disk = after.disk_bytes - before.disk_bytes
     per_entry = node.limits.metadata_entry_bytes
     metadata = after.metadata_bytes - before.metadata_bytes + (len(after.metadata) - len(before.metadata)) * per_entry
     layouts = node.layouts
@@ -85,7 +92,7 @@ def _settle(
     state["layouts"] = layouts
     state["tick"] = tick
     if (
-        was is not None and was == now and not held and not metadata
+        was is not None and was == now and not held and not metadata and not disk
         and after.tier is before.tier and after.host_bytes == before.host_bytes
     ):
         return rebuilt(node, state)  # a lock or a residency moved: no total did
@@ -94,31 +101,37 @@ def _settle(
         if was is not None:
             tenants = _charge(
                 tenants, was, -before.held_bytes, -charged_metadata(before, per_entry), -1, after.name, event,
+                -before.disk_bytes,
             )
         if now is not None:
-            tenants = _charge(tenants, now, after.held_bytes, charged_metadata(after, per_entry), 1, after.name, event)
-    elif now is not None and (held or metadata):
-        tenants = _charge(tenants, now, held, metadata, 0, after.name, event)
+            tenants = _charge(
+                tenants, now, after.held_bytes, charged_metadata(after, per_entry), 1, after.name, event,
+                after.disk_bytes,
+            )
+    elif now is not None and (held or metadata or disk):
+        tenants = _charge(tenants, now, held, metadata, 0, after.name, event, disk)
     if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
         raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     if after.tier is before.tier:  # (most steps: the GPU's share moves with the held bytes)
-        gpu_bytes = node.gpu_bytes + (held if after.tier is not Tier.HOST else 0)
+        gpu_bytes = node.gpu_bytes + (held if after.tier is Tier.GPU or after.tier is Tier.RESTORING else 0)
     else:
         gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
     host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
     metadata_bytes = node.metadata_bytes + metadata
-    if held > 0 or metadata > 0 or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes or was != now:
-        _hold_bounds(node, after, now, event, tenants, gpu_bytes, host_bytes, metadata_bytes)
+    disk_bytes = node.disk_bytes + disk
+    if held > 0 or metadata > 0 or disk > 0 or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes or was != now:
+        _hold_bounds(node, after, now, event, tenants, gpu_bytes, host_bytes, metadata_bytes, disk_bytes)
     state["tenants"] = tenants
     state["gpu_bytes"] = gpu_bytes
     state["host_bytes"] = host_bytes
     state["metadata_bytes"] = metadata_bytes
+    state["disk_bytes"] = disk_bytes
     return rebuilt(node, state)
 
 
 def _hold_bounds(
     node: NodeState, after: LayoutState, owner: str | None, event: Event, tenants: Map, gpu: int, host: int,
-    metadata: int,
+    metadata: int, disk: int,
 ) -> None:
     """Only for steps that grew something: every bound the growth could break
     (each asked only where its total grew and a bound is set: most steps grow
@@ -129,6 +142,8 @@ def _hold_bounds(
         hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
     if metadata > node.metadata_bytes:
         hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
+    if disk > node.disk_bytes:
+        hold(event, node.disk_bytes, disk, node.disk_budget_bytes, "the disk tier's bytes")
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
         if new is not old:
@@ -139,6 +154,8 @@ def _hold_bounds(
                       "tenant {!r}'s metadata bytes", owner)
             if new.layout_refs is not old.layout_refs:
                 hold(event, old.layouts, new.layouts, new.max_layouts, "tenant {!r}'s layouts", owner)
+            if new.disk_bytes > old.disk_bytes:
+                hold(event, old.disk_bytes, new.disk_bytes, new.disk_quota, "tenant {!r}'s disk bytes", owner)
     if after.writer is not None:
         limit = node.sessions[after.writer].limit_bytes
         if limit is not None:

@@ -35,6 +35,7 @@ def server_started(node: NodeState, event: ServerStarted) -> NodeState:
                 quota,
                 metadata_quota=event.tenant_limits.get(name, {}).get("metadata_quota"),
                 max_layouts=event.tenant_limits.get(name, {}).get("max_layouts"),
+                disk_quota=event.tenant_limits.get(name, {}).get("disk_quota"),
             )
             for name, quota in event.quotas.items()
         }
@@ -45,6 +46,7 @@ def server_started(node: NodeState, event: ServerStarted) -> NodeState:
         capacity_bytes=event.capacity_bytes,
         budget_bytes=event.budget_bytes,
         host_budget_bytes=event.host_budget_bytes,
+        disk_budget_bytes=event.disk_budget_bytes,
         limits=Limits.from_dict(event.limits),
         tenants=tenants,
     )
@@ -74,7 +76,7 @@ def server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeStat
             name,
             replace(
                 tenant, quota_bytes=quota, metadata_quota=bounds.get("metadata_quota"),
-                max_layouts=bounds.get("max_layouts"),
+                max_layouts=bounds.get("max_layouts"), disk_quota=bounds.get("disk_quota"),
             ),
         )
     return replace(
@@ -82,6 +84,7 @@ def server_resumed(node: NodeState, event: ServerResumed, tick: int) -> NodeStat
         capacity_bytes=event.capacity_bytes,
         budget_bytes=event.budget_bytes,
         host_budget_bytes=event.host_budget_bytes,
+        disk_budget_bytes=event.disk_budget_bytes,
         limits=limits,
         tenants=tenants,
         metadata_bytes=metadata_bytes,

@@ -101,3 +101,23 @@ def _restorable(state: LayoutState, allocation_ids: list[str]) -> None:
         raise StateViolation(
             f"{len(missing)} allocations have no host copy to restore from (the first: {missing[0]!r})"
         )
+
+
+def unsaved(node) -> list[str]:
+    """Layouts committed to persist whose snapshot is not saved yet and whose bytes
+    are on the GPU to save from, least recently used first (the disk tier's queue)."""
+    waiting = [
+        layout for layout in node.layouts.values()
+        if layout.persist and layout.committed and not layout.saved and layout.tier is Tier.GPU
+    ]
+    return [layout.name for layout in sorted(waiting, key=lambda layout: (layout.last_use, layout.name))]
+
+
+def snapshot_rows(layout: LayoutState) -> tuple[list[list], list[list]]:
+    """A committed layout's allocations (in slot order) and metadata (in key order),
+    as a snapshot's manifest and ``LAYOUT_RECOVERED`` write them."""
+    allocations = sorted(layout.allocations.values(), key=lambda a: a.layout_slot)
+    return (
+        [[a.allocation_id, a.size, a.aligned_size, a.tag, a.layout_slot] for a in allocations],
+        [[m.key, m.allocation_id, m.offset_bytes, m.value] for _, m in sorted(layout.metadata.items())],
+    )

@@ -17,24 +17,28 @@ from .state import LayoutState, Residency, Tier
 class MemoryTier(str, enum.Enum):
     GPU = "gpu"
     HOST = "host"
+    DISK = "disk"  # a snapshot file (its id: LayoutState.disk_file)
 
 
 Released = list[tuple[MemoryTier, str, int]]
 ReleaseFn = Callable[[LayoutState, Event], Released]
 
 
-def _all(layout: LayoutState, *, gpu: bool, host: bool) -> Released:
+def _all(layout: LayoutState, *, gpu: bool, host: bool, disk: bool = False) -> Released:
     out = []
     if gpu:
         out += [(MemoryTier.GPU, a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
     if host:
         out += [(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
+    if disk and layout.saved:
+        out.append((MemoryTier.DISK, layout.disk_file, layout.disk_bytes))
     return out
 
 
 def everything(layout: LayoutState, event: Event) -> Released:
-    """The layout's memory on every tier (a writer's grant clears it; an abort or a loss drops it)."""
-    return _all(layout, gpu=layout.tier is not Tier.HOST, host=True)
+    """The layout's memory on every tier, its snapshot too (a writer's grant clears
+    it; an abort or a loss drops it)."""
+    return _all(layout, gpu=layout.gpu_bytes > 0, host=True, disk=True)
 
 
 def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:
@@ -47,7 +51,8 @@ def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:
 
 
 def gpu_copy(layout: LayoutState, event: Event) -> Released:
-    """An eviction: the GPU's memory; the host copies too if the layout is unpinned (dropped)."""
+    """An eviction: the GPU's memory; the host copies too if the layout is unpinned
+    (dropped, or kept in its snapshot alone)."""
     return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
 
 

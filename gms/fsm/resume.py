@@ -58,7 +58,7 @@ def _where(node: NodeState) -> dict[tuple[str, str], str]:
     """(tier, allocation id) -> layout, for the memory the node holds now."""
     found: dict[tuple[str, str], str] = {}
     for layout in node.layouts.values():
-        if layout.tier.value != "host":
+        if layout.gpu_bytes:
             for allocation_id in layout.allocations:
                 found[("gpu", allocation_id)] = layout.name
         for allocation_id in layout.host_copies:
@@ -72,7 +72,7 @@ def held_memory(node: NodeState) -> dict[tuple[str, str], int]:
     granularity made its copy larger: the shell aligns it)."""
     held: dict[tuple[str, str], int] = {}
     for layout in node.layouts.values():
-        if layout.tier.value != "host":
+        if layout.gpu_bytes:
             for allocation in layout.allocations.values():
                 held[("gpu", allocation.allocation_id)] = allocation.aligned_size
         for allocation_id, size in layout.host_copies.items():

@@ -62,6 +62,7 @@ from .events import (
     HostCopyCreated,
     LayoutEvicted,
     LayoutLost,
+    LayoutRecovered,
     LayoutRevoked,
     LockTimeout,
     MetadataDeleted,
@@ -81,21 +82,25 @@ from .events import (
     SessionClosed,
     SessionOpened,
     SessionRefused,
+    SnapshotFailed,
+    SnapshotSaved,
     StateDiscarded,
 )
 from .folding import entry_bytes
+from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
 from .releases import ReleaseFn, everything, gpu_copy, half_restored, one_allocation
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
-GPU, HOST, RESTORING = Tier.GPU, Tier.HOST, Tier.RESTORING
+GPU, HOST, RESTORING, DISK = Tier.GPU, Tier.HOST, Tier.RESTORING, Tier.DISK
 ALL_TIERS = frozenset(Tier)
-_WHERE = {GPU: "on the GPU", HOST: "evicted to the host tier", RESTORING: "being restored"}
+_WHERE = {GPU: "on the GPU", HOST: "evicted to the host tier", RESTORING: "being restored", DISK: "on disk only"}
 
 MAX_LAYOUT_NAME_BYTES = 128
 _LAYOUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]*")
 LOCK_TYPES = ("RW", "RO", "RW_OR_RO")
+_SNAPSHOT_FILE = re.compile(r"[0-9a-f]{24}-[0-9a-f]{16}\.gsnap")  # gms.disk.format.file_name
 
 
 class Who(enum.Enum):
@@ -368,6 +373,95 @@ def _residency_field(node, layout: LayoutState, e: RwCommit | ResidencySet) -> N
         require_host_copies(layout)
 
 
+def _persist_field(node, layout: LayoutState, e: RwCommit) -> None:
+    if e.persist:
+        require_disk_tier(node)
+
+
+def require_disk_tier(node) -> None:
+    if node.disk_budget_bytes == 0:
+        raise StateViolation("this server keeps no disk tier (gms serve --disk-dir)")
+
+
+def _within_disk_bounds(node, owner: str, more: int) -> None:
+    """A snapshot's bytes: its owner's disk quota, then the node's disk budget."""
+    tenant = node.tenants[owner]
+    if tenant.disk_quota is not None and tenant.disk_bytes + more > tenant.disk_quota:
+        raise OverLimit(
+            "disk_quota", "tenant", tenant.disk_bytes, more, tenant.disk_quota,
+            f"tenant {owner!r}'s disk quota (its layouts' snapshots) would be passed",
+        )
+    budget = node.disk_budget_bytes
+    if budget is not None and node.disk_bytes + more > budget:
+        raise OverLimit(
+            "disk_budget", "node", node.disk_bytes, more, budget, "the disk tier's budget would be passed",
+        )
+
+
+def _snapshot_admitted(node, layout: LayoutState, e: SnapshotSaved) -> None:
+    require_disk_tier(node)
+    if not layout.persist:
+        raise StateViolation(f"layout {layout.name!r} was not committed to persist")
+    if e.layout_hash != layout.layout_hash:
+        raise StaleLayout(f"layout {layout.name!r} is committed with another hash than the snapshot's")
+    if layout.saved:
+        raise StateViolation(f"layout {layout.name!r} has a snapshot already")
+    check_snapshot(e)
+    _within_disk_bounds(node, layout.owner, e.bytes)
+
+
+def check_snapshot(e: SnapshotSaved | LayoutRecovered) -> None:
+    """A size, and a file name of the disk tier's own making (no folder, no link out of it)."""
+    if e.bytes <= 0:
+        raise InvalidArgument("a snapshot has a size")
+    if not _SNAPSHOT_FILE.fullmatch(e.file):
+        raise InvalidArgument(f"{e.file!r} is not a snapshot's file name")
+
+
+def _recovery_admitted(node, layout: LayoutState, e: LayoutRecovered) -> None:
+    """A snapshot is trusted no more than a client: everything a writer's events
+    would have been checked for, its hash recomputed, the owner's bounds."""
+    require_disk_tier(node)
+    check_layout_name(e.layout)
+    tenant = node.tenants.get(e.owner)
+    if tenant is None:
+        raise PermissionDenied(f"tenant {e.owner!r} is not configured on this server")
+    limits = node.limits
+    if len(e.allocations) > limits.max_allocations or len(e.metadata) > limits.max_metadata_keys:
+        raise LimitExceeded("the snapshot holds more allocations or metadata keys than this server allows")
+    sizes: dict[str, int] = {}
+    slots = set()
+    for allocation_id, size, aligned, tag, slot in e.allocations:
+        if allocation_id in sizes or slot in slots or not isinstance(slot, int) or slot < 0:
+            raise InvalidArgument(f"allocation {allocation_id!r} or slot {slot} repeats")
+        if not 0 < size <= aligned or (limits.max_allocation_bytes is not None and size > limits.max_allocation_bytes):
+            raise InvalidArgument(f"allocation {allocation_id!r} has sizes {size}/{aligned}")
+        check_text("tag", tag, limits.max_tag_bytes)
+        sizes[allocation_id] = size
+        slots.add(slot)
+    metadata = 0
+    if len({row[0] for row in e.metadata}) != len(e.metadata):
+        raise InvalidArgument("the snapshot repeats a metadata key")
+    for key, allocation_id, offset, value in e.metadata:
+        check_text("metadata key", key, limits.max_key_bytes)
+        if len(value) > limits.max_metadata_value_bytes:
+            raise LimitExceeded(f"metadata value of {len(value)} bytes exceeds {limits.max_metadata_value_bytes}")
+        if not 0 <= offset < sizes.get(allocation_id, 0):
+            raise OffsetOutOfBounds(f"metadata {key!r} points outside its allocation")
+        metadata += entry_bytes(key, value) + limits.metadata_entry_bytes
+    recovered = fold_layout(layout, e)
+    if compute_layout_hash(recovered.allocations.values(), recovered.metadata.values()) != e.layout_hash:
+        raise InvalidArgument("the snapshot's allocations and metadata do not hash to its layout hash")
+    held = recovered.held_bytes
+    if tenant.quota_bytes is not None and tenant.used_bytes + held > tenant.quota_bytes:
+        raise QuotaExceeded("tenant", tenant.used_bytes, held, tenant.quota_bytes)
+    fits_budget_ever(node, layout, held)
+    within_metadata_bounds(node, recovered, metadata)
+    _layout_admitted(node, tenant, e)
+    check_snapshot(e)
+    _within_disk_bounds(node, e.owner, e.bytes)
+
+
 def require_host_tier(node) -> None:
     """A server started without a host tier (its budget 0) refuses everything of it."""
     if node.host_budget_bytes == 0:
@@ -426,7 +520,7 @@ def _session_admitted(node, layout: LayoutState | None, e: SessionOpened) -> Non
         _layout_admitted(node, tenant, e)
 
 
-def _layout_admitted(node, tenant, e: SessionOpened) -> None:
+def _layout_admitted(node, tenant, e: SessionOpened | LayoutRecovered) -> None:
     """A session that may write a layout counts it against its tenant from the
     handshake (see TenantState.layout_refs), and a new layout against the node."""
     bound = tenant.max_layouts
@@ -482,27 +576,30 @@ def _resumable(node, layout: LayoutState | None, e: ServerResumed) -> None:
             f"the node holds {node.host_bytes} bytes of host copies, more than the new host budget of "
             f"{e.host_budget_bytes}"
         )
-    # Metadata bounds lowered under what is held (a tenant's policy, the node's
-    # bound, a new charge per entry) are applied, not refused: one tenant's policy,
-    # or an upgrade, must not stop the node.  What is over keeps what it holds
+    # Metadata and disk bounds lowered under what is held (a tenant's policy, the
+    # node's bound, a new charge per entry, a smaller disk tier or none) are
+    # applied, not refused: one tenant's policy, or an upgrade, must not stop the node.  What is over keeps what it holds
     # and cannot grow until it is under (the fold's ``hold``; ``over_bounds``).
 
 
 # -- the table ------------------------------------------------------------------------------
 
 ANY_LOCK = stays(*LockState)
-EVICTED_LEAVES = (Move(HOST, HOST), Move(RESTORING, HOST, "half-filled memory released"))
+EVICTED_LEAVES = (
+    Move(HOST, HOST), Move(DISK, DISK), Move(RESTORING, HOST, "half-filled memory released"),
+    Move(RESTORING, DISK, "half-filled memory released"),
+)
 
 RULES: dict[type[Event], Rule] = {
     # locks
     RwConnect: Rule(
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
-        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped")),
+        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped"), Move(DISK, GPU, "the snapshot is dropped")),
         uses=True, owns=True, releases=everything, lasting=True, step=steps.rw_connect,
     ),
     RwCommit: Rule(
-        Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field,), action="commit", uses=True,
+        Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field, _persist_field), action="commit", uses=True,
         makes_room=True, releases=None, lasting=True, step=steps.rw_commit,
     ),
     RwAbort: Rule(
@@ -547,16 +644,18 @@ RULES: dict[type[Event], Rule] = {
     LayoutEvicted: Rule(
         Who.ANYONE,
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
-        (Move(GPU, HOST, "system"), Move(GPU, GPU, "unpinned: a fresh layout")),
+        (Move(GPU, HOST, "system"), Move(GPU, DISK, "unpinned, saved: kept in its snapshot"),
+         Move(GPU, GPU, "unpinned: a fresh layout")),
         (_not_pinned,), action="evict", refusal=NotEvictable, releases=gpu_copy, lasting=True,
         step=steps.layout_evicted,
     ),
     RestoreClaimed: Rule(
-        Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST), uses=True, releases=None,
+        Who.SESSION, (Move(COMMITTED, RO, "the reader restores"),), stays(HOST, DISK), uses=True, releases=None,
         lasting=False, step=steps.restore_claimed,
     ),
     RestoreLoading: Rule(
-        Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"),), (_restore_admitted,),
+        Who.RESTORER, stays(RO), (Move(HOST, RESTORING, "GPU memory made"), Move(DISK, RESTORING, "GPU memory made")),
+        (_restore_admitted,),
         releases=None, lasting=False, step=steps.restore_loading,
     ),
     RestoreFinished: Rule(
@@ -570,8 +669,17 @@ RULES: dict[type[Event], Rule] = {
     # a restarted server found the layout's memory gone: dropped whole, once nobody holds it
     LayoutLost: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
-        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout")), releases=everything, lasting=True,
-        step=steps.layout_lost,
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout"), Move(DISK, GPU, "a fresh layout")),
+        releases=everything, lasting=True, step=steps.layout_lost,
+    ),
+    # the disk tier (gms.disk): a snapshot saved after a commit; a layout recovered from one at a cold start
+    SnapshotSaved: Rule(
+        Who.ANYONE, stays(COMMITTED, RO), stays(GPU, HOST, RESTORING), (_snapshot_admitted,), action="save",
+        releases=None, lasting=True, step=steps.snapshot_saved,
+    ),
+    LayoutRecovered: Rule(
+        Who.ANYONE, (Move(EMPTY, COMMITTED, "from its snapshot"),), (Move(GPU, DISK, "only the snapshot holds it"),),
+        (_recovery_admitted,), action="recover", releases=None, lasting=True, step=steps.layout_recovered,
     ),
     # a new server with the node's state
     ServerResumed: Rule(
@@ -596,6 +704,7 @@ RULES: dict[type[Event], Rule] = {
         Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False, node_step=observation,
     ),
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
+    SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, node_step=observation),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event (lasting: the configuration)
 # The kinds whose effect a restart keeps (their rows' ``lasting``, and the start).

@@ -45,7 +45,8 @@ class Tier(str, enum.Enum):
 
     GPU = "gpu"
     HOST = "host"  # evicted: only the host copy holds the bytes
-    RESTORING = "restoring"  # GPU memory exists again and is being filled from the host copy
+    RESTORING = "restoring"  # GPU memory exists again and is being filled (from the host copy or the disk)
+    DISK = "disk"  # evicted or recovered: only the layout's snapshot on disk holds the bytes
 
 
 @attrs.frozen(slots=False)  # dict-backed: made at three quarters of a slotted one's cost, once per allocation
@@ -89,6 +90,9 @@ class LayoutState:
     restorer: int | None = None  # the reader filling the GPU copy from the host copy
     host_copies: Map[str, int] = Map()  # allocation id -> aligned bytes of its host copy
     host_bytes: int = 0
+    persist: bool = False  # its writer asked for a snapshot on disk (gms.disk): saved after the commit
+    disk_bytes: int = 0  # the size of its snapshot file; 0: none saved (yet)
+    disk_file: str = ""  # the snapshot's file in the disk tier's folder (gms.disk.format.file_name)
     last_use: int = 0  # the node's tick when a lock on it was last taken or released
     loads: int = 0  # commits
     restores: int = 0
@@ -105,7 +109,12 @@ class LayoutState:
     @property
     def gpu_bytes(self) -> int:
         """Bytes this layout holds on the GPU now."""
-        return self.held_bytes if self.tier is not Tier.HOST else 0
+        return self.held_bytes if self.tier is not Tier.HOST and self.tier is not Tier.DISK else 0
+
+    @property
+    def saved(self) -> bool:
+        """A snapshot of this committed layout is on disk (``disk_file``)."""
+        return self.disk_bytes > 0
 
     @property
     def resident(self) -> bool:
@@ -175,6 +184,8 @@ class TenantState:
     # layout from its handshake, so the grant (which may come much later)
     # never adds one: the bound is checked once, when the session opens.
     layout_refs: Map[str, int] = Map()
+    disk_quota: int | None = None  # bytes of snapshots on disk; None: unlimited
+    disk_bytes: int = 0
 
     @property
     def layouts(self) -> int:
@@ -213,12 +224,14 @@ class NodeState:
     capacity_bytes: int | None = None
     budget_bytes: int | None = None
     host_budget_bytes: int | None = None  # 0: the server keeps no host tier
+    disk_budget_bytes: int | None = 0  # bytes of snapshots; 0: the server keeps no disk tier, None: no bound
     limits: Limits = Limits()
     layouts: Map[str, LayoutState] = Map()
     sessions: Map[int, SessionInfo] = Map()
     tenants: Map[str, TenantState] = Map()
     gpu_bytes: int = 0
     host_bytes: int = 0
+    disk_bytes: int = 0
     metadata_bytes: int = 0
     tick: int = 0
 

@@ -44,8 +44,8 @@ from ..fsm.state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 from ..store import LogEntry
 
 MAGIC = b"gms-state"
-STATE_VERSION = 3  # what this server writes
-READABLE_VERSIONS = (1, 2, 3)  # what it reads
+STATE_VERSION = 4  # what this server writes
+READABLE_VERSIONS = (1, 2, 3, 4)  # what it reads
 
 
 class ImageError(ValueError):
@@ -188,6 +188,9 @@ def layout_head(layout: LayoutState) -> dict:
         "restorer": layout.restorer,
         "host_copies": sorted([k, v] for k, v in layout.host_copies.items()),
         "host_bytes": layout.host_bytes,
+        "persist": layout.persist,  # (version 4: the disk tier; absent before, read as none)
+        "disk_bytes": layout.disk_bytes,
+        "disk_file": layout.disk_file,
         "last_use": layout.last_use,
         "loads": layout.loads,
         "restores": layout.restores,
@@ -268,6 +271,9 @@ def _read_layout_v1(d: dict) -> LayoutState:
         restorer=d["restorer"],
         host_copies=Map({k: v for k, v in d["host_copies"]}),
         host_bytes=d["host_bytes"],
+        persist=d.get("persist", False),
+        disk_bytes=d.get("disk_bytes", 0),
+        disk_file=d.get("disk_file", ""),
         last_use=d["last_use"],
         loads=d["loads"],
         restores=d["restores"],
@@ -449,8 +455,38 @@ def _read_v3(body: dict) -> StateImage:
     return _read_v2(body, 3)
 
 
-_WRITERS = {3: _body_v3}  # only the current version is written
-_READERS = {1: _read_v1, 2: _read_v2, 3: _read_v3}
+# -- version 4: the disk tier (its budget and bytes, each tenant's disk quota and bytes) ----
+
+
+def _body_v4(image: StateImage) -> dict:
+    body = _body_v3(image)
+    node = image.state
+    body["node"]["disk_budget_bytes"] = node.disk_budget_bytes
+    body["node"]["disk_bytes"] = node.disk_bytes
+    for row, (_, tenant) in zip(body["node"]["tenants"], sorted(node.tenants.items())):
+        row += [tenant.disk_quota, tenant.disk_bytes]
+    return body
+
+
+def _read_v4(body: dict) -> StateImage:
+    node = body["node"]
+    disk = {row[0]: row[8:] for row in node["tenants"]}
+    for row in node["tenants"]:
+        del row[8:]
+    image = _read_v3(body)
+    state = image.state
+    tenants = Map({
+        name: attrs.evolve(tenant, disk_quota=disk[name][0], disk_bytes=disk[name][1])
+        for name, tenant in state.tenants.items()
+    })
+    state = attrs.evolve(
+        state, tenants=tenants, disk_budget_bytes=node["disk_budget_bytes"], disk_bytes=node["disk_bytes"],
+    )
+    return attrs.evolve(image, version=4, state=state)
+
+
+_WRITERS = {4: _body_v4}  # only the current version is written
+_READERS = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4}
 
 
 # -- the envelope --------------------------------------------------------------------

@@ -25,6 +25,10 @@ class ServerConfig:
     copier: bool = True
     host_pool_bytes: int | None = None  # pinned host memory made ahead of need (needs the copier); None: sized by the builds
     host_chunk_bytes: int = 64 << 20  # the pool's unit
+    # The disk tier (gms.disk): snapshots of layouts committed to persist, found again at a cold start.
+    disk_tier: bool = True
+    disk_dir: str | None = None  # None: gms.paths.disk_dir (beside the state, kept across reboots)
+    disk_budget: str | None = None  # bytes of snapshots; None: what the disk holds
     policy: Policy = OPEN_POLICY
     policy_file: str | None = None  # where ``policy`` was read: read again by a spare taking a node
     alloc_retry_interval: float = 0.05

@@ -38,6 +38,7 @@ class _StateCollector:
             ),
             "gms_gpu_used_bytes": ("Layout bytes on the GPU", state.gpu_bytes),
             "gms_host_used_bytes": ("Layout bytes in the host tier", state.host_bytes),
+            "gms_disk_used_bytes": ("Bytes of snapshots on the disk tier", state.disk_bytes),
             "gms_sessions": ("Handshaken connections", len(state.sessions)),
             "gms_events_logged": ("Last event sequence number", core.log.last_seq),
         }
@@ -46,6 +47,10 @@ class _StateCollector:
                 yield GaugeMetricFamily(name, text, value=value)
         if state.host_budget_bytes is not None:
             yield GaugeMetricFamily("gms_host_budget_bytes", "Host tier budget in bytes", value=state.host_budget_bytes)
+        if state.disk_budget_bytes is not None:
+            yield GaugeMetricFamily(
+                "gms_disk_budget_bytes", "Disk tier budget in bytes (0: no disk tier)", value=state.disk_budget_bytes
+            )
         layout_bytes = GaugeMetricFamily("gms_layout_bytes", "Bytes a layout holds, by tier", labels=["layout", "tier"])
         readers = GaugeMetricFamily("gms_layout_readers", "Readers of a layout", labels=["layout"])
         info = GaugeMetricFamily(
@@ -56,6 +61,7 @@ class _StateCollector:
         for name, layout in state.layouts.items():
             layout_bytes.add_metric([name, "gpu"], layout.gpu_bytes)
             layout_bytes.add_metric([name, "host"], layout.host_bytes)
+            layout_bytes.add_metric([name, "disk"], layout.disk_bytes)
             readers.add_metric([name], len(layout.readers))
             info.add_metric(
                 [name, layout.lock_state.value, layout.residency.value, layout.tier.value, layout.owner or ""], 1
@@ -71,14 +77,16 @@ class _StateCollector:
             "1 for each bound a tenant holds more than (a policy lowered it): it cannot grow until under it",
             labels=["tenant", "bound"],
         )
+        disk = GaugeMetricFamily("gms_tenant_disk_bytes", "Bytes of a tenant's snapshots on disk", labels=["tenant"])
         for name, tenant in state.tenants.items():
             used.add_metric([name], tenant.used_bytes)
+            disk.add_metric([name], tenant.disk_bytes)
             sessions.add_metric([name], tenant.sessions)
             if tenant.quota_bytes is not None:
                 quota.add_metric([name], tenant.quota_bytes)
             for bound in tenant.over_bounds:
                 over.add_metric([name, bound], 1)
-        yield from (layout_bytes, readers, info, waiting, used, quota, sessions, over)
+        yield from (layout_bytes, readers, info, waiting, used, quota, sessions, over, disk)
         keeper = core.keeper
         if keeper is not None:  # (a server without one has no keeper series)
             yield GaugeMetricFamily(

@@ -22,7 +22,9 @@ import stat
 import attrs
 import trio
 
+from .. import paths
 from ..cuda import MemoryBackend, open_backend, open_host_tier
+from ..disk.store import DiskStore
 from ..fsm import host_room
 from ..handover.words import Leaving
 from ..peer import Peer, own_uids
@@ -191,11 +193,14 @@ class Server:
 
     async def _open_core(self, gpu: Memory, log: EventLog | None = None) -> ServiceCore:
         config = self.config
-        host = copier = None
+        host = copier = disk = None
+        if config.disk_tier:
+            folder = config.disk_dir or paths.disk_dir(config.socket_path, config.state_dir)
+            disk = await trio.to_thread.run_sync(DiskStore, folder)  # FolderRefused: the server does not start
+        if config.copier and (self.host_tier is not None or disk is not None):
+            level = logging.getLevelName(logger.getEffectiveLevel()).lower()
+            copier = CopierLink(self.backend.name, config.device, log_level=level)
         if self.host_tier is not None:
-            if config.copier:
-                level = logging.getLevelName(logger.getEffectiveLevel()).lower()
-                copier = CopierLink(self.backend.name, config.device, log_level=level)
             auto = config.host_pool_bytes is None
             host = HostMemory(
                 Memory(self.host_tier, Lane("host")), link=copier,
@@ -226,6 +231,8 @@ class Server:
             copier=copier,
             scan_cache_bytes=config.scan_cache_bytes,
             keeper=self.link,
+            disk=disk,
+            disk_budget_bytes=None if config.disk_budget is None else parse_budget(config.disk_budget, None),
         )
         self.metrics.watch(self.core)
         return self.core
@@ -280,6 +287,8 @@ class Server:
             except Unresumable:
                 self.left_as = Leaving.UNRESUMABLE
                 raise
+            if core.snapshots is not None:  # a node that starts with nothing finds its snapshots again
+                await (core.snapshots.recover() if start.handed is None else core.snapshots.sweep())
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
             self.admission = open_admission(self.fds, self.config, core.server_uid,
@@ -332,6 +341,8 @@ class Server:
                 if core is not None:
                     for tier in core.ledger.tiers.values():
                         tier.lane.stop()
+                    if core.snapshots is not None:
+                        core.snapshots.lane.stop()
                 if link is not None and self.left_as is not Leaving.CRASHED:  # (a take-over told it already)
                     link.stopping(self.left_as)
             if link is not None:
@@ -412,6 +423,7 @@ class Server:
 async def run_server(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT; then stop cleanly, or under a keeper leave
     the node to it (it starts the next server with everything)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a snapshot past RLIMIT_FSIZE fails its save (EFBIG), no more
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 

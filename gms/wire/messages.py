@@ -136,9 +136,12 @@ class FreeAllocationResponse:
 @attrs.frozen
 class CommitRequest:
     """``residency``: device (default), system (needs a host copy of every
-    allocation) or unpinned."""
+    allocation) or unpinned.  ``persist``: save a snapshot to the server's disk
+    tier after the commit, so the layout outlives the node (None: the tenant's
+    policy says; a server without a disk tier refuses true)."""
 
     residency: str | None = None
+    persist: bool | None = None
 
 
 @attrs.frozen
@@ -339,6 +342,8 @@ class LayoutStatus:
     loads: int
     restores: int
     evictions: int
+    disk_bytes: int = 0  # its snapshot on the disk tier (0: none)
+    persist: bool = False  # committed to persist: a snapshot is saved (or is being)
 
     @classmethod
     def empty(cls, name: str) -> LayoutStatus:
@@ -356,6 +361,8 @@ class TenantStatus:
     metadata_quota: int | None = None
     layouts: int = 0  # layouts it owns or holds a session that may write
     max_layouts: int | None = None
+    disk_bytes: int = 0  # snapshots of the layouts it owns
+    disk_quota: int | None = None
 
 
 @attrs.frozen
@@ -417,6 +424,12 @@ class GetRuntimeStateResponse:
     # without a keeper itself (0: not known, a keeper in another container).
     keeper_pid: int = 0
     service_pid: int = 0
+    # The disk tier (extensions): its budget (0: no disk tier, None: what the disk
+    # holds), the snapshots it keeps, its folder and what that disk has free.
+    disk_budget_bytes: int | None = 0
+    disk_used_bytes: int = 0
+    disk_dir: str = ""
+    disk_free_bytes: int | None = None
 
     def layout(self, name: str) -> LayoutStatus:
         """The named layout's row; an empty one where the server holds none of that name."""

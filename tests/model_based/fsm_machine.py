@@ -4,9 +4,13 @@ Drives many connections, as three tenants with different quotas, metadata
 quotas, layout bounds and rights, through random handshakes (RW, RO, RW_OR_RO, with and without a session
 limit) on two layouts (and a third the layout cap refuses), crashes,
 allocations (evicting under a GPU budget the way the shell does), frees,
-metadata puts and deletes, host copies, commits with each residency,
-evictions, pins, restores (finished or abandoned), and reads, the way the
-shell does: decide, append to the log, fold.  After every step it checks:
+metadata puts and deletes, host copies, commits with each residency (and
+persisting or not), snapshots saved (within the disk budget and quotas, or
+refused), evictions (an unpinned layout with a snapshot to the disk tier),
+pins, restores from the host tier or the disk (finished or abandoned), reads,
+and reboots (a new log: every snapshot recovered, or refused by the policy in
+force), the way the shell does: decide, append to the log, fold.  After every
+step it checks:
 
 * the node's invariants (the fold's running totals against the tables);
 * that replaying the log (from its snapshot, and from the first event)
@@ -49,7 +53,14 @@ from gms.fsm import (
     queries,
     schedule,
 )
-from gms.fsm.events import RestoreLoading, ServerResumed, ServerStarted, SessionClosed
+from gms.fsm.events import (
+    LayoutRecovered,
+    RestoreLoading,
+    ServerResumed,
+    ServerStarted,
+    SessionClosed,
+    SnapshotSaved,
+)
 from gms.store import EventLog
 
 from .reference import ReferenceModel
@@ -76,6 +87,8 @@ TENANTS = {
 }
 # name: (metadata quota, max layouts); None: unbounded
 TENANT_LIMITS = {"t1": (18, 2), "t2": (None, 1), "t0": (0, 0)}
+DISK_BUDGET = 24 * MiB
+DISK_QUOTAS = {"t1": 8 * MiB, "t2": None, "t0": 0}
 LAYOUTS = ["a", "b"]
 KEYS = ["k0", "k1", "k2", "k3", "k4", "", "too-long-key"]
 TAGS = ["weights", "kv_cache", "", "much-too-long"]
@@ -109,17 +122,22 @@ def has_writer(machine) -> bool:
 class FsmMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # Tiny retention, so replay goes through snapshots and cut chunks.
-        self.log = EventLog(retain=24, chunk_size=4)
-        self.events = []
         # The policy in force: a new server's (``new_policy``) replaces it.
         self.quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
         self.tenant_limits = dict(TENANT_LIMITS)
+        self._start()
+        self.clock = 0
+
+    def _start(self) -> None:
+        """A node that starts with nothing (the first, and after each reboot).
+        Tiny retention, so replay goes through snapshots and cut chunks."""
         self.totals: dict[str, tuple[int, int, int]] = {}  # each tenant's bytes, metadata, layouts after the last step
-        quotas, tenant_limits = self.quotas, self._limits_field()
+        self.log = EventLog(retain=24, chunk_size=4)
+        self.events = []
         self._append([
             ServerStarted(
-                0, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(), layout="", tenant_limits=tenant_limits,
+                0, 64 * MiB, BUDGET, HOST_BUDGET, self.quotas, LIMITS.as_dict(), layout="",
+                tenant_limits=self._limits_field(), disk_budget_bytes=DISK_BUDGET,
             )
         ])
         self.refs = {
@@ -135,14 +153,16 @@ class FsmMachine(RuleBasedStateMachine):
         self.sessions: dict[int, tuple[str, str, int | None]] = {}  # conn -> layout, tenant, limit
         self.locks: dict[int, str] = {}  # conn -> the lock its session waits for or holds (RW, RO, RW_OR_RO)
         self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {name: [] for name in self.refs}
-        self.next_conn = 1
-        self.next_alloc = 0
-        self.clock = 0
+        self.next_conn = getattr(self, "next_conn", 1)
+        self.next_alloc = getattr(self, "next_alloc", 0)
 
     # -- helpers ----------------------------------------------------------
 
     def _limits_field(self) -> dict:
-        return {name: {"metadata_quota": meta, "max_layouts": most} for name, (meta, most) in self.tenant_limits.items()}
+        return {
+            name: {"metadata_quota": meta, "max_layouts": most, "disk_quota": DISK_QUOTAS[name]}
+            for name, (meta, most) in self.tenant_limits.items()
+        }
 
     def _tick(self) -> int:
         self.clock += 1
@@ -451,8 +471,8 @@ class FsmMachine(RuleBasedStateMachine):
         lambda self: any(self.log.state.layout(n).writer is not None and self.log.state.layout(n).allocations
                          for n in LAYOUTS)
     )
-    @rule(data=st.data())
-    def writer_publishes_evictable(self, data):
+    @rule(data=st.data(), persist=st.booleans())
+    def writer_publishes_evictable(self, data, persist):
         """What ``commit(residency="system")`` does: a host copy of every
         allocation, then the commit.  Evictions and restores need both: by
         chance alone they would be rare."""
@@ -470,8 +490,8 @@ class FsmMachine(RuleBasedStateMachine):
                 assert code == "HOST_MEMORY_EXHAUSTED"
                 return  # no room for the copies: the writer goes on building
             assert code == self.refs[layout].host_copy(conn, alloc_id)
-        code, _ = self._decide(lambda: decide_commit(self.log.state.layout(layout), conn, "system"))
-        assert code == self.refs[layout].commit(conn, "system", self._tick)
+        code, _ = self._decide(lambda: decide_commit(self.log.state.layout(layout), conn, "system", persist))
+        assert code == self.refs[layout].commit(conn, "system", self._tick, persist)
         if code is None:  # the shell closes a committed writer's connection
             self._append([SessionClosed(conn, layout=layout)])
             del self.sessions[conn]
@@ -479,19 +499,24 @@ class FsmMachine(RuleBasedStateMachine):
             self._pump(layout)
 
     @precondition(has_connections)
-    @rule(data=st.data(), role=st.sampled_from(["writer", "writer", "any"]), residency=st.sampled_from(RESIDENCIES))
-    def commit(self, data, role, residency):
+    @rule(
+        data=st.data(), role=st.sampled_from(["writer", "writer", "any"]), residency=st.sampled_from(RESIDENCIES),
+        persist=st.booleans(),
+    )
+    def commit(self, data, role, residency, persist):
         conn = self._pick_conn(data, role)
         layout = self._layout_of(conn)
         state = self.log.state.layout(layout)
-        code, _ = self._decide(lambda: decide_commit(state, conn, residency))
-        assert code == self.refs[layout].commit(conn, residency, self._tick)
+        code, _ = self._decide(lambda: decide_commit(state, conn, residency, persist))
+        assert code == self.refs[layout].commit(conn, residency, self._tick, persist)
         if code is None:
             # The shell closes a committed writer's connection.
             self._append([SessionClosed(conn, layout=layout)])
             del self.sessions[conn]
             del self.locks[conn]
             self._pump(layout)
+            if persist and data.draw(st.booleans(), label="saved at once"):  # the saver is quick, mostly
+                self.save(data, 4096)
 
     # -- a new policy -------------------------------------------------------------
 
@@ -509,7 +534,7 @@ class FsmMachine(RuleBasedStateMachine):
         self.tenant_limits = {name: (meta[name], most[name]) for name in TENANTS}
         resumed = ServerResumed(
             0, "take-over", 1, "a new policy", 2, 64 * MiB, BUDGET, HOST_BUDGET, quotas, LIMITS.as_dict(),
-            layout="", tenant_limits=self._limits_field(),
+            layout="", tenant_limits=self._limits_field(), disk_budget_bytes=DISK_BUDGET,
         )
         self._append(decide_resume(self.log.state, resumed))
         assert {n: t.quota_bytes for n, t in self.log.state.tenants.items()} == quotas
@@ -537,7 +562,7 @@ class FsmMachine(RuleBasedStateMachine):
         layout = data.draw(st.sampled_from([n for n in LAYOUTS if self.refs[n].restorer is not None]))
         ref = self.refs[layout]
         conn = ref.restorer
-        if ref.tier == "host":
+        if ref.tier in ("host", "disk"):
             shortfall = admit_restore(self.log.state, RestoreLoading(conn, layout=layout))
             if not self._make_room(shortfall):
                 return
@@ -549,6 +574,79 @@ class FsmMachine(RuleBasedStateMachine):
         ref.readers.add(conn)
         ref.last_use = self._tick()
         self._pump(layout)
+
+    # -- the disk tier ------------------------------------------------------------
+
+    @rule(data=st.data(), extra=st.sampled_from([4096, 4096, 4096, 2 * MiB, 9 * MiB]))
+    def save(self, data, extra):
+        """The saver's SNAPSHOT_SAVED: the layout's bytes and a manifest (``extra``).
+        Mostly of a layout waiting for one (as the saver picks), else of any."""
+        waiting = [n for n in LAYOUTS if self.refs[n].persist and self.refs[n].committed and not self.refs[n].disk]
+        layout = data.draw(st.sampled_from(waiting if waiting and data.draw(st.integers(0, 3)) else LAYOUTS))
+        ref = self.refs[layout]
+        size = ref.bytes() + extra
+        state = self.log.state.layout(layout)
+        event = SnapshotSaved(0, state.layout_hash or "0" * 64, size, f"{'ab' * 12}-{self._tick():016x}.gsnap",
+                              layout=layout)
+        code, _ = rejection_code(lambda: self._append([event]))
+        owner_used = sum(r.disk for r in self.refs.values() if r.owner == ref.owner)
+        used = sum(r.disk for r in self.refs.values())
+        assert code == ref.save(size, used, DISK_BUDGET, owner_used, DISK_QUOTAS.get(ref.owner))
+
+    @precondition(lambda self: any(ref.disk for ref in self.refs.values()))
+    @rule()
+    def reboot(self):
+        """Every process gone, the node started again with nothing: each snapshot
+        comes back as a layout on disk, unpinned, unless the policy in force refuses it."""
+        saved = [(name, layout) for name, layout in sorted(self.log.state.layouts.items()) if layout.saved]
+        self._start()
+        for name, layout in saved:
+            allocations, metadata = queries.snapshot_rows(layout)
+            event = LayoutRecovered(0, layout.owner, layout.layout_hash, allocations, metadata, layout.disk_bytes,
+                                    layout.disk_file, layout=name)
+            expected = self._recovery_refusal(layout)
+            code, _ = rejection_code(lambda: self._append([event]))
+            assert code == expected, (name, code, expected)
+            if code is None:
+                ref = self.refs[name]
+                ref.committed, ref.layout_hash, ref.owner = True, layout.layout_hash, layout.owner
+                ref.allocs = {a[0]: tuple(a[1:]) for a in allocations}
+                ref.meta = {m[0]: tuple(m[1:]) for m in metadata}
+                ref.next_slot = 1 + max((a[4] for a in allocations), default=-1)
+                ref.residency, ref.tier, ref.persist, ref.disk = "unpinned", "disk", True, layout.disk_bytes
+
+    @precondition(lambda self: any(self.refs[n].tier == "disk" and self.refs[n].restorer is None for n in LAYOUTS))
+    @rule(data=st.data(), lock=st.sampled_from([RequestedLockType.RO, RequestedLockType.RW_OR_RO]))
+    def engine_after_reboot(self, data, lock):
+        """An engine asks for a layout only its snapshot holds (as t1 may); a restore
+        of a small layout is finished at once, a large one left to the other rules."""
+        layout = data.draw(st.sampled_from([n for n in LAYOUTS if self.refs[n].tier == "disk"]))
+        self.handshake(layout, lock, "t1", None)
+        if self.refs[layout].restorer is not None and data.draw(st.booleans(), label="finish now"):
+            self.restore(data)
+            if self.refs[layout].restorer is not None:
+                self.restore(data)
+
+    def _recovery_refusal(self, layout) -> str | None:
+        """Restated from docs/operations.md: a recovered layout is charged as if its
+        owner had built it again (bytes, metadata, layouts), and its snapshot too."""
+        owner = layout.owner
+        owned = [r for r in self.refs.values() if r.owner == owner]
+        quota = self.quotas[owner]
+        if quota is not None and sum(r.bytes() for r in owned) + layout.held_bytes > quota:
+            return "QUOTA_EXCEEDED"
+        meta = sum(len(k.encode()) + len(m.value) + LIMITS.metadata_entry_bytes for k, m in layout.metadata.items())
+        meta_quota, most = self.tenant_limits[owner]
+        disk_quota = DISK_QUOTAS[owner]
+        over = (
+            (meta_quota is not None and self._metadata_used(owner) + meta > meta_quota)
+            or self._metadata_used() + meta > LIMITS.max_metadata_bytes
+            or (most is not None and len(owned) + 1 > most)
+            or sum(not r.vacant() for r in self.refs.values()) >= LIMITS.max_layouts
+            or (disk_quota is not None and sum(r.disk for r in owned) + layout.disk_bytes > disk_quota)
+            or sum(r.disk for r in self.refs.values()) + layout.disk_bytes > DISK_BUDGET
+        )
+        return "LIMIT_EXCEEDED" if over else None
 
     # -- reads ----------------------------------------------------------------
 
@@ -607,6 +705,7 @@ class FsmMachine(RuleBasedStateMachine):
             assert (layout.residency.value, layout.tier.value, set(layout.host_copies), layout.owner) == (
                 ref.residency, ref.tier, ref.host, ref.owner,
             )
+            assert (layout.persist, layout.disk_bytes) == (ref.persist, ref.disk)
         for name, tenant in state.tenants.items():  # a total over its bound never grew (the fold's hold)
             now = (tenant.used_bytes, tenant.metadata_bytes, tenant.layouts)
             bounds = (tenant.quota_bytes, tenant.metadata_quota, tenant.max_layouts)
@@ -622,4 +721,8 @@ class FsmMachine(RuleBasedStateMachine):
         assert state.metadata_bytes == self._metadata_used() <= LIMITS.max_metadata_bytes
         assert state.gpu_bytes == sum(ref.gpu_bytes() for ref in self.refs.values()) <= BUDGET
         assert state.host_bytes == sum(ref.host_bytes() for ref in self.refs.values()) <= HOST_BUDGET
+        assert state.disk_bytes == sum(ref.disk for ref in self.refs.values()) <= DISK_BUDGET
+        for tenant, quota in DISK_QUOTAS.items():
+            disk = sum(ref.disk for ref in self.refs.values() if ref.owner == tenant)
+            assert state.tenants[tenant].disk_bytes == disk and (quota is None or disk <= quota)
         assert set(state.sessions) == set(self.sessions)

@@ -5,7 +5,8 @@ rejection code the seed's rules call for (or ``None``) and mutating in place.
 It shares no code with ``gms.fsm`` beyond the limits it is configured with,
 so agreement between the two is evidence, not tautology.  The layout hash is
 restated from the protocol document's definition.  Residency (the host tier,
-eviction, restores) is restated from docs/operations.md.
+eviction, restores) and the disk tier (a snapshot per commit that asks, an
+unpinned layout evicted to it, restores from it) are restated from docs/operations.md.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class ReferenceModel:
     restorer: int | None = None
     host: set[str] = field(default_factory=set)
     last_use: int = 0
+    persist: bool = False
+    disk: int = 0  # its snapshot's bytes (0: none)
 
     # -- lock table -------------------------------------------------------
 
@@ -69,7 +72,7 @@ class ReferenceModel:
         return sum(a[1] for a in self.allocs.values())
 
     def gpu_bytes(self) -> int:
-        return 0 if self.tier == "host" else self.bytes()
+        return 0 if self.tier in ("host", "disk") else self.bytes()
 
     def host_bytes(self) -> int:
         return sum(self.allocs[i][1] for i in self.host)
@@ -87,6 +90,8 @@ class ReferenceModel:
         self.residency = "device"
         self.tier = "gpu"
         self.host.clear()
+        self.persist = False
+        self.disk = 0
 
     def _may_grant(self, position: int) -> str | None:
         conn, wanted = self.queue[position]
@@ -101,7 +106,7 @@ class ReferenceModel:
             return "RW"
         if not self.committed or writer_queued or self.restorer is not None:
             return None
-        return "RESTORE" if self.tier == "host" else "RO"
+        return "RESTORE" if self.tier in ("host", "disk") else "RO"
 
     def pump(self, clock, tenant_of) -> list[tuple[int, str]]:
         """Grant waiting handshakes, first grantable first, until none is.
@@ -140,7 +145,7 @@ class ReferenceModel:
             return "RO_DISCONNECT"
         if conn == self.restorer:
             self.restorer = None
-            self.tier = "host"  # nothing half-copied is ever served
+            self.tier = "host" if self.residency == "system" else "disk"  # nothing half-copied is ever served
             return "RESTORE_ABORTED"
         return None
 
@@ -156,11 +161,27 @@ class ReferenceModel:
     def evict(self) -> str | None:
         error = self.evictable()
         if error is None:
-            if self.residency == "unpinned":
+            if self.residency == "unpinned" and self.disk:
+                self.tier = "disk"  # its snapshot holds it
+                self.host.clear()
+            elif self.residency == "unpinned":
                 self._clear_layout()
             else:
                 self.tier = "host"
         return error
+
+    def save(self, size: int, disk_used: int, disk_budget: int | None, owner_used: int, owner_quota: int | None):
+        """The shell's SNAPSHOT_SAVED of ``size`` bytes: the refusal code, or None."""
+        if not self.committed or self.writer is not None or self.tier == "disk":
+            return "STATE_VIOLATION"
+        if not self.persist or self.disk:
+            return "STATE_VIOLATION"
+        if owner_quota is not None and owner_used + size > owner_quota:
+            return "LIMIT_EXCEEDED"
+        if disk_budget is not None and disk_used + size > disk_budget:
+            return "LIMIT_EXCEEDED"
+        self.disk = size
+        return None
 
     def pin(self, residency: str) -> str | None:
         if not self.committed or self.writer is not None or self.tier != "gpu":
@@ -235,7 +256,7 @@ class ReferenceModel:
             return None, self.meta.pop(key, None) is not None
         return error, False
 
-    def commit(self, conn: int, residency: str, clock):
+    def commit(self, conn: int, residency: str, clock, persist: bool = False):
         error = self._auth(conn, True)
         if error is None and residency not in ("device", "system", "unpinned"):
             error = "INVALID_ARGUMENT"
@@ -245,6 +266,7 @@ class ReferenceModel:
             self.writer = None
             self.committed = True
             self.residency = residency
+            self.persist = persist
             self.layout_hash = reference_hash(self.allocs, self.meta)
             self.last_use = clock()
         return error

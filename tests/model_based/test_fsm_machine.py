@@ -7,14 +7,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from gms.fsm import InvariantViolation, rules
+from gms.fsm import InvariantViolation, folding, rules
 from gms.fsm.events import (
     LayoutEvicted,
+    LayoutRecovered,
     MetadataDeleted,
     RestoreAborted,
     RoDisconnect,
     RwAbort,
     RwConnect,
+    SnapshotSaved,
 )
 from gms.fsm.state import Tier
 
@@ -39,6 +41,10 @@ PLANTED_BUGS = {
     "eviction-forgets-the-tier": (LayoutEvicted, lambda s, e: attrs.evolve(s, evictions=s.evictions + 1)),
     "aborted-restore-serves-half-copied-memory": (
         RestoreAborted, lambda s, e: attrs.evolve(s, restorer=None, tier=Tier.GPU),
+    ),
+    "a-snapshot-saved-is-forgotten": (SnapshotSaved, lambda s, e: s),
+    "a-recovered-layout-forgets-its-snapshot": (
+        LayoutRecovered, lambda s, e: attrs.evolve(folding.layout_recovered(s, e), disk_bytes=0, disk_file=""),
     ),
 }
 

@@ -139,13 +139,16 @@ class KilledAnywhereMachine(FsmMachine):
         committed = sorted(name for name, layout in after.layouts.items() if layout.committed)
         if committed:
             doomed = after.layouts[committed[0]]
-            lost = sorted(doomed.allocations)[:1] or sorted(doomed.host_copies)[:1]
-            if lost:
-                tier = "gpu" if doomed.tier.value != "host" and lost[0] in doomed.allocations else "host"
-                dropped = fold_all(decide_resume(state, resumed_by(state), [(tier, lost[0])]), state)
+            held = [("gpu", i) for i in sorted(doomed.allocations) if doomed.gpu_bytes]
+            held += [("host", i) for i in sorted(doomed.host_copies)]
+            if held:
+                dropped = fold_all(decide_resume(state, resumed_by(state), held[:1]), state)
                 check_invariants(dropped)
                 assert doomed.name not in dropped.layouts
                 assert all(dropped.layouts[n] == after.layouts[n] for n in committed[1:]), "only that layout"
+            elif doomed.allocations:  # on the disk tier alone: no memory of it can be lost
+                kept = fold_all(decide_resume(state, resumed_by(state), [("gpu", min(doomed.allocations))]), state)
+                assert kept.layouts == after.layouts
 
         took_over = fold_all(decide_resume(state, resumed_by(state, "take-over")), state)
         check_invariants(took_over)

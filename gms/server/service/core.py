@@ -9,6 +9,8 @@ Every change of state goes through one write path, :class:`Ledger`
 * ``placement``: GPU memory for allocations and restores (the budget,
   eviction, creation on the lane, waiting for memory);
 * ``host_tier``: host copies for residency ``system`` and restores;
+* ``snapshots``: the disk tier (a snapshot after a commit that asks, a
+  restore from one, recovery at a cold start);
 * ``probes``: runtime state and history.
 
 This class keeps what is left: sessions (who may open one, waiting for the
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from ...cuda import DeviceInfo, MemoryBackend
+from ...disk.store import DiskStore
 from ...fsm import (
     Limits,
     MemoryTier,
@@ -61,6 +64,7 @@ from .lock_queues import GrantCallback, LockQueues, Waiter
 from .placement import Placement
 from .probes import Probes
 from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
+from .snapshots import Snapshots
 from .transfers import Transfers
 
 _LOCK_TYPES = {lock.value: lock for lock in RequestedLockType}  # a lookup, not the enum's call
@@ -88,9 +92,12 @@ class ServiceCore:
         copier: CopierLink | None = None,
         scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
         keeper=None,
+        disk: DiskStore | None = None,
+        disk_budget_bytes: int | None = None,
     ) -> None:
         """``keeper``: the server's keeper link (``gms.server.restart.mirror``): where
-        what the ledger stores becomes durable, shown by the probes and the metrics."""
+        what the ledger stores becomes durable, shown by the probes and the metrics.
+        ``disk``: the disk tier's folder (None: no disk tier)."""
         if host is not None and not isinstance(host, HostMemory):
             # exact host copies, no copier: clients copy
             host = HostMemory(host, fds=host.fds, room=lambda: host_room(self.ledger.state))
@@ -99,10 +106,21 @@ class ServiceCore:
         self.server_uid = server_uid
         self.queues = LockQueues()
         tiers = {MemoryTier.GPU: gpu} | ({MemoryTier.HOST: host} if host is not None else {})
+        self.snapshots: Snapshots | None = None
+        if disk is not None:
+            observe = on_event
+
+            def on_event(event: Event) -> None:  # (a commit that asks for a snapshot wakes the saver)
+                observe(event)
+                self.snapshots.notice(event)
+
         self.ledger = Ledger(
             log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released,
             durability=keeper if keeper is not None else IN_MEMORY,
         )
+        self.copier = copier if host is not None or disk is not None else None
+        if disk is not None:
+            self.snapshots = self.ledger.disk = Snapshots(self.ledger, gpu, disk, self.copier)
         self.durability = self.ledger.durability
         # What this server runs with: the log's first event, or (a log handed
         # over from another server) what SERVER_RESUMED carries (gms.server.restart.resume).
@@ -111,21 +129,24 @@ class ServiceCore:
             policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
             device_uuid=device.uuid, layout="",
             tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
+            disk_budget_bytes=disk_budget_bytes if disk is not None else 0,
         )
         self.log = self.ledger.log  # read here; the ledger alone writes it
         if not self.ledger.state.started:
             self.ledger.record([self.started_event], by_server=True)
-        self.requests = Requests(self.ledger, gpu, scan_cache_bytes)
+        self.requests = Requests(
+            self.ledger, gpu, scan_cache_bytes, persists=lambda tenant: disk is not None and policy.persists(tenant),
+        )
         self.placement = Placement(
             self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
         )
         self.host_tier = HostTier(self.ledger, host)
-        self.copier = copier if host is not None else None
-        self.transfers = None if self.copier is None else Transfers(self.ledger, gpu, host, self.copier, self.requests)
+        self.transfers = None if self.copier is None or host is None else Transfers(
+            self.ledger, gpu, host, self.copier, self.requests)
         self.keeper = keeper
         self.probes = Probes(
             self.ledger, gpu, host, policy, server_uid,
-            history_max_events=history_max_events, history_max_bytes=history_max_bytes, keeper=keeper,
+            history_max_events=history_max_events, history_max_bytes=history_max_bytes, keeper=keeper, disk=disk,
         )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
@@ -134,15 +155,19 @@ class ServiceCore:
         self.tarpit = Tarpit(time.monotonic)  # refusals of a uid that keeps asking, answered late
 
     def background(self) -> list:
-        """Tasks for the server's nursery: the copier's supervisor, the host pool's refill."""
+        """Tasks for the server's nursery: the copier's supervisor, the host pool's refill, the saver."""
         host = self.ledger.tiers.get(MemoryTier.HOST)
         tasks = [self.copier.run] if self.copier is not None else []
+        tasks += [self.snapshots.run] if self.snapshots is not None else []
         return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])
 
     async def aclose(self) -> None:
-        """Release every allocation and host copy (on their lanes), then stop the lanes."""
+        """Release every allocation and host copy (on their lanes), then stop the lanes
+        (snapshots stay: they are what outlives the server)."""
         for tier in self.ledger.tiers.values():
             await tier.close()
+        if self.snapshots is not None:
+            await self.snapshots.aclose()
 
     @property
     def state(self) -> NodeState:

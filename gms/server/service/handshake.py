@@ -1,6 +1,6 @@
 """A handshake, served: the session opened (the core decides), the lock waited
 for (heartbeats to a client that asked), a restore of an evicted layout made
-for the reader asked to, and the answer.
+for the reader asked to (from the host tier, or from disk), and the answer.
 
 Each function takes the session it serves (``gms.server.service.session``):
 its connection, what it waits on (``Session.waits``, sans I/O: what a take-over
@@ -13,8 +13,9 @@ import math
 
 import trio
 
-from ...fsm import Grant
+from ...fsm import Grant, SnapshotUnreadable, Tier
 from ...fsm.events import LockTimeout
+from ...fsm.folding import restore_source
 from ...handover.image import Waiting
 from ...wire import encode
 from ...wire import messages as m
@@ -83,15 +84,21 @@ async def after_grant(s, request: m.HandshakeRequest, grant: Grant) -> Reply:
         if request.heartbeat_ms:  # a word before the restore's waits: this server is alive
             s.channel.send_if_idle(encode(m.LockWaiting(0)))
         layout = core.state.layout(request.layout)
+        from_disk = restore_source(layout) is Tier.DISK
         try:
             with s.waiting_for(Waiting.RESTORE):
                 await core.placement.with_memory(
                     s.conn, lambda: core.placement.restore(s.conn), layout.held_bytes, "restore",
                     s.until_gone, s.quiesce.interruptible,
                 )
-        except (OutOfMemoryTimeout, FdsExhausted) as exc:
+            if from_disk:  # only the server reads its disk: the copier fills the memory, or nobody does
+                if core.snapshots is None:
+                    raise SnapshotUnreadable(f"layout {layout.name!r} is on disk and this server keeps no disk tier")
+                await core.snapshots.restore(s.conn, s.until_gone)
+                restored = True
+        except (OutOfMemoryTimeout, FdsExhausted, SnapshotUnreadable) as exc:
             return error_reply(exc, close_after=True)  # give the restore up: the next reader takes it
-        if core.transfers is not None:
+        if core.transfers is not None and not from_disk:
             restored = await core.transfers.restore(s.conn, s.until_gone)
     return Reply(response(s, grant, restored))
 

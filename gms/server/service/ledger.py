@@ -56,6 +56,7 @@ class Ledger:
         self.queues = queues
         self._on_event = on_event
         self._on_released = on_released
+        self.disk = None  # where snapshots go when released (gms.server.service.snapshots); None: no disk tier
 
     @property
     def state(self) -> NodeState:
@@ -175,5 +176,9 @@ class Ledger:
         memory or may have made an idle layout evictable (room)."""
         released, room = batch_effects(folded.befores, folded.events)
         for tier, allocation_ids in released.items():
+            if tier is MemoryTier.DISK:
+                if self.disk is not None:  # (a server without a disk tier leaves the files for one with it)
+                    self.disk.release(allocation_ids)
+                continue
             self.tiers[tier].release(allocation_ids)
         return room

@@ -17,6 +17,7 @@ import os
 import time
 
 import attrs
+import trio
 
 from ...fsm import PermissionDenied
 from ...fsm.events import (
@@ -108,8 +109,11 @@ class Probes:
         history_max_events: int,
         history_max_bytes: int,
         keeper=None,
+        disk=None,
     ) -> None:
-        """``keeper``: the server's ``KeeperLink`` (None: it runs without one)."""
+        """``keeper``: the server's ``KeeperLink`` (None: it runs without one);
+        ``disk``: the disk tier's ``DiskStore`` (None: no disk tier)."""
+        self.disk = disk
         self.ledger = ledger
         self.gpu = gpu
         self.host = host
@@ -134,7 +138,8 @@ class Probes:
 
     async def runtime_state(self, view: View = View(None)) -> m.GetRuntimeStateResponse:
         info = await self.gpu.device_info()  # NVML, on the lane
-        state = self.ledger.state  # after the await: the state as it is now
+        disk_free = await trio.to_thread.run_sync(self.disk.free_bytes) if self.disk is not None else None
+        state = self.ledger.state  # after the awaits: the state as it is now
         log = self.ledger.log
         queues = self.ledger.queues
         handles, handle_bytes = self.gpu.live()
@@ -154,6 +159,10 @@ class Probes:
             used_bytes=state.gpu_bytes,
             host_budget_bytes=state.host_budget_bytes,
             host_used_bytes=state.host_bytes,
+            disk_budget_bytes=state.disk_budget_bytes,
+            disk_used_bytes=state.disk_bytes,
+            disk_dir=self.disk.directory if self.disk is not None else "",
+            disk_free_bytes=disk_free,
             device_free_bytes=info.free_bytes,
             server_handle_count=handles,
             server_handle_bytes=handle_bytes,

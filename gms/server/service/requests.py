@@ -11,6 +11,7 @@ them waits, so they run on the event loop without a thread; what waits
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ...fsm import (
     LayoutState,
@@ -66,11 +67,22 @@ class ScanCache:
 
 
 class Requests:
-    def __init__(self, ledger: Ledger, gpu: Memory, scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES) -> None:
+    def __init__(
+        self, ledger: Ledger, gpu: Memory, scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
+        persists: Callable[[str], bool] = lambda tenant: False,
+    ) -> None:
+        """``persists(tenant)``: whether a commit that does not say saves a snapshot."""
         self.ledger = ledger
         self.log = ledger.log
         self.gpu = gpu
         self.scans = ScanCache(scan_cache_bytes)
+        self.persists = persists
+
+    def persist(self, conn: int, req: m.CommitRequest) -> bool:
+        """What a commit asks of the disk tier: its own word, else its tenant's policy."""
+        if req.persist is not None:
+            return bool(req.persist)
+        return self.persists(self.log.state.sessions[conn].tenant)
 
     def _layout(self, conn: int) -> LayoutState:
         return queries.layout_of(self.log.state, conn)
@@ -98,7 +110,7 @@ class Requests:
         return _FREED
 
     def commit(self, conn: int, req: m.CommitRequest) -> Reply:
-        (commit,) = decide_commit(self._layout(conn), conn, req.residency or "device")
+        (commit,) = decide_commit(self._layout(conn), conn, req.residency or "device", self.persist(conn, req))
         # The lock is released (and waiters granted: a writer clears the hash
         # at once) before the response goes out, so the hash comes from the event.
         self.ledger.record([commit])

@@ -80,12 +80,13 @@ class Transfers:
         layout = layout_of(self.ledger.state, conn)
         if request.residency != "system":
             return self.requests.commit(conn, request)
-        decide_commit(layout, conn, request.residency)  # the writer's, a known residency: else refused here
+        persist = self.requests.persist(conn, request)
+        decide_commit(layout, conn, request.residency, persist)  # the writer's, a known residency: else refused here
         missing = self._missing(conn)
         if not missing:
             return self.requests.commit(conn, request)
         def decide():
-            (commit,) = decide_commit(layout_of(self.ledger.state, conn), conn, request.residency)
+            (commit,) = decide_commit(layout_of(self.ledger.state, conn), conn, request.residency, persist)
             return [*self._host_copy_events(conn, self._missing(conn)), commit]
 
         timed: list[float] = []

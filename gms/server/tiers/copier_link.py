@@ -45,10 +45,15 @@ STOP_GRACE_S = 5.0
 # presumed stuck and killed; its callers fall back.
 DEADLINE_BASE_S = 30.0
 DEADLINE_BYTES_PER_S = 1 << 30
+DISK_DEADLINE_BYTES_PER_S = 64 << 20  # a file copy's: disks (network storage too) are slower
 
 
 class CopierGone(Exception):
     """No copier did this copy (none running, it died, or it failed the copy): fall back."""
+
+
+class SnapshotCorrupt(Exception):
+    """The copier read a snapshot whose bytes are not what was saved."""
 
 
 @attrs.frozen
@@ -108,30 +113,53 @@ class CopierLink:
     async def copy(self, to_host: bool, fds: list[int], device_sizes: list[int], moves: list[Move]) -> None:
         """One copy (at most 253 allocations, ``msg.MAX_MOVES`` moves); consumes ``fds``.
         Returns when every byte landed; raises CopierGone otherwise."""
+        await self._ask(
+            lambda job: msg.Copy(
+                job, to_host, list(device_sizes), [mv.allocation for mv in moves], [mv.offset for mv in moves],
+                [mv.chunk for mv in moves], [mv.size for mv in moves],
+            ),
+            fds, DEADLINE_BASE_S + sum(mv.size for mv in moves) / DEADLINE_BYTES_PER_S,
+        )
+
+    async def file_copy(self, to_file: bool, fds: list[int], device_sizes: list[int], extents) -> list[int]:
+        """Device allocations (``fds``, the file's last) to a snapshot file or back
+        (``extents``: ``gms.disk.format.Extent``); consumes ``fds``.  A save's crc32
+        per extent; raises SnapshotCorrupt (a restore's checksums failed) or CopierGone."""
+        done = await self._ask(
+            lambda job: msg.FileCopy(
+                job, to_file, list(device_sizes), [e.allocation for e in extents], [e.offset for e in extents],
+                [e.file_offset for e in extents], [e.size for e in extents], [e.crc for e in extents],
+            ),
+            fds, DEADLINE_BASE_S + sum(e.size for e in extents) / DISK_DEADLINE_BYTES_PER_S,
+        )
+        if to_file and len(done.crcs) != len(extents):
+            raise CopierGone(f"the copier answered {len(done.crcs)} checksums for {len(extents)} extents")
+        return done.crcs
+
+    async def _ask(self, make, fds: list[int], deadline: float) -> msg.Done:
         if not await self.usable():
             msg.close_fds(fds)
             raise CopierGone(f"no copier is running ({self.state})")
         job = self._next_job
         self._next_job += 1
-        entry = self._jobs[job] = [trio.Event(), None]
-        message = msg.Copy(
-            job, to_host, list(device_sizes), [mv.allocation for mv in moves], [mv.offset for mv in moves],
-            [mv.chunk for mv in moves], [mv.size for mv in moves],
-        )
+        entry = self._jobs[job] = [trio.Event(), None, None]  # answered, why it failed, the answer
         try:
-            if not self._post(message, fds):
+            if not self._post(make(job), fds):
                 raise CopierGone("the copier went away")
-            deadline = DEADLINE_BASE_S + sum(mv.size for mv in moves) / DEADLINE_BYTES_PER_S
             with trio.move_on_after(deadline) as waited:
                 await entry[0].wait()
             if waited.cancelled_caught:
-                log.error("copier: a copy of %d moves outlived its %.0f s deadline: killing it", len(moves), deadline)
+                log.error("copier: copy %d outlived its %.0f s deadline: killing it", job, deadline)
                 self._kill()
                 raise CopierGone("the copier was stuck and was killed")
         finally:
             self._jobs.pop(job, None)  # an answer that comes after this is ignored
+        done = entry[2]
+        if done is not None and done.corrupt:
+            raise SnapshotCorrupt(done.error)
         if entry[1]:
             raise CopierGone(entry[1])
+        return done
 
     def status(self) -> tuple[str, int]:
         return self.state, self.pid if self.state == "running" else 0
@@ -254,6 +282,7 @@ class CopierLink:
                 entry = self._jobs.get(message.job)
                 if entry is not None:
                     entry[1] = message.error or None
+                    entry[2] = message
                     entry[0].set()
                 if message.error:
                     log.warning("copier: copy %d failed: %s", message.job, message.error)

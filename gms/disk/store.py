@@ -1,0 +1,217 @@
+"""The disk tier's folder: snapshots made fresh, sealed atomically, found again, released.
+
+One folder per server (``gms serve --disk-dir``), owned by the server's uid
+and closed to everyone else (0700; a folder that is a link, another uid's, or
+open to others' writes is refused: the daemon runs as root and these files are
+model weights).  Every file is opened relative to the folder, never following
+a link, under a name derived from what it holds (``format.file_name``).
+
+A save writes ``.<name>.<pid>.<n>.tmp`` (``O_EXCL``), room reserved first
+(``posix_fallocate``: a full disk fails here, before a byte is copied), then
+the copier fills the data, then :meth:`DiskStore.seal` writes the manifest and
+trailer, fsyncs the file, renames it into place and fsyncs the folder: a
+snapshot is either whole and visible or not there.  A crash leaves at most a
+temporary file, which the next start removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import stat
+
+import attrs
+
+from . import format as fmt
+
+log = logging.getLogger("gms.disk")
+
+_TEMPORARY = ".tmp"
+_ASIDE = ".corrupt"
+_counter = itertools.count()
+
+
+class FolderRefused(OSError):
+    """The disk folder is not one a daemon may keep weights in."""
+
+
+@attrs.frozen
+class Pending:
+    """A snapshot being written: its temporary name in the folder, and its fd."""
+
+    temporary: str
+    name: str
+    fd: int
+
+
+@attrs.frozen
+class Found:
+    """A snapshot found in the folder at start: its file, and what it holds (or why not)."""
+
+    file: str
+    manifest: fmt.Manifest | None
+    size: int = 0
+    error: fmt.SnapshotError | None = None
+
+
+class DiskStore:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._dir_fd = _folder(directory)
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    # -- saving ------------------------------------------------------------------------
+
+    def begin(self, name: str, size: int) -> Pending:
+        """A temporary file of ``size`` bytes reserved to become ``name``: OSError
+        (ENOSPC: a full disk) if not."""
+        temporary = f".{name}.{os.getpid()}.{next(_counter)}{_TEMPORARY}"
+        fd = os.open(
+            temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd,
+        )
+        try:
+            os.fchmod(fd, 0o600)
+            os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            self.abandon(Pending(temporary, name, fd))
+            raise
+        return Pending(temporary, name, fd)
+
+    def seal(self, pending: Pending, manifest: fmt.Manifest) -> int:
+        """Write the manifest and trailer after the data, make it durable and visible; its size."""
+        at = manifest.data_bytes
+        tail = fmt.encode(manifest, at)
+        try:
+            _write_all(pending.fd, tail, at)
+            os.ftruncate(pending.fd, at + len(tail))  # (room was reserved for a bound on the manifest)
+            os.fsync(pending.fd)
+            os.rename(pending.temporary, pending.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            os.fsync(self._dir_fd)
+        except BaseException:
+            self.abandon(pending)
+            raise
+        os.close(pending.fd)
+        return at + len(tail)
+
+    def abandon(self, pending: Pending) -> None:
+        with contextlib.suppress(OSError):
+            os.close(pending.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(pending.temporary, dir_fd=self._dir_fd)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def open(self, file: str) -> tuple[int, fmt.Manifest]:
+        """The snapshot's fd (read-only) and its manifest; SnapshotError if it does not
+        read as the snapshot its name says (OSError if it is not there)."""
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        try:
+            manifest, _ = _read_manifest(fd)
+            if not fmt.names_it(manifest, file):
+                raise fmt.CorruptSnapshot(f"the file holds {manifest.name!r}, not the snapshot it is named for")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, manifest
+
+    def scan(self) -> list[Found]:
+        """Every snapshot in the folder, in name order, read or refused."""
+        found = []
+        for name in sorted(os.listdir(self._dir_fd)):
+            if not name.endswith(fmt.SUFFIX) or name.startswith("."):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            except OSError as exc:
+                found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot open it: {exc}")))
+                continue
+            try:
+                manifest, size = _read_manifest(fd)
+                if not fmt.names_it(manifest, name):
+                    raise fmt.CorruptSnapshot(f"it holds {manifest.name!r}, not the snapshot it is named for")
+                found.append(Found(name, manifest, size))
+            except fmt.SnapshotError as exc:
+                found.append(Found(name, None, error=exc))
+            except OSError as exc:
+                found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot read it: {exc}")))
+            finally:
+                os.close(fd)
+        return found
+
+    # -- letting go ------------------------------------------------------------------------
+
+    def remove(self, file: str) -> None:
+        """Unlink a released snapshot; one that will not go is left, and said so (never fatal)."""
+        try:
+            os.unlink(file, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("snapshot %s was released but could not be removed: %s", file, exc)
+
+    def set_aside(self, file: str) -> str:
+        """Rename a snapshot that does not read out of the way (kept for the operator); its new name."""
+        aside = file + _ASIDE
+        os.rename(file, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        return aside
+
+    def sweep(self) -> list[str]:
+        """Remove temporary files (saves a crash cut short); the names removed.  A
+        whole snapshot the log does not name stays: a later cold start may recover it."""
+        removed = []
+        for name in os.listdir(self._dir_fd):
+            if name.startswith(".") and name.endswith(_TEMPORARY):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._dir_fd)
+                removed.append(name)
+        return removed
+
+    def free_bytes(self) -> int:
+        st = os.fstatvfs(self._dir_fd)
+        return st.f_bavail * st.f_frsize
+
+
+def _folder(directory: str) -> int:
+    """The folder, made 0700 if missing; FolderRefused where it is a link, another
+    uid's, or others may write in it."""
+    os.makedirs(os.path.dirname(os.path.abspath(directory)), mode=0o755, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FolderRefused(exc.errno, f"the disk folder {directory} cannot be opened (a link?): {exc.strerror}")
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or not stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise FolderRefused(
+            0, f"the disk folder {directory} is not this server's alone (owner uid {st.st_uid}, "
+            f"mode {stat.S_IMODE(st.st_mode):o}): it must be uid {os.geteuid()}'s, writable by nobody else",
+        )
+    return fd
+
+
+def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, fmt.TRAILER.size, max(0, size - fmt.TRAILER.size))
+    version, at, length, crc = fmt.read_trailer(tail, size)
+    body = os.pread(fd, length, at)
+    if len(body) != length:
+        raise fmt.CorruptSnapshot("the manifest is cut short")
+    manifest = fmt.decode(body, version, crc)
+    if manifest.data_bytes > at:
+        raise fmt.CorruptSnapshot("the extents run into the manifest")
+    return manifest, size
+
+
+def _write_all(fd: int, data: bytes, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written

@@ -1,0 +1,281 @@
+"""The disk tier's shell: a snapshot saved after each commit that asks, a layout
+restored from one, every snapshot found again when a server starts with nothing.
+
+* **save** (:meth:`Snapshots.run`): the layouts committed to persist and not
+  saved yet (``gms.fsm.queries.unsaved``), one at a time, off every request's
+  path.  The rules are asked first (the disk budget, the owner's disk quota:
+  ``SNAPSHOT_SAVED`` folded, not recorded), room is reserved on disk, the
+  copier copies the allocations into the file with a crc32 per extent, the
+  store seals it (manifest, fsync, rename), and ``SNAPSHOT_SAVED`` is decided
+  again on the state as it is then: a layout rewritten or dropped meanwhile
+  gets no snapshot (the file is removed).  A save that fails (a full disk, the
+  budget, no copier, an I/O error) is ``SNAPSHOT_FAILED`` with the reason; the
+  commit stands, and the layout is not tried again by this server.
+* **restore** (:meth:`Snapshots.restore`): the reader granted the restore of a
+  layout on the disk tier waits in its handshake while its GPU memory is made
+  (as for the host tier) and the copier reads the file into it, checking every
+  extent.  A snapshot that does not read back whole is ``SNAPSHOT_FAILED`` and
+  the layout is dropped (``LAYOUT_LOST``): never served.
+* **recover** (:meth:`Snapshots.recover`): at a cold start (no keeper state),
+  every snapshot in the folder becomes ``LAYOUT_RECOVERED``, checked by the
+  rules like a client's layout; one that does not read is set aside
+  (``*.corrupt``), one the policy refuses (its owner gone) stays for a later start.
+
+Files are released as the ledger says (``MemoryTier.DISK``: a layout cleared,
+dropped or lost), on the disk lane.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import attrs
+import trio
+
+from ...disk import format as fmt
+from ...disk.store import DiskStore
+from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished
+from ...fsm.events import (
+    LayoutLost,
+    LayoutRecovered,
+    RestoreAborted,
+    RwCommit,
+    SnapshotFailed,
+    SnapshotSaved,
+)
+from ...fsm.queries import layout_of, snapshot_rows, unsaved
+from ...fsm.state import LayoutState
+from ..edge.netio import PeerGone, wait_or_hangup
+from ..tiers.copier_link import CopierGone, CopierLink, SnapshotCorrupt
+from ..tiers.lanes import Lane
+from ..tiers.memory import Memory
+from .ledger import Ledger
+
+log = logging.getLogger("gms.server.service.snapshots")
+_MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
+RETRY_S = 1.0  # after the copier went away mid-save: the next one tries again
+
+
+class Snapshots:
+    def __init__(self, ledger: Ledger, gpu: Memory, store: DiskStore, link: CopierLink | None) -> None:
+        self.ledger = ledger
+        self.gpu = gpu
+        self.store = store
+        self.link = link
+        self.lane = Lane("disk")  # unlinks, off the loop
+        self._wake = trio.Event()
+        self._given_up: set[tuple[str, str, int]] = set()  # commits (layout, hash, count) whose save failed
+
+    # -- what the ledger and the core tell it -----------------------------------------
+
+    def notice(self, event) -> None:
+        """Every recorded event: a commit that asks for a snapshot wakes the saver."""
+        if type(event) is RwCommit and event.persist:
+            self._wake.set()
+
+    def release(self, files: Iterable[str]) -> None:
+        for file in files:
+            self.lane.post(self.store.remove, file)
+
+    async def aclose(self) -> None:
+        self.lane.stop()
+        self.store.close()
+
+    # -- saving ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Save what waits, then wait for the next commit that asks (the server's nursery)."""
+        while True:
+            retry = False
+            for name in unsaved(self.ledger.state):
+                layout = self.ledger.state.layouts.get(name)
+                if layout is not None and _commit(layout) not in self._given_up:
+                    retry = await self.save(name) is None or retry
+            if retry:
+                await trio.sleep(RETRY_S)
+                continue
+            await self._wake.wait()
+            self._wake = trio.Event()
+
+    async def save(self, name: str) -> bool | None:
+        """One layout's snapshot; whether ``SNAPSHOT_SAVED`` was recorded (None: the
+        copier went away meanwhile, to be tried again with the next)."""
+        layout = self.ledger.state.layouts[name]
+        commit, layout_hash = _commit(layout), layout.layout_hash
+        allocations, metadata = snapshot_rows(layout)
+        extents = fmt.plan([row[2] for row in allocations])
+        manifest = fmt.Manifest(name, layout_hash, layout.owner, tuple(map(tuple, allocations)),
+                                tuple(map(tuple, metadata)), extents, saved_ns=time.time_ns())
+        file = fmt.file_name(name, layout_hash, manifest.saved_ns)
+        widest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=_MAX_CRC) for e in extents))
+        bound = manifest.data_bytes + len(await trio.to_thread.run_sync(fmt.encode, widest, manifest.data_bytes))
+        started = time.perf_counter()
+        try:
+            self.ledger.fold([SnapshotSaved(0, layout_hash, bound, file, layout=name)])  # the budget, the quota
+            if self.link is None or not await self.link.usable():
+                raise CopierGone("no copier runs to read the layout's memory (gms serve --no-copier?)")
+            free = await trio.to_thread.run_sync(self.store.free_bytes)
+            if free < bound:
+                raise OSError(f"the disk has {free} bytes free and the snapshot needs {bound}")
+            pending = await trio.to_thread.run_sync(self.store.begin, file, bound)
+        except (Rejection, CopierGone, OSError) as exc:
+            return self._failed(name, layout_hash, commit, _why(exc))
+        try:
+            crcs = await self._copy(True, layout, extents, os.dup(pending.fd))
+            manifest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=c) for e, c in zip(extents, crcs)))
+            size = await trio.to_thread.run_sync(self.store.seal, pending, manifest)
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.store.abandon, pending)
+            if isinstance(exc, CopierGone) and self.link.state != "running":
+                self._record_failure(name, layout_hash, f"{_why(exc)}: tried again with the next copier")
+                return None
+            if isinstance(exc, (CopierGone, OSError, SnapshotCorrupt)):
+                return self._failed(name, layout_hash, commit, _why(exc))
+            raise
+        # Decided again after the awaits: a layout rewritten, dropped or saved meanwhile gets none.
+        now = self.ledger.state.layouts.get(name)
+        if now is None or _commit(now) != commit:
+            self.release([file])
+            log.info("snapshot of %r not kept: the layout changed while it was saved", name)
+            return False
+        try:
+            self.ledger.record([SnapshotSaved(0, layout_hash, size, file, layout=name)])
+        except Rejection as exc:
+            self.release([file])
+            return self._failed(name, layout_hash, commit, _why(exc))
+        took = time.perf_counter() - started
+        log.info("snapshot of %r saved: %.1f MiB in %.2f s (%.2f GiB/s)", name, size / 2**20, took,
+                 size / 2**30 / max(took, 1e-9))
+        return True
+
+    def _failed(self, name: str, layout_hash: str, commit: tuple[str, str, int], reason: str) -> bool:
+        self._given_up.add(commit)
+        self._record_failure(name, layout_hash, f"{reason} (the commit stands; it lives until the node goes)")
+        return False
+
+    def _record_failure(self, name: str, layout_hash: str, reason: str) -> None:
+        log.warning("snapshot of %r not saved: %s", name, reason)
+        self.ledger.record([SnapshotFailed(0, layout_hash, reason, layout=name)], by_server=True)
+
+    # -- restoring ---------------------------------------------------------------------
+
+    async def restore(self, conn: int, until_gone: Callable[[], Awaitable[None]]) -> None:
+        """Fill the layout ``conn`` restores (``RESTORING``, its GPU memory made)
+        from its snapshot, then ``RESTORE_FINISHED``.  SnapshotUnreadable if it
+        could not (the layout dropped where the snapshot is bad); PeerGone if
+        the reader left."""
+        layout = layout_of(self.ledger.state, conn)
+        if self.link is None or not await self.link.usable():
+            raise SnapshotUnreadable(
+                f"layout {layout.name!r} is on disk and no copier runs to read it "
+                f"({'none configured' if self.link is None else self.link.state}): ask again"
+            )
+        try:
+            fd, manifest = await trio.to_thread.run_sync(self.store.open, layout.disk_file)
+        except (fmt.SnapshotError, OSError) as exc:
+            self._drop(conn, layout, _why(exc))
+        allocations, _ = snapshot_rows(layout)
+        if [list(a) for a in manifest.allocations] != allocations:
+            os.close(fd)
+            self._drop(conn, layout, "the snapshot holds other allocations than the layout it is named for")
+        failed: list[BaseException] = []
+
+        async def copy() -> None:
+            try:
+                await self._copy(False, layout, manifest.extents, fd)
+            except (CopierGone, SnapshotCorrupt) as exc:
+                failed.append(exc)
+
+        started = time.perf_counter()
+        if await wait_or_hangup(copy, until_gone):
+            raise PeerGone("hung up while its layout was restored from disk")
+        if failed and isinstance(failed[0], SnapshotCorrupt):
+            self._drop(conn, layout, _why(failed[0]))
+        if failed:
+            raise SnapshotUnreadable(f"layout {layout.name!r} could not be read from disk ({failed[0]}): ask again")
+        self.ledger.record(decide_restore_finished(self.ledger.state, conn, layout.name))
+        took = time.perf_counter() - started
+        log.info("restore of %r from disk: %.1f MiB in %.2f s (%.2f GiB/s)", layout.name,
+                 layout.held_bytes / 2**20, took, layout.held_bytes / 2**30 / max(took, 1e-9))
+
+    def _drop(self, conn: int, layout: LayoutState, reason: str) -> None:
+        """A snapshot that does not read back: never served; the layout goes with it."""
+        log.error("the snapshot of %r does not read back (%s): the layout is dropped", layout.name, reason)
+        self.ledger.record([
+            RestoreAborted(conn, layout=layout.name),
+            SnapshotFailed(0, layout.layout_hash, reason, layout=layout.name),
+            LayoutLost(0, f"its snapshot does not read back: {reason}", "", "disk", layout=layout.name),
+        ], by_server=True)
+        raise SnapshotUnreadable(
+            f"layout {layout.name!r}'s snapshot does not read back ({reason}): it was dropped, build it again"
+        )
+
+    async def _copy(self, to_file: bool, layout: LayoutState, extents, file_fd: int) -> list[int]:
+        allocations = sorted(layout.allocations.values(), key=lambda a: a.layout_slot)
+        try:
+            fds = self.gpu.export_many(a.allocation_id for a in allocations)  # lent from the fd budget ...
+        except BaseException:
+            os.close(file_fd)
+            raise
+        try:
+            return await self.link.file_copy(to_file, [*fds, file_fd], [a.aligned_size for a in allocations],
+                                             extents)
+        finally:  # ... until the link has sent and closed them
+            if self.gpu.fds is not None:
+                self.gpu.fds.returned(len(fds))
+
+    # -- recovering --------------------------------------------------------------------
+
+    async def recover(self) -> int:
+        """At a cold start: every snapshot in the folder as a committed layout on the
+        disk tier (the latest of each layout's); how many were recovered."""
+        found = await trio.to_thread.run_sync(self.store.scan)
+        await trio.to_thread.run_sync(self.store.sweep)
+        latest: dict[str, fmt.Manifest] = {}
+        files: dict[str, tuple[str, int]] = {}  # layout -> the latest's file and size
+        for snapshot in found:
+            if snapshot.manifest is None:
+                aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
+                log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
+                          snapshot.error, aside)
+                continue
+            manifest, here = snapshot.manifest, (snapshot.file, snapshot.size)
+            older = latest.get(manifest.name)
+            if older is not None:  # a crash came between a newer save and the older one's release
+                if older.saved_ns > manifest.saved_ns:
+                    self.release([snapshot.file])
+                    continue
+                self.release([files[manifest.name][0]])
+            latest[manifest.name] = manifest
+            files[manifest.name] = here
+        recovered = 0
+        for name, manifest in sorted(latest.items()):
+            file, size = files[name]
+            event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
+                                    [list(m) for m in manifest.metadata], size, file, layout=name)
+            try:
+                self.ledger.record([event])
+            except Rejection as exc:
+                log.warning("snapshot of %r left on disk, not recovered: %s", name, exc.message)
+                continue
+            recovered += 1
+        if found:
+            log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
+        return recovered
+
+    async def sweep(self) -> None:
+        """A resumed node: only what a crash cut short goes (the log says what exists)."""
+        await trio.to_thread.run_sync(self.store.sweep)
+
+
+def _commit(layout: LayoutState) -> tuple[str, str, int]:
+    """One commit of a layout (a rebuild of the same structure hashes the same)."""
+    return layout.name, layout.layout_hash, layout.loads
+
+
+def _why(exc: BaseException) -> str:
+    return getattr(exc, "message", None) or str(exc) or type(exc).__name__

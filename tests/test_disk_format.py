@@ -1,0 +1,198 @@
+"""The disk tier's pure parts: the snapshot file's layout and manifest, and the
+rules of its events (issue 52).  No server, no copier: the server-level tests
+are tests/test_disk_tier.py."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from gms.disk import format as fmt
+from gms.fsm import (
+    InvalidArgument,
+    Rejection,
+    StaleLayout,
+    StateViolation,
+    check_invariants,
+    fold_all,
+)
+from gms.fsm.effects import released_memory
+from gms.fsm.events import (
+    AllocationCreated,
+    LayoutEvicted,
+    LayoutRecovered,
+    MetadataPut,
+    RestoreAborted,
+    RestoreClaimed,
+    RestoreLoading,
+    RwCommit,
+    RwConnect,
+    ServerStarted,
+    SessionClosed,
+    SessionOpened,
+    SnapshotSaved,
+)
+from gms.fsm.layout_hash import compute_layout_hash
+from gms.fsm.queries import snapshot_rows, unsaved
+from gms.fsm.releases import MemoryTier
+
+MiB = 1 << 20
+FILE = "ab" * 12 + "-" + "0" * 15 + "1.gsnap"
+
+
+def manifest(**changes) -> fmt.Manifest:
+    allocations = (("a0", 3 * MiB, 4 * MiB, "weights", 0), ("a1", 100, 4096, "weights", 1))
+    extents = fmt.plan([a[2] for a in allocations], 2 * MiB)
+    base = fmt.Manifest("llama", "f" * 64, "team", allocations, (("k", "a0", 0, b"\x00v"),),
+                        tuple(attrs.evolve(e, crc=n) for n, e in enumerate(extents)), 2 * MiB, 123)
+    return attrs.evolve(base, **changes)
+
+
+def test_extents_tile_each_allocation_in_chunks_at_aligned_offsets():
+    extents = fmt.plan([5 * MiB, 4096, 3 * MiB], 2 * MiB)
+    assert [(e.allocation, e.offset, e.file_offset, e.size) for e in extents] == [
+        (0, 0, 0, 2 * MiB), (0, 2 * MiB, 2 * MiB, 2 * MiB), (0, 4 * MiB, 4 * MiB, MiB),
+        (1, 0, 5 * MiB, 4096),
+        (2, 0, 5 * MiB + 4096, 2 * MiB), (2, 2 * MiB, 7 * MiB + 4096, MiB),
+    ]
+    assert all(e.file_offset % fmt.ALIGN == 0 for e in extents)
+    assert fmt.plan([100, 100], 4096)[1].file_offset == 4096, "an odd size still starts the next aligned"
+    with pytest.raises(ValueError):
+        fmt.plan([MiB], 1000)
+
+
+def test_a_manifest_reads_back_as_written_and_the_trailer_finds_it():
+    m = manifest()
+    at = m.data_bytes
+    tail = fmt.encode(m, at)
+    size = at + len(tail)
+    version, where, length, crc = fmt.read_trailer(tail, size)
+    assert (version, where, length) == (1, at, len(tail) - fmt.TRAILER.size)
+    assert fmt.decode(tail[:length], version, crc) == m
+    assert fmt.names_it(m, fmt.file_name("llama", "f" * 64, 123))
+    assert not fmt.names_it(m, fmt.file_name("llama", "f" * 64, 124))
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "length", "crc", "extents", "types"])
+def test_a_damaged_manifest_or_trailer_is_refused_by_name(damage):
+    m = manifest()
+    at = m.data_bytes
+    tail = bytearray(fmt.encode(m, at))
+    size = at + len(tail)
+    body_len = len(tail) - fmt.TRAILER.size
+    if damage == "magic":
+        tail[body_len] ^= 1
+    elif damage == "version":
+        tail[body_len + 8] = 7
+    elif damage == "length":
+        size += 4096  # the file is longer than the trailer says
+    elif damage == "crc":
+        tail[3] ^= 1
+    if damage in ("extents", "types"):
+        bad = attrs.evolve(m, extents=m.extents[1:]) if damage == "extents" else attrs.evolve(m, owner=7)
+        tail = bytearray(fmt.encode(bad, at))
+        size = at + len(tail)
+    expected = fmt.UnsupportedSnapshot if damage == "version" else fmt.CorruptSnapshot
+    with pytest.raises(expected):
+        version, where, length, crc = fmt.read_trailer(bytes(tail), size)
+        fmt.decode(bytes(tail[:length]), version, crc)
+
+
+# -- the rules of the disk tier's events ----------------------------------------------------
+
+
+def started(disk_budget=64 * MiB, quota=None, disk_quota=None):
+    return [
+        ServerStarted(0, 256 * MiB, None, None, {"team": quota}, {}, layout="",
+                      tenant_limits={"team": {"disk_quota": disk_quota}}, disk_budget_bytes=disk_budget),
+    ]
+
+
+def built(persist=True, residency="device", name="llama"):
+    events = [SessionOpened(1, "team", 1000, 1000, 1, "RW", layout=name), RwConnect(1, layout=name),
+              AllocationCreated(1, "a0", 3 * MiB, 4 * MiB, "weights", 0, layout=name),
+              MetadataPut(1, "k", "a0", 0, b"v", layout=name)]
+    state = fold_all(started() + events).layout(name)
+    digest = compute_layout_hash(state.allocations.values(), state.metadata.values())
+    return events + [RwCommit(1, digest, residency, persist, layout=name), SessionClosed(1, layout=name)], digest
+
+
+def test_a_snapshot_is_saved_only_of_a_layout_committed_to_persist_with_its_hash():
+    events, digest = built(persist=False)
+    node = fold_all(started() + events)
+    assert unsaved(node) == []
+    with pytest.raises(StateViolation, match="not committed to persist"):
+        fold_all([SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")], node)
+    events, digest = built()
+    node = fold_all(started() + events)
+    assert unsaved(node) == ["llama"]
+    with pytest.raises(StaleLayout):
+        fold_all([SnapshotSaved(0, "0" * 64, 5 * MiB, FILE, layout="llama")], node)
+    with pytest.raises(InvalidArgument, match="file name"):
+        fold_all([SnapshotSaved(0, digest, 5 * MiB, "../../etc/passwd", layout="llama")], node)
+    node = fold_all([SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")], node)
+    check_invariants(node)
+    assert (node.disk_bytes, node.tenants["team"].disk_bytes, unsaved(node)) == (5 * MiB, 5 * MiB, [])
+    with pytest.raises(StateViolation, match="has a snapshot"):
+        fold_all([SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")], node)
+
+
+@pytest.mark.parametrize("budget, quota, limit", [(4 * MiB, None, "disk_budget"), (None, 4 * MiB, "disk_quota")])
+def test_the_disk_budget_and_a_tenants_disk_quota_bound_its_snapshots(budget, quota, limit):
+    events, digest = built()
+    node = fold_all([ServerStarted(0, 256 * MiB, None, None, {"team": None}, {}, layout="",
+                                   tenant_limits={"team": {"disk_quota": quota}}, disk_budget_bytes=budget)] + events)
+    with pytest.raises(Rejection) as refused:
+        fold_all([SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")], node)
+    assert refused.value.limit == limit
+
+
+def test_a_server_without_a_disk_tier_refuses_a_commit_that_persists():
+    events, _ = built()
+    with pytest.raises(StateViolation, match="no disk tier"):
+        fold_all(started(disk_budget=0) + events)
+
+
+def test_an_unpinned_saved_layout_is_evicted_to_disk_restored_from_it_and_a_writer_drops_it():
+    events, digest = built(residency="unpinned")
+    node = fold_all(started() + events + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    node = fold_all([LayoutEvicted(0, "admin", layout="llama")], node)
+    layout = node.layout("llama")
+    assert (layout.tier.value, node.gpu_bytes, node.disk_bytes) == ("disk", 0, 5 * MiB)
+    reader = [SessionOpened(2, "team", 1000, 1000, 2, "RO", layout="llama"), RestoreClaimed(2, layout="llama"),
+              RestoreLoading(2, layout="llama")]
+    restoring = fold_all(reader, node)
+    assert restoring.gpu_bytes == 4 * MiB
+    aborted = fold_all([RestoreAborted(2, layout="llama")], restoring)
+    assert (aborted.layout("llama").tier.value, aborted.gpu_bytes) == ("disk", 0), "back on disk, nothing half served"
+    check_invariants(aborted)
+    writer = [SessionOpened(3, "team", 1000, 1000, 3, "RW", layout="llama")]
+    before = fold_all(writer, node)
+    released = released_memory(before, RwConnect(3, layout="llama"))
+    assert [(r.tier, r.allocation_id) for r in released] == [(MemoryTier.DISK, FILE)]
+    assert fold_all([RwConnect(3, layout="llama")], before).disk_bytes == 0
+
+
+def test_a_recovered_layout_is_the_committed_one_on_disk_and_checked_like_a_clients():
+    events, digest = built()
+    node = fold_all(started() + events)
+    allocations, metadata = snapshot_rows(node.layout("llama"))
+    recovered = LayoutRecovered(0, "team", digest, allocations, metadata, 5 * MiB, FILE, layout="llama")
+    fresh = fold_all(started() + [recovered])
+    check_invariants(fresh)
+    layout = fresh.layout("llama")
+    assert (layout.committed, layout.layout_hash, layout.tier.value, layout.residency.value) == (
+        True, digest, "disk", "unpinned")
+    assert (fresh.tenants["team"].used_bytes, fresh.gpu_bytes, fresh.disk_bytes) == (4 * MiB, 0, 5 * MiB)
+    assert snapshot_rows(layout) == (allocations, metadata)
+    for bad, error in [
+        (attrs.evolve(recovered, layout_hash="0" * 64), "hash"),
+        (attrs.evolve(recovered, owner="nobody"), "not configured"),
+        (attrs.evolve(recovered, metadata=[["k", "zz", 0, b"v"]]), "outside"),
+        (attrs.evolve(recovered, allocations=allocations * 2), "repeats"),
+        (attrs.evolve(recovered, file="x.gsnap"), "file name"),
+    ]:
+        with pytest.raises(Rejection, match=error):
+            fold_all(started() + [bad])
+    with pytest.raises(Rejection, match="quota"):
+        fold_all(started(quota=MiB) + [recovered])

@@ -1,0 +1,341 @@
+"""The disk tier (issue 52) on the host backend, as users run gms: under its keeper.
+
+A reboot is simulated as the issue says: every gms process stopped (SIGTERM to
+the keeper, or SIGKILL to the whole tree: keeper, server, spare, copier), then
+``gms serve`` started again on the same socket and folders.  What must hold:
+a layout committed to persist comes back committed, with the same hash and
+the same bytes, on the disk tier, and its first reader (``RW_OR_RO`` too)
+restores it; a snapshot that does not read back is refused and its layout
+dropped, never served; a save that cannot be made fails the save, not the
+commit; a kill in the middle of a save or a restore loses nothing that was
+whole.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from gms import GMSClientMemoryManager, RequestedLockType
+from gms.client.admin import evict
+from gms.disk import format as fmt
+from gms.errors import GMSServerError
+
+from .helpers import ServerProcess, wait_until
+
+MiB = 1 << 20
+_STARTED: list[ServerProcess] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test():
+    yield
+    while _STARTED:
+        server = _STARTED.pop()
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def serve(
+    tmp_path, *args: str, socket_path: str | None = None, env: dict | None = None, backend: str = "host",
+) -> ServerProcess:
+    """``gms serve`` as users run it (its keeper on), killed after the test if still up."""
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        server = ServerProcess(
+            tmp_path, *args, socket_path=socket_path or str(tmp_path / "gms.sock"), keeper=True, backend=backend,
+        )
+        _STARTED.append(server)
+        return server
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def publish(path: str, layout: str = "weights", sizes=(5 * MiB, 3 * MiB), persist=True, residency=None):
+    """Commit a layout of random bytes; its hash and contents."""
+    writer = GMSClientMemoryManager(path, layout=layout)
+    try:
+        writer.connect(RequestedLockType.RW)
+        contents = []
+        for n, size in enumerate(sizes):
+            va = writer.create_mapping(size=size, tag="weights")
+            data = os.urandom(size)
+            writer.write(va, data)
+            contents.append(data)
+            writer.metadata_put(f"tensor.{n}", writer.mappings[-1].allocation_id, n, b"meta%d" % n)
+        writer.commit(residency, persist=persist)
+        return writer.get_memory_layout_hash(), contents
+    finally:
+        writer.close()
+
+
+def read(path: str, layout: str = "weights", lock=RequestedLockType.RW_OR_RO):
+    """(granted lock, hash, contents) as a reader sees the layout."""
+    reader = GMSClientMemoryManager(path, layout=layout)
+    try:
+        reader.connect(lock)
+        granted = reader.granted_lock_type
+        if granted.value == "RW":
+            return granted, None, []
+        handles = reader.list_handles()
+        vas = reader.create_mappings([h.allocation_id for h in handles])
+        return granted, reader.get_memory_layout_hash(), [reader.read(va, h.size) for va, h in zip(vas, handles)]
+    finally:
+        reader.close()
+
+
+def saved(server: ServerProcess, layout: str = "weights") -> str:
+    """Once the layout's snapshot is saved: its file's path."""
+    wait_until(lambda: server.layout(layout).disk_bytes > 0, timeout=30, what=f"{layout}'s snapshot\n{server.log}")
+    files = [n for n in os.listdir(server.state().disk_dir) if n.endswith(fmt.SUFFIX)]
+    mine = [n for n in files if n.startswith(fmt.file_name(layout, server.layout(layout).memory_layout_hash, 0)[:24])]
+    return os.path.join(server.state().disk_dir, max(mine))
+
+
+def reboot(server: ServerProcess, tmp_path, how: str = "stop", **options) -> ServerProcess:
+    """Every gms process gone, then gms serve again with the same socket and folders."""
+    if how == "stop":
+        assert server.stop() == 0
+    else:
+        server.kill()
+    return serve(tmp_path, socket_path=server.socket, **options)
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_path, how):
+    server = serve(tmp_path)
+    layout_hash, contents = publish(server.socket)
+    publish(server.socket, "scratch", persist=False)
+    path = saved(server)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert server.state().disk_used_bytes == os.path.getsize(path) == server.layout().disk_bytes
+
+    server = reboot(server, tmp_path, how)
+    row = server.layout()
+    assert (row.state, row.tier, row.memory_layout_hash, row.gpu_bytes) == ("COMMITTED", "disk", layout_hash, 0)
+    assert server.layout("scratch").state == "EMPTY", "only what was committed to persist outlives the node"
+    granted, again, got = read(server.socket)  # an engine asking RW_OR_RO: it imports instead of loading
+    assert (granted.value, again) == ("RO", layout_hash) and got == contents
+    kinds = server.kinds()
+    assert kinds[:4] == ["LAYOUT_RECOVERED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED"], kinds
+    assert (server.layout().tier, server.layout().restores) == ("gpu", 1)
+    assert read(server.socket, lock=RequestedLockType.RO)[2] == contents, "a second reader imports what is there"
+    server.stop()
+
+
+def flip_bit(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_snapshot_whose_bytes_changed_on_disk_is_refused_and_its_layout_dropped(tmp_path):
+    server = serve(tmp_path)
+    publish(server.socket)
+    path = saved(server)
+    server.stop()
+    flip_bit(path, 5 * MiB + 1234)  # in the second allocation's bytes
+    server = serve(tmp_path)
+    assert server.layout().tier == "disk", "the manifest reads: recovered, the bytes are checked as they are read"
+    with pytest.raises(GMSServerError) as refused:
+        read(server.socket, lock=RequestedLockType.RO)
+    assert refused.value.code == "SNAPSHOT_UNREADABLE" and "dropped" in refused.value.message
+    events = server.events()
+    failed = [e for e in events if e.kind == "SNAPSHOT_FAILED"]
+    assert failed and "checksum" in failed[0].fields["reason"], failed
+    assert [e.kind for e in events if e.kind in ("RESTORE_ABORTED", "LAYOUT_LOST")] == ["RESTORE_ABORTED", "LAYOUT_LOST"]
+    assert server.layout().state == "EMPTY"
+    wait_until(lambda: not os.path.exists(path), what="the bad snapshot removed")
+    granted, _, _ = read(server.socket)
+    assert granted.value == "RW", "the next engine builds it again"
+    server.stop()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "manifest", "trailer", "other-version"])
+def test_a_snapshot_that_does_not_read_is_set_aside_at_start_and_never_served(tmp_path, damage):
+    server = serve(tmp_path)
+    publish(server.socket)
+    path = saved(server)
+    size = os.path.getsize(path)
+    server.stop()
+    with open(path, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(size - 4096)
+        elif damage == "manifest":
+            f.seek(size - fmt.TRAILER.size - 10)
+            f.write(b"\xff")
+        elif damage == "trailer":
+            f.seek(size - fmt.TRAILER.size)
+            f.write(b"not-gms!")
+        else:
+            f.seek(size - fmt.TRAILER.size + 8)
+            f.write((99).to_bytes(4, "little"))
+    server = serve(tmp_path)
+    assert server.layout().state == "EMPTY"
+    assert not os.path.exists(path) and os.path.exists(path + ".corrupt"), "kept aside for the operator"
+    assert "set aside" in server.log
+    if damage == "other-version":
+        assert "format version 99" in server.log
+    assert read(server.socket)[0].value == "RW"
+    server.stop()
+
+
+def test_a_save_the_disk_budget_refuses_fails_the_save_not_the_commit(tmp_path):
+    server = serve(tmp_path, "--disk-budget", "4MiB")
+    layout_hash, contents = publish(server.socket)
+    failed = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_FAILED"], what="the failed save")
+    assert "disk_budget" in failed[0].fields["reason"] and "the commit stands" in failed[0].fields["reason"], failed
+    granted, again, got = read(server.socket)
+    assert (granted.value, again, got) == ("RO", layout_hash, contents)
+    assert server.layout().disk_bytes == 0 and server.state().disk_used_bytes == 0
+    assert not [n for n in os.listdir(server.state().disk_dir)], "nothing half written is left"
+    server.stop()
+
+
+def test_a_file_the_kernel_refuses_to_grow_fails_the_save_and_says_why(tmp_path):
+    """RLIMIT_FSIZE on the server: a real EFBIG where a full disk gives ENOSPC, on
+    the same path (the room is reserved before a byte is copied).  7 MiB: room
+    for the host backend's memfds (6 and 4 MiB), not for the 10 MiB snapshot."""
+    import resource
+
+    server = serve(tmp_path)
+    resource.prlimit(server.server_pid(), resource.RLIMIT_FSIZE, (7 * MiB, 7 * MiB))
+    layout_hash, _ = publish(server.socket)
+    failed = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_FAILED"], what="the failed save")
+    assert "too large" in failed[0].fields["reason"].lower(), failed
+    assert server.layout().memory_layout_hash == layout_hash and server.layout().state == "COMMITTED"
+    assert not os.listdir(server.state().disk_dir)
+    server.stop()
+
+
+def test_a_kill_in_the_middle_of_a_save_loses_no_commit_and_leaves_no_snapshot(tmp_path):
+    """The copier stops itself once one extent of a save is written (40 MiB: two
+    extents); the whole tree is then killed.  The next start sweeps the
+    temporary file and recovers nothing half saved."""
+    server = serve(tmp_path, env={"GMS_COPIER_STOP_AFTER": "save:1"})
+    publish(server.socket, sizes=(40 * MiB,))
+    folder = server.state().disk_dir
+    wait_until(lambda: any(n.endswith(".tmp") for n in os.listdir(folder)), what="the save under way")
+    server.kill()
+    assert any(n.endswith(".tmp") for n in os.listdir(folder))
+    server = serve(tmp_path)
+    assert server.layout().state == "EMPTY" and not os.listdir(folder)
+    server.stop()
+
+
+def test_a_copier_killed_in_the_middle_of_a_save_leaves_the_commit_and_the_save_is_tried_again(tmp_path):
+    server = serve(tmp_path, env={"GMS_COPIER_STOP_AFTER": "save:1"})
+    layout_hash, contents = publish(server.socket, sizes=(40 * MiB,))
+    copier = wait_until(lambda: server.state().copier_pid, what="the copier")
+    wait_until(lambda: open(f"/proc/{copier}/stat").read().rsplit(")", 1)[1].split()[0] == "T",
+               what="the copier stopped half way")
+    os.kill(copier, signal.SIGKILL)
+    # The next copier inherits the hook too: it stops after one extent again, and is killed again.
+    wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_FAILED"], what="the failed save")
+    assert server.layout().state == "COMMITTED", "the commit stands"
+    failed = [e.fields["reason"] for e in server.events() if e.kind == "SNAPSHOT_FAILED"]
+    assert "tried again" in failed[0], failed
+    server.stop()
+
+
+def test_a_kill_in_the_middle_of_a_restore_loses_nothing(tmp_path):
+    server = serve(tmp_path)
+    layout_hash, contents = publish(server.socket, sizes=(40 * MiB,))
+    saved(server)
+    server.stop()
+    server = serve(tmp_path, env={"GMS_COPIER_STOP_AFTER": "load:1"})
+    copier = wait_until(lambda: server.state().copier_pid, what="the copier")
+    reader = GMSClientMemoryManager(server.socket, layout="weights")
+    import threading
+
+    outcome = []
+
+    def connect():
+        try:
+            reader.connect(RequestedLockType.RO)
+            outcome.append("granted")
+        except GMSServerError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    wait_until(lambda: open(f"/proc/{copier}/stat").read().rsplit(")", 1)[1].split()[0] == "T",
+               what="the copier stopped half way through the restore")
+    os.kill(copier, signal.SIGKILL)
+    thread.join(30)
+    reader.close()
+    assert outcome and isinstance(outcome[0], GMSServerError) and outcome[0].code == "SNAPSHOT_UNREADABLE", outcome
+    assert "ask again" in outcome[0].message
+    wait_until(lambda: server.layout().tier == "disk", what="the layout back on disk only")
+    server = reboot(server, tmp_path, "kill")
+    granted, again, got = read(server.socket)
+    assert (granted.value, again, got == contents) == ("RO", layout_hash, True)
+    server.stop()
+
+
+def test_a_new_commit_replaces_the_snapshot_and_an_unpinned_layout_is_evicted_to_disk(tmp_path):
+    server = serve(tmp_path)
+    publish(server.socket)
+    first = saved(server)
+    layout_hash, contents = publish(server.socket, residency="unpinned")
+    second = saved(server)
+    assert first != second
+    wait_until(lambda: not os.path.exists(first), what="the replaced snapshot removed")
+    done = evict(server.socket, "weights")
+    assert done.tier == "disk" and server.layout().gpu_bytes == 0
+    granted, again, got = read(server.socket, lock=RequestedLockType.RO)
+    assert (granted.value, again, got == contents) == ("RO", layout_hash, True)
+    assert [k for k in server.kinds() if k.startswith(("LAYOUT_EVICTED", "RESTORE"))][-4:] == [
+        "LAYOUT_EVICTED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED",
+    ]
+    server.stop()
+
+
+def test_a_tenant_policy_persists_by_default_and_its_disk_quota_bounds_it(tmp_path):
+    uid = os.getuid()
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f'[[tenant]]\nname = "team"\nuids = [{uid}]\nwrite = ["*"]\nadmin = true\npersist = true\n'
+        'disk_quota = "12MiB"\n'
+    )
+    server = serve(tmp_path, "--policy", str(policy))
+    publish(server.socket, "small", persist=None)
+    saved(server, "small")
+    publish(server.socket, "big", persist=None)
+    failed = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_FAILED"], what="the refusal")
+    assert failed[0].fields["layout"] == "big" and "disk_quota" in failed[0].fields["reason"]
+    publish(server.socket, "no", persist=False)
+    assert server.state().tenant("team").disk_bytes == server.layout("small").disk_bytes
+    server.stop()
+    # The policy no longer names the owner: its snapshot stays on disk for a start that does.
+    policy.write_text(f'[[tenant]]\nname = "other"\nuids = [{uid}]\nwrite = ["*"]\nadmin = true\n')
+    server = serve(tmp_path, "--policy", str(policy))
+    assert server.layout("small").state == "EMPTY" and "left on disk" in server.log
+    assert len(os.listdir(server.state().disk_dir)) == 1
+    server.stop()
+
+
+def test_a_server_without_a_disk_tier_refuses_to_persist_and_says_so(tmp_path):
+    server = serve(tmp_path, "--no-disk-tier")
+    with pytest.raises(GMSServerError) as refused:
+        publish(server.socket)
+    assert refused.value.code == "STATE_VIOLATION" and "no disk tier" in refused.value.message
+    assert server.state().disk_budget_bytes == 0
+    server.stop()
+
+
+def test_a_disk_folder_others_may_write_is_refused(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(AssertionError, match="not this server's alone"):
+        ServerProcess(tmp_path, "--disk-dir", str(folder), socket_path=str(tmp_path / "gms.sock"))
