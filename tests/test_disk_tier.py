@@ -300,6 +300,31 @@ def test_a_new_commit_replaces_the_snapshot_and_an_unpinned_layout_is_evicted_to
     server.stop()
 
 
+
+def test_a_full_host_tier_spills_its_saved_layouts_to_disk_and_they_come_back(tmp_path):
+    server = serve(tmp_path, "--host-budget", "16MiB")  # one layout's host copies (10 MiB aligned), not two
+    old_hash, old = publish(server.socket, "old", residency="system")
+    saved(server, "old")
+    assert evict(server.socket, "old").tier == "host"
+    publish(server.socket, "unsaved", sizes=(MiB,), residency="system", persist=False)
+    assert evict(server.socket, "unsaved").tier == "host"
+    new_hash, new = publish(server.socket, "new", residency="system")
+    # Room for the new layout's host copies: the saved one went to disk, the unsaved one stayed.
+    assert (server.layout("old").tier, server.layout("old").host_bytes) == ("disk", 0)
+    assert server.layout("unsaved").tier == "host"
+    spilled = [e for e in server.events() if e.kind == "LAYOUT_SPILLED"]
+    assert [(e.fields["layout"], e.fields["reason"]) for e in spilled] == [("old", "host budget")]
+    granted, again, got = read(server.socket, "old", lock=RequestedLockType.RO)
+    assert (granted.value, again, got == old) == ("RO", old_hash, True)
+    # Back on the GPU without a host copy: evicted again, its snapshot holds it.
+    assert evict(server.socket, "old").tier == "disk"
+    assert read(server.socket, "new", lock=RequestedLockType.RO)[1:] == (new_hash, new)
+    # A full host tier with nothing saved to spill refuses as before.
+    with pytest.raises(GMSServerError) as refused:
+        publish(server.socket, "more", sizes=(7 * MiB,), residency="system", persist=False)
+    assert refused.value.code == "HOST_MEMORY_EXHAUSTED"
+    server.stop()
+
 def test_a_tenant_policy_persists_by_default_and_its_disk_quota_bounds_it(tmp_path):
     uid = os.getuid()
     policy = tmp_path / "policy.toml"

@@ -64,8 +64,10 @@ from .residency import (
     decide_pin,
     decide_restore_finished,
     decide_restore_loading,
+    decide_spill,
     eviction_candidates,
     plan_evictions,
+    plan_spills,
     why_not_evictable,
 )
 from .resume import decide_resume, held_memory
@@ -127,6 +129,7 @@ __all__ = [
     "decide_commit",
     "decide_disconnect",
     "decide_evict",
+    "decide_spill",
     "decide_free",
     "decide_host_copy",
     "decide_metadata_delete",
@@ -151,6 +154,7 @@ __all__ = [
     "may_make_room",
     "parse_residency",
     "plan_evictions",
+    "plan_spills",
     "released_memory",
     "resolve_rw_or_ro",
     "rules",

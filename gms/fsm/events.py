@@ -358,6 +358,16 @@ class StateDiscarded(Event):
 
 
 @attrs.frozen
+class LayoutSpilled(Event):
+    """A layout on the host tier let its host copies go: its snapshot holds it
+    (tier disk).  ``reason``: ``host budget`` (room for another's host copies)
+    or ``admin``."""
+
+    KIND: ClassVar[str] = "LAYOUT_SPILLED"
+    reason: str
+
+
+@attrs.frozen
 class SnapshotFailed(Event):
     """A layout's snapshot could not be saved (a full disk, the disk tier's
     budget, an I/O error, no copier) or read back (corrupt, truncated, of
@@ -387,7 +397,7 @@ RESIDENCY_EVENTS: tuple[type[Event], ...] = (
     RestoreAborted,
     LayoutLost,
 )
-DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered)
+DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered, LayoutSpilled)
 OBSERVATIONS: tuple[type[Event], ...] = (
     AllocationOomWait,
     AllocationOomGaveUp,

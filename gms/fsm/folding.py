@@ -20,6 +20,7 @@ from .events import (
     LayoutEvicted,
     LayoutLost,
     LayoutRecovered,
+    LayoutSpilled,
     MetadataDeleted,
     MetadataPut,
     ResidencySet,
@@ -147,14 +148,16 @@ def residency_set(state: LayoutState, event: ResidencySet) -> LayoutState:
 
 
 def layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
-    if state.residency is Residency.UNPINNED:
-        if state.saved:  # its snapshot holds it: the next reader restores from disk
-            return replace(
-                state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1,
-            )
-        # No copy anywhere: its next user reloads it from wherever it came from.
-        return state.fresh(evictions=state.evictions + 1)
-    return replace(state, tier=Tier.HOST, evictions=state.evictions + 1)
+    if restore_source(state) is Tier.HOST:
+        return replace(state, tier=Tier.HOST, evictions=state.evictions + 1)
+    if state.saved:  # its snapshot holds it (a system layout back from disk has no host copy)
+        return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1)
+    # Unpinned, no copy anywhere: its next user reloads it from wherever it came from.
+    return state.fresh(evictions=state.evictions + 1)
+
+
+def layout_spilled(state: LayoutState, event: LayoutSpilled) -> LayoutState:
+    return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1)
 
 
 def restore_claimed(state: LayoutState, event: RestoreClaimed) -> LayoutState:
@@ -181,8 +184,10 @@ def restore_aborted(state: LayoutState, event: RestoreAborted) -> LayoutState:
 
 def restore_source(state: LayoutState) -> Tier:
     """Where an evicted layout's bytes are restored from: its host copies (residency
-    system), else its snapshot on disk."""
-    return Tier.HOST if state.residency is Residency.SYSTEM else Tier.DISK
+    system, while it holds every one), else its snapshot on disk."""
+    if state.residency is Residency.SYSTEM and len(state.host_copies) == len(state.allocations):
+        return Tier.HOST
+    return Tier.DISK
 
 
 # -- the disk tier ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def layout_problems(state: LayoutState):
         yield "a restorer of a resident layout"
     if state.tier is Tier.HOST and state.residency is not Residency.SYSTEM:
         yield f"in the host tier with residency {state.residency.value}"
-    if state.tier is Tier.DISK and (not state.saved or state.residency is Residency.SYSTEM or state.host_copies):
+    if state.tier is Tier.DISK and (not state.saved or state.host_copies):
         yield "on the disk tier without a snapshot alone"
     if state.tier is Tier.RESTORING and state.residency is not Residency.SYSTEM and not state.saved:
         yield "restoring with neither host copies nor a snapshot"
@@ -60,8 +60,8 @@ def layout_problems(state: LayoutState):
         allocation = state.allocations.get(allocation_id)
         if allocation is None or allocation.aligned_size != size:
             yield f"host copy of {allocation_id!r} matches no allocation"
-    if state.residency is Residency.SYSTEM and len(state.host_copies) != len(state.allocations):
-        yield "residency system without a host copy of every allocation"
+    if state.residency is Residency.SYSTEM and len(state.host_copies) != len(state.allocations) and not state.saved:
+        yield "residency system without a host copy of every allocation, nor a snapshot"
     slots = set()
     for allocation_id, a in state.allocations.items():
         if a.allocation_id != allocation_id:

@@ -56,6 +56,11 @@ def gpu_copy(layout: LayoutState, event: Event) -> Released:
     return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
 
 
+def host_copies(layout: LayoutState, event: Event) -> Released:
+    """A spill to disk: the host tier's copies (the snapshot holds the bytes)."""
+    return _all(layout, gpu=False, host=True)
+
+
 def half_restored(layout: LayoutState, event: Event) -> Released:
     """An abandoned restore: the GPU memory it had made, if any (the host copy stays)."""
     return _all(layout, gpu=layout.tier is Tier.RESTORING, host=False)

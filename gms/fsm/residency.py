@@ -5,8 +5,10 @@ reader, no restorer, nobody waiting), never ``device`` ones, and only when it
 makes the request fit: evicting without making room would cost hits and
 still leave the request waiting.  VMM memory has no arena, so freeing any
 layout's bytes makes room for any other's: there is nothing to compact.
-Which layout *may* be evicted is the table's rule for ``LAYOUT_EVICTED``
-(``gms.fsm.rules``); this module only chooses among them.
+A full host tier spills saved layouts to their snapshots the same way
+(least recently used first, only when that makes the room).  Which layout
+*may* be evicted or spilled is the table's rule for ``LAYOUT_EVICTED`` and
+``LAYOUT_SPILLED`` (``gms.fsm.rules``); this module only chooses among them.
 """
 
 from __future__ import annotations
@@ -15,13 +17,25 @@ from collections.abc import Container
 
 from . import rules
 from .errors import Rejection, UnknownLayout
-from .events import Event, LayoutEvicted, ResidencySet, RestoreFinished, RestoreLoading
+from .events import (
+    Event,
+    LayoutEvicted,
+    LayoutSpilled,
+    ResidencySet,
+    RestoreFinished,
+    RestoreLoading,
+)
 from .state import LayoutState, NodeState, Residency
 
 
 def why_not_evictable(node: NodeState, layout: LayoutState) -> str | None:
+    return _why_not(node, LayoutEvicted(0, "budget", layout=layout.name))
+
+
+def _why_not(node: NodeState, event: Event) -> str | None:
+    """The rules' refusal of ``event`` on ``node``, or None where they allow it."""
     try:
-        rules.check(node, LayoutEvicted(0, "budget", layout=layout.name))
+        rules.check(node, event)
     except Rejection as refused:
         return refused.message
     return None
@@ -34,20 +48,48 @@ def eviction_candidates(node: NodeState, busy: Container[str] = ()) -> list[Layo
         for layout in node.layouts.values()
         if layout.name not in busy and why_not_evictable(node, layout) is None
     ]
-    return sorted(found, key=lambda layout: (layout.last_use, layout.name))
+    return sorted(found, key=_lru)
 
 
 def plan_evictions(node: NodeState, needed: int, busy: Container[str] = ()) -> list[str] | None:
     """The LRU layouts whose eviction frees ``needed`` GPU bytes; None if all of them would not."""
+    return _covering(eviction_candidates(node, busy), needed, lambda layout: layout.gpu_bytes)
+
+
+def plan_spills(node: NodeState, needed: int, busy: Container[str] = ()) -> list[str] | None:
+    """The LRU layouts on the host tier whose spill to their snapshots frees
+    ``needed`` host bytes; None if all of them would not (spilling then would
+    only cost their next readers a disk read)."""
+    spillable = [
+        layout
+        for layout in node.layouts.values()
+        if layout.host_bytes
+        and layout.name not in busy
+        and _why_not(node, LayoutSpilled(0, "host budget", layout=layout.name)) is None
+    ]
+    return _covering(sorted(spillable, key=_lru), needed, lambda layout: layout.host_bytes)
+
+
+def _lru(layout: LayoutState) -> tuple:
+    return (layout.last_use, layout.name)
+
+
+def _covering(ordered: list[LayoutState], needed: int, size) -> list[str] | None:
+    """The first of ``ordered`` whose sizes add up to ``needed``; None if all do not."""
     if needed <= 0:
         return []
     chosen: list[str] = []
-    for layout in eviction_candidates(node, busy):
+    for layout in ordered:
         chosen.append(layout.name)
-        needed -= layout.gpu_bytes
+        needed -= size(layout)
         if needed <= 0:
             return chosen
     return None
+
+
+def decide_spill(node: NodeState, conn: int, name: str, reason: str) -> list[Event]:
+    _known(node, name)
+    return [LayoutSpilled(conn, reason, layout=name)]
 
 
 def _known(node: NodeState, name: str) -> LayoutState:

@@ -64,6 +64,7 @@ from .events import (
     LayoutLost,
     LayoutRecovered,
     LayoutRevoked,
+    LayoutSpilled,
     LockTimeout,
     MetadataDeleted,
     MetadataPut,
@@ -89,7 +90,7 @@ from .events import (
 from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
-from .releases import ReleaseFn, everything, gpu_copy, half_restored, one_allocation
+from .releases import ReleaseFn, everything, gpu_copy, half_restored, host_copies, one_allocation
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -488,6 +489,15 @@ def _host_copy_admitted(node, layout: LayoutState, e: HostCopyCreated) -> None:
         )
 
 
+def _spill_admitted(node, layout: LayoutState, e: LayoutSpilled) -> None:
+    if not layout.saved:
+        raise NotEvictable(f"cannot spill layout {layout.name!r} to disk: it has no snapshot")
+    if not layout.host_copies:
+        raise NotEvictable(f"cannot spill layout {layout.name!r}: it holds no host copy")
+    if layout.restorer is not None:
+        raise NotEvictable(f"cannot spill layout {layout.name!r}: a reader is restoring it")
+
+
 def _not_pinned(node, layout: LayoutState, e: LayoutEvicted) -> None:
     if layout.residency is Residency.DEVICE:
         raise NotEvictable(f"cannot evict layout {layout.name!r}: it is pinned to the device (residency device)")
@@ -644,7 +654,7 @@ RULES: dict[type[Event], Rule] = {
     LayoutEvicted: Rule(
         Who.ANYONE,
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
-        (Move(GPU, HOST, "system"), Move(GPU, DISK, "unpinned, saved: kept in its snapshot"),
+        (Move(GPU, HOST, "system"), Move(GPU, DISK, "saved, no host copy: kept in its snapshot"),
          Move(GPU, GPU, "unpinned: a fresh layout")),
         (_not_pinned,), action="evict", refusal=NotEvictable, releases=gpu_copy, lasting=True,
         step=steps.layout_evicted,
@@ -676,6 +686,10 @@ RULES: dict[type[Event], Rule] = {
     SnapshotSaved: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU, HOST, RESTORING), (_snapshot_admitted,), action="save",
         releases=None, lasting=True, step=steps.snapshot_saved,
+    ),
+    LayoutSpilled: Rule(
+        Who.ANYONE, stays(COMMITTED), (Move(HOST, DISK, "its snapshot holds it"),), (_spill_admitted,),
+        action="spill", refusal=NotEvictable, releases=host_copies, lasting=True, step=steps.layout_spilled,
     ),
     LayoutRecovered: Rule(
         Who.ANYONE, (Move(EMPTY, COMMITTED, "from its snapshot"),), (Move(GPU, DISK, "only the snapshot holds it"),),

@@ -47,6 +47,7 @@ from gms.fsm import (
     decide_restore_loading,
     decide_resume,
     decide_session,
+    decide_spill,
     fold,
     fold_all,
     plan_evictions,
@@ -548,6 +549,13 @@ class FsmMachine(RuleBasedStateMachine):
         expected = self.refs[layout].evict() if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
         assert code == expected
         self._pump(layout)
+
+    @rule(layout=st.sampled_from(LAYOUTS))
+    def spill(self, layout):
+        """The shell's spill of a saved layout on a full host tier."""
+        code, _ = self._decide(lambda: decide_spill(self.log.state, 0, layout, "host budget"))
+        expected = self.refs[layout].spill() if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
+        assert code == expected
 
     @rule(layout=st.sampled_from(LAYOUTS), residency=st.sampled_from(RESIDENCIES))
     def pin(self, layout, residency):

@@ -145,7 +145,7 @@ class ReferenceModel:
             return "RO_DISCONNECT"
         if conn == self.restorer:
             self.restorer = None
-            self.tier = "host" if self.residency == "system" else "disk"  # nothing half-copied is ever served
+            self.tier = self.restore_source()  # nothing half-copied is ever served
             return "RESTORE_ABORTED"
         return None
 
@@ -161,14 +161,28 @@ class ReferenceModel:
     def evict(self) -> str | None:
         error = self.evictable()
         if error is None:
-            if self.residency == "unpinned" and self.disk:
-                self.tier = "disk"  # its snapshot holds it
-                self.host.clear()
-            elif self.residency == "unpinned":
-                self._clear_layout()
-            else:
+            if self.restore_source() == "host":
                 self.tier = "host"
+            elif self.disk:
+                self.tier = "disk"  # its snapshot holds it (a system layout back from disk has no host copy)
+                self.host.clear()
+            else:
+                self._clear_layout()
         return error
+
+    def restore_source(self) -> str:
+        """Its host copies (residency system, every one held), else its snapshot."""
+        return "host" if self.residency == "system" and self.host == set(self.allocs) else "disk"
+
+    def spill(self) -> str | None:
+        """A layout on the host tier lets its host copies go: its snapshot holds it."""
+        if not self.committed or self.writer is not None or self.tier != "host" or self.restorer is not None:
+            return "NOT_EVICTABLE"
+        if not self.disk or not self.host:
+            return "NOT_EVICTABLE"
+        self.tier = "disk"
+        self.host.clear()
+        return None
 
     def save(self, size: int, disk_used: int, disk_budget: int | None, owner_used: int, owner_quota: int | None):
         """The shell's SNAPSHOT_SAVED of ``size`` bytes: the refusal code, or None."""

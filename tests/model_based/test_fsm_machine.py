@@ -11,6 +11,7 @@ from gms.fsm import InvariantViolation, folding, rules
 from gms.fsm.events import (
     LayoutEvicted,
     LayoutRecovered,
+    LayoutSpilled,
     MetadataDeleted,
     RestoreAborted,
     RoDisconnect,
@@ -43,6 +44,7 @@ PLANTED_BUGS = {
         RestoreAborted, lambda s, e: attrs.evolve(s, restorer=None, tier=Tier.GPU),
     ),
     "a-snapshot-saved-is-forgotten": (SnapshotSaved, lambda s, e: s),
+    "a-spill-keeps-the-host-copies": (LayoutSpilled, lambda s, e: attrs.evolve(s, tier=Tier.DISK)),
     "a-recovered-layout-forgets-its-snapshot": (
         LayoutRecovered, lambda s, e: attrs.evolve(folding.layout_recovered(s, e), disk_bytes=0, disk_file=""),
     ),
@@ -57,7 +59,7 @@ def test_machine_finds_planted_fold_bug(bug, monkeypatch):
         run_state_machine_as_test(
             FsmMachine,
             settings=settings(
-                max_examples=1000,
+                max_examples=3000,  # stops at the bug: only a miss runs them all
                 stateful_step_count=50,
                 phases=[Phase.generate],  # finding it is the point, not shrinking it
                 derandomize=True,

@@ -121,6 +121,8 @@ class ServiceCore:
         self.copier = copier if host is not None or disk is not None else None
         if disk is not None:
             self.snapshots = self.ledger.disk = Snapshots(self.ledger, gpu, disk, self.copier)
+            if host is not None:
+                host.spill = self.snapshots.spill
         self.durability = self.ledger.durability
         # What this server runs with: the log's first event, or (a log handed
         # over from another server) what SERVER_RESUMED carries (gms.server.restart.resume).

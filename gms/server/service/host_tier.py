@@ -80,6 +80,7 @@ class HostTier:
         if not events:
             return
         layout = queries.layout_of(self.ledger.state, conn)
+        self.host.spill_for(sum(layout.allocations[e.allocation_id].aligned_size for e in events))
         items = [(e.allocation_id, self._size(layout.allocations[e.allocation_id])) for e in events]
 
         async def make() -> None:

@@ -20,6 +20,9 @@ restored from one, every snapshot found again when a server starts with nothing.
   every snapshot in the folder becomes ``LAYOUT_RECOVERED``, checked by the
   rules like a client's layout; one that does not read is set aside
   (``*.corrupt``), one the policy refuses (its owner gone) stays for a later start.
+* **spill** (:meth:`Snapshots.spill`): the host tier is short of room for new
+  host copies: saved layouts on it, least recently used first, let their host
+  copies go (``LAYOUT_SPILLED``: tier disk), if that makes the room.
 
 Files are released as the ledger says (``MemoryTier.DISK``: a layout cleared,
 dropped or lost), on the disk lane.
@@ -37,7 +40,7 @@ import trio
 
 from ...disk import format as fmt
 from ...disk.store import DiskStore
-from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished
+from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished, decide_spill, plan_spills
 from ...fsm.events import (
     LayoutLost,
     LayoutRecovered,
@@ -79,6 +82,14 @@ class Snapshots:
     def release(self, files: Iterable[str]) -> None:
         for file in files:
             self.lane.post(self.store.remove, file)
+
+    def spill(self, needed: int) -> bool:
+        """Make ``needed`` bytes of host tier room by spilling saved layouts to
+        disk; False (nothing spilled) where all of them would not make it."""
+        plan = plan_spills(self.ledger.state, needed, self.ledger.queues.busy())
+        for name in plan or ():
+            self.ledger.record(decide_spill(self.ledger.state, 0, name, "host budget"), by_server=True)
+        return bool(plan)
 
     async def aclose(self) -> None:
         self.lane.stop()

@@ -85,6 +85,8 @@ class Transfers:
         missing = self._missing(conn)
         if not missing:
             return self.requests.commit(conn, request)
+        self.host.spill_for(sum(a.aligned_size for a in missing))
+
         def decide():
             (commit,) = decide_commit(layout_of(self.ledger.state, conn), conn, request.residency, persist)
             return [*self._host_copy_events(conn, self._missing(conn)), commit]
