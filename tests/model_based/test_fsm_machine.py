@@ -11,7 +11,6 @@ from gms.fsm import InvariantViolation, folding, rules
 from gms.fsm.events import (
     LayoutEvicted,
     LayoutRecovered,
-    LayoutSpilled,
     MetadataDeleted,
     RestoreAborted,
     RoDisconnect,
@@ -44,7 +43,6 @@ PLANTED_BUGS = {
         RestoreAborted, lambda s, e: attrs.evolve(s, restorer=None, tier=Tier.GPU),
     ),
     "a-snapshot-saved-is-forgotten": (SnapshotSaved, lambda s, e: s),
-    "a-spill-keeps-the-host-copies": (LayoutSpilled, lambda s, e: attrs.evolve(s, tier=Tier.DISK)),
     "a-recovered-layout-forgets-its-snapshot": (
         LayoutRecovered, lambda s, e: attrs.evolve(folding.layout_recovered(s, e), disk_bytes=0, disk_file=""),
     ),
