@@ -4,7 +4,10 @@ are tests/test_disk_tier.py."""
 
 from __future__ import annotations
 
+import zlib
+
 import attrs
+import msgpack
 import pytest
 
 from gms.disk import format as fmt
@@ -71,6 +74,13 @@ def test_a_manifest_reads_back_as_written_and_the_trailer_finds_it():
     assert fmt.decode(tail[:length], version, crc) == m
     assert fmt.names_it(m, fmt.file_name("llama", "f" * 64, 123))
     assert not fmt.names_it(m, fmt.file_name("llama", "f" * 64, 124))
+    body = fmt.encode(attrs.evolve(m, residency="system"), at)[: -fmt.TRAILER.size]
+    assert fmt.decode(body, 1, zlib.crc32(body)).residency == "system"
+    # A manifest from before the residency was kept: unpinned.
+    raw = msgpack.unpackb(tail[:length])
+    del raw["residency"]
+    older = msgpack.packb(raw, use_bin_type=True)
+    assert fmt.decode(older, 1, zlib.crc32(older)).residency == "unpinned"
 
 
 @pytest.mark.parametrize("damage", ["magic", "version", "length", "crc", "extents", "types"])
@@ -191,8 +201,13 @@ def test_a_recovered_layout_is_the_committed_one_on_disk_and_checked_like_a_clie
         (attrs.evolve(recovered, metadata=[["k", "zz", 0, b"v"]]), "outside"),
         (attrs.evolve(recovered, allocations=allocations * 2), "repeats"),
         (attrs.evolve(recovered, file="x.gsnap"), "file name"),
+        (attrs.evolve(recovered, residency="sticky"), "residency"),
     ]:
         with pytest.raises(Rejection, match=error):
             fold_all(started() + [bad])
     with pytest.raises(Rejection, match="quota"):
         fold_all(started(quota=MiB) + [recovered])
+    # Saved as system: it comes back system, with no host copy (its snapshot holds it).
+    system = fold_all(started() + [attrs.evolve(recovered, residency="system")])
+    check_invariants(system)
+    assert (system.layout("llama").residency.value, dict(system.layout("llama").host_copies)) == ("system", {})

@@ -120,6 +120,7 @@ def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_
     server = reboot(server, tmp_path, how)
     row = server.layout()
     assert (row.state, row.tier, row.memory_layout_hash, row.gpu_bytes) == ("COMMITTED", "disk", layout_hash, 0)
+    assert row.residency == "device", "the residency it was committed with"
     assert server.layout("scratch").state == "EMPTY", "only what was committed to persist outlives the node"
     granted, again, got = read(server.socket)  # an engine asking RW_OR_RO: it imports instead of loading
     assert (granted.value, again) == ("RO", layout_hash) and got == contents

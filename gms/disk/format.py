@@ -76,6 +76,7 @@ class Manifest:
     chunk_bytes: int = CHUNK_BYTES
     saved_ns: int = 0  # the wall clock at the save: of two snapshots of one layout, the later wins
     version: int = VERSION
+    residency: str = "unpinned"  # the layout's at its save (older snapshots: unpinned)
 
     @property
     def data_bytes(self) -> int:
@@ -126,6 +127,7 @@ def encode(manifest: Manifest, at: int) -> bytes:
             "extents": [[e.allocation, e.offset, e.file_offset, e.size, e.crc] for e in manifest.extents],
             "chunk_bytes": manifest.chunk_bytes,
             "saved_ns": manifest.saved_ns,
+            "residency": manifest.residency,
         },
         use_bin_type=True,
     )
@@ -162,6 +164,7 @@ def decode(body: bytes, version: int, crc: int) -> Manifest:
             chunk_bytes=_of(raw["chunk_bytes"], int),
             saved_ns=_of(raw["saved_ns"], int),
             version=version,
+            residency=_of(raw.get("residency", "unpinned"), str),
         )
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise CorruptSnapshot(f"the manifest does not parse: {exc!r}"[:300]) from None

@@ -274,7 +274,7 @@ class LayoutRecovered(Event):
     it is committed again, with the same hash, on the disk tier, owned by
     ``owner`` (its first reader restores it).  ``allocations`` rows are
     ``[id, size, aligned size, tag, slot]``, ``metadata`` rows
-    ``[key, allocation id, offset, value]``."""
+    ``[key, allocation id, offset, value]``; ``residency`` its at the save."""
 
     KIND: ClassVar[str] = "LAYOUT_RECOVERED"
     owner: str
@@ -283,6 +283,7 @@ class LayoutRecovered(Event):
     metadata: list
     bytes: int
     file: str
+    residency: str = "unpinned"  # (journals from before it was kept: unpinned)
 
 
 # -- observations (no state change) -------------------------------------------

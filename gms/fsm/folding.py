@@ -183,9 +183,13 @@ def restore_aborted(state: LayoutState, event: RestoreAborted) -> LayoutState:
 
 
 def restore_source(state: LayoutState) -> Tier:
-    """Where an evicted layout's bytes are restored from: its host copies (residency
-    system, while it holds every one), else its snapshot on disk."""
-    if state.residency is Residency.SYSTEM and len(state.host_copies) == len(state.allocations):
+    """Where an evicted layout's bytes are restored from: the tier it is on; else
+    (leaving the GPU, or restoring) its host copies (residency system, every one
+    held, and some, or no snapshot), else its snapshot on disk."""
+    if state.tier is Tier.HOST or state.tier is Tier.DISK:
+        return state.tier
+    every = len(state.host_copies) == len(state.allocations)
+    if state.residency is Residency.SYSTEM and every and (state.host_copies or not state.saved):
         return Tier.HOST
     return Tier.DISK
 
@@ -198,8 +202,9 @@ def snapshot_saved(state: LayoutState, event: SnapshotSaved) -> LayoutState:
 
 
 def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:
-    """The layout as its snapshot describes it, on the disk tier; ``unpinned``: a
-    restored copy may be evicted back to its snapshot (``gms pin`` changes that)."""
+    """The layout as its snapshot describes it, on the disk tier, with the residency
+    it had at its save: a restored copy that may be evicted goes back to its
+    snapshot (a ``system`` one too: it has no host copy until a new commit)."""
     allocations = {
         allocation_id: Allocation(allocation_id, size, aligned, tag, slot)
         for allocation_id, size, aligned, tag, slot in event.allocations
@@ -220,7 +225,7 @@ def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:
         next_layout_slot=1 + max((a.layout_slot for a in allocations.values()), default=-1),
         held_bytes=sum(a.aligned_size for a in allocations.values()),
         owner=event.owner,
-        residency=Residency.UNPINNED,
+        residency=Residency(event.residency),
         tier=Tier.DISK,
         persist=True,
         disk_bytes=event.bytes,

@@ -424,6 +424,7 @@ def _recovery_admitted(node, layout: LayoutState, e: LayoutRecovered) -> None:
     would have been checked for, its hash recomputed, the owner's bounds."""
     require_disk_tier(node)
     check_layout_name(e.layout)
+    parse_residency(e.residency)
     tenant = node.tenants.get(e.owner)
     if tenant is None:
         raise PermissionDenied(f"tenant {e.owner!r} is not configured on this server")

@@ -605,13 +605,14 @@ class FsmMachine(RuleBasedStateMachine):
     @rule()
     def reboot(self):
         """Every process gone, the node started again with nothing: each snapshot
-        comes back as a layout on disk, unpinned, unless the policy in force refuses it."""
+        comes back as a layout on disk, with its residency (the manifest's: the
+        shell writes the layout's at its save), unless the policy in force refuses it."""
         saved = [(name, layout) for name, layout in sorted(self.log.state.layouts.items()) if layout.saved]
         self._start()
         for name, layout in saved:
             allocations, metadata = queries.snapshot_rows(layout)
             event = LayoutRecovered(0, layout.owner, layout.layout_hash, allocations, metadata, layout.disk_bytes,
-                                    layout.disk_file, layout=name)
+                                    layout.disk_file, layout.residency.value, layout=name)
             expected = self._recovery_refusal(layout)
             code, _ = rejection_code(lambda: self._append([event]))
             assert code == expected, (name, code, expected)
@@ -621,7 +622,7 @@ class FsmMachine(RuleBasedStateMachine):
                 ref.allocs = {a[0]: tuple(a[1:]) for a in allocations}
                 ref.meta = {m[0]: tuple(m[1:]) for m in metadata}
                 ref.next_slot = 1 + max((a[4] for a in allocations), default=-1)
-                ref.residency, ref.tier, ref.persist, ref.disk = "unpinned", "disk", True, layout.disk_bytes
+                ref.residency, ref.tier, ref.persist, ref.disk = layout.residency.value, "disk", True, layout.disk_bytes
 
     @precondition(lambda self: any(self.refs[n].tier == "disk" and self.refs[n].restorer is None for n in LAYOUTS))
     @rule(data=st.data(), lock=st.sampled_from([RequestedLockType.RO, RequestedLockType.RW_OR_RO]))

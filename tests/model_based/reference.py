@@ -171,8 +171,12 @@ class ReferenceModel:
         return error
 
     def restore_source(self) -> str:
-        """Its host copies (residency system, every one held), else its snapshot."""
-        return "host" if self.residency == "system" and self.host == set(self.allocs) else "disk"
+        """The tier it is on; else its host copies (residency system, every one held,
+        and some, or no snapshot), else its snapshot."""
+        if self.tier in ("host", "disk"):
+            return self.tier
+        every = self.host == set(self.allocs)
+        return "host" if self.residency == "system" and every and (self.host or not self.disk) else "disk"
 
     def spill(self) -> str | None:
         """A layout on the host tier lets its host copies go: its snapshot holds it."""

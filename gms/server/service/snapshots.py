@@ -119,7 +119,8 @@ class Snapshots:
         allocations, metadata = snapshot_rows(layout)
         extents = fmt.plan([row[2] for row in allocations])
         manifest = fmt.Manifest(name, layout_hash, layout.owner, tuple(map(tuple, allocations)),
-                                tuple(map(tuple, metadata)), extents, saved_ns=time.time_ns())
+                                tuple(map(tuple, metadata)), extents, saved_ns=time.time_ns(),
+                                residency=layout.residency.value)
         file = fmt.file_name(name, layout_hash, manifest.saved_ns)
         widest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=_MAX_CRC) for e in extents))
         bound = manifest.data_bytes + len(await trio.to_thread.run_sync(fmt.encode, widest, manifest.data_bytes))
@@ -267,7 +268,8 @@ class Snapshots:
         for name, manifest in sorted(latest.items()):
             file, size = files[name]
             event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
-                                    [list(m) for m in manifest.metadata], size, file, layout=name)
+                                    [list(m) for m in manifest.metadata], size, file, manifest.residency,
+                                    layout=name)
             try:
                 self.ledger.record([event])
             except Rejection as exc:
