@@ -14,6 +14,7 @@ whole.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -301,6 +302,25 @@ def test_a_new_commit_replaces_the_snapshot_and_an_unpinned_layout_is_evicted_to
     server.stop()
 
 
+
+
+def test_of_two_snapshots_of_one_layout_the_later_is_recovered_and_the_other_removed(tmp_path):
+    server = serve(tmp_path)
+    publish(server.socket)
+    first = saved(server)
+    kept = tmp_path / "first.copy"
+    shutil.copy(first, kept)
+    layout_hash, contents = publish(server.socket)  # the same structure: the same hash, a file of its own
+    second = saved(server)
+    wait_until(lambda: not os.path.exists(first), what="the replaced snapshot removed")
+    server.stop()
+    shutil.copy(kept, first)  # as a crash between the new save and the old one's release leaves them
+    server = serve(tmp_path, socket_path=server.socket)
+    granted, again, got = read(server.socket, lock=RequestedLockType.RO)
+    assert (granted.value, again, got == contents) == ("RO", layout_hash, True)
+    wait_until(lambda: not os.path.exists(first), what="the older snapshot removed")
+    assert os.path.exists(second)
+    server.stop()
 
 def test_a_full_host_tier_spills_its_saved_layouts_to_disk_and_they_come_back(tmp_path):
     server = serve(tmp_path, "--host-budget", "16MiB")  # one layout's host copies (10 MiB aligned), not two

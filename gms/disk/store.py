@@ -112,9 +112,7 @@ class DiskStore:
         read as the snapshot its name says (OSError if it is not there)."""
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         try:
-            manifest, _ = _read_manifest(fd)
-            if not fmt.names_it(manifest, file):
-                raise fmt.CorruptSnapshot(f"the file holds {manifest.name!r}, not the snapshot it is named for")
+            manifest, _ = _read_named(fd, file)
         except BaseException:
             os.close(fd)
             raise
@@ -132,10 +130,7 @@ class DiskStore:
                 found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot open it: {exc}")))
                 continue
             try:
-                manifest, size = _read_manifest(fd)
-                if not fmt.names_it(manifest, name):
-                    raise fmt.CorruptSnapshot(f"it holds {manifest.name!r}, not the snapshot it is named for")
-                found.append(Found(name, manifest, size))
+                found.append(Found(name, *_read_named(fd, name)))
             except fmt.SnapshotError as exc:
                 found.append(Found(name, None, error=exc))
             except OSError as exc:
@@ -195,6 +190,15 @@ def _folder(directory: str) -> int:
             f"mode {stat.S_IMODE(st.st_mode):o}): it must be uid {os.geteuid()}'s, writable by nobody else",
         )
     return fd
+
+
+def _read_named(fd: int, file: str) -> tuple[fmt.Manifest, int]:
+    """The manifest and size of the snapshot ``file``; CorruptSnapshot where it
+    holds another than its name says."""
+    manifest, size = _read_manifest(fd)
+    if not fmt.names_it(manifest, file):
+        raise fmt.CorruptSnapshot(f"the file holds {manifest.name!r}, not the snapshot it is named for")
+    return manifest, size
 
 
 def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:

@@ -39,7 +39,7 @@ import attrs
 import trio
 
 from ...disk import format as fmt
-from ...disk.store import DiskStore
+from ...disk.store import DiskStore, Found
 from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished, decide_spill, plan_spills
 from ...fsm.events import (
     LayoutLost,
@@ -129,10 +129,7 @@ class Snapshots:
             self.ledger.fold([SnapshotSaved(0, layout_hash, bound, file, layout=name)])  # the budget, the quota
             if self.link is None or not await self.link.usable():
                 raise CopierGone("no copier runs to read the layout's memory (gms serve --no-copier?)")
-            free = await trio.to_thread.run_sync(self.store.free_bytes)
-            if free < bound:
-                raise OSError(f"the disk has {free} bytes free and the snapshot needs {bound}")
-            pending = await trio.to_thread.run_sync(self.store.begin, file, bound)
+            pending = await trio.to_thread.run_sync(self.store.begin, file, bound)  # ENOSPC: a full disk
         except (Rejection, CopierGone, OSError) as exc:
             return self._failed(name, layout_hash, commit, _why(exc))
         try:
@@ -247,29 +244,26 @@ class Snapshots:
         disk tier (the latest of each layout's); how many were recovered."""
         found = await trio.to_thread.run_sync(self.store.scan)
         await trio.to_thread.run_sync(self.store.sweep)
-        latest: dict[str, fmt.Manifest] = {}
-        files: dict[str, tuple[str, int]] = {}  # layout -> the latest's file and size
+        latest: dict[str, Found] = {}  # layout -> its latest snapshot
         for snapshot in found:
             if snapshot.manifest is None:
                 aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
                 log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
                           snapshot.error, aside)
                 continue
-            manifest, here = snapshot.manifest, (snapshot.file, snapshot.size)
-            older = latest.get(manifest.name)
+            older = latest.get(snapshot.manifest.name)
             if older is not None:  # a crash came between a newer save and the older one's release
-                if older.saved_ns > manifest.saved_ns:
+                if older.manifest.saved_ns > snapshot.manifest.saved_ns:
                     self.release([snapshot.file])
                     continue
-                self.release([files[manifest.name][0]])
-            latest[manifest.name] = manifest
-            files[manifest.name] = here
+                self.release([older.file])
+            latest[snapshot.manifest.name] = snapshot
         recovered = 0
-        for name, manifest in sorted(latest.items()):
-            file, size = files[name]
+        for name, snapshot in sorted(latest.items()):
+            manifest = snapshot.manifest
             event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
-                                    [list(m) for m in manifest.metadata], size, file, manifest.residency,
-                                    layout=name)
+                                    [list(m) for m in manifest.metadata], snapshot.size, snapshot.file,
+                                    manifest.residency, layout=name)
             try:
                 self.ledger.record([event])
             except Rejection as exc:
