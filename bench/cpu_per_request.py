@@ -12,7 +12,8 @@ measure that, with the clock).
   on the socket, no gms code: the same client for every tree) sets up a
   committed layout, warms up, then the counters are zeroed, N requests run,
   the counters are dumped: instructions per request of the server process
-  alone.  Requests: a metadata get, an export (one fd), an RO handshake
+  alone.  Requests: a metadata get, a metadata put (64 bytes, one writer,
+  over a key of its own), an export (one fd), an RO handshake
   (connect, handshake, close), an allocate and a free (2 MiB, one writer).
   Without the keeper (``--no-keeper``; a tree from before the keeper has
   none), and for this tree also with it (the default): the keeper is
@@ -53,7 +54,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import cpu_name, print_table, wait_served, write_json  # noqa: E402
 
-OPS = ("metadata_get", "export", "handshake", "allocate_free")
+OPS = ("metadata_get", "metadata_put", "export", "handshake", "allocate_free")
 _HEADER = struct.Struct(">I")
 
 SETUP = r"""
@@ -129,6 +130,15 @@ def run_ops(path: str, op: str, n: int) -> None:
         for _ in range(n):
             made = _call(sock, allocate)
             _call(sock, _frame({"type": "FreeAllocationRequest", "allocation_id": made["allocation_id"]}))
+        sock.close()
+        return
+    if op == "metadata_put":
+        sock = _connect(path, "RW", "scratch")
+        made = _call(sock, _frame({"type": "AllocateRequest", "size": 2 << 20, "tag": "scratch"}))
+        put = _frame({"type": "MetadataPutRequest", "key": "key.0", "allocation_id": made["allocation_id"],
+                      "offset_bytes": 0, "value": b"v" * 64})
+        for _ in range(n):
+            _call(sock, put)
         sock.close()
         return
     sock = _connect(path, "RO", "weights")
@@ -227,8 +237,8 @@ def client_instructions(tree: Path, n: int) -> int:
             server.wait(30)
 
 
-def measure(tree: Path, n: int, with_keeper: bool) -> dict:
-    jobs = [(op, False) for op in OPS] + ([(op, True) for op in OPS] if with_keeper else [])
+def measure(tree: Path, n: int, with_keeper: bool, ops: tuple[str, ...] = OPS, bare: bool = True) -> dict:
+    jobs = ([(op, False) for op in ops] if bare else []) + ([(op, True) for op in ops] if with_keeper else [])
     workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
     with ThreadPoolExecutor(workers) as pool:  # one valgrind per CPU
         futures = {}
@@ -247,6 +257,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000,
                         help="requests counted per row (half for handshakes, allocations)")
     parser.add_argument("--compare", type=Path, metavar="TREE", help="another checkout, counted the same way")
+    parser.add_argument("--ops", default=",".join(OPS), help="the rows to count (comma-separated)")
+    parser.add_argument("--keeper-only", action="store_true", help="this tree's rows with the keeper only")
     parser.add_argument("--json", default="bench/results/cpu_per_request.json")
     args = parser.parse_args()
     if args.quick:
@@ -257,11 +269,14 @@ def main() -> None:
         "instructions per request (callgrind, user space): the server process alone; "
         "the client per call against an echo server"
     )}
-    this = measure(ROOT, args.n, with_keeper=_has_keeper(ROOT))
+    ops = tuple(op for op in args.ops.split(",") if op)
+    if unknown := set(ops) - set(OPS):
+        sys.exit(f"cpu_per_request: no such row {sorted(unknown)}; rows: {', '.join(OPS)}")
+    this = measure(ROOT, args.n, with_keeper=_has_keeper(ROOT), ops=ops, bare=not args.keeper_only)
     results["this"] = {"tree": str(ROOT), **this}
     rows = []
     if args.compare:
-        other = measure(args.compare, args.n, with_keeper=False)
+        other = measure(args.compare, args.n, with_keeper=False, ops=ops)
         results["other"] = {"tree": str(args.compare), **other}
         for name, value in this.items():
             base = other.get(name) if not name.endswith("_keeper") else other.get(name.removesuffix("_keeper"))

@@ -21,7 +21,7 @@ from gms.fsm import (
     fold_all,
     released_memory,
 )
-from gms.fsm.events import LayoutLost, RwAbort, ServerResumed
+from gms.fsm.events import LayoutFellToDisk, LayoutLost, RwAbort, ServerResumed
 from gms.handover import frames
 from gms.handover.image import (
     READABLE_VERSIONS,
@@ -210,18 +210,24 @@ def test_a_take_over_keeps_every_session_and_lock():
     assert (after.sessions, after.layouts) == (state.sessions, state.layouts)
 
 
-def test_memory_found_lost_drops_its_whole_layout_whatever_its_residency():
+def test_memory_found_lost_drops_its_whole_layout_unless_its_snapshot_holds_it():
     state = rich_log().state
     events = decide_resume(state, _resumed(state), [("gpu", "w1"), ("host", "c0"), ("gpu", "k0")], "reset")
-    lost = [e for e in events if isinstance(e, LayoutLost)]
-    assert [(e.layout, e.allocation_id, e.tier) for e in lost] == [("weights", "w1", "gpu"), ("cold", "c0", "host")]
+    gone = [e for e in events if isinstance(e, LayoutLost | LayoutFellToDisk)]
+    assert [(e.KIND, e.layout, e.allocation_id, e.tier) for e in gone] == [
+        ("LAYOUT_FELL_TO_DISK", "weights", "w1", "gpu"), ("LAYOUT_LOST", "cold", "c0", "host"),
+    ], "weights is saved: its snapshot holds it; cold has none"
     after = fold_all(events, state)
     check_invariants(after)
-    assert sorted(after.layouts) == ["parked", "warm"], "parked is on disk only: no memory to lose"
-    released = {(r.tier.value, r.allocation_id) for e in lost for r in released_memory(
+    assert sorted(after.layouts) == ["parked", "warm", "weights"], "parked is on disk only: no memory to lose"
+    weights = after.layout("weights")
+    before = state.layout("weights")
+    assert (weights.tier.value, weights.committed, weights.gpu_bytes, weights.host_bytes) == ("disk", True, 0, 0)
+    assert (weights.layout_hash, weights.disk_file, weights.metadata) == (
+        before.layout_hash, before.disk_file, before.metadata)
+    released = {(r.tier.value, r.allocation_id) for e in gone for r in released_memory(
         fold_all(events[: events.index(e)], state), e)}
-    snapshot = ("disk", state.layout("weights").disk_file)
-    assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0"), snapshot}, "a pinned layout too, its copies"
+    assert released == {("gpu", "w0"), ("gpu", "w1"), ("host", "c0")}, "the memory left goes; the snapshot stays"
 
 
 def test_a_new_configuration_that_cannot_hold_the_node_is_refused_and_a_tenant_s_quota_is_applied():

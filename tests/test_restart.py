@@ -488,6 +488,38 @@ def test_a_host_copy_whose_chunks_do_not_come_back_whole_is_lost_with_its_layout
         store.close()
 
 
+def test_a_saved_layout_whose_memory_is_lost_falls_to_its_snapshot_and_the_server_runs_on(tmp_path):
+    """Issue 52: memory found gone after a crash drops a layout only where no
+    snapshot holds it; a saved one (weights) stays committed, on the disk
+    tier (LAYOUT_FELL_TO_DISK), the same hash, its other memory let go.  The
+    keeper here kept no fd of warm (half restored) nor of cold: lost, and their
+    releases find nothing to release (they crashed the resumed server once)."""
+    log = rich_log()
+    state = log.state
+    info = ServerInfo(999_999, "host", 0, "host-0", True)
+    store = Store()
+    store.base = encode_image(StateImage(STATE_VERSION, info, log.last_seq, 20, state))
+    gpu_w1 = os.memfd_create("w1")
+    os.ftruncate(gpu_w1, MiB)  # weights' second allocation: the wrong size, as after a reset
+    w0 = os.memfd_create("w0")
+    os.ftruncate(w0, 4 * MiB)
+    store.fds.update({"gpu:w0": w0, "gpu:w1": gpu_w1})
+    try:
+        with served_from_store(tmp_path, store) as served:
+            events = RawConn(served.path).call(m.GetEventHistoryRequest()).events
+            gone = [(e["kind"], e["layout"], e["allocation_id"]) for e in events
+                    if e["kind"] in ("LAYOUT_LOST", "LAYOUT_FELL_TO_DISK")]
+            assert sorted(gone) == [("LAYOUT_FELL_TO_DISK", "weights", "w1"), ("LAYOUT_LOST", "cold", "c0"),
+                                    ("LAYOUT_LOST", "warm", "h0")], gone
+            rows = {row.name: row for row in get_runtime_state(served.path).layouts}
+            weights = rows["weights"]
+            assert (weights.tier, weights.state, weights.memory_layout_hash) == (
+                "disk", "COMMITTED", state.layout("weights").layout_hash)
+            assert "gpu:w0" not in store.fds, "weights' memory that was whole is let go too"
+    finally:
+        store.close()
+
+
 # -- the fd budget (issue 21) after a crash ------------------------------------------------------
 
 

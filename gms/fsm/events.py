@@ -369,6 +369,18 @@ class LayoutSpilled(Event):
 
 
 @attrs.frozen
+class LayoutFellToDisk(Event):
+    """A restarted server found memory of this layout gone (as ``LAYOUT_LOST``),
+    but the layout's snapshot holds it: what memory is left goes, and the
+    layout stays committed on the disk tier (its next reader restores it)."""
+
+    KIND: ClassVar[str] = "LAYOUT_FELL_TO_DISK"
+    reason: str
+    allocation_id: str
+    tier: str
+
+
+@attrs.frozen
 class SnapshotFailed(Event):
     """A layout's snapshot could not be saved (a full disk, the disk tier's
     budget, an I/O error, no copier) or read back (corrupt, truncated, of
@@ -398,7 +410,7 @@ RESIDENCY_EVENTS: tuple[type[Event], ...] = (
     RestoreAborted,
     LayoutLost,
 )
-DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered, LayoutSpilled)
+DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered, LayoutSpilled, LayoutFellToDisk)
 OBSERVATIONS: tuple[type[Event], ...] = (
     AllocationOomWait,
     AllocationOomGaveUp,

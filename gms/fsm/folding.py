@@ -18,6 +18,7 @@ from .events import (
     Event,
     HostCopyCreated,
     LayoutEvicted,
+    LayoutFellToDisk,
     LayoutLost,
     LayoutRecovered,
     LayoutSpilled,
@@ -158,6 +159,10 @@ def layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
 
 def layout_spilled(state: LayoutState, event: LayoutSpilled) -> LayoutState:
     return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1)
+
+
+def layout_fell_to_disk(state: LayoutState, event: LayoutFellToDisk) -> LayoutState:
+    return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0)
 
 
 def restore_claimed(state: LayoutState, event: RestoreClaimed) -> LayoutState:

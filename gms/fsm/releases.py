@@ -56,6 +56,11 @@ def gpu_copy(layout: LayoutState, event: Event) -> Released:
     return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
 
 
+def memory_copies(layout: LayoutState, event: Event) -> Released:
+    """A layout left to its snapshot: its GPU memory (if it holds any) and host copies."""
+    return _all(layout, gpu=layout.gpu_bytes > 0, host=True)
+
+
 def host_copies(layout: LayoutState, event: Event) -> Released:
     """A spill to disk: the host tier's copies (the snapshot holds the bytes)."""
     return _all(layout, gpu=False, host=True)

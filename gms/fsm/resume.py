@@ -9,8 +9,10 @@ server handing over) records, in order:
   each session's lock released (``RW_ABORT``: an uncommitted build dropped,
   ``RO_DISCONNECT``, ``RESTORE_ABORTED``) and the session closed, in
   connection order, exactly as if each client had hung up;
-* ``LAYOUT_LOST`` for every committed layout some of whose memory is gone (an
-  fd that no longer imports): dropped whole, whatever its residency.
+* for every committed layout some of whose memory is gone (an fd that no
+  longer imports): ``LAYOUT_FELL_TO_DISK`` if its snapshot holds it (the rest
+  of its memory goes, the layout stays committed on the disk tier), else
+  ``LAYOUT_LOST`` (dropped whole, whatever its residency).
 
 After a take-over the sessions go on: nothing is disconnected, and the memory
 was being served a moment before, so none is lost.  Pure: the shell checks the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .events import Event, LayoutLost, ServerResumed
+from .events import Event, LayoutFellToDisk, LayoutLost, ServerResumed
 from .node import NodeState, fold_all
 from .sessions import decide_disconnect
 
@@ -43,14 +45,16 @@ def decide_resume(
             events += closing
     lost = list(lost)
     if lost:
-        where = _where(state)
+        where, gone_already = _where(state), set()
         for tier, allocation_id in lost:
             name = where.get((tier, allocation_id))
-            if name is None or name not in state.layouts:
+            if name is None or name in gone_already:
                 continue  # its layout went with a dead writer's build, or with an earlier loss
-            dropped = LayoutLost(0, reason, allocation_id, tier, layout=name)
-            state = fold_all([dropped], state)
-            events.append(dropped)
+            gone_already.add(name)
+            kind = LayoutFellToDisk if state.layouts[name].saved else LayoutLost
+            gone = kind(0, reason, allocation_id, tier, layout=name)
+            state = fold_all([gone], state)
+            events.append(gone)
     return events
 
 

@@ -61,6 +61,7 @@ from .events import (
     Event,
     HostCopyCreated,
     LayoutEvicted,
+    LayoutFellToDisk,
     LayoutLost,
     LayoutRecovered,
     LayoutRevoked,
@@ -90,7 +91,7 @@ from .events import (
 from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
-from .releases import ReleaseFn, everything, gpu_copy, half_restored, host_copies, one_allocation
+from .releases import ReleaseFn, everything, gpu_copy, half_restored, host_copies, memory_copies, one_allocation
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
@@ -499,6 +500,11 @@ def _spill_admitted(node, layout: LayoutState, e: LayoutSpilled) -> None:
         raise NotEvictable(f"cannot spill layout {layout.name!r}: a reader is restoring it")
 
 
+def _fall_admitted(node, layout: LayoutState, e: LayoutFellToDisk) -> None:
+    if not layout.saved:
+        raise StateViolation(f"layout {layout.name!r} has no snapshot to fall back to: it is lost")
+
+
 def _not_pinned(node, layout: LayoutState, e: LayoutEvicted) -> None:
     if layout.residency is Residency.DEVICE:
         raise NotEvictable(f"cannot evict layout {layout.name!r}: it is pinned to the device (residency device)")
@@ -687,6 +693,12 @@ RULES: dict[type[Event], Rule] = {
     SnapshotSaved: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU, HOST, RESTORING), (_snapshot_admitted,), action="save",
         releases=None, lasting=True, step=steps.snapshot_saved,
+    ),
+    # ... unless its snapshot holds it: then it goes on, on the disk tier
+    LayoutFellToDisk: Rule(
+        Who.ANYONE, stays(COMMITTED),
+        (Move(GPU, DISK, "its snapshot holds it"), Move(HOST, DISK, "its snapshot holds it")), (_fall_admitted,),
+        action="fall to disk", releases=memory_copies, lasting=True, step=steps.layout_fell_to_disk,
     ),
     LayoutSpilled: Rule(
         Who.ANYONE, stays(COMMITTED), (Move(HOST, DISK, "its snapshot holds it"),), (_spill_admitted,),

@@ -17,7 +17,8 @@ killed right there, on paper, and restarted as the keeper would restart it:
 * what the restart releases is exactly the unfinished work: every
   uncommitted build and every half-restored layout's GPU memory, nothing of
   a committed layout;
-* a layout whose memory is found lost is dropped whole, and nothing else.
+* a layout whose memory is found lost is dropped whole (or, saved, kept on
+  the disk tier by its snapshot), and nothing else.
 
 The real-process version (a keeper SIGKILLing real servers) is
 ``test_kept_server_machine.py``.
@@ -144,7 +145,13 @@ class KilledAnywhereMachine(FsmMachine):
             if held:
                 dropped = fold_all(decide_resume(state, resumed_by(state), held[:1]), state)
                 check_invariants(dropped)
-                assert doomed.name not in dropped.layouts
+                if doomed.saved:  # its snapshot holds it: on the disk tier, the same commit
+                    fell = dropped.layouts[doomed.name]
+                    assert (fell.tier.value, fell.gpu_bytes, fell.host_bytes) == ("disk", 0, 0)
+                    assert (fell.layout_hash, fell.disk_file, fell.metadata, fell.allocations) == (
+                        doomed.layout_hash, doomed.disk_file, doomed.metadata, doomed.allocations)
+                else:
+                    assert doomed.name not in dropped.layouts
                 assert all(dropped.layouts[n] == after.layouts[n] for n in committed[1:]), "only that layout"
             elif doomed.allocations:  # on the disk tier alone: no memory of it can be lost
                 kept = fold_all(decide_resume(state, resumed_by(state), [("gpu", min(doomed.allocations))]), state)

@@ -16,7 +16,7 @@ without a CUDA context; the state's allocations with no fd, or whose fd no
 longer imports, are *lost*; fds the state does not name are closed) and
 records what the pure core decides (``gms.fsm.resume``): ``SERVER_RESUMED``,
 the dead sessions' disconnects after a crash, ``LAYOUT_LOST`` for layouts
-with memory gone.  A take-over that finds memory lost is refused instead:
+with memory gone (``LAYOUT_FELL_TO_DISK`` where a snapshot holds one).  A take-over that finds memory lost is refused instead:
 the old server still serves it whole.
 """
 
@@ -192,6 +192,8 @@ async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str
             lost.append((tier, allocation_id, "no fd was kept for it" if not found else f"no {tier} tier here"))
             for _, _, fd in found:
                 os.close(fd)
+            if memory is not None:  # (its release, when its layout goes, finds nothing held)
+                memory.mark_lost([allocation_id])
             continue
         aligned = align_up(size, memory.granularity)
         if tier == MemoryTier.GPU.value:

@@ -393,9 +393,13 @@ class HostMemory:
             self._copies[allocation_id] = tuple(ids)
             self._copy_bytes += sum(sizes[chunk] for chunk in ids)
             adopted += ids
-        self._lost.update(allocation_id for allocation_id, _ in lost)
+        self.mark_lost(allocation_id for allocation_id, _ in lost)
         self._to_copier(adopted)
         return lost
+
+    def mark_lost(self, allocation_ids: Iterable[str]) -> None:
+        """Copies that did not come over: their release finds nothing to release."""
+        self._lost.update(allocation_ids)
 
     # -- the pool -----------------------------------------------------------------------
 
