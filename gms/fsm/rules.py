@@ -91,7 +91,15 @@ from .events import (
 from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
-from .releases import ReleaseFn, everything, gpu_copy, half_restored, host_copies, memory_copies, one_allocation
+from .releases import (
+    ReleaseFn,
+    everything,
+    gpu_copy,
+    half_restored,
+    host_copies,
+    memory_copies,
+    one_allocation,
+)
 from .state import LayoutState, LockState, Residency, Tier, lock_state
 
 EMPTY, RW, COMMITTED, RO = LockState.EMPTY, LockState.RW, LockState.COMMITTED, LockState.RO
