@@ -132,6 +132,35 @@ def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_
     server.stop()
 
 
+def test_restore_at_start_puts_what_fits_on_the_gpu_before_serving(tmp_path):
+    """``--restore-at-start``: after a reboot the server restores the layouts it
+    recovered, as their first reader would (its own session, the layout's
+    owner), before it serves: readers import at once.  A layout the GPU budget
+    has no room for stays on disk; nothing is evicted for a warm-up."""
+    server = serve(tmp_path)
+    first_hash, first = publish(server.socket, "a", sizes=(6 * MiB,))
+    publish(server.socket, "b", sizes=(6 * MiB,))
+    saved(server, "a")
+    saved(server, "b")
+    assert server.stop() == 0
+
+    server = serve(tmp_path, "--restore-at-start", "--gpu-budget", str(10 * MiB), socket_path=server.socket)
+    a, b = server.layout("a"), server.layout("b")
+    assert (a.tier, a.restores, a.state, a.memory_layout_hash) == ("gpu", 1, "COMMITTED", first_hash)
+    assert (b.tier, b.gpu_bytes) == ("disk", 0), "b does not fit beside a: it stays on disk"
+    events = server.events()
+    opened = [e for e in events if e.kind == "SESSION_OPENED"]
+    assert [e.fields["pid"] for e in opened] == [server.state().pid], "the server's own session, before any client"
+    assert [e.kind for e in events if e.layout == "a"] == [
+        "LAYOUT_RECOVERED", "SESSION_OPENED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED",
+        "RO_DISCONNECT", "SESSION_CLOSED",
+    ]
+    granted, again, got = read(server.socket, "a", lock=RequestedLockType.RO)
+    assert (granted.value, again, got) == ("RO", first_hash, first)
+    assert server.layout("a").restores == 1, "the reader imported: no second restore"
+    server.stop()
+
+
 def flip_bit(path: str, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -150,7 +179,7 @@ def test_a_snapshot_whose_bytes_changed_on_disk_is_refused_and_its_layout_droppe
     assert server.layout().tier == "disk", "the manifest reads: recovered, the bytes are checked as they are read"
     with pytest.raises(GMSServerError) as refused:
         read(server.socket, lock=RequestedLockType.RO)
-    assert refused.value.code == "SNAPSHOT_UNREADABLE" and "dropped" in refused.value.message
+    assert refused.value.code == "SNAPSHOT_UNREADABLE" and "dropped" in refused.value.message, server.log
     events = server.events()
     failed = [e for e in events if e.kind == "SNAPSHOT_FAILED"]
     assert failed and "checksum" in failed[0].fields["reason"], failed

@@ -57,6 +57,11 @@ def register(sub) -> None:
     serve.add_argument("--disk-budget", metavar="BYTES", help="bytes of snapshots on disk (default: what fits)")
     serve.add_argument("--no-disk-tier", action="store_true", help="keep no snapshots (commits cannot persist)")
     serve.add_argument(
+        "--restore-at-start", action="store_true",
+        help="after a reboot, restore the layouts found on disk onto the GPU before serving (those that fit; "
+        "default: each one's first reader restores it)",
+    )
+    serve.add_argument(
         "--host-pool", type=pool_size, default=None, metavar="BYTES|auto",
         help="pinned host memory made ahead of need, so that a system publish does not wait for it "
         "(counts against --host-budget; needs the copier).  auto (the default): pinned while writers "
@@ -197,6 +202,7 @@ def server_config(args: argparse.Namespace):
         disk_tier=not args.no_disk_tier,
         disk_dir=args.disk_dir,
         disk_budget=args.disk_budget,
+        restore_at_start=args.restore_at_start,
         policy=load_policy(args.policy) if args.policy else OPEN_POLICY,
         policy_file=args.policy,
         alloc_retry_interval=args.alloc_retry_interval,

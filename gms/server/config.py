@@ -29,6 +29,7 @@ class ServerConfig:
     disk_tier: bool = True
     disk_dir: str | None = None  # None: gms.paths.disk_dir (beside the state, kept across reboots)
     disk_budget: str | None = None  # bytes of snapshots; None: what the disk holds
+    restore_at_start: bool = False  # a cold start restores what it recovered onto the GPU before serving
     policy: Policy = OPEN_POLICY
     policy_file: str | None = None  # where ``policy`` was read: read again by a spare taking a node
     alloc_retry_interval: float = 0.05

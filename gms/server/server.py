@@ -41,6 +41,7 @@ from .restart.freshness import StaleCode, Started
 from .restart.mirror import DRAIN_S
 from .restart.resume import TakeOverRefused, Unresumable
 from .restart.startup import fresh_config, open_link, prepare
+from .service import warm_start
 from .service.core import ServiceCore
 from .service.quiesce import Quiesce
 from .service.session import Session, is_cancellation
@@ -287,8 +288,12 @@ class Server:
             except Unresumable:
                 self.left_as = Leaving.UNRESUMABLE
                 raise
+            recovered = 0
             if core.snapshots is not None:  # a node that starts with nothing finds its snapshots again
-                await (core.snapshots.recover() if start.handed is None else core.snapshots.sweep())
+                if start.handed is None:
+                    recovered = await core.snapshots.recover()
+                else:
+                    await core.snapshots.sweep()
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
             self.admission = open_admission(self.fds, self.config, core.server_uid,
@@ -307,6 +312,8 @@ class Server:
                     nursery.start_soon(succession.watch_keeper, self)
                 if start.handed is not None and start.handed.mode == "take-over":
                     succession.spawn_handed(self, start.handed)
+                if recovered and self.config.restore_at_start:  # before anyone is served: gms.server.service.warm_start
+                    await warm_start.restore_recovered(core)
                 logger.info(
                     "serving device %d on %s (backend %s, policy %s)",
                     self.config.device, path, self.backend.name, self.config.policy.source,

@@ -81,18 +81,19 @@ class Placement:
         event = await self._create(propose, admit_allocation, [(allocation_id, aligned)], aligned)
         return m.AllocateResponse(allocation_id, size, aligned, event.layout_slot)
 
-    async def restore(self, conn: int) -> None:
-        """GPU memory again for the evicted layout ``conn`` restores; OutOfMemory to wait out."""
+    async def restore(self, conn: int, *, evict: bool = True) -> None:
+        """GPU memory again for the evicted layout ``conn`` restores; OutOfMemory to wait out
+        (``evict``: False, at once where the device is full, rather than evict another layout)."""
         layout = layout_of(self.log.state, conn)
         items = [(a.allocation_id, a.aligned_size) for a in layout.allocations.values()]
 
         def propose() -> Event:
             return RestoreLoading(conn, layout=layout.name)
 
-        await self._create(propose, admit_restore, items, layout.held_bytes)
+        await self._create(propose, admit_restore, items, layout.held_bytes, evict)
 
     async def _create(
-        self, propose: Callable[[], Event], admit, items: list[tuple[str, int]], more: int
+        self, propose: Callable[[], Event], admit, items: list[tuple[str, int]], more: int, evict: bool = True
     ) -> Event:
         """Memory for ``items`` (``more`` bytes in all) and the event ``propose()``
         makes for it, recorded; raises a Rejection, or OutOfMemory to wait out."""
@@ -101,7 +102,7 @@ class Placement:
             try:
                 await self.gpu.create(items, fds_checked=checked)
             except OutOfMemory:
-                if not self.gpu.drop_stock() and not self._evict_one():
+                if not self.gpu.drop_stock() and not (evict and self._evict_one()):
                     raise
                 continue
             # The world may have changed during the await: the fold is stored
