@@ -4,15 +4,13 @@ reboot: every gms process stopped, ``gms serve`` started again."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-
 import pytest
 
 from gms import GMSClientMemoryManager, RequestedLockType
 from gms.errors import GMSServerError
 
-from .test_disk_tier import _no_server_outlives_its_test, flip_bit, saved  # noqa: F401 (the fixture: every server killed)
+from .test_disk_tier import _no_server_outlives_its_test, flip_bit, read, saved  # noqa: F401 (the fixture: every server killed)
+from .test_disk_tier import publish as publish_on
 from .test_disk_tier import serve as serve_on
 
 pytestmark = pytest.mark.gpu
@@ -20,50 +18,40 @@ MiB = 1 << 20
 SIZES = (96 * MiB + 12345, 5 * MiB, 64 * MiB)  # several extents, a short one, an odd size
 
 
-def serve(tmp_path):
-    return serve_on(tmp_path, backend="cuda")
+def serve(tmp_path, *args: str, socket_path: str | None = None):
+    return serve_on(tmp_path, *args, socket_path=socket_path, backend="cuda")
 
 
-def publish(path: str) -> tuple[str, list[str]]:
-    writer = GMSClientMemoryManager(path, layout="weights")
-    writer.connect(RequestedLockType.RW)
-    sums = []
-    for n, size in enumerate(SIZES):
-        va = writer.create_mapping(size=size, tag="weights")
-        data = os.urandom(size)
-        writer.write(va, data)
-        sums.append(hashlib.sha256(data).hexdigest())
-        writer.metadata_put(f"t{n}", writer.mappings[-1].allocation_id, 0, b"bf16")
-    writer.commit(persist=True)
-    layout_hash = writer.get_memory_layout_hash()
-    writer.close()
-    return layout_hash, sums
-
-
-def read_sums(path: str, lock=RequestedLockType.RW_OR_RO) -> tuple[str, str, list[str]]:
-    reader = GMSClientMemoryManager(path, layout="weights")
-    reader.connect(lock)
-    try:
-        handles = reader.list_handles()
-        vas = reader.create_mappings([h.allocation_id for h in handles])
-        sums = [hashlib.sha256(reader.read(va, h.size)).hexdigest() for va, h in zip(vas, handles)]
-        return reader.granted_lock_type.value, reader.get_memory_layout_hash(), sums
-    finally:
-        reader.close()
+def publish(path: str) -> tuple[str, list[bytes]]:
+    return publish_on(path, sizes=SIZES)
 
 
 def test_a_persisted_layout_is_back_on_the_gpu_after_every_gms_process_is_gone(tmp_path):
     server = serve(tmp_path)
-    layout_hash, sums = publish(server.socket)
+    layout_hash, contents = publish(server.socket)
     saved(server)
     server.stop()
     server = serve(tmp_path)
     assert server.layout().tier == "disk"
-    assert read_sums(server.socket) == ("RO", layout_hash, sums), "RW_OR_RO imports the same bytes"
+    granted, again, got = read(server.socket)
+    assert (granted.value, again) == ("RO", layout_hash) and got == contents, "RW_OR_RO imports the same bytes"
     assert server.layout().tier == "gpu" and server.layout().restores == 1
     server.kill()  # keeper and all, at once
     server = serve(tmp_path)
-    assert read_sums(server.socket, RequestedLockType.RO) == ("RO", layout_hash, sums)
+    assert read(server.socket, lock=RequestedLockType.RO)[1:] == (layout_hash, contents)
+    server.stop()
+
+
+def test_restore_at_start_on_the_gpu_then_a_reader_imports(tmp_path):
+    server = serve(tmp_path)
+    layout_hash, contents = publish(server.socket)
+    saved(server)
+    server.stop()
+    server = serve(tmp_path, "--restore-at-start", socket_path=server.socket)
+    row = server.layout()
+    assert (row.tier, row.restores, row.memory_layout_hash) == ("gpu", 1, layout_hash), server.log
+    assert read(server.socket, lock=RequestedLockType.RO)[1:] == (layout_hash, contents)
+    assert server.layout().restores == 1, "the reader imported what the server restored"
     server.stop()
 
 
@@ -75,7 +63,7 @@ def test_a_flipped_bit_on_disk_is_found_on_the_gpu_path_and_never_served(tmp_pat
     flip_bit(path, 40 * MiB + 7)
     server = serve(tmp_path)
     with pytest.raises(GMSServerError) as refused:
-        read_sums(server.socket, RequestedLockType.RO)
+        read(server.socket, lock=RequestedLockType.RO)
     assert refused.value.code == "SNAPSHOT_UNREADABLE"
     assert server.layout().state == "EMPTY"
     server.stop()
