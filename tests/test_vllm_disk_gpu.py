@@ -33,7 +33,7 @@ def test_an_engine_imports_weights_restored_from_disk_after_a_reboot(tmp_path):
     engines, model_mod = _bench()
     model = model_mod.make_model(tmp_path / "model", "tiny", "bfloat16")["folder"]
     policy = tmp_path / "policy.toml"
-    policy.write_text(f'[[tenant]]\nname = "inference"\nuids = [{os.getuid()}]\npersist = true\n')
+    policy.write_text(f'[[tenant]]\nname = "inference"\nuids = [{os.getuid()}]\nwrite = ["*"]\npersist = true\n')
     env = engines.serve_env(str(tmp_path / "vllm-cache"))
 
     def engine(name: str, port: int, socket: str):
