@@ -20,6 +20,10 @@ measure that, with the clock).
   another process, and what the server does to feed it is counted.
 * Client: the tree's ``RpcTransport`` against an echo server (the floor of
   ``bench/rpc.py``), polling off: instructions per call of the client process.
+* The log's share (this tree only): the events a request records, folded,
+  stored and encoded as the keeper is sent them, in one process with no
+  server around them: a metadata put's one event, an RO handshake's four
+  (opened and granted, released and closed: two batches).
 
     python bench/cpu_per_request.py [--quick | --n 2000] [--json PATH]
     python bench/cpu_per_request.py --compare /tmp/gms-before      # that tree, then this one
@@ -76,6 +80,33 @@ transport = RpcTransport(sys.argv[1])
 message = m.GetStateHashResponse("x" * 24)
 for _ in range(int(sys.argv[2])):
     transport.call(message, m.GetStateHashResponse)
+"""
+
+LOG_EVENTS = r"""
+import sys
+from gms.fsm import Limits, compute_layout_hash
+from gms.fsm.events import (AllocationCreated, MetadataPut, RoConnect, RoDisconnect, RwCommit, RwConnect,
+                            ServerStarted, SessionClosed, SessionOpened)
+from gms.handover.image import encode_entries
+from gms.store import EventLog
+what, n = sys.argv[1], int(sys.argv[2])
+log = EventLog(max_bytes=64 << 20)  # the server's default bound
+log.append(ServerStarted(0, 1 << 40, None, None, {"default": None}, Limits().as_dict(), backend="host", device=0,
+                         device_uuid="x", layout=""))
+log.extend([SessionOpened(1, "default", 0, 0, 1, "RW", layout="w"), RwConnect(1, layout="w"),
+            AllocationCreated(1, "a0", 2 << 20, 2 << 20, "w", 0, layout="w")])
+if what == "put":
+    put = MetadataPut(1, "key.0", "a0", 0, b"v" * 64, layout="w")
+    for _ in range(n):
+        encode_entries(log.extend([put]))
+else:
+    layout = log.state.layout("w")
+    digest = compute_layout_hash(layout.allocations.values(), layout.metadata.values())
+    log.extend([RwCommit(1, digest, "device", layout="w"), SessionClosed(1, layout="w")])
+    for conn in range(100, 100 + n):
+        encode_entries(log.extend([SessionOpened(conn, "default", 0, 0, conn, "RO", layout="w"),
+                                   RoConnect(conn, layout="w")]))
+        encode_entries(log.extend([RoDisconnect(conn, layout="w"), SessionClosed(conn, layout="w")]))
 """
 
 
@@ -237,7 +268,21 @@ def client_instructions(tree: Path, n: int) -> int:
             server.wait(30)
 
 
-def measure(tree: Path, n: int, with_keeper: bool, ops: tuple[str, ...] = OPS, bare: bool = True) -> dict:
+def log_instructions(tree: Path, what: str, n: int) -> int:
+    """Instructions per request of the log alone (``LOG_EVENTS``): ``n`` requests' events less none."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
+        def count(requests: int) -> int:
+            out = os.path.join(folder, f"log.{requests}.cg")
+            subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                            "-c", LOG_EVENTS, what, str(requests)], env=env, check=True, capture_output=True)
+            return _totals(out)
+
+        return (count(n) - count(0)) // n
+
+
+def measure(tree: Path, n: int, with_keeper: bool, ops: tuple[str, ...] = OPS, bare: bool = True,
+            logs: bool = True) -> dict:
     jobs = ([(op, False) for op in ops] if bare else []) + ([(op, True) for op in ops] if with_keeper else [])
     workers = max(1, min(len(jobs), (os.cpu_count() or 2)))
     with ThreadPoolExecutor(workers) as pool:  # one valgrind per CPU
@@ -246,8 +291,10 @@ def measure(tree: Path, n: int, with_keeper: bool, ops: tuple[str, ...] = OPS, b
             count = n // 2 if op in ("handshake", "allocate_free") else n  # the slow ones
             futures[op, keeper] = pool.submit(server_instructions, tree, op, count, keeper)
         client = pool.submit(client_instructions, tree, n)
+        logs = {what: pool.submit(log_instructions, tree, what, n) for what in ("put", "handshake")} if logs else {}
         out = {f"server_{op}{'_keeper' if keeper else ''}": f.result() for (op, keeper), f in futures.items()}
         out["client_call"] = client.result()
+        out |= {f"log_{what}": f.result() for what, f in logs.items()}
     return out
 
 
@@ -276,7 +323,7 @@ def main() -> None:
     results["this"] = {"tree": str(ROOT), **this}
     rows = []
     if args.compare:
-        other = measure(args.compare, args.n, with_keeper=False, ops=ops)
+        other = measure(args.compare, args.n, with_keeper=False, ops=ops, logs=False)
         results["other"] = {"tree": str(args.compare), **other}
         for name, value in this.items():
             base = other.get(name) if not name.endswith("_keeper") else other.get(name.removesuffix("_keeper"))

@@ -24,6 +24,12 @@ chunks): a ``system`` commit with host copies missing is filled by the
 server (the host copies are recorded with the commit), and a restore is done
 by the server while the reader waits in its handshake (the same events, a
 plain ``RO`` answer); the bytes readers see then went through the copier.
+The disk tier too (issue 52): a commit may ask to persist (the machine waits
+for the server's ``SNAPSHOT_SAVED`` and folds it), an unpinned saved layout
+is evicted to disk, and a reboot (every gms process stopped, ``gms serve``
+again on the same socket and folders) brings every saved layout back on the
+disk tier (``LAYOUT_RECOVERED``), whose first reader restores it from the
+snapshot: the bytes it reads are the writer's.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from gms.fsm import (
 from gms.fsm.events import (
     AllocationOomGaveUp,
     AllocationOomWait,
+    LayoutRecovered,
     RestoreLoading,
     SessionClosed,
     SessionRefused,
@@ -166,18 +173,25 @@ class ServerMachine(RuleBasedStateMachine):
         if self.backend == "host":
             args += ["--host-capacity", "64MiB"]
         args += ["--host-pool", "4MiB", "--host-chunk", "2MiB"] if self.copier else ["--no-copier"]
-        self.server = ServerProcess(self.tmp_path, *args, backend=self.backend, keeper=self.keeper)
-        self.expected = EventLog(retain=None)
-        (started,) = [row_event(e.fields | {"kind": e.kind, "conn": e.conn}) for e in self.server.events()]
-        self.expected.append(started)
+        self.args = args
         self.conns: dict[int, RawConn] = {}
         self.tenant_of: dict[int, str] = {}
         self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {}
         self.next_conn = 1
+        self._serve()
+        self.mapper = open_mapper(self.backend, 0)
+
+    def _serve(self, socket_path: str | None = None) -> None:
+        """A server (again on ``socket_path``: its disk tier's folder too), its log and replica from the start."""
+        self.server = ServerProcess(
+            self.tmp_path, *self.args, backend=self.backend, keeper=self.keeper, socket_path=socket_path,
+        )
+        self.expected = EventLog(retain=None)
+        started = self.server.events()[0]
+        self.expected.append(row_event(started.fields | {"kind": started.kind, "conn": started.conn}))
         self.replica = EMPTY_NODE  # the server's history, folded here
         self.replica_seq = 0
         self.replica_trail = [(0, EMPTY_NODE)]  # (seq, the replica after it): a restart may go back
-        self.mapper = open_mapper(self.backend, 0)
 
     def teardown(self) -> None:
         for conn in self.conns.values():
@@ -470,7 +484,7 @@ class ServerMachine(RuleBasedStateMachine):
         """What ``commit(residency="system")`` does: host copies, filled, then the commit."""
         conn = self._holder(data, "writer")
         self.host_copies(data, conn)
-        self.commit(data, "system", conn)
+        self.commit(data, "system", conn=conn)
 
     @precondition(lambda self: self.copier and any(l.writer is not None for l in self.state.layouts.values()))
     @rule(data=st.data(), size=st.integers(1, 5 * MiB))
@@ -480,7 +494,7 @@ class ServerMachine(RuleBasedStateMachine):
         conn = self._holder(data, "writer")
         self._allocate(conn, size, "weights")
         if conn in self.conns:
-            self.commit(data, "system", conn)
+            self.commit(data, "system", conn=conn)
 
     @precondition(lambda self: any(l.writer is not None for l in self.state.layouts.values()))
     @rule(data=st.data())
@@ -506,24 +520,70 @@ class ServerMachine(RuleBasedStateMachine):
                 fd, info.aligned_size, True, lambda va: self.mapper.write(va, pattern(allocation)), host=True
             )
 
-    @rule(data=st.data(), residency=st.sampled_from(["device", "system", "unpinned"]))
-    def commit(self, data, residency, conn=None):
+    @rule(data=st.data(), residency=st.sampled_from(["device", "system", "unpinned"]), persist=st.booleans())
+    def commit(self, data, residency, persist=False, conn=None):
         conn = conn or self._holder(data, "writer")
         if conn is None:
             return
+        # Saved only through the copier; and not ``system``: a saved layout on the host
+        # tier may spill to disk when host copies need room, which this machine does not model.
+        persist = persist and self.copier and residency != "system"
         layout = self._layout_of(conn)
-        response = self.conns[conn].call(m.CommitRequest(residency))
+        response = self.conns[conn].call(m.CommitRequest(residency, True if persist else None))
         state = self.state.layout(layout)
-        if self._expect(response, lambda: self._decide_commit(state, conn, residency)) is not None:
+        if self._expect(response, lambda: self._decide_commit(state, conn, residency, persist)) is not None:
             assert response.memory_layout_hash == self.state.layout(layout).layout_hash
             assert self.conns.pop(conn).closed_by_peer()
             self._record([SessionClosed(conn, layout=layout)])
+            committed = self.state.layout(layout).loads
             self._grant(layout)
+            if persist and self.state.layout(layout).loads == committed and self.state.layout(layout).committed:
+                self._saved(layout)  # (a writer granted at once cleared it: the saver finds nothing to save)
 
-    def _decide_commit(self, state, conn, residency):
+    def _saved(self, layout: str) -> None:
+        """The server's saver, off the commit's path: wait for its SNAPSHOT_SAVED and fold it here."""
+        def found():
+            rows = [e for e in self.server.events(self.expected.last_seq) if e.layout == layout]
+            return next((e for e in rows if e.kind in ("SNAPSHOT_SAVED", "SNAPSHOT_FAILED")), None)
+
+        event = wait_until(found, timeout=30, what=f"{layout}'s snapshot\n{self.server.log}")
+        assert event.kind == "SNAPSHOT_SAVED", event.fields
+        self._record([row_event(event.fields | {"kind": event.kind, "conn": event.conn})])
+
+    @precondition(lambda self: any(layout.saved for layout in self.state.layouts.values()))
+    @rule(read=st.booleans())
+    def reboot(self, read):
+        """Every gms process stopped, then ``gms serve`` again with the same socket and
+        folders: each saved layout comes back committed on the disk tier, nothing else;
+        then (``read``) its owner reads the first of them, restored from its snapshot."""
+        before = self.state
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+        self.waiting.clear()
+        self.tenant_of.clear()
+        assert self.server.stop() == 0, self.server.log
+        self._serve(self.server.socket)
+        for name, layout in sorted(before.layouts.items()):
+            if not layout.saved:
+                continue
+            allocations, metadata = queries.snapshot_rows(layout)
+            recovered = LayoutRecovered(0, layout.owner, layout.layout_hash, allocations, metadata, layout.disk_bytes,
+                                        layout.disk_file, layout.residency.value, layout=name)
+            try:
+                fold_all([recovered], self.state)
+            except Rejection:  # (the server leaves that snapshot on disk for a later start)
+                continue
+            self._record([recovered])
+        recovered = sorted(self.state.layouts)
+        if read and recovered:
+            name = recovered[0]
+            self.handshake(RequestedLockType.RO, name, self.state.layout(name).owner, None)
+
+    def _decide_commit(self, state, conn, residency, persist=False):
         """The commit; with a copier, a ``system`` one makes the missing host copies
         first (``gms.server.service.transfers``: recorded with it, all or nothing)."""
-        (commit,) = decide_commit(state, conn, residency)
+        (commit,) = decide_commit(state, conn, residency, persist)
         if not (self.copier and residency == "system"):
             return [commit]
         missing = [i for i in self._by_slot(state.name) if i not in state.host_copies]
@@ -659,7 +719,7 @@ class ServerMachine(RuleBasedStateMachine):
             assert (row.allocation_count, row.bytes, row.memory_layout_hash) == (
                 len(layout.allocations), layout.held_bytes, layout.layout_hash or "",
             )
-        gpu = [a for l in expected.layouts.values() if l.tier.value != "host" for a in l.allocations.values()]
+        gpu = [a for l in expected.layouts.values() if l.gpu_bytes for a in l.allocations.values()]
         host = [s for l in expected.layouts.values() for s in l.host_copies.values()]
         assert (runtime.server_handle_count, runtime.server_handle_bytes) == (
             len(gpu), sum(a.aligned_size for a in gpu),
