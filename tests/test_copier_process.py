@@ -289,3 +289,42 @@ def test_a_chunk_released_while_it_is_being_mapped_is_unmapped_once_mapped(made_
         assert "not mapped" in msg.receive(ours)[0].error, "released: no copy may use it"
         gate.set()
         assert unmapped.wait(30), "unmapped as soon as it was mapped"
+
+
+def test_a_restore_that_finds_a_bad_extent_ends_only_once_every_extent_has(tmp_path):
+    """A checksum that fails in one extent while others are still being read:
+    the file copy raises only after all of them ended, so the caller's unmap of
+    the allocations and close of the file never meet a read still running (the
+    copier died of that, now and then, as a restore of a corrupt snapshot)."""
+    import time
+    import zlib
+
+    from gms.copier import files
+
+    engine = HostEngine(open_mapper("host", 0))
+    copier = files.FileCopier(engine, threads=4)
+    data = os.urandom(4 * MiB)
+    snapshot = tmp_path / "snapshot"
+    snapshot.write_bytes(data)
+    device = os.memfd_create("device")
+    os.ftruncate(device, 4 * MiB)
+    mapped = engine.map_device(device, 4 * MiB, writable=True)
+    crcs = [zlib.crc32(data[k * MiB:(k + 1) * MiB]) for k in range(4)]
+    crcs[0] ^= 1  # the first extent fails at once; the others finish slowly
+    job = msg.FileCopy(1, False, [4 * MiB], [0] * 4, [k * MiB for k in range(4)], [k * MiB for k in range(4)],
+                       [MiB] * 4, crcs)
+    ended = []
+
+    def each() -> None:
+        time.sleep(0.3)
+        ended.append(1)
+
+    fd = os.open(snapshot, os.O_RDONLY)
+    try:
+        with pytest.raises(files.Corrupt):
+            copier.run(job, [mapped], fd, each)
+        assert len(ended) == 3, "every other extent ended before the failure was raised"
+    finally:
+        os.close(fd)
+        engine.unmap(mapped)
+        copier.close()

@@ -24,7 +24,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from . import messages as msg
 from .engine import Engine, Mapped
@@ -72,7 +72,11 @@ class FileCopier:
                 )
                 for k in range(len(job.size))
             ]
-            return [future.result() for future in futures]  # (the first failure raises, once all ended)
+            # Every extent ended before anything is raised: a failed one (a checksum that
+            # does not match) must not let the caller unmap memory, or close the file,
+            # that the others still read into (the copier died of that, now and then).
+            wait(futures)
+            return [future.result() for future in futures]
         finally:
             if direct is not None:
                 os.close(direct)

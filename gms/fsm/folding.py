@@ -43,8 +43,9 @@ _EMPTY_KEYS: Map = Map()
 
 
 def entry_bytes(key: str, value: bytes) -> int:
-    """What one metadata entry costs the daemon's RAM, as the fold counts it."""
-    return len(key.encode()) + len(value)
+    """What one metadata entry costs the daemon's RAM, as the fold counts it
+    (its key's UTF-8 bytes: for an ASCII key, its length, with no copy made)."""
+    return (len(key) if key.isascii() else len(key.encode())) + len(value)
 
 
 # -- locks --------------------------------------------------------------------------
