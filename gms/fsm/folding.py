@@ -153,17 +153,22 @@ def layout_evicted(state: LayoutState, event: LayoutEvicted) -> LayoutState:
     if restore_source(state) is Tier.HOST:
         return replace(state, tier=Tier.HOST, evictions=state.evictions + 1)
     if state.saved:  # its snapshot holds it (a system layout back from disk has no host copy)
-        return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1)
+        return _to_snapshot(state, evictions=state.evictions + 1)
     # Unpinned, no copy anywhere: its next user reloads it from wherever it came from.
     return state.fresh(evictions=state.evictions + 1)
 
 
 def layout_spilled(state: LayoutState, event: LayoutSpilled) -> LayoutState:
-    return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, evictions=state.evictions + 1)
+    return _to_snapshot(state, evictions=state.evictions + 1)
 
 
 def layout_fell_to_disk(state: LayoutState, event: LayoutFellToDisk) -> LayoutState:
-    return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0)
+    return _to_snapshot(state)
+
+
+def _to_snapshot(state: LayoutState, **changes: object) -> LayoutState:
+    """The layout on the disk tier: its snapshot alone holds the bytes (no host copy left)."""
+    return replace(state, tier=Tier.DISK, host_copies=Map(), host_bytes=0, **changes)
 
 
 def restore_claimed(state: LayoutState, event: RestoreClaimed) -> LayoutState:

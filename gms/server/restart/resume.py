@@ -16,8 +16,9 @@ without a CUDA context; the state's allocations with no fd, or whose fd no
 longer imports, are *lost*; fds the state does not name are closed) and
 records what the pure core decides (``gms.fsm.resume``): ``SERVER_RESUMED``,
 the dead sessions' disconnects after a crash, ``LAYOUT_LOST`` for layouts
-with memory gone (``LAYOUT_FELL_TO_DISK`` where a snapshot holds one).  A take-over that finds memory lost is refused instead:
-the old server still serves it whole.
+with memory gone (``LAYOUT_FELL_TO_DISK`` where a snapshot holds one).  A
+take-over that finds memory lost is refused instead: the old server still
+serves it whole.
 """
 
 from __future__ import annotations
