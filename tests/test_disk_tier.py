@@ -132,25 +132,29 @@ def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_
     server.stop()
 
 
-def test_restore_at_start_puts_what_fits_on_the_gpu_before_serving(tmp_path):
+@pytest.mark.parametrize("bound", ["--gpu-budget", "--host-capacity"])
+def test_restore_at_start_puts_what_fits_on_the_gpu_before_serving(tmp_path, bound):
     """``--restore-at-start``: after a reboot the server restores the layouts it
     recovered, as their first reader would (its own session, the layout's
     owner), before it serves: readers import at once.  A layout the GPU budget
-    has no room for stays on disk; nothing is evicted for a warm-up."""
+    (or the device itself: the host backend's capacity) has no room for stays
+    on disk; nothing is evicted for a warm-up."""
     server = serve(tmp_path)
-    first_hash, first = publish(server.socket, "a", sizes=(6 * MiB,))
-    publish(server.socket, "b", sizes=(6 * MiB,))
+    # Unpinned: each could be evicted for the other's room (to its snapshot); a warm-up must not.
+    first_hash, first = publish(server.socket, "a", sizes=(6 * MiB,), residency="unpinned")
+    publish(server.socket, "b", sizes=(6 * MiB,), residency="unpinned")
     saved(server, "a")
     saved(server, "b")
     assert server.stop() == 0
 
-    server = serve(tmp_path, "--restore-at-start", "--gpu-budget", str(10 * MiB), socket_path=server.socket)
+    server = serve(tmp_path, "--restore-at-start", bound, str(10 * MiB), socket_path=server.socket)
     a, b = server.layout("a"), server.layout("b")
     assert (a.tier, a.restores, a.state, a.memory_layout_hash) == ("gpu", 1, "COMMITTED", first_hash)
     assert (b.tier, b.gpu_bytes) == ("disk", 0), "b does not fit beside a: it stays on disk"
     events = server.events()
     opened = [e for e in events if e.kind == "SESSION_OPENED"]
-    assert [e.fields["pid"] for e in opened] == [server.state().pid], "the server's own session, before any client"
+    # The server's own sessions, before any client's (under the capacity, b's too: it found no room and left).
+    assert {e.fields["pid"] for e in opened} == {server.state().pid} and opened[0].layout == "a"
     assert [e.kind for e in events if e.layout == "a"] == [
         "LAYOUT_RECOVERED", "SESSION_OPENED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED",
         "RO_DISCONNECT", "SESSION_CLOSED",
