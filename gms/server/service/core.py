@@ -205,7 +205,13 @@ class ServiceCore:
         one batch: its client is the one being answered.  Else it is queued, and
         ``on_grant`` runs when it is granted; ``alive`` is asked before a grant
         (False drops the waiter instead)."""
-        opened = self._decide_session(conn, request, peer)
+        return self.open_session(conn, self._decide_session(conn, request, peer), on_grant, alive)
+
+    def open_session(
+        self, conn: int, opened: Event, on_grant: GrantCallback, alive: Callable[[], bool] = lambda: True,
+    ) -> RequestedLockType:
+        """Record the decided SESSION_OPENED and ask for its lock (as :meth:`handshake`
+        says); the server's own sessions come in here too (``warm_start``)."""
         requested = _LOCK_TYPES[opened.lock_type]
         layout = opened.layout
         folded = self.ledger.fold([opened])

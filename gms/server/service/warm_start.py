@@ -26,13 +26,13 @@ import trio
 
 from ...cuda.interface import OutOfMemory
 from ...fsm import (
+    Grant,
     Rejection,
     RequestedLockType,
     SnapshotUnreadable,
     Tier,
     decide_session,
     gpu_shortfall,
-    schedule,
 )
 from ..edge.admission import FdsExhausted
 from .core import ServiceCore
@@ -63,16 +63,15 @@ async def restore_one(core: ServiceCore, name: str) -> bool:
             core.state, conn, name, RequestedLockType.RO, tenant=layout.owner, may_read=True, may_write=False,
             uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), limit_bytes=None, expect_hash=layout.layout_hash,
         )
-        folded = core.ledger.fold([opened])
-        grants = schedule(folded.state.layout(name), [(conn, RequestedLockType.RO)])
-        if not grants or not grants[0].restore:  # (nothing else runs yet: the rules would say why)
-            log.warning("restore at start: %r not granted a restore; it stays on disk", name)
-            return False
-        core.ledger.record(core.ledger.fold_more(folded, [grants[0].event]))
+        granted: list[Grant] = []
+        core.open_session(conn, opened, granted.append)
     except Rejection as refused:
         log.warning("restore at start: %r stays on disk: %s", name, refused.message)
         return False
     try:
+        if not granted or not granted[0].restore:  # (nothing else runs yet: the rules would say why)
+            log.warning("restore at start: %r not granted a restore; it stays on disk", name)
+            return False
         await core.placement.restore(conn, evict=False)
         await core.snapshots.restore(conn, trio.sleep_forever)
     except OutOfMemory:
