@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -99,15 +98,6 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summary_us(samples_s: list[float]) -> dict[str, float]:
-    return {
-        "p50_us": percentile(samples_s, 0.50) * 1e6,
-        "p99_us": percentile(samples_s, 0.99) * 1e6,
-        "mean_us": statistics.fmean(samples_s) * 1e6,
-        "n": len(samples_s),
-    }
-
-
 def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> None:
     rows = [tuple(str(c) for c in row) for row in rows]
     if header:
@@ -118,39 +108,6 @@ def print_table(title: str, rows: list[tuple], header: tuple | None = None) -> N
         print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if header and n == 0:
             print("  " + "  ".join("-" * w for w in widths))
-
-
-def tree_env(tree: str) -> dict[str, str]:
-    """The environment that runs ``tree``'s gms.  Run it with ``cwd=tree`` too: ``python -m
-    gms`` (how the benches start servers) puts the working directory before PYTHONPATH,
-    so a run started from another checkout's root would serve that checkout's code.
-    The caller's PYTHONPATH follows (a GPU host's packages installed with ``--target``)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
-
-
-def compare_trees(script: str, before: str, runs: int, args: list[str]) -> dict:
-    """Run ``script`` on another checkout (``before``) and on this one, turn
-    about, ``runs`` times each (same host, same run); each run prints its
-    results as JSON (``--json -``), a flat {name: number} of what is compared.
-    Returns every run's numbers and, per name, the median of each side."""
-    here = str(Path(__file__).resolve().parent.parent)
-    results: dict[str, list] = {"before": [], "after": []}
-    for _ in range(runs):
-        for label, tree in (("before", str(Path(before).resolve())), ("after", here)):
-            out = subprocess.run([sys.executable, script, *args, "--json", "-"], env=tree_env(tree), cwd=tree,
-                                 capture_output=True, text=True, check=True)
-            results[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    names = [name for name, value in results["after"][0].items() if isinstance(value, int | float)]
-    median = {label: {name: statistics.median(run[name] for run in rows) for name in names}
-              for label, rows in results.items()}
-    return {"runs": runs, **results, "median": median}
-
-
-def print_comparison(title: str, compared: dict, names: list[str]) -> None:
-    before, after = compared["median"]["before"], compared["median"]["after"]
-    print_table(title, [(name.removesuffix("_us").replace("_", " "), f"{before[name]:.1f}", f"{after[name]:.1f}",
-                         f"{after[name] / before[name]:.2f}") for name in names],
-                header=("request", "before", "after", "after/before"))
 
 
 def dumps(results) -> str:

@@ -2,10 +2,11 @@
 
     python bench/all.py [--quick]
 
-CPU ones always (event log, the core in process, RPC, tenants, on-demand
-weights and host-tier transfers on the host backend; instructions per request
-where valgrind is installed); GPU ones where a GPU is present (VMM calls, warm start, import
-phases, sleep/wake, RPC, tenants, on-demand weights and host-tier transfers on the CUDA backend).
+CPU ones always (tenants, on-demand weights and host-tier transfers on the
+host backend; the server's work per request, counted: instructions where
+valgrind is installed, Python opcodes where not); GPU ones where a GPU is
+present (warm start, sleep/wake, tenants, on-demand weights and host-tier
+transfers on the CUDA backend).
 Run as root for the tenant benchmark's distinct uids.
 Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
 """
@@ -28,14 +29,12 @@ def main() -> None:
     quick = ["--quick"] if args.quick else []
     from gms.cuda import cuda_device_count
 
-    runs = [["event_log.py"], ["core_ops.py"], ["rpc.py", "--backend", "host"],
-            ["tenants.py", "--backend", "host"],
+    runs = [["tenants.py", "--backend", "host"],
             ["on_demand.py", "--backend", "host"], ["tier_floor.py", "--backend", "host"]]
-    if shutil.which("valgrind"):  # instructions per request, counted (a few minutes)
-        runs.append(["cpu_per_request.py"])
+    count = "instructions" if shutil.which("valgrind") else "opcodes"  # (instructions: a few minutes)
+    runs.append(["cpu_per_request.py", "--count", count])
     if cuda_device_count():
-        runs += [["vmm.py"], ["warm_start.py"], ["import_phases.py"], ["sleep_wake.py"],
-                 ["rpc.py", "--backend", "cuda"], ["tenants.py", "--backend", "cuda"],
+        runs += [["warm_start.py"], ["sleep_wake.py"], ["tenants.py", "--backend", "cuda"],
                  ["on_demand.py", "--backend", "cuda"], ["tier_floor.py", "--backend", "cuda"]]
     failed = []
     for run in runs:
