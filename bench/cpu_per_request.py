@@ -34,10 +34,10 @@ System calls' kernel time is in neither (``bench/peers/`` times requests).
   per call of the client process.
 * The log's share (this tree only): the events a request records, folded,
   stored and encoded as the keeper is sent them, in one process with no
-  server around them: a metadata put's one event; an RO handshake's four
-  (opened and granted, released and closed: two batches); and ``sessions``,
-  the session opened and closed with no lock, the least any handshake that
-  is logged could cost.
+  server around them: a metadata put's one event; an RO handshake's two
+  (READER_JOINED, READER_LEFT: its session with its lock, each way); and
+  ``sessions``, the session opened and closed with no lock, the least any
+  handshake that is logged could cost.
 
     python bench/cpu_per_request.py [--quick | --n 2000] [--count opcodes] [--json PATH]
     python bench/cpu_per_request.py --compare /tmp/gms-before      # that tree, then this one
@@ -102,7 +102,7 @@ for _ in range(int(sys.argv[2])):
 LOG_EVENTS = r"""
 import sys
 from gms.fsm import Limits, compute_layout_hash
-from gms.fsm.events import (AllocationCreated, MetadataPut, RoConnect, RoDisconnect, RwCommit, RwConnect,
+from gms.fsm.events import (AllocationCreated, MetadataPut, ReaderJoined, ReaderLeft, RwCommit, RwConnect,
                             ServerStarted, SessionClosed, SessionOpened)
 from gms.handover.image import encode_entries
 from gms.store import EventLog
@@ -120,12 +120,13 @@ else:
     layout = log.state.layout("w")
     digest = compute_layout_hash(layout.allocations.values(), layout.metadata.values())
     log.extend([RwCommit(1, digest, "device", layout="w"), SessionClosed(1, layout="w")])
-    lock = what == "handshake"  # "sessions": the session alone, no lock (the least a logged session costs)
+    # "handshake": a reader's session with its lock, one event each way; "sessions": the
+    # session alone, no lock (the least a logged session costs)
+    lock = what == "handshake"
     for conn in range(100, 100 + n):
-        opened = SessionOpened(conn, "default", 0, 0, conn, "RO", layout="w")
-        encode_entries(log.extend([opened, RoConnect(conn, layout="w")] if lock else [opened]))
-        closed = SessionClosed(conn, layout="w")
-        encode_entries(log.extend([RoDisconnect(conn, layout="w"), closed] if lock else [closed]))
+        opened = (ReaderJoined if lock else SessionOpened)(conn, "default", 0, 0, conn, "RO", layout="w")
+        encode_entries(log.extend([opened]))
+        encode_entries(log.extend([(ReaderLeft if lock else SessionClosed)(conn, layout="w")]))
 """
 
 

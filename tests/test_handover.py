@@ -189,7 +189,7 @@ def test_a_restart_disconnects_every_dead_session_in_order_and_keeps_the_committ
     events = decide_resume(state, _resumed(state))
     kinds = [(e.KIND, e.conn) for e in events]
     assert kinds == [
-        ("SERVER_RESUMED", 0), ("RO_DISCONNECT", 4), ("SESSION_CLOSED", 4), ("RESTORE_ABORTED", 5),
+        ("SERVER_RESUMED", 0), ("READER_LEFT", 4), ("RESTORE_ABORTED", 5),
         ("SESSION_CLOSED", 5), ("RW_ABORT", 6), ("SESSION_CLOSED", 6), ("SESSION_CLOSED", 7), ("SESSION_CLOSED", 8),
     ]
     after = fold_all(events, state)

@@ -72,7 +72,7 @@ from .residency import (
 )
 from .resume import decide_resume, held_memory
 from .rules import LASTING, RULES, Rule, Who, fold_layout, parse_residency
-from .sessions import decide_disconnect, decide_session, holders, validate_layout_name
+from .sessions import decide_disconnect, decide_session, holders, opening, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
 __all__ = [
@@ -152,6 +152,7 @@ __all__ = [
     "layout_problems",
     "lock_state",
     "may_make_room",
+    "opening",
     "parse_residency",
     "plan_evictions",
     "plan_spills",

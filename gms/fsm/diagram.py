@@ -58,12 +58,12 @@ _FLAGS = {
 
 def _does(rule: Rule) -> str:
     """The row's fold step and what the shell reads from it."""
-    where = "layout" if rule.step is not None else "node"
-    step = (rule.step or rule.node_step).__name__
+    steps = [f"`{step.__name__}` on the {where}" for step, where in ((rule.node_step, "node"), (rule.step, "layout"))
+             if step is not None]
     flags = [text for flag, text in _FLAGS.items() if getattr(rule, flag)]
     if rule.releases is not None:
         flags.insert(2, f"releases `{rule.releases.__name__}`")
-    return f"`{step}` on the {where}" + "".join(f"; {text}" for text in flags)
+    return " then ".join(steps) + "".join(f"; {text}" for text in flags)
 
 
 def rules_table() -> str:

@@ -5,7 +5,8 @@ calls it).  It asks the rules (``gms.fsm.rules``) whether the event is legal
 (a refusal raises the Rejection that says why), then applies it: node events
 (the start, sessions) change the node; every other event is folded into the
 layout it names by :func:`fold_layout`, and the node's byte accounting is
-settled from the layout before and after, in O(1):
+settled from the layout before and after, in O(1) (a reader's joining and
+leaving do both: the session on the node, then the lock on the layout):
 
 * a tenant is charged ``held_bytes`` for every layout it owns (built), on the
   GPU or evicted to the host: its quota bounds what it keeps in gms;
@@ -174,18 +175,21 @@ def _layout_event(node: NodeState, event: Event, tick: int, before: LayoutState,
 
 def fold(node: NodeState, event: Event) -> NodeState:
     """The next node: the event's row in ``gms.fsm.rules`` checked (a refusal
-    raises the Rejection that says why), then its step applied: a node step
-    to the node, a layout step to the layout it names, whose move the row
-    must list and whose bytes are settled here.  InvariantViolation for an
-    event no state could take."""
+    raises the Rejection that says why), then its steps applied: a node step
+    to the node, then a layout step to the layout it names, whose move the
+    row must list and whose bytes are settled here.  InvariantViolation for
+    an event no state could take."""
     if type(event) is ServerStarted:
         return replace(server_started(node, event), tick=node.tick + 1)
     if not node.started:
         raise InvariantViolation(f"cannot fold {event.KIND}: the log starts with SERVER_STARTED")
     rule, layout = rules.check(node, event)
+    tick = node.tick + 1
     if rule.node_step is not None:
-        return rule.node_step(node, event, node.tick + 1)
-    return _layout_event(node, event, node.tick + 1, layout, rule)
+        node = rule.node_step(node, event, tick)
+        if rule.step is None:
+            return node
+    return _layout_event(node, event, tick, layout, rule)
 
 
 def fold_all(events: Iterable[Event], state: NodeState = EMPTY_NODE) -> NodeState:

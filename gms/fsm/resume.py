@@ -7,8 +7,8 @@ server handing over) records, in order:
   and its own configuration (which replaces the old one's);
 * after a crash (``restart``), the dead server's connections as disconnects:
   each session's lock released (``RW_ABORT``: an uncommitted build dropped,
-  ``RO_DISCONNECT``, ``RESTORE_ABORTED``) and the session closed, in
-  connection order, exactly as if each client had hung up;
+  ``RESTORE_ABORTED``) and the session closed, a reader both in one
+  (``READER_LEFT``), in connection order, exactly as if each client had hung up;
 * for every committed layout some of whose memory is gone (an fd that no
   longer imports): ``LAYOUT_FELL_TO_DISK`` if its snapshot holds it (the rest
   of its memory goes, the layout stays committed on the disk tier), else

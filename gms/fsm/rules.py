@@ -69,6 +69,8 @@ from .events import (
     LockTimeout,
     MetadataDeleted,
     MetadataPut,
+    ReaderJoined,
+    ReaderLeft,
     ResidencySet,
     RestoreAborted,
     RestoreClaimed,
@@ -164,7 +166,7 @@ class Rule:
     # lock, unfinished build or restore half done).
     releases: ReleaseFn | None = attrs.field(kw_only=True)
     lasting: bool = attrs.field(kw_only=True)
-    # What it does: one of the two, its fold step.
+    # What it does: its fold step on the node, on the layout it names, or both (the node's first).
     step: LayoutStep | None = None  # on the layout it names (the node settles the bytes)
     node_step: NodeStep | None = None  # on the node (the server's resume, sessions)
     # Where it may happen, derived once from the moves.  Tuples, not sets: a few
@@ -182,8 +184,8 @@ class Rule:
     still: bool = attrs.field(init=False)  # every move stays where it was (most of the writer's events)
 
     def __attrs_post_init__(self) -> None:
-        if (self.step is None) == (self.node_step is None):
-            raise ValueError("a rule has one fold step: on its layout or on the node")
+        if self.step is None and self.node_step is None:
+            raise ValueError("a rule has a fold step: on its layout, on the node, or both")
         object.__setattr__(self, "lock_pairs", frozenset((move.before, move.after) for move in self.moves))
         object.__setattr__(self, "tier_pairs", frozenset((move.before, move.after) for move in self.tier_moves))
         object.__setattr__(self, "still", all(m.before is m.after for m in (*self.moves, *self.tier_moves)))
@@ -574,6 +576,11 @@ def _expected_layout(node, e: SessionOpened) -> None:
         )
 
 
+def _asks_to_read(node, layout: LayoutState, e: ReaderJoined) -> None:
+    if e.lock_type == "RW":
+        raise StateViolation("a session that asked to write cannot join as a reader")
+
+
 def _session_ends(node, layout: LayoutState, e: SessionClosed) -> None:
     session = node.sessions.get(e.conn)
     if session is None or session.layout != e.layout:
@@ -638,6 +645,16 @@ RULES: dict[type[Event], Rule] = {
     RoDisconnect: Rule(
         Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last")), uses=True, makes_room=True,
         releases=None, lasting=False, step=steps.ro_disconnect,
+    ),
+    # a reader's visit in two events: SESSION_OPENED and RO_CONNECT in one, RO_DISCONNECT and SESSION_CLOSED in one
+    ReaderJoined: Rule(
+        Who.ANYONE, (Move(COMMITTED, RO), Move(RO, RO, "another reader")), stays(GPU),
+        checks=(_session_admitted, _asks_to_read), uses=True, releases=None, lasting=False, node_step=session_opened,
+        step=steps.ro_connect,
+    ),
+    ReaderLeft: Rule(
+        Who.READER, (Move(RO, RO, "not the last"), Move(RO, COMMITTED, "the last")), uses=True, makes_room=True,
+        releases=None, lasting=False, node_step=session_closed, step=steps.ro_disconnect,
     ),
     # the writer's layout
     AllocationCreated: Rule(

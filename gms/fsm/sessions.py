@@ -12,13 +12,15 @@ from __future__ import annotations
 from .errors import PermissionDenied
 from .events import (
     Event,
+    ReaderJoined,
+    ReaderLeft,
     RestoreAborted,
-    RoDisconnect,
+    RoConnect,
     RwAbort,
     SessionClosed,
     SessionOpened,
 )
-from .locks import RequestedLockType
+from .locks import Grant, RequestedLockType
 from .rules import check_layout_name
 from .state import NodeState
 
@@ -57,17 +59,33 @@ def decide_session(
     ]
 
 
+def opening(opened: SessionOpened, grant: Grant | None) -> tuple[list[Event], Grant | None]:
+    """What a handshake records: its session and, if its lock is granted at once,
+    the grant, which the session's answer tells of.  A read lock comes with its
+    session in one event (READER_JOINED), the grant telling of that event."""
+    if grant is None:
+        return [opened], None
+    if type(grant.event) is not RoConnect:
+        return [opened, grant.event], grant
+    joined = ReaderJoined(
+        opened.conn, opened.tenant, opened.uid, opened.gid, opened.pid, opened.lock_type, opened.limit_bytes,
+        opened.expect_hash, layout=opened.layout,
+    )
+    return [joined], Grant(grant.conn, grant.granted, joined)
+
+
 def decide_disconnect(node: NodeState, conn: int) -> list[Event]:
-    """A closed, dropped or revoked connection releases its lock, then its session."""
+    """A closed, dropped or revoked connection releases its lock, then its session
+    (a reader both in one event)."""
     session = node.sessions.get(conn)
     if session is None:
         return []
     layout = node.layout(session.layout)
+    if conn in layout.readers:
+        return [ReaderLeft(conn, layout=layout.name)]
     events: list[Event] = []
     if layout.writer == conn:
         events.append(RwAbort(conn, layout=layout.name))
-    elif conn in layout.readers:
-        events.append(RoDisconnect(conn, layout=layout.name))
     elif layout.restorer == conn:
         events.append(RestoreAborted(conn, layout=layout.name))
     events.append(SessionClosed(conn, layout=layout.name))

@@ -50,13 +50,19 @@ from gms.fsm import (
     decide_spill,
     fold,
     fold_all,
+    opening,
     plan_evictions,
     queries,
     schedule,
 )
 from gms.fsm.events import (
     LayoutRecovered,
+    ReaderJoined,
+    ReaderLeft,
+    RestoreClaimed,
     RestoreLoading,
+    RoDisconnect,
+    RwConnect,
     ServerResumed,
     ServerStarted,
     SessionClosed,
@@ -268,24 +274,35 @@ class FsmMachine(RuleBasedStateMachine):
 
     # -- connections --------------------------------------------------------
 
+    def _open(self, conn, layout, lock, tenant, may_read, may_write, limit, older) -> list:
+        """The handshake's events as the core records them: its session, and its
+        grant when nobody waits ahead (a reader's in one event; ``older``: in the
+        two an older server recorded, which a log may still hold)."""
+        (opened,) = decide_session(
+            self.log.state, conn, layout, lock, tenant=tenant, may_read=may_read,
+            may_write=may_write, uid=1000, gid=1000, pid=conn, limit_bytes=limit,
+        )
+        grant = None
+        if not self.waiting[layout]:
+            grant = next(iter(schedule(self.log.state.layout(layout), [(conn, RequestedLockType(opened.lock_type))])),
+                         None)
+        events, _ = opening(opened, grant)
+        return [opened, grant.event] if older and type(events[0]) is ReaderJoined else events
+
     @rule(
         layout=st.sampled_from(["a", "a", "b", "b", "c"]),
         lock=st.sampled_from(list(RequestedLockType)),
         tenant=st.sampled_from(sorted(TENANTS)),
         limit=st.sampled_from([None, None, None, 0, 4 * MiB, 20 * MiB]),
+        older=st.booleans(),
     )
-    def handshake(self, layout, lock, tenant, limit):
+    def handshake(self, layout, lock, tenant, limit, older):
         conn = self.next_conn
         self.next_conn += 1
         _, writes, reads = TENANTS[tenant]
         quota = self.quotas[tenant]
         may_write, may_read = layout in writes, layout in reads | writes
-        code, events = self._decide(
-            lambda: decide_session(
-                self.log.state, conn, layout, lock, tenant=tenant, may_read=may_read,
-                may_write=may_write, uid=1000, gid=1000, pid=conn, limit_bytes=limit,
-            )
-        )
+        code, events = self._decide(lambda: self._open(conn, layout, lock, tenant, may_read, may_write, limit, older))
         effective = "RO" if lock is RequestedLockType.RW_OR_RO and not may_write else lock.value
         expected = None
         if (effective == "RW" and not may_write) or (effective == "RO" and not may_read):
@@ -306,25 +323,35 @@ class FsmMachine(RuleBasedStateMachine):
         assert code == expected
         if code is not None:
             return
-        (opened,) = events
+        opened, *granted = events
         assert opened.lock_type == effective
         self.sessions[conn] = (layout, tenant, limit)
         self.locks[conn] = effective
-        self.waiting[layout].append((conn, RequestedLockType(effective)))
         self.refs[layout].queue.append((conn, effective))
-        self._pump(layout)
+        if type(opened) is ReaderJoined or granted:  # granted at once: the reference grants it too
+            event = granted[0] if granted else opened
+            got = {RestoreClaimed: "RESTORE", RwConnect: "RW"}.get(type(event), "RO")
+            assert [(conn, got)] == self.refs[layout].pump(self._tick, lambda c: self.sessions[c][1])
+        else:
+            self.waiting[layout].append((conn, RequestedLockType(effective)))
+            self._pump(layout)
 
     @precondition(has_connections)
-    @rule(data=st.data())
-    def disconnect(self, data):
-        """A close, a crash, a dropped connection, a timed-out waiter or a revoke."""
+    @rule(data=st.data(), older=st.booleans())
+    def disconnect(self, data, older):
+        """A close, a crash, a dropped connection, a timed-out waiter or a revoke
+        (a reader's in one event; ``older``: in the two an older server recorded)."""
         conn = data.draw(st.sampled_from(sorted(self.sessions)), label="conn")
         layout = self.sessions[conn][0]
         self.waiting[layout] = [w for w in self.waiting[layout] if w[0] != conn]
         events = decide_disconnect(self.log.state, conn)
+        if older and [type(e) for e in events] == [ReaderLeft]:
+            events = [RoDisconnect(conn, layout=layout), SessionClosed(conn, layout=layout)]
         self._append(events)
         expected = self.refs[layout].disconnect(conn, self._tick)
-        assert [e.KIND for e in events] == ([expected] if expected else []) + ["SESSION_CLOSED"]
+        kinds = ["READER_LEFT"] if expected == "RO_DISCONNECT" and not older else (
+            ([expected] if expected else []) + ["SESSION_CLOSED"])
+        assert [e.KIND for e in events] == kinds
         del self.sessions[conn]
         del self.locks[conn]
         self._pump(layout)
@@ -630,7 +657,7 @@ class FsmMachine(RuleBasedStateMachine):
         """An engine asks for a layout only its snapshot holds (as t1 may); a restore
         of a small layout is finished at once, a large one left to the other rules."""
         layout = data.draw(st.sampled_from([n for n in LAYOUTS if self.refs[n].tier == "disk"]))
-        self.handshake(layout, lock, "t1", None)
+        self.handshake(layout, lock, "t1", None, data.draw(st.booleans(), label="older"))
         if self.refs[layout].restorer is not None and data.draw(st.booleans(), label="finish now"):
             self.restore(data)
             if self.refs[layout].restorer is not None:

@@ -75,6 +75,7 @@ from gms.fsm import (
     decide_session,
     fold,
     fold_all,
+    opening,
     plan_evictions,
     queries,
     schedule,
@@ -84,6 +85,7 @@ from gms.fsm.events import (
     AllocationOomWait,
     LayoutRecovered,
     RestoreLoading,
+    RoConnect,
     SessionClosed,
     SessionRefused,
 )
@@ -353,9 +355,18 @@ class ServerMachine(RuleBasedStateMachine):
                 self._record([SessionRefused(conn, uid, uid, 0, rejection.message, layout="")])
             self.conns.pop(conn).close()
             return
-        self._record(events)
         self.tenant_of[conn] = tenant
-        self.waiting.setdefault(layout, []).append((conn, RequestedLockType(events[0].lock_type)))
+        requested = RequestedLockType(events[0].lock_type)
+        first = None if self.waiting.get(layout) else next(
+            iter(schedule(self.state.layout(layout), [(conn, requested)])), None)
+        if first is not None and type(first.event) is RoConnect:  # a reader granted at once: one event
+            joined, _ = opening(events[0], first)
+            self._record(joined)
+            response, _ = self.conns[conn].recv(timeout=10)
+            assert response.success and response.granted_lock_type == "RO" and not response.restore
+            return
+        self._record(events)
+        self.waiting.setdefault(layout, []).append((conn, requested))
         self._grant(layout)
         if any(conn in {c for c, _ in q} for q in self.waiting.values()):
             self._sync()  # queue order matters: let the server queue this one before the next

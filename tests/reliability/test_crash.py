@@ -122,7 +122,7 @@ def drop_layout(server, layout: str) -> None:
 def victim_conn(server, pid: int, since: int) -> int:
     def find():
         for event in server.events(since):
-            if event.kind == "SESSION_OPENED" and event.fields["pid"] == pid:
+            if event.kind in ("SESSION_OPENED", "READER_JOINED") and event.fields["pid"] == pid:
                 return event.conn
         return None
 
@@ -234,7 +234,7 @@ def run_case(server: ServerProcess, lock: str, step: str, n: int) -> float:
             assert "RW_ABORT" not in mine, mine
             gpu += len(SIZES)
         if step == "waiting":
-            granted = {"RW_CONNECT", "RO_CONNECT", "RESTORE_CLAIMED"}
+            granted = {"RW_CONNECT", "RO_CONNECT", "READER_JOINED", "RESTORE_CLAIMED"}
             assert not granted & set(mine), f"the dead waiter was granted: {mine}"
         if step == "mid-allocate":
             gave_up = [e for e in events if e.kind == "ALLOCATION_OOM_GAVE_UP" and e.conn == conn]

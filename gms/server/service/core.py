@@ -39,6 +39,7 @@ from ...fsm import (
     decide_session,
     holders,
     host_room,
+    opening,
     schedule,
     validate_layout_name,
 )
@@ -202,7 +203,8 @@ class ServiceCore:
         """Open the session (or record its refusal) and ask for its lock; returns
         the lock asked for.  A handshake nobody is queued ahead of, on a layout
         that can take it now, is granted at once, recorded with the session in
-        one batch: its client is the one being answered.  Else it is queued, and
+        one batch (a read lock and its session in one event, READER_JOINED):
+        its client is the one being answered.  Else it is queued, and
         ``on_grant`` runs when it is granted; ``alive`` is asked before a grant
         (False drops the waiter instead)."""
         return self.open_session(conn, self._decide_session(conn, request, peer), on_grant, alive)
@@ -214,14 +216,11 @@ class ServiceCore:
         says); the server's own sessions come in here too (``warm_start``)."""
         requested = _LOCK_TYPES[opened.lock_type]
         layout = opened.layout
-        folded = self.ledger.fold([opened])
         grant = None
-        if not self.queues.waiting_on(layout):
-            grants = schedule(folded.state.layout(layout), [(conn, requested)])
-            if grants:
-                (grant,) = grants
-                folded = self.ledger.fold_more(folded, [grant.event])
-        self.ledger.record(folded)
+        if not self.queues.waiting_on(layout):  # (a session changes no layout: granted on the layout as it is)
+            grant = next(iter(schedule(self.state.layout(layout), [(conn, requested)])), None)
+        events, grant = opening(opened, grant)
+        self.ledger.record(events)
         if grant is not None:
             on_grant(grant)
         else:
