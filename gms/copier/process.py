@@ -291,8 +291,7 @@ class Copier:
             with self._changed:
                 self._copying += 1
                 wanted = set(job.chunk)  # sent to be mapped before this copy: wait for them
-                self._changed.wait_for(
-                    lambda wanted=wanted: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
+                self._changed.wait_for(lambda wanted=wanted: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
             try:
                 if self._stopping.is_set():
                     msg.close_fds(fds)

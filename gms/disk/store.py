@@ -213,3 +213,5 @@ def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:
     if manifest.data_bytes > at:
         raise fmt.CorruptSnapshot("the extents run into the manifest")
     return manifest, size
+
+
