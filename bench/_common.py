@@ -150,10 +150,20 @@ def log(message: str) -> None:
 
 
 def gpu() -> dict:
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                       capture_output=True, text=True)
-    name, driver, total = (q.stdout.strip().splitlines() or ["?,?,?"])[0].split(", ")
+    """The first GPU's name, driver and memory, as nvidia-smi says them ("?" where it cannot)."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        name, driver, total = q.stdout.strip().splitlines()[0].split(", ")
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        name = driver = total = "?"
     return {"name": name, "driver": driver, "memory": total}
+
+
+def gpu_line() -> str:
+    """``NAME, driver DRIVER``: the GPU in a result's one line ("no GPU" where none answers)."""
+    g = gpu()
+    return "no GPU" if g["name"] == "?" else f"{g['name']}, driver {g['driver']}"
 
 
 def versions(*names: str) -> dict:

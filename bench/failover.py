@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import cpu_name, print_table, write_json
+from _common import cpu_name, gpu_line, print_table, write_json
 from coordinated import FirstToken, read_events, wait_event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,9 +352,7 @@ def main() -> None:
     if nvml is not None:
         total = nvml.memory(0).total
         results["gpu_total_bytes"] = total
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
-        results["gpu"] = out.stdout.strip().splitlines()
+        results["gpu"] = gpu_line()
     try:
         started = time.perf_counter()
         weight_bytes = write_checkpoint(work / "model", shape, dtype)

@@ -16,8 +16,7 @@ One run, one server (``gms serve --gpu-budget B``):
   the device synchronized.  The reader is ONE worker process, kept for the
   whole run, with torch and CUDA initialised (as an engine has them), that
   connects afresh for every request and closes after it: a new process per
-  request would cost seconds of CUDA start-up and measure that
-  (``--fresh-readers`` does it anyway, for a short trace); creating the
+  request would cost seconds of CUDA start-up and measure that; creating the
   manager (the fd table, ``gms/fds.py``) is timed apart, as in
   ``bench/warm_start.py``.  A request is a *hit* when the model was on the
   GPU, a *restore* when the server's restore counter for it moved.  After
@@ -33,30 +32,23 @@ One run, one server (``gms serve --gpu-budget B``):
   reference, into pages touched before).  The event log's stamps split
   every restore into the server's part (evicting, creating GPU memory) and
   the reader's copy.
-* **fragmentation**  the trace at ``--frag-exponent`` runs ``--frag-loads``
-  (1000) requests deep.  gms must never fail one.  Then the same trace
-  through PyTorch's caching allocator, one process: each model's tensors
-  allocated one by one (``torch.empty`` of its layer shapes), the same LRU
-  rule on the same byte counts (evict until the resident models fit the
-  budget), starting from the models gms had on the GPU, the allocator capped at budget / 0.95
-  (``set_per_process_memory_fraction``) so the models fill at most 95 % of
-  what it may hold; once with one arena (``expandable_segments:False``) and
-  once with expandable segments.  Every OOM there is one despite free bytes
-  (5 % of the cap at least); counted: OOMs, the allocator's own cache
-  flushes (``num_alloc_retries``), our ``empty_cache()`` calls, the extra
-  evictions it took, and loads that failed outright.
+* **long trace**  the trace at ``--long-exponent`` runs ``--long-loads``
+  (1000) requests deep: gms must never fail one, however its memory was cut
+  before (PyTorch's caching allocator, on the same trace, failed loads with
+  free bytes: docs/performance.md, section 7, keeps that comparison's figures
+  and names the script in git that ran it).
 
     # host backend, small (8-64 MiB models, 96 MiB budget): about 1 minute on the 2-core host
     python bench/on_demand.py --backend host
     # CUDA, as root for the cold reads (drop_caches): 2-16 GiB models, 60 GiB over a 24 GiB
-    # budget; at most about 7.5 minutes: --time-limit 420 (the default on cuda) cuts the
-    # 1000-request trace short to leave a minute to each PyTorch allocator run
+    # budget; at most about 7 minutes: --time-limit 420 (the default on cuda) cuts the
+    # 1000-request trace short
     sudo GMS_BENCH_OUT=/tmp/out .venv/bin/python bench/on_demand.py --backend cuda
     #   -> /tmp/out/on_demand_cuda.json (docs/results/on_demand_h100.json for bench/plot.py)
     # smaller on the GPU (about 1.5 minutes): --quick (1, 2, 4 GiB models, 6 GiB budget, 30/200 requests)
     # knobs: --sizes 2,2,4,4,8,8,16,16 --unit GiB --budget 24GiB --exponents 0.8,1.1,1.5
-    #        --requests 100 --frag-loads 1000 --frag-exponent 1.1 --safetensors-sizes 2,8
-    #        --torch-modes arena,expandable --fresh-readers --time-limit S --dir /big/disk
+    #        --requests 100 --long-loads 1000 --long-exponent 1.1 --safetensors-sizes 2,8
+    #        --time-limit S --dir /big/disk
     python bench/plot.py  # the plot, from docs/results/on_demand_*.json
 """
 
@@ -74,6 +66,7 @@ import time
 import traceback
 from pathlib import Path
 
+from _common import gpu_line, percentile
 from llama_checkpoint import evict, nbytes, warm, write_safetensors
 
 HERE = Path(__file__).resolve()
@@ -302,109 +295,6 @@ class Worker:
             self.proc.wait(120)
 
 
-# -- PyTorch's caching allocator on the same trace -------------------------------------------------
-
-
-def torch_fragmentation_main(spec_path: str) -> None:
-    """Run in its own process, PYTORCH_CUDA_ALLOC_CONF set by the parent."""
-    from collections import OrderedDict
-
-    import torch
-
-    spec = json.loads(Path(spec_path).read_text())
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
-    total = torch.cuda.get_device_properties(0).total_memory
-    budget, cap = spec["budget"], spec["cap"]
-    torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    shapes, sizes = spec["shapes"], spec["bytes"]  # per model: tensor shapes; gms's byte count
-    resident: OrderedDict[int, list] = OrderedDict()
-    used = 0
-    counts = {"loads": 0, "hits": 0, "ooms": 0, "empty_cache_calls": 0, "extra_evictions": 0,
-              "failed_loads": 0, "evictions": 0}
-    first_oom = None
-    oom_loads = []
-    load_s = []
-    hits = []
-    peak_gap = 0  # reserved - allocated: bytes the arena holds but no tensor uses
-
-    def evict_lru() -> None:
-        nonlocal used
-        model, tensors = resident.popitem(last=False)
-        tensors.clear()
-        used -= sizes[model]
-        counts["evictions"] += 1
-
-    for model in spec.get("initial", []):  # gms's GPU as the trace started, LRU first
-        resident[model] = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for shape in shapes[model]]
-        used += sizes[model]
-    t_start = time.perf_counter()
-    truncated = False
-    for i, model in enumerate(spec["trace"]):
-        if time.perf_counter() - t_start > (spec.get("limit_s") or 1e9):
-            truncated = True
-            break
-        counts["loads"] += 1
-        if model in resident:
-            resident.move_to_end(model)
-            counts["hits"] += 1
-            hits.append(True)
-            continue
-        hits.append(False)
-        while resident and used + sizes[model] > budget:
-            evict_lru()
-        t0 = time.perf_counter()
-        emptied, ooms_here = False, 0
-        while True:
-            tensors = []
-            try:
-                for shape in shapes[model]:
-                    tensors.append(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
-                break
-            except torch.OutOfMemoryError:
-                counts["ooms"] += 1
-                ooms_here += 1
-                allocated = torch.cuda.memory_allocated() - sum(t.nbytes for t in tensors)
-                if first_oom is None:
-                    first_oom = {"load": i, "model": model, "need": sizes[model], "cap": cap,
-                                 "allocated_by_models": allocated, "free_in_cap": cap - allocated,
-                                 "reserved": torch.cuda.memory_reserved()}
-                tensors.clear()
-                if not emptied:  # the allocator has flushed its free blocks already; ask again
-                    torch.cuda.empty_cache()
-                    counts["empty_cache_calls"] += 1
-                    emptied = True
-                elif resident:
-                    evict_lru()
-                    counts["extra_evictions"] += 1
-                else:
-                    counts["failed_loads"] += 1
-                    tensors = None
-                    break
-        torch.cuda.synchronize()
-        load_s.append(time.perf_counter() - t0)
-        if ooms_here:
-            oom_loads.append(i)
-        if tensors is not None:
-            resident[model] = tensors
-            used += sizes[model]
-        peak_gap = max(peak_gap, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-    stats = torch.cuda.memory_stats()
-    print(json.dumps({
-        **counts,
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "budget": budget, "cap": cap, "seconds": time.perf_counter() - t_start, "truncated": truncated,
-        "first_oom": first_oom, "loads_with_oom": oom_loads[:200], "loads_with_oom_count": len(oom_loads),
-        "allocator_cache_flushes": stats.get("num_alloc_retries", 0),
-        "allocator_ooms": stats.get("num_ooms", 0),
-        "device_mallocs": stats.get("num_device_alloc"), "device_frees": stats.get("num_device_free"),
-        "peak_reserved_minus_allocated": peak_gap,
-        "load_p50_ms": _pct(load_s, 0.5) * 1e3 if load_s else None,
-        "load_p99_ms": _pct(load_s, 0.99) * 1e3 if load_s else None,
-        "hit_sequence": hits,
-    }))
-
-
 def compact(value):
     """Floats to 7 decimals (0.1 µs in seconds): the per-request rows stay readable in git."""
     if isinstance(value, float):
@@ -414,22 +304,6 @@ def compact(value):
     if isinstance(value, list):
         return [compact(v) for v in value]
     return value
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def run_torch_fragmentation(mode: str, spec: dict, directory: str) -> dict:
-    path = os.path.join(directory, "torch_spec.json")
-    Path(path).write_text(json.dumps(spec))
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"expandable_segments:{'True' if mode == 'expandable' else 'False'}")
-    out = subprocess.run([sys.executable, str(HERE), "--torch-fragmentation", path], env=env,
-                         capture_output=True, text=True, timeout=1200, check=False)
-    if out.returncode != 0:
-        return {"error": out.stderr[-3000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- the trace -----------------------------------------------------------------------------------
@@ -448,8 +322,8 @@ def zipf_trace(order: list[int], exponent: float, length: int, seed: int) -> lis
     return [order[rank] for rank in rng.choices(range(len(order)), weights, k=length)]
 
 
-def run_trace(server_socket: str, worker: Worker | None, backend: str, catalog: list[dict], trace: list[int],
-              budget: int, fresh: bool, label: str, deadline: float = float("inf")) -> list[dict]:
+def run_trace(server_socket: str, worker: Worker, catalog: list[dict], trace: list[int], budget: int, label: str,
+              deadline: float = float("inf")) -> list[dict]:
     from gms import get_event_history, get_runtime_state
 
     rows = []
@@ -460,12 +334,7 @@ def run_trace(server_socket: str, worker: Worker | None, backend: str, catalog: 
         entry = catalog[model]
         before = get_runtime_state(server_socket)
         layout = before.layout(entry["name"])
-        reader = Worker(server_socket, backend) if fresh else worker
-        try:
-            got = reader.call("load", layout=entry["name"], checks=entry["checks"])
-        finally:
-            if fresh:
-                reader.close()
+        got = worker.call("load", layout=entry["name"], checks=entry["checks"])
         after = get_runtime_state(server_socket)
         evictions = sum(r.evictions for r in after.layouts) - sum(r.evictions for r in before.layouts)
         restored = after.layout(entry["name"]).restores > layout.restores
@@ -499,21 +368,21 @@ def summarize(rows: list[dict], floors: dict[int, float]) -> dict:
         "evictions": sum(r["evictions"] for r in rows),
     }
     if hits:
-        out.update(hit_p50_ms=_pct(hits, 0.5) * 1e3, hit_p99_ms=_pct(hits, 0.99) * 1e3, hit_max_ms=max(hits) * 1e3)
+        out.update(hit_p50_ms=percentile(hits, 0.5) * 1e3, hit_p99_ms=percentile(hits, 0.99) * 1e3, hit_max_ms=max(hits) * 1e3)
     if restores:
         times = [r["total_s"] for r in restores]
         out.update(
-            restore_p50_ms=_pct(times, 0.5) * 1e3, restore_p99_ms=_pct(times, 0.99) * 1e3,
-            restore_gib_per_s_p50=_pct([r["bytes"] / GiB / r["total_s"] for r in restores], 0.5),
-            restore_vs_floor_p50=_pct(ratios, 0.5), restore_vs_floor_p99=_pct(ratios, 0.99),
+            restore_p50_ms=percentile(times, 0.5) * 1e3, restore_p99_ms=percentile(times, 0.99) * 1e3,
+            restore_gib_per_s_p50=percentile([r["bytes"] / GiB / r["total_s"] for r in restores], 0.5),
+            restore_vs_floor_p50=percentile(ratios, 0.5), restore_vs_floor_p99=percentile(ratios, 0.99),
             restore_vs_floor_max=max(ratios),
         )
     by_size = {}
     for size in sorted({r["bytes"] for r in restores}):
         times = [r["total_s"] for r in restores if r["bytes"] == size]
-        by_size[str(size)] = {"n": len(times), "p50_ms": _pct(times, 0.5) * 1e3, "floor_ms": floors[size] * 1e3,
-                              "vs_floor_p50": _pct(times, 0.5) / floors[size],
-                              "gib_per_s_p50": size / GiB / _pct(times, 0.5),
+        by_size[str(size)] = {"n": len(times), "p50_ms": percentile(times, 0.5) * 1e3, "floor_ms": floors[size] * 1e3,
+                              "vs_floor_p50": percentile(times, 0.5) / floors[size],
+                              "gib_per_s_p50": size / GiB / percentile(times, 0.5),
                               "floor_gib_per_s": size / GiB / floors[size]}
     out["restores_by_size"] = by_size
     return out
@@ -585,14 +454,14 @@ def report(results: dict, floors: dict[int, float]) -> None:
         entry = {"bytes": size, "restores": len(times), "floor_s": floors[size],
                  "floor_gib_per_s": size / GiB / floors[size]}
         if times:
-            p50 = _pct(times, 0.5)
-            entry.update(restore_p50_s=p50, restore_p99_s=_pct(times, 0.99), vs_floor_p50=p50 / floors[size],
+            p50 = percentile(times, 0.5)
+            entry.update(restore_p50_s=p50, restore_p99_s=percentile(times, 0.99), vs_floor_p50=p50 / floors[size],
                          restore_gib_per_s_p50=size / GiB / p50)
             parts = [r for t in traces for r in t["rows"] if r["bytes"] == size and "copy_s" in r]
             if parts:
-                copy = _pct([r["copy_s"] for r in parts], 0.5)
+                copy = percentile([r["copy_s"] for r in parts], 0.5)
                 entry.update(copy_p50_s=copy, copy_vs_floor_p50=copy / floors[size],
-                             server_p50_s=_pct([r["server_s"] for r in parts], 0.5))
+                             server_p50_s=percentile([r["server_s"] for r in parts], 0.5))
         if st:
             entry.update(safetensors_cached_s=st["cached_s"], safetensors_cold_s=st["cold_s"])
             if times:
@@ -613,18 +482,6 @@ def report(results: dict, floors: dict[int, float]) -> None:
                 "copy / floor", "GiB/s", "floor GiB/s",
                 "safetensors cached ms", "cold ms"),
     )
-    frag = results["fragmentation"]
-    if "gms" in frag:
-        g = frag["gms"]
-        lines = [("gms", g["loads"], g["failures"], "-", "-", "-", "-", f"{g['occupancy_mean']:.2f}")]
-        if isinstance(frag.get("torch"), dict):
-            for mode, t in frag["torch"].items():
-                lines.append((f"torch, {mode}", t.get("loads"), t.get("failed_loads"), t.get("ooms"),
-                              t.get("loads_with_oom_count"), t.get("allocator_cache_flushes"),
-                              t.get("extra_evictions"), "-"))
-        print_table("fragmentation: the same trace", lines,
-                    header=("allocator", "loads", "failed", "OOMs", "loads with OOM", "cache flushes",
-                            "extra evictions", "occupancy"))
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -639,24 +496,19 @@ def main() -> None:
     parser.add_argument("--budget", help="gms serve --gpu-budget")
     parser.add_argument("--exponents", default="0.8,1.1,1.5")
     parser.add_argument("--requests", type=int, default=None, help="requests per exponent (default 100)")
-    parser.add_argument("--frag-loads", type=int, default=None, help="the fragmentation trace's length (1000)")
-    parser.add_argument("--frag-exponent", type=float, default=1.1)
+    parser.add_argument("--long-loads", type=int, default=None, help="the long trace's length (1000)")
+    parser.add_argument("--long-exponent", type=float, default=1.1)
     parser.add_argument("--safetensors-sizes", help="models (by size, in --unit) also loaded from safetensors")
-    parser.add_argument("--torch-modes", default="arena,expandable", help="'' to skip PyTorch's allocator")
-    parser.add_argument("--fresh-readers", action="store_true", help="a new reader process per request (slow)")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for the whole run (default 420 on cuda): the long trace stops early "
-                             "to leave time for PyTorch's allocator, and says so")
+                        help="seconds for the whole run (default 420 on cuda): the long trace stops early, "
+                             "and says so")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--dir", default=None, help="where safetensors files go (default: a temp folder)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", metavar="SOCKET", help=argparse.SUPPRESS)
-    parser.add_argument("--torch-fragmentation", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args.worker, args.backend)
-    if args.torch_fragmentation:
-        return torch_fragmentation_main(args.torch_fragmentation)
 
     sys.path.insert(0, str(HERE.parent))
     from _common import Server, cpu_name, write_json
@@ -666,16 +518,13 @@ def main() -> None:
 
     t_run = time.perf_counter()
     limit = args.time_limit or (420.0 if args.backend == "cuda" else None)
-    modes = [m for m in args.torch_modes.split(",") if m] if args.backend == "cuda" else []
-    # The long trace leaves this much of the limit to PyTorch's allocator runs.
-    torch_reserve = 60.0 * len(modes)
     preset = (QUICK if args.quick else DEFAULTS)[args.backend]
     unit = args.unit or preset["unit"]
     scale = GiB if unit == "GiB" else MiB
     sizes = [float(s) for s in (args.sizes or preset["sizes"]).split(",")]
     budget = parse_bytes(args.budget or preset["budget"])
     requests = args.requests or (30 if args.quick else 100)
-    frag_loads = args.frag_loads or (200 if args.quick else 1000)
+    long_loads = args.long_loads or (200 if args.quick else 1000)
     exponents = [float(e) for e in args.exponents.split(",")]
     st_sizes = [float(s) for s in (args.safetensors_sizes if args.safetensors_sizes is not None
                                    else preset["safetensors"]).split(",") if s]
@@ -690,14 +539,12 @@ def main() -> None:
 
     results: dict = {
         "backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "budget": budget, "seed": args.seed, "exponents": exponents, "frag_exponent": args.frag_exponent,
-        "reader": "a fresh process per request" if args.fresh_readers else
-                  "one worker process (torch, CUDA up), a new manager and connection per request",
-        "time_limit_s": limit, "traces": [], "safetensors": [], "fragmentation": {},
+        "budget": budget, "seed": args.seed, "exponents": exponents, "long_exponent": args.long_exponent,
+        "reader": "one worker process (torch, CUDA up), a new manager and connection per request",
+        "time_limit_s": limit, "traces": [], "safetensors": [],
     }
     if args.backend == "cuda":
-        results["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, check=False).stdout.strip()
+        results["gpu"] = gpu_line()
 
     def save() -> None:
         results["seconds"] = time.perf_counter() - t_run
@@ -720,14 +567,13 @@ def main() -> None:
                   flush=True)
             order = popularity(len(catalog), args.seed)
             results["popularity"] = [catalog[m]["name"] for m in order]
-            # The long (fragmentation) trace runs last, so a time limit cuts it, not the rest.
-            plan = [(e, requests) for e in exponents if e != args.frag_exponent]
-            if frag_loads or args.frag_exponent in exponents:
-                plan.append((args.frag_exponent, max(frag_loads, requests if args.frag_exponent in exponents else 0)))
-            worker = None if args.fresh_readers else Worker(server.socket, args.backend)
-            helper = worker or Worker(server.socket, args.backend)  # floors and safetensors
+            # The long trace runs last, so a time limit cuts it, not the rest.
+            plan = [(e, requests) for e in exponents if e != args.long_exponent]
+            if long_loads or args.long_exponent in exponents:
+                plan.append((args.long_exponent, max(long_loads, requests if args.long_exponent in exponents else 0)))
+            worker = Worker(server.socket, args.backend)  # the reader, the floors and safetensors
             try:
-                got = helper.call("floor", sizes=sorted({e["bytes"] for e in catalog}), repeats=3)["floor_s"]
+                got = worker.call("floor", sizes=sorted({e["bytes"] for e in catalog}), repeats=3)["floor_s"]
                 results["floor_touched_s"] = got["touched"]
                 if args.backend == "cuda":
                     results["floor_kind"] = "torch pinned host memory -> GPU, copy_ into a tensor, best of 3"
@@ -740,9 +586,9 @@ def main() -> None:
                 for n, (exponent, length) in enumerate(plan):
                     last = n == len(plan) - 1
                     if last:  # before the long trace, which the time limit may cut
-                        safetensors_phase(helper, catalog, st_sizes, directory, results)
+                        safetensors_phase(worker, catalog, st_sizes, directory, results)
                         save()
-                    deadline = time.perf_counter() + left() - torch_reserve if last else float("inf")
+                    deadline = time.perf_counter() + left() if last else float("inf")
                     trace = zipf_trace(order, exponent, length, args.seed)
                     # What is on the GPU as the trace starts, least recently used first
                     # (PyTorch's run of the same trace starts from the same set).
@@ -751,8 +597,7 @@ def main() -> None:
                         (r for r in get_runtime_state(server.socket).layouts if r.tier == "gpu"),
                         key=lambda r: -(r.last_use_s or 0.0))]
                     t0 = time.perf_counter()
-                    rows = run_trace(server.socket, worker, args.backend, catalog, trace, budget,
-                                     args.fresh_readers, f"s={exponent}", deadline)
+                    rows = run_trace(server.socket, worker, catalog, trace, budget, f"s={exponent}", deadline)
                     summary = summarize(rows, floors)
                     summary["seconds"] = time.perf_counter() - t0
                     summary["truncated"] = len(rows) < len(trace)
@@ -765,40 +610,17 @@ def main() -> None:
                           f"failures {summary['failures']}", flush=True)
                     save()
                 if not plan:
-                    safetensors_phase(helper, catalog, st_sizes, directory, results)
+                    safetensors_phase(worker, catalog, st_sizes, directory, results)
             finally:
-                if helper is not worker:
-                    helper.close()
-                if worker:
-                    worker.close()
-        # -- fragmentation: gms (the long trace above), then PyTorch's allocator on the same trace
-        frag = next((t for t in results["traces"] if t["exponent"] == args.frag_exponent), None)
-        if frag:
-            used = [r["used_frac"] for r in frag["rows"]]
-            results["fragmentation"]["gms"] = {
-                "loads": len(frag["rows"]), "failures": frag["summary"]["failures"],
-                "restores": frag["summary"]["restores"], "evictions": frag["summary"]["evictions"],
+                worker.close()
+        long = next((t for t in results["traces"] if t["exponent"] == args.long_exponent), None)
+        if long:  # how full the budget ran, request after request: VMM memory has no arena to cut
+            used = [r["used_frac"] for r in long["rows"]]
+            results["long_trace"] = {
+                "loads": len(long["rows"]), "failures": long["summary"]["failures"],
+                "restores": long["summary"]["restores"], "evictions": long["summary"]["evictions"],
                 "occupancy_mean": statistics.fmean(used), "occupancy_min_after_warmup": min(used[len(used) // 10:]),
             }
-            if args.backend != "cuda":
-                results["fragmentation"]["torch"] = "not run: PyTorch's caching allocator needs CUDA"
-            elif modes:
-                spec = {"budget": budget, "cap": int(budget / 0.95), "trace": frag["trace"],
-                        "initial": frag["initial_resident"],
-                        "shapes": [[s for _, s in e["shapes"]] for e in catalog], "bytes": [e["bytes"] for e in catalog]}
-                gms_hits = [r["hit"] for r in frag["rows"]]
-                results["fragmentation"]["torch"] = {}
-                for n, mode in enumerate(modes):
-                    spec["limit_s"] = max(20.0, (left() - 10) / (len(modes) - n))
-                    got = run_torch_fragmentation(mode, spec, directory)
-                    if "hit_sequence" in got:
-                        hits = got.pop("hit_sequence")
-                        got["same_hits_as_gms"] = hits == gms_hits[: len(hits)]
-                    results["fragmentation"]["torch"][mode] = got
-                    print(f"torch ({mode}): {got.get('ooms')} OOMs on {got.get('loads_with_oom_count')} loads, "
-                          f"{got.get('allocator_cache_flushes')} cache flushes, {got.get('extra_evictions')} extra "
-                          f"evictions, {got.get('failed_loads')} failed", flush=True)
-                    save()
     report(results, floors)
     save()
 

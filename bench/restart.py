@@ -24,9 +24,13 @@ cache grows), and a ``system`` layout evicted to the host tier.  Then:
 
 One command:
 
-    python bench/restart.py --keeper-cost --out /tmp/restart            # CUDA (the H100), full size
-    scripts/gpu-suite.sh bench restart --keeper-cost                     # the same, into $OUT
-    python bench/restart.py --backend host --scale 0.002 --keeper-cost --out /tmp/restart-smoke
+    python bench/restart.py --out /tmp/restart                          # CUDA (the H100), full size
+    scripts/gpu-suite.sh bench restart                                  # the same, into $OUT
+    python bench/restart.py --backend host --scale 0.002 --out /tmp/restart-smoke
+
+What the keeper adds to a request is counted by ``bench/cpu_per_request.py``
+(with and without it); the ``--keeper-cost`` timing this script had is in git
+(docs/performance.md, section 9).
 
 ``--scale`` multiplies every tensor's size (the structure, 291 tensors, is
 kept).  Writes restart_<backend>.json and restart_<backend>.md under --out.
@@ -224,41 +228,6 @@ def serve(path: str, backend: str, log: Path, *extra: str) -> subprocess.Popen:
     return proc
 
 
-def keeper_cost(backend: str, work: Path, calls: int = 5000, rounds: int = 3) -> dict:
-    """metadata_put (logs an event) and metadata_get (logs none) on one RW
-    session, p50/p99 µs, against a server with its keeper and one without
-    (``--no-keeper``), alternating, ``rounds`` times."""
-    from gms import GMSClientMemoryManager, RequestedLockType
-
-    out: dict[str, dict[str, list]] = {}
-    for n in range(rounds):
-        for mode, extra in (("keeper", ()), ("no_keeper", ("--no-keeper",))):
-            path = str(work / f"cost-{mode}-{n}.sock")
-            proc = serve(path, backend, work / f"cost-{mode}-{n}.log", *extra)
-            try:
-                mgr = GMSClientMemoryManager(path, layout="cost")
-                mgr.connect(RequestedLockType.RW)
-                va = mgr.create_mapping(size=2 * MiB, tag="cost")
-                allocation_id = next(mp.allocation_id for mp in mgr.mappings if mp.va == va)
-                for name, call in (
-                    ("metadata_put", lambda i: mgr.metadata_put(f"k{i % 64}", allocation_id, 0, b"v" * 32)),
-                    ("metadata_get", lambda i: mgr.metadata_get("k0")),
-                ):
-                    lat = []
-                    for i in range(calls + 500):
-                        t = time.perf_counter()
-                        call(i)
-                        lat.append(time.perf_counter() - t)
-                    lat = lat[500:]
-                    row = out.setdefault(name, {}).setdefault(mode, [])
-                    row.append({"p50_us": percentile(lat, 0.5) * 1e6, "p99_us": percentile(lat, 0.99) * 1e6})
-                mgr.close()
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
-    return out
-
-
 def read_rows(files) -> list[list]:
     rows = []
     for f in files:
@@ -294,8 +263,6 @@ def main() -> int:
                         help="where the JSON and the table go (default $GMS_BENCH_OUT)")
     parser.add_argument("--no-spare", action="store_true",
                         help="the keepers keep no spare server standing by (the baseline of a spare's gain)")
-    parser.add_argument("--keeper-cost", action="store_true",
-                        help="also: what the keeper adds to a request that logs an event (and one that does not)")
     args = parser.parse_args()
     if not args.out:
         parser.error("--out (or $GMS_BENCH_OUT) is required")
@@ -421,8 +388,6 @@ def main() -> int:
             "build_lost_after_kill": any(e["event"] == "build_lost" for e in kv_events),
             "rebuilt_in_s": next((e["took_s"] for e in kv_events if e["event"] == "rebuilt"), None),
         }
-        if args.keeper_cost:
-            results["keeper_cost"] = keeper_cost(args.backend, work)
     finally:
         stop.touch()
         for proc in procs:
@@ -489,12 +454,6 @@ def markdown(r: dict) -> str:
         f"{k['host_tier_bytes_ok']} (copier {k['host_tier_restored_with_copier']}) |",
         "",
     ]
-    if "keeper_cost" in r:
-        lines += ["| what the keeper costs (µs, p50 / p99 per round) | with a keeper | without |", "| --- | --- | --- |"]
-        for name, modes in r["keeper_cost"].items():
-            cells = [", ".join(f"{x['p50_us']:.0f} / {x['p99_us']:.0f}" for x in modes[m]) for m in ("keeper", "no_keeper")]
-            lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
-        lines.append("")
     return "\n".join(lines)
 
 

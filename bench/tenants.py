@@ -1,6 +1,6 @@
-"""Tenants: allocate latency with 1 to 64 tenants, the quota check's own cost, a killed tenant.
+"""Tenants: allocate latency with 1 to 64 tenants, a killed tenant.
 
-Three measurements, one run, one server (``gms serve --policy``):
+Two measurements, one run, one server (``gms serve --policy``):
 
 * **load**  N tenants (N = 1, 4, 16, 64), each one process with its own uid,
   each holding the RW lock of its own layout, allocate and free at once
@@ -12,10 +12,6 @@ Three measurements, one run, one server (``gms serve --policy``):
   the goal's comparison, p99 at N tenants against p99 at 1), each for N
   distinct tenants and, as the baseline in the same run, for N clients of
   ONE tenant (one uid, the same quota machinery, no tenant spread).
-* **check** the quota check alone, in this process: ``gms.fsm.admit_allocation``
-  on the node state of a real ``ServiceCore`` (host memory) holding T tenants
-  with quotas and 1024 committed layouts, against a no-op of the same
-  signature, per call; and the policy's uid -> tenant lookup at handshake.
 * **kill** a tenant's process holding 100 mapped and written allocations is
   SIGKILLed; timed from the kill: the server's ``RW_ABORT`` and
   ``SESSION_CLOSED`` events (their monotonic stamps in the event log), and a
@@ -38,7 +34,7 @@ this uid, one tenant, and the JSON says so.
     sudo GMS_BENCH_OUT=/tmp/out .venv/bin/python bench/tenants.py --backend cuda
     #   -> /tmp/out/tenants_cuda.json (docs/results/tenants_h100.json)
     # knobs: --tenants 1,4,16,64 --repeats 3 --duration 3 --rate 1000 (host) / 400 (cuda)
-    #        --size 2MiB --check-tenants 1,64,1024 --kill-repeats 5 --kill-allocations 100 --kill-size 2MiB
+    #        --size 2MiB --kill-repeats 5 --kill-allocations 100 --kill-size 2MiB
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ import tempfile
 import time
 import traceback
 
-from _common import Server, cpu_name, percentile, print_table, write_json
+from _common import Server, cpu_name, gpu_line, percentile, print_table, write_json
 
 UID_BASE = 41000  # tenant i has uid UID_BASE + i; ids no account on the machine uses
 SHARED_UID = UID_BASE + 500  # the one-tenant baseline: N clients, one uid
@@ -201,86 +197,6 @@ def tenant_sessions(path: str, prefix: str):
     return probe
 
 
-# -- the quota check alone, in process -------------------------------------------------
-
-
-def _per_call_ns(fn, args, calls: int, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn(*args)
-        best = min(best, time.perf_counter_ns() - t0)
-    return best / calls
-
-
-def _noop(node, conn, aligned):
-    return 0
-
-
-def quota_check_cost(tenants: int, layouts: int = 1024, calls: int = 200_000) -> dict:
-    """admit_allocation on a node of ``tenants`` tenants and ``layouts`` committed
-    layouts (4 allocations each, every tenant a writer session open), vs a no-op."""
-    from gms.cuda.host import HostBackend
-    from gms.fsm import admit_allocation
-    from gms.policy import Policy, TenantPolicy
-    from gms.server.service.core import ServiceCore
-    from gms.peer import Peer
-    from gms.wire import messages as m
-
-    policy = Policy(tuple(
-        TenantPolicy(f"t{i}", frozenset({UID_BASE + i}), quota_bytes=1 << 40, write=(f"t{i}-*",))
-        for i in range(tenants)
-    ))
-    core = ServiceCore(HostBackend(), None, policy=policy)
-    conn_of = {}
-
-    def session(layout: str, tenant: int, limit: int | None = None) -> int:
-        conn = core.new_conn()
-        peer = Peer(os.getpid(), UID_BASE + tenant, UID_BASE + tenant)
-        core.handshake(conn, m.HandshakeRequest("RW", None, layout, limit), peer, lambda grant: None)
-        return conn
-
-    for n in range(layouts):
-        tenant = n % tenants
-        conn = session(f"t{tenant}-model{n}", tenant)
-        for _ in range(4):
-            core.allocate(conn, 2 * MiB, "w")
-        core.handle(conn, m.CommitRequest(None))
-        core.disconnect(conn)
-    for tenant in range(tenants):
-        conn_of[tenant] = session(f"t{tenant}-kv", tenant)
-        core.allocate(conn_of[tenant], 2 * MiB, "kv")
-    limited = session(f"t{tenants - 1}-limited", tenants - 1, limit=1 << 30)
-    state = core.state
-    conn = conn_of[tenants - 1]
-    assert admit_allocation(state, conn, 2 * MiB) == 0
-    noop_ns = _per_call_ns(_noop, (state, conn, 2 * MiB), calls)
-    admit_ns = _per_call_ns(admit_allocation, (state, conn, 2 * MiB), calls)
-    limited_ns = _per_call_ns(admit_allocation, (state, limited, 2 * MiB), calls)
-    # The handshake's uid -> tenant lookup (the last tenant: the longest search).
-    lookup_ns = _per_call_ns(policy.tenant_for, (UID_BASE + tenants - 1, UID_BASE + tenants - 1), calls // 4)
-    # The whole allocate + free in the core (decide, append, fold, memfd), no socket.
-    t0 = time.perf_counter_ns()
-    rounds = 2000
-    for _ in range(rounds):
-        allocated = core.allocate(conn, 2 * MiB, "kv")
-        core.handle(conn, m.FreeAllocationRequest(allocated.allocation_id))
-    core_cycle_ns = (time.perf_counter_ns() - t0) / rounds
-    core.gpu.close()
-    return {
-        "tenants": tenants,
-        "layouts": len(state.layouts),
-        "allocations": sum(len(layout.allocations) for layout in state.layouts.values()),
-        "noop_ns": noop_ns,
-        "admit_ns": admit_ns,
-        "check_ns": admit_ns - noop_ns,
-        "admit_with_session_limit_ns": limited_ns,
-        "policy_lookup_ns": lookup_ns,
-        "core_allocate_free_us": core_cycle_ns / 1e3,
-    }
-
-
 # -- a killed tenant ------------------------------------------------------------------
 
 
@@ -412,7 +328,6 @@ def main() -> None:
                         help="open loop: total allocations/s over all clients (default 1000 host, 400 cuda)")
     parser.add_argument("--size", default="2MiB", help="bytes per allocation")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every point (medians reported)")
-    parser.add_argument("--check-tenants", default="1,64,1024", help="tenant counts for the in-process check")
     parser.add_argument("--kill-repeats", type=int, default=5)
     parser.add_argument("--kill-allocations", type=int, default=100)
     parser.add_argument("--kill-size", default="2MiB")
@@ -430,19 +345,12 @@ def main() -> None:
     results: dict = {
         "backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), "root": root,
         "identities": "distinct uids (effective ids at connect)" if root else "not root: every client is one uid, one tenant",
-        "duration_s": duration, "repeats": repeats, "open_rate_per_s": rate, "size": size, "load": [], "check": [], "kill": [],
+        "duration_s": duration, "repeats": repeats, "open_rate_per_s": rate, "size": size, "load": [], "kill": [],
     }
     if args.backend == "cuda":
-        import subprocess
-
-        results["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, check=False).stdout.strip()
+        results["gpu"] = gpu_line()
     if not root:
         print("not root: no distinct uids; every client is this user, one tenant", file=sys.stderr)
-
-    print("quota check, in process ...", flush=True)
-    for tenants in [int(t) for t in args.check_tenants.split(",")]:
-        results["check"].append(quota_check_cost(tenants))
 
     directory = tempfile.mkdtemp(prefix="gms-tenants-")
     os.chmod(directory, 0o755)  # other uids reach the socket (mode 666) through it
@@ -530,14 +438,6 @@ def main() -> None:
           "{:.0f}-{:.0f}".format(*r["alloc_p99_us_range"]), f"{r['alloc_max_us']:.0f}", f"{r['free_p50_us']:.0f}",
           f"{r['cycles_per_s']:,.0f}") for r in results["load_median"]],
         header=("load", "clients", "tenants", "p50", "p99", "p99 range", "max", "free p50", "cycles/s"),
-    )
-    print_table(
-        "the quota check alone (in process), per call",
-        [(c["tenants"], c["layouts"], f"{c['noop_ns']:.0f}", f"{c['admit_ns']:.0f}", f"{c['check_ns']:.0f}",
-          f"{c['admit_with_session_limit_ns']:.0f}", f"{c['policy_lookup_ns']:.0f}", f"{c['core_allocate_free_us']:.1f}")
-         for c in results["check"]],
-        header=("tenants", "layouts", "no-op ns", "admit ns", "check ns", "with limit ns", "uid lookup ns",
-                "core alloc+free µs"),
     )
     print_table(
         "a killed tenant (ms from SIGKILL)",

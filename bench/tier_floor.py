@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import on_demand  # noqa: E402 - the worker, the shapes and the floor op (bench/on_demand.py)
-from _common import Server, cpu_name, print_table, write_json  # noqa: E402
+from _common import Server, cpu_name, gpu_line, print_table, write_json  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PRESETS = {
@@ -262,9 +262,7 @@ def main() -> int:
 
         hardware = f"CPU {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}"
         if args.backend == "cuda":
-            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, check=False).stdout.strip()
-            hardware = f"GPU {gpu}; {hardware}"
+            hardware = f"GPU {gpu_line()}; {hardware}"
         results: dict = {"backend": args.backend, "hardware": hardware, "repeats": repeats, "pool": pool,
                          "chunk": chunk, "configs": {}}
         # The floors, in the worker the runs use (its floor op: bench/on_demand.py), before any server holds memory.

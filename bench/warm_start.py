@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import DRIVER_FLOOR, Server, cpu_name, print_table, run_json, write_json
+from _common import DRIVER_FLOOR, Server, cpu_name, gpu, print_table, run_json, write_json
 from llama_checkpoint import GiB, evict, warm, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -149,8 +149,7 @@ def main() -> None:
     def save() -> None:  # after every size: a long run cut short keeps what it measured
         write_json(args.json, {
             "gpu": torch.cuda.get_device_name(0), "cpu": cpu_name(), "torch": torch.__version__,
-            "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True).stdout.strip(),
+            "driver": gpu()["driver"],
             "rows": rows,
         })
 

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import cpu_name  # noqa: E402
+from _common import cpu_name, gpu_line  # noqa: E402
 
 # requests per row: (full, quick, check); warm-up calls are a tenth, at least 2
 SIZES = {
@@ -135,17 +135,6 @@ def versions(*names: str) -> dict:
         except metadata.PackageNotFoundError:
             pass
     return found
-
-
-def gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        line = out.stdout.strip().splitlines()[0]
-        name, driver = (s.strip() for s in line.split(","))
-        return f"{name}, driver {driver}"
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-        return "no GPU"
 
 
 # -- aggregation ---------------------------------------------------------------------------
@@ -281,7 +270,7 @@ def main() -> None:
     import gms_side
 
     results: dict = {
-        "mode": mode_name, "backend": args.backend, "repeats": repeats, "gpu": gpu_name(), "cpu": cpu_name(),
+        "mode": mode_name, "backend": args.backend, "repeats": repeats, "gpu": gpu_line(), "cpu": cpu_name(),
         "cores": os.cpu_count(), "python": sys.version.split()[0], "notes": notes,
         "versions": versions("torch", "cuda-bindings", "trio", "msgpack", "cattrs", "attrs", "msgspec", "uvloop"),
         "dynamo_log_level": args.dynamo_log_level if peer else None, "pinned": args.pin, "rows": {},
