@@ -144,26 +144,17 @@ class PartWriter:
         ``image``."""
         return Steps(self, image)
 
-
-class Steps:
-    """The changed parts of one base, in order; ``keys`` (every part's) once done."""
-
-    def __init__(self, writer: PartWriter, image: StateImage) -> None:
-        self.keys: list[str] = []
-        self._writer = writer
-        self._image = image
-
-    def __iter__(self):
-        writer, image = self._writer, self._image
+    def walk(self, image: StateImage, keys: list[str]):
+        """The generator behind :class:`Steps`: each part's key appended to ``keys``."""
         state = image.state
-        old = writer._state
-        changed, writer._changed = writer._changed, {}
-        keys = [HEAD]
+        old = self._state
+        changed, self._changed = self._changed, {}
+        keys.append(HEAD)
         rows = []
         buckets: dict[str, int] = {}
         for name, layout in sorted(state.layouts.items()):
             before = None if old is None else old.layouts.get(name)
-            kept = writer._buckets.get(name) if before is not None else None
+            kept = self._buckets.get(name) if before is not None else None
             count = buckets[name] = bucket_count(layout.metadata_bytes, kept)
             rows.append([name, count])
             head = layout_part(name)
@@ -191,7 +182,20 @@ class Steps:
         bare = attrs.evolve(state, layouts=Map())
         body = image_body(StateImage(STATE_VERSION, image.server, image.last_seq, image.next_conn, bare))
         yield HEAD, _pack([MAGIC, FORMAT, {"version": STATE_VERSION, "body": body, "layouts": rows}])
-        writer._state, writer._buckets = state, buckets
+        self._state, self._buckets = state, buckets
+
+
+class Steps:
+    """The changed parts of one base, in order; ``keys`` (every part's) once done."""
+
+    def __init__(self, writer: PartWriter, image: StateImage) -> None:
+        self.keys: list[str] = []
+        self._writer = writer
+        self._image = image
+
+    def __iter__(self):
+        keys: list[str] = []
+        yield from self._writer.walk(self._image, keys)
         self.keys = keys
 
 

@@ -38,7 +38,7 @@ class Store:
         self.retired = False
         self.old_pid = 0
         self.reason = ""
-        self._on_fd = on_fd or (lambda key, fd: None)
+        self.on_fd: Callable[[str, int | None], None] = on_fd or (lambda key, fd: None)
         # Told of the journal as it changes: ("base", bytes) or ("events", bytes).
         self.on_journal: Callable[[str, bytes], None] = lambda kind, data: None
 
@@ -49,13 +49,13 @@ class Store:
         if old is not None and old != fd:
             os.close(old)
         self.fds[key] = fd
-        self._on_fd(key, fd)
+        self.on_fd(key, fd)
 
     def release(self, key: str) -> None:
         fd = self.fds.pop(key, None)
         if fd is not None:
             os.close(fd)
-            self._on_fd(key, None)
+            self.on_fd(key, None)
 
     def keep_only(self, keys: set[str]) -> None:
         for key in [k for k in self.fds if k not in keys]:

@@ -98,7 +98,7 @@ class SystemdMirror:
         self.journal = fd
 
     def attach(self, store: Store) -> None:
-        store._on_fd = self.on_fd
+        store.on_fd = self.on_fd
         store.on_journal = self.on_journal
 
 def _write_all(fd: int, data: bytes) -> None:

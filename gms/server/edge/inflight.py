@@ -40,7 +40,8 @@ class InFlight:
         entry[1] += 1
         return FrameSlot(self, uid, entry[0])
 
-    def _gone(self, uid: int) -> None:
+    def gone(self, uid: int) -> None:
+        """One of ``uid``'s slots closed (FrameSlot.close)."""
         entry = self._uids[uid]
         entry[1] -= 1
         if not entry[1]:
@@ -89,7 +90,7 @@ class FrameSlot:
             return
         self.closed = True
         self.settle(0)
-        self.owner._gone(self.uid)
+        self.owner.gone(self.uid)
 
 
 def answer_bytes(message: object) -> int:
