@@ -1,42 +1,16 @@
 """On-demand weights: a catalog larger than the GPU budget, Zipf requests, restores against the PCIe floor.
 
-One run, one server (``gms serve --gpu-budget B``):
-
-* **catalog**  Llama-shaped bf16 models of mixed sizes (on the GPU 2, 4, 8 and
-  16 GiB, two of each: 60 GiB against a 24 GiB budget), each published once
-  with ``commit(residency="system")``: real bytes (a random fill on the
-  device, 1 GiB packs, one metadata entry per tensor), the server keeps a
-  pinned host copy and evicts idle models least-recently-used when the next
-  one needs room (publishing itself evicts).
-* **trace**  Zipf requests over the catalog (exponents 0.8, 1.1, 1.5; which
-  model is how popular is a seeded shuffle, the same for every exponent).
-  Each request is timed until its tensors are usable: a new
-  ``GMSClientMemoryManager``, ``connect(RO)`` (which restores an evicted
-  model from the host tier first) and ``gms.torch.import_tensors``, then
-  the device synchronized.  The reader is ONE worker process, kept for the
-  whole run, with torch and CUDA initialised (as an engine has them), that
-  connects afresh for every request and closes after it: a new process per
-  request would cost seconds of CUDA start-up and measure that; creating the
-  manager (the fd table, ``gms/fds.py``) is timed apart, as in
-  ``bench/warm_start.py``.  A request is a *hit* when the model was on the
-  GPU, a *restore* when the server's restore counter for it moved.  After
-  every request, outside the clock, the bytes are checked (first and last
-  MiB of every allocation, against sums taken at publish).
-* **floors**  in the same worker, the same run: a plain pinned host to device
-  copy of each model's bytes (torch pinned memory -> GPU, best of 3: the
-  PCIe floor); ``safetensors.torch.load_file`` of the same model from the
-  page cache and cold (``posix_fadvise(DONTNEED)`` and, as root,
-  ``drop_caches``; the JSON says whether that worked).  On the host backend
-  there is no PCIe: a restore is a memmove into new memfd pages, so the
-  floor is a memcpy of the same bytes into new memfd pages (and, for
-  reference, into pages touched before).  The event log's stamps split
-  every restore into the server's part (evicting, creating GPU memory) and
-  the reader's copy.
-* **long trace**  the trace at ``--long-exponent`` runs ``--long-loads``
-  (1000) requests deep: gms must never fail one, however its memory was cut
-  before (PyTorch's caching allocator, on the same trace, failed loads with
-  free bytes: docs/performance.md, section 7, keeps that comparison's figures
-  and names the script in git that ran it).
+One server (``gms serve --gpu-budget B``) holds a catalog of Llama-shaped
+models published with ``commit(residency="system")``; Zipf traces over it
+(and one long trace: gms must never fail a load) are timed per request from
+a new manager's ``connect(RO)`` (which restores an evicted model) to tensors
+usable, by one reader process with torch and CUDA up; a request is a *hit* or
+a *restore* by the server's restore counter, and its bytes are checked after
+it, outside the clock.  Against, in the same worker and run: a pinned host
+to device copy of the same bytes (the PCIe floor; on the host backend a
+memcpy into new memfd pages) and ``safetensors`` from the page cache and
+cold.  docs/performance.md, section 7, describes the method in full and
+keeps the figures (and those of the parts retired to git).
 
     # host backend, small (8-64 MiB models, 96 MiB budget): about 1 minute on the 2-core host
     python bench/on_demand.py --backend host

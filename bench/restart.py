@@ -1,26 +1,16 @@
 """gms restarts without losing a byte: a live take-over and a SIGKILL, under load.
 
-An 8B model's weights published (one allocation per tensor of Llama-3-8B's
-shapes, bf16: 291 tensors, 16.1 GB; sentinel bytes at both ends of every
-tensor, written through real mappings), three engine-like reader processes
-holding RO with every tensor mapped and issuing steady requests (a gms round
-trip, ``metadata_get`` of a random tensor, then a read of that tensor's
-sentinel through its mapping: a device-to-host copy on CUDA), a KV cache held
-in an RW layout by a fourth process (allocating and writing as an engine's
-cache grows), and a ``system`` layout evicted to the host tier.  Then:
-
-1. **take-over**: ``gms serve --take-over`` on the same socket.  Reported:
-   requests failed (must be 0) and the p99 latency of requests made during
-   the hand-over against before it; the pause (the old server's own
-   measure, from its log); the card's used memory before and after (NVML:
-   unchanged, nothing copied); every layout's allocation ids and hash before
-   and after; the old server's and old keeper's pids gone.
-2. **SIGKILL** of the (new) server: seconds until a server serves the same
-   layouts; each reader's first successful request after the kill and its
-   latency (its mappings never touched: no disk read, nothing published
-   again), failures (0: readers ride through); the KV writer's build is gone
-   (BuildLostError, as documented) and how long it took to rebuild; the
-   evicted layout restores afterwards (seconds, bytes checked).
+An 8B model's 291 tensors published with sentinel bytes, three reader
+processes holding RO with every tensor mapped and issuing steady requests (a
+``metadata_get``, then a read of that tensor through its mapping), a fourth
+holding a KV cache in an RW layout, and a ``system`` layout evicted.  Then
+**take-over** (``gms serve --take-over``: failed requests, must be 0; p99
+during against before; the pause; the card's memory and every layout's ids
+and hash unchanged; the old processes gone) and **SIGKILL** of the new
+server (seconds to a server serving the same layouts; each reader's first
+request after; the KV build lost and rebuilt; the evicted layout restored,
+bytes checked).  docs/performance.md, section 9, has the method in full and
+the figures.
 
 One command:
 

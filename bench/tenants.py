@@ -1,32 +1,16 @@
 """Tenants: allocate latency with 1 to 64 tenants, a killed tenant.
 
-Two measurements, one run, one server (``gms serve --policy``):
-
-* **load**  N tenants (N = 1, 4, 16, 64), each one process with its own uid,
-  each holding the RW lock of its own layout, allocate and free at once
-  (2 MiB by default).  Timed: the allocate request, from send to answer.
-  Four loads per N, each run ``--repeats`` rounds (medians reported):
-  *closed* loop (each client sends as soon as it can: the server's
-  throughput, its latency grows with the queue) and *open* loop
-  (the same total rate, ``--rate`` allocations/s, split over the N clients:
-  the goal's comparison, p99 at N tenants against p99 at 1), each for N
-  distinct tenants and, as the baseline in the same run, for N clients of
-  ONE tenant (one uid, the same quota machinery, no tenant spread).
-* **kill** a tenant's process holding 100 mapped and written allocations is
-  SIGKILLed; timed from the kill: the server's ``RW_ABORT`` and
-  ``SESSION_CLOSED`` events (their monotonic stamps in the event log), and a
-  probe loop seeing the tenant's bytes at 0 with 0 server handles left; on
-  CUDA also the device's free memory (NVML) back where it was.  On the host
-  backend, the kernel's share alone, same bytes, no gms: the exit of a
-  process that wrote as many memfds, and closing their last fds.
-
-Identities are real: as root, a client drops its effective uid/gid to the
-tenant's for the ``connect()`` call alone (the kernel records the effective
-ids at connect, ``SO_PEERCRED``; the saved set-user-ID gives root back
-after), so the server sees 64 distinct uids, exactly as with the forked
-child of ``tests/model_based/server_machine.py``'s ``connect_as``.  The
-server's socket is mode 666 in a 0755 folder.  Not root: every client is
-this uid, one tenant, and the JSON says so.
+One server with a policy of 64 tenants.  **load**: N tenants (1, 4, 16, 64),
+one process and one uid each, allocate and free; the allocate request timed
+from send to answer, closed loop and open loop (``--rate`` split over the
+clients), against N clients of ONE tenant in the same run.  **kill**: a
+tenant holding 100 written allocations is SIGKILLed; timed from the kill to
+the server's ``RW_ABORT`` and ``SESSION_CLOSED``, to a probe seeing its bytes
+at 0 (and on CUDA the device's free memory back); on the host backend
+against the kernel's own share of the same exit.  As root, each client is its
+tenant for its ``connect()`` (``effective_ids``); not root, every client is one
+tenant and the JSON says so.  docs/performance.md, section 6, has the method
+in full and the figures.
 
     # host backend, as root (3 rounds: about 3.5 minutes on the 2-core host; --quick: 40 s)
     sudo .venv/bin/python bench/tenants.py --backend host
@@ -64,7 +48,9 @@ MiB = 1 << 20
 
 @contextlib.contextmanager
 def effective_ids(uid: int | None):
-    """Be ``uid`` (and gid ``uid``) for what is done inside; root again after."""
+    """Be ``uid`` (and gid ``uid``) for what is done inside; root again after.
+    The kernel records the effective ids at ``connect()`` (``SO_PEERCRED``), so
+    the server sees this tenant; the saved set-user-ID gives root back."""
     if uid is None:
         yield
         return

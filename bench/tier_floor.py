@@ -1,40 +1,20 @@
 """Restore and publish through the host tier against the PCIe floor, timed from the user's call.
 
-Two numbers per layout size (2, 8 and 16 GiB on CUDA), each against a floor
-measured in the same run, on the same bytes:
-
-* **publish**: ``commit(residency="system")`` of a Llama-shaped bf16 layout
-  (1 GiB packs, one metadata entry per tensor, random bytes written on the
-  device), from the call to its return: the host copy is whole when it
-  returns.  Floor: GPU -> pinned host memory (torch), best of 3.
-* **restore**: the layout evicted, a reader's ``connect(RO)`` (which
-  restores it) and ``gms.torch.import_tensors``, device synchronized: from
-  the call to tensors usable.  Floor: pinned host memory -> GPU, best of 3.
-
-Each in two servers, one after the other, in one run:
-
-* ``copier``: the design of docs/architecture.md ("The copier"): the server's
-  copier process moves the bytes, host chunks mapped once, a pool of pinned
-  host memory made ahead of need (``--host-pool``, sized to the largest
-  layout); before each publish and each restore the bench waits for the pool
-  to be full again (it refills between transfers at the speed of pinning,
-  about 4 GiB/s on the H100 host: publishes closer together than that pay
-  pinning for what the pool lacks);
-* ``clients`` (``--no-copier``): the clients copy (before this design);
-* ``auto`` and ``auto-now``: a default server (no ``--host-pool``: the pool
-  pins while the writer builds, ``gms.server.tiers.pool_sizing``), no wait
-  for any pool.  ``auto``: the writer's build takes as long as reading its
-  bytes from disk at ``--load-gbps`` (default 5 GB/s, a fast NVMe) would, as
-  an engine loading weights does; ``auto-now``: it commits as soon as its
-  bytes are on the device (random bytes made there: the worst case).
-
-Timing runs in ``bench/on_demand.py``'s worker process (torch and CUDA up
-before any clock, one new manager per request); its floor op is the one
-section 7 uses, plus the device-to-host direction.  Every restore's bytes
-are checked (first and last MiB of every allocation, against sums taken at
-publish), outside the clock.  On the host backend (``--backend host``, a
-smoke run) both tiers are memfd: the floor is a memcpy into new memfd pages,
-and the ratios say nothing of a GPU.
+Per layout size (Llama-shaped, bf16, 2, 8 and 16 GiB on CUDA), against a
+floor of the same bytes in the same run: **publish** is
+``commit(residency="system")`` from the call to its return (floor: GPU to
+pinned host memory); **restore** is the evicted layout's ``connect(RO)`` and
+``gms.torch.import_tensors``, device synchronized (floor: pinned host memory
+to the GPU).  Timing runs in ``bench/on_demand.py``'s worker; every
+restore's bytes are checked outside the clock.  Each in its own server, one
+after the other: ``copier`` (the copier process, a pool of pinned host
+memory sized by hand and full before each transfer), ``clients``
+(``--no-copier``: the clients copy, the design before), ``auto`` (a default
+server; the writer's build paced as a disk read at ``--load-gbps``) and
+``auto-now`` (the same, committing as soon as its bytes are on the device).
+docs/performance.md, section 7 ("Restore and publish through the copier"),
+has the method in full and the figures.  On the host backend both tiers are
+memfd: a smoke run whose ratios say nothing of a GPU.
 
     python bench/tier_floor.py --backend host                    # smoke: 32, 64, 128 MiB, about a minute
     python bench/tier_floor.py --backend cuda --out /tmp/out     # 2, 8, 16 GiB -> /tmp/out/tier_floor_cuda.json
