@@ -58,3 +58,12 @@ def remove(folder: str, name: str) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def pwrite_all(fd: int, data, at: int) -> None:
+    """Write all of ``data`` (bytes or a buffer) at offset ``at`` of ``fd``: a
+    ``pwrite`` may write less than it was given."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written

@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from ..files import pwrite_all
 from . import messages as msg
 from .engine import Engine, Mapped
 
@@ -88,7 +89,7 @@ class FileCopier:
             self.engine.copy_now(address, va, size, to_host=True)
         data = view(address, size)
         crc = zlib.crc32(data)
-        _pwrite_all(_fd_for(direct, fd, address, size, at), data, at)
+        pwrite_all(_fd_for(direct, fd, address, size, at), data, at)
         each()
         return crc
 
@@ -120,23 +121,17 @@ class FileCopier:
 def _reopen_direct(fd: int, writable: bool) -> int | None:
     """The file again, with O_DIRECT (a new open file: the server's stays buffered); None
     where the file system refuses it (tmpfs)."""
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
-    if not getattr(os, "O_DIRECT", 0):
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
         return None
     with contextlib.suppress(OSError):
-        return os.open(f"/proc/self/fd/{fd}", flags)
+        return os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | direct)
     return None
 
 
 def _fd_for(direct: int | None, fd: int, address: int, size: int, at: int) -> int:
     """O_DIRECT where the buffer, the size and the offset are aligned; else the buffered fd."""
     return fd if direct is None or (address | size | at) % ALIGN else direct
-
-
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, at)
-        data, at = data[written:], at + written
 
 
 def _pread_all(fd: int, data: memoryview, at: int) -> None:
@@ -155,8 +150,8 @@ def check(job: msg.FileCopy, fds: int) -> str:
     if not (len(job.allocation) == len(job.offset) == len(job.file_offset) == len(job.crc) == extents):
         return "the extent columns differ in length"
     for allocation, offset, at, size in zip(job.allocation, job.offset, job.file_offset, job.size):
-        if not 0 <= allocation < len(job.device_sizes):
-            return f"an extent names allocation {allocation} of {len(job.device_sizes)}"
-        if offset < 0 or at < 0 or size <= 0 or offset + size > job.device_sizes[allocation]:
-            return f"an extent of {size} bytes at {offset} is outside its allocation"
+        if at < 0:
+            return f"an extent is at {at} of its file"
+        if error := msg.extent_error(job.device_sizes, allocation, offset, size, "an extent"):
+            return error
     return ""

@@ -165,6 +165,15 @@ def receive(sock: socket.socket) -> tuple[object, list[int]] | None:
         raise
 
 
+def extent_error(device_sizes: list[int], allocation: int, offset: int, size: int, what: str) -> str:
+    """Why ``what`` (a move, an extent) is not inside its device allocation ('' if it is)."""
+    if not 0 <= allocation < len(device_sizes):
+        return f"{what} names allocation {allocation} of {len(device_sizes)}"
+    if offset < 0 or size <= 0 or offset + size > device_sizes[allocation]:
+        return f"{what} of {size} bytes at {offset} is outside its allocation"
+    return ""
+
+
 def close_fds(fds: Iterable[int]) -> None:
     """Close each; one closed already (or never valid) is no error: fds in
     transit are closed on every path, some twice."""

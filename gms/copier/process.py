@@ -35,6 +35,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 from . import files
 from . import messages as msg
@@ -164,11 +165,7 @@ class Copier:
     # -- chunks -------------------------------------------------------------------
 
     def _map_chunks(self) -> None:
-        while True:
-            item = self._maps.get()
-            if item is None:
-                return
-            message, fds = item
+        for message, fds in _each(self._maps):
             if self._failure is not None:
                 msg.close_fds(fds)
                 continue
@@ -229,10 +226,7 @@ class Copier:
         second: a stream of copies does not keep memory pinned for ever).  An
         unmap slows the device mappings a copy makes beside it (a 2 GiB
         publish's two took 21 to 33 ms instead of 1 to 3 on the H100)."""
-        while True:
-            mapped = self._unmaps.get()
-            if mapped is None:
-                return
+        for mapped in _each(self._unmaps):
             with self._changed:
                 self._changed.wait_for(lambda: not self._copying, timeout=UNMAP_PATIENCE_S)
             self.engine.unmap(mapped)
@@ -292,16 +286,13 @@ class Copier:
                 del self._refs[chunk]
 
     def _work(self, to_host: bool) -> None:
-        while True:
-            item = self._queues[to_host].get()
-            if item is None:
-                return
-            job, fds = item
+        for job, fds in _each(self._queues[to_host]):
             device: list[Mapped] = []
             with self._changed:
                 self._copying += 1
                 wanted = set(job.chunk)  # sent to be mapped before this copy: wait for them
-                self._changed.wait_for(lambda: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
+                self._changed.wait_for(
+                    lambda wanted=wanted: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
             try:
                 if self._stopping.is_set():
                     msg.close_fds(fds)
@@ -374,11 +365,7 @@ class Copier:
 
     def _work_files(self) -> None:
         """One file copy at a time (its extents run on the FileCopier's threads)."""
-        while True:
-            item = self._disk.get()
-            if item is None:
-                return
-            job, fds = item
+        for job, fds in _each(self._disk):
             if self._stopping.is_set():
                 msg.close_fds(fds)
                 continue
@@ -414,6 +401,12 @@ class Copier:
         return msg.Done(job.job, crcs=crcs if job.to_file else [])
 
 
+def _each(work: queue.SimpleQueue) -> Iterator:
+    """What is put on ``work``, in order, until the None that stops its thread."""
+    while (item := work.get()) is not None:
+        yield item
+
+
 def _malformed(job: msg.Copy, fds: int) -> str:
     moves = len(job.allocation)
     if fds != len(job.device_sizes):
@@ -421,8 +414,6 @@ def _malformed(job: msg.Copy, fds: int) -> str:
     if not (len(job.offset) == len(job.chunk) == len(job.size) == moves):
         return "the move columns differ in length"
     for allocation, offset, size in zip(job.allocation, job.offset, job.size):
-        if not 0 <= allocation < fds:
-            return f"a move names allocation {allocation} of {fds}"
-        if offset < 0 or size <= 0 or offset + size > job.device_sizes[allocation]:
-            return f"a move of {size} bytes at {offset} is outside its allocation"
+        if error := msg.extent_error(job.device_sizes, allocation, offset, size, "a move"):
+            return error
     return ""

@@ -24,6 +24,7 @@ import stat
 
 import attrs
 
+from ..files import pwrite_all
 from . import format as fmt
 
 log = logging.getLogger("gms.disk")
@@ -88,7 +89,7 @@ class DiskStore:
         at = manifest.data_bytes
         tail = fmt.encode(manifest, at)
         try:
-            _write_all(pending.fd, tail, at)
+            pwrite_all(pending.fd, tail, at)
             os.ftruncate(pending.fd, at + len(tail))  # (room was reserved for a bound on the manifest)
             os.fsync(pending.fd)
             os.rename(pending.temporary, pending.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
@@ -212,10 +213,3 @@ def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:
     if manifest.data_bytes > at:
         raise fmt.CorruptSnapshot("the extents run into the manifest")
     return manifest, size
-
-
-def _write_all(fd: int, data: bytes, at: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, at)
-        view, at = view[written:], at + written
