@@ -1,4 +1,5 @@
-"""Shared by the bench scripts: hardware names, tables, JSON results."""
+"""The bench scripts' harness: a server to measure, hardware names, tables, and where results go
+(``--out``: every script's one flag for it)."""
 
 from __future__ import annotations
 
@@ -136,13 +137,31 @@ def dumps(results) -> str:
     return walk(results, 0)
 
 
-def write_json(path: str, results: dict) -> None:
-    results = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), **results}
-    out = os.environ.get("GMS_BENCH_OUT")
-    target = Path(out) / Path(path).name if out else Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(dumps(results) + "\n")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_out(parser) -> None:
+    """Every benchmark's one flag for where its results go."""
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="folder for the results (default: $GMS_BENCH_OUT, else bench/results)")
+
+
+def out_dir(out: str | None) -> Path:
+    """``--out``, else ``$GMS_BENCH_OUT``, else bench/results; made if missing."""
+    folder = Path(out or os.environ.get("GMS_BENCH_OUT") or RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def write_results(out: str | None, name: str, results: dict, markdown: str | None = None) -> Path:
+    """``NAME.json`` (the date and host first) and, given one, ``NAME.md`` in ``out_dir(out)``."""
+    folder = out_dir(out)
+    target = folder / f"{name}.json"
+    target.write_text(dumps({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), **results}) + "\n")
+    if markdown is not None:
+        (folder / f"{name}.md").write_text(markdown)
     print(f"\nwrote {target}")
+    return target
 
 
 def log(message: str) -> None:

@@ -1,14 +1,16 @@
 """Every benchmark in one command.
 
-    python bench/all.py [--quick]
+    python bench/all.py [--quick] [--out DIR]
 
-CPU ones always (tenants, on-demand weights and host-tier transfers on the
-host backend; the server's work per request, counted: instructions where
-valgrind is installed, Python opcodes where not); GPU ones where a GPU is
-present (warm start, sleep/wake, tenants, on-demand weights and host-tier
-transfers on the CUDA backend).
+CPU ones always (tenants, on-demand weights, host-tier transfers, the disk
+tier and a restart's smoke run on the host backend; gms's half of the peers
+table; the server's work per request, counted: instructions where valgrind is
+installed, Python opcodes where not); GPU ones where a GPU is present (warm
+start, sleep/wake, and the same on the CUDA backend).  The engines' benchmarks
+(``vllm.py``, ``sglang_gms.py``, ``failover.py``) and Dynamo's side of the
+peers table need what bench/README.md names, and run on their own.
 Run as root for the tenant benchmark's distinct uids.
-Each writes its JSON under bench/results/ (or $GMS_BENCH_OUT).
+Each writes its results under ``--out`` (bench/_common.out_dir).
 """
 
 from __future__ import annotations
@@ -25,21 +27,28 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each benchmark in its quick mode")
+    parser.add_argument("--out", metavar="DIR", help="folder for every result (default: each script's)")
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
+    out = ["--out", args.out] if args.out else []
     from gms.cuda import cuda_device_count
 
-    runs = [["tenants.py", "--backend", "host"],
-            ["on_demand.py", "--backend", "host"], ["tier_floor.py", "--backend", "host"]]
     count = "instructions" if shutil.which("valgrind") else "opcodes"  # (instructions: a few minutes)
-    runs.append(["cpu_per_request.py", "--count", count])
-    if cuda_device_count():
-        runs += [["warm_start.py"], ["sleep_wake.py"], ["tenants.py", "--backend", "cuda"],
-                 ["on_demand.py", "--backend", "cuda"], ["tier_floor.py", "--backend", "cuda"]]
+    backends = ["host", "cuda"] if cuda_device_count() else ["host"]
+    scale = {"host": "0.002", "cuda": "0.05" if args.quick else "1"}  # restart.py's model, x16.1 GB
+    runs = [["cpu_per_request.py", "--count", count]]
+    if "cuda" in backends:
+        runs += [["warm_start.py"], ["sleep_wake.py"]]
+    for backend in backends:
+        runs += [["tenants.py", "--backend", backend], ["on_demand.py", "--backend", backend],
+                 ["tier_floor.py", "--backend", backend], ["disk_tier.py", "--backend", backend],
+                 ["peers/run.py", "--backend", backend, *(["--check"] if args.quick else [])],
+                 ["restart.py", "--backend", backend, "--scale", scale[backend]]]
     failed = []
     for run in runs:
         print(f"\n=== {' '.join(run)} ===", flush=True)
-        if subprocess.run([sys.executable, str(HERE / run[0]), *run[1:], *quick]).returncode:
+        flags = [*quick, *out] if run[0] not in ("peers/run.py", "restart.py") else out  # (no --quick there)
+        if subprocess.run([sys.executable, str(HERE / run[0]), *run[1:], *flags]).returncode:
             failed.append(run[0])
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")

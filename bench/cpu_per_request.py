@@ -39,7 +39,7 @@ System calls' kernel time is in neither (``bench/peers/`` times requests).
   ``sessions``, the session opened and closed with no lock, the least any
   handshake that is logged could cost.
 
-    python bench/cpu_per_request.py [--quick | --n 2000] [--count opcodes] [--json PATH]
+    python bench/cpu_per_request.py [--quick | --n 2000] [--count opcodes] [--out DIR]
     python bench/cpu_per_request.py --compare /tmp/gms-before      # that tree, then this one
     python bench/cpu_per_request.py --count opcodes --quick --baseline docs/results/cpu_per_request_opcodes_2core.json
 
@@ -71,7 +71,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import cpu_name, print_table, wait_served, write_json  # noqa: E402
+from _common import add_out, cpu_name, print_table, wait_served, write_results  # noqa: E402
 
 OPS = ("metadata_get", "metadata_put", "export", "handshake", "allocate_free")
 LOGGED = ("put", "handshake", "sessions")  # the log's share: LOG_EVENTS
@@ -388,8 +388,18 @@ def _totals(path: str) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
+def _tree_env(tree: Path, **extra: str) -> dict:
+    """This environment with ``tree``'s gms first on the path (the caller's path kept after it:
+    where the dependencies live on a host that installs them by PYTHONPATH)."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group: a keeper outlives a server that died early
+    except ProcessLookupError:
+        return  # none left: the early death is the error to see
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
@@ -401,7 +411,7 @@ def server_count(tree: Path, op: str, n: int, keeper: bool, counter: type) -> in
     """What the server process ran per ``op``, counted while only those ran."""
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
-        env = count.env(dict(os.environ, PYTHONPATH=str(tree)))
+        env = count.env(_tree_env(tree))
         sock = os.path.join(folder, "gms.sock")
         args = ["serve", "--backend", "host", "--socket", sock, "--log-level", "warning"]
         if _has_keeper(tree) and not keeper:
@@ -457,7 +467,7 @@ def _served_by(sock: str) -> int:
 
 def client_count(tree: Path, n: int, counter: type) -> int:
     """The tree's client per call against the echo server (polling off)."""
-    env = dict(os.environ, PYTHONPATH=str(tree), GMS_CLIENT_SPIN_US="0")
+    env = _tree_env(tree, GMS_CLIENT_SPIN_US="0")
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
         with echo_server(folder) as (sock, _):
@@ -469,7 +479,7 @@ def client_count(tree: Path, n: int, counter: type) -> int:
 
 def log_count(tree: Path, what: str, n: int, counter: type) -> int:
     """The log alone per request (``LOG_EVENTS``): ``n`` requests' events less none."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = _tree_env(tree)
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
 
@@ -520,7 +530,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, metavar="JSON", help="a count of this script's to set each row against")
     parser.add_argument("--ops", default=",".join(OPS), help="the rows to count (comma-separated)")
     parser.add_argument("--keeper-only", action="store_true", help="this tree's rows with the keeper only")
-    parser.add_argument("--json", default=None, help="default: bench/results/cpu_per_request[_opcodes].json")
+    add_out(parser)  # cpu_per_request[_opcodes].json
     args = parser.parse_args()
     if args.quick:
         args.n = 400
@@ -552,7 +562,7 @@ def main() -> None:
     else:
         print_table(title, [(name, f"{value:,}") for name, value in this.items()], header=("row", counter.unit))
     suffix = "" if counter is Callgrind else f"_{args.count}"
-    write_json(args.json or f"bench/results/cpu_per_request{suffix}.json", results)
+    write_results(args.out, f"cpu_per_request{suffix}", results)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from _common import Server, cpu_name, log, print_table, versions, write_json  # noqa: E402
+from _common import Server, add_out, cpu_name, log, print_table, versions, write_results  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 BLOCK = 32 * MiB
@@ -209,7 +209,7 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the disk tier and the floors' files go (a real disk)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(HERE.parent / "results"))
+    add_out(parser)
     args = parser.parse_args()
     size = 512 * MiB if args.quick else args.size
     size -= size % BLOCK
@@ -250,7 +250,7 @@ def main() -> int:
         from _common import gpu
 
         hardware["gpu"] = gpu()
-    write_json(os.path.join(args.out, f"disk_tier_{args.backend}.json"), {
+    write_results(args.out, f"disk_tier_{args.backend}", {
         "size_bytes": size, "backend": args.backend, "hardware": hardware, "runs": results, "best": best,
         "versions": versions("gms"),
     })

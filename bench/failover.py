@@ -33,7 +33,7 @@ runs the same on CPU with the tiny model as a smoke test (case b against a
     python bench/failover.py [--cases a,b,c] [--ranks 1|2] [--repeats 3]
     GMS_BENCH_OUT=/tmp/out python bench/failover.py --ranks 2     # 2 GPUs: one engine per GPU per set
 
-Writes failover_<backend>_<ranks>r.json (under $GMS_BENCH_OUT if set).
+Writes failover_<backend>_<ranks>r.json under ``--out``.
 Ranks are independent replicas (no tensor parallelism): the coordinator
 wakes and restarts them in lockstep.
 """
@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import cpu_name, gpu_line, print_table, write_json
+from _common import add_out, cpu_name, gpu_line, print_table, write_results
 from coordinated import FirstToken, read_events, wait_event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,6 +321,7 @@ def summarize(runs: list[dict], key: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "host"))
+    add_out(parser)
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: qwen3-0.6b (cuda), tiny (host)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 (cuda), float32 (host)")
     parser.add_argument("--cases", default="a,b,c")
@@ -403,7 +404,7 @@ def main() -> None:
                      _fmt(r["teardown_s"])))
     print_table(f"failover ({args.backend}, {shape}, {args.ranks} rank(s)), median s [min-max]", rows,
                 ("case", "signal", "KV GiB", "signal->token", "decision->token", "teardown"))
-    write_json(str(ROOT / "bench" / "results" / f"failover_{args.backend}_{args.ranks}r.json"), results)
+    write_results(args.out, f"failover_{args.backend}_{args.ranks}r", results)
 
 
 def _fmt(s: dict) -> str:

@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import gpu_line, percentile
+from _common import add_out, gpu_line, percentile
 from llama_checkpoint import evict, nbytes, warm, write_safetensors
 
 HERE = Path(__file__).resolve()
@@ -478,14 +478,14 @@ def main() -> None:
                              "and says so")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--dir", default=None, help="where safetensors files go (default: a temp folder)")
-    parser.add_argument("--json", default=None)
+    add_out(parser)
     parser.add_argument("--worker", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args.worker, args.backend)
 
     sys.path.insert(0, str(HERE.parent))
-    from _common import Server, cpu_name, write_json
+    from _common import Server, cpu_name, write_results
 
     from gms import get_runtime_state
     from gms.units import parse_bytes
@@ -502,7 +502,6 @@ def main() -> None:
     exponents = [float(e) for e in args.exponents.split(",")]
     st_sizes = [float(s) for s in (args.safetensors_sizes if args.safetensors_sizes is not None
                                    else preset["safetensors"]).split(",") if s]
-    json_path = args.json or f"bench/results/on_demand_{args.backend}.json"
 
     catalog = []
     for n, size in enumerate(sizes):
@@ -522,7 +521,7 @@ def main() -> None:
 
     def save() -> None:
         results["seconds"] = time.perf_counter() - t_run
-        write_json(json_path, compact(results))
+        write_results(args.out, f"on_demand_{args.backend}", compact(results))
 
     def left() -> float:
         return float("inf") if limit is None else limit - (time.perf_counter() - t_run)

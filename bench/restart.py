@@ -23,7 +23,7 @@ What the keeper adds to a request is counted by ``bench/cpu_per_request.py``
 (docs/performance.md, section 9).
 
 ``--scale`` multiplies every tensor's size (the structure, 291 tensors, is
-kept).  Writes restart_<backend>.json and restart_<backend>.md under --out.
+kept).  Writes restart_<backend>.json and .md under ``--out``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import cpu_name, percentile, wait_served  # noqa: E402
+from bench._common import add_out, cpu_name, percentile, wait_served, write_results  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 SENTINEL = 4096
@@ -249,15 +249,10 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--settle-s", type=float, default=3.0)
     parser.add_argument("--pause-s", type=float, default=0.002, help="between a reader's requests")
-    parser.add_argument("--out", default=os.environ.get("GMS_BENCH_OUT"),
-                        help="where the JSON and the table go (default $GMS_BENCH_OUT)")
+    add_out(parser)
     parser.add_argument("--no-spare", action="store_true",
                         help="the keepers keep no spare server standing by (the baseline of a spare's gain)")
     args = parser.parse_args()
-    if not args.out:
-        parser.error("--out (or $GMS_BENCH_OUT) is required")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gms-restart-", dir="/tmp"))
     path = str(work / "gms.sock")
     tensors = llama3_8b_tensors(args.scale)
@@ -389,10 +384,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     name = f"restart_{args.backend}"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(results))
     print(markdown(results))
-    print(f"wrote {out / name}.json and .md")
+    write_results(args.out, name, results, markdown(results))
     ok = results["take_over"]["during"]["failed"] == 0 and results["take_over"]["layouts_unchanged"]
     return 0 if ok else 1
 

@@ -1,7 +1,7 @@
 """SGLang on gms against SGLang alone, on one GPU, in one run (docs/sglang.md).
 
     python bench/sglang_gms.py [--shape tiny|llama-2b] [--parts share,restart,failover]
-                               [--out docs/results/sglang_h100.json]
+                               [--out DIR]     # sglang_gms.json (docs/results/sglang_h100.json)
 
 A gms server (CUDA), a Llama made here (bench/vllm_model.py), then:
 
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _common import Server, gpu, log, print_table, versions, write_json
+from _common import Server, add_out, gpu, log, print_table, versions, write_results
 from coordinated import Coordinator
 from failover import Nvml
 from sglang_engines import SGLangEngine, generate, serve_argv, serve_env
@@ -289,7 +289,7 @@ class Load(threading.Thread):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="tiny", choices=("tiny", "llama-2b"))
-    p.add_argument("--out", default="docs/results/sglang_gms.json")
+    add_out(p)
     p.add_argument("--work-root", default=os.environ.get("TMPDIR", "/tmp"))
     p.add_argument("--parts", default=",".join(PARTS), help="of: " + ", ".join(PARTS) + " (restart needs share)")
     p.add_argument("--repeats", type=int, default=2, help="failovers (the failed set comes back as the shadow)")
@@ -305,7 +305,7 @@ def main() -> None:
         results = run.run()
     finally:
         run.close()
-        write_json(args.out, run.results)
+        write_results(args.out, "sglang_gms", run.results)
     print_table("SGLang on gms (" + results["gpu"]["name"] + ")", rows(results))
 
 

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from _common import Server, cpu_name, print_table, write_json
+from _common import Server, add_out, cpu_name, print_table, write_results
 
 GiB = 1 << 30
 
@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 GiB, two repeats")
     parser.add_argument("--sizes", default="8,32")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default="bench/results/sleep_wake.json")
+    add_out(parser)
     args = parser.parse_args()
     sizes = [1] if args.quick else [int(s) for s in args.sizes.split(",")]
     repeats = 2 if args.quick else args.repeats
@@ -218,7 +218,7 @@ def main() -> None:
                 "kv wake ms", "kv floor wake", "offload sleep ms", "offload wake ms", "w wake vs offload",
                 "kv wake vs offload"),
     )
-    write_json(args.json, {"gpu": torch.cuda.get_device_name(0), "cpu": cpu_name(), "rows": rows})
+    write_results(args.out, "sleep_wake", {"gpu": torch.cuda.get_device_name(0), "cpu": cpu_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 
 Runs the suite in a pytest of its own, collects the figures every test
 records (tests/reliability/common.py: record), writes them with the wall
-time to docs/results/reliability_<mode>_2core.json (or $GMS_BENCH_OUT) and
+time to reliability_<mode>_2core.json under ``--out`` (bench/_common.out_dir; the
+docs cite the copy in docs/results) and
 prints the tables docs/reliability.md shows.  Exits with pytest's status.
 """
 
@@ -22,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import cpu_name, write_json
+from _common import add_out, cpu_name, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 def run(mode: str, extra: list[str]) -> tuple[int, float, list[dict], str]:
@@ -93,7 +94,7 @@ def markdown(area: str, rows: list[dict]) -> list[str]:
     else:
         skip = {"area", "name", "mode", "errors"}
         table(("check", "errors", "figures"),
-              [(r["name"], r["errors"], ", ".join(f"{k} {v}" for k, v in r.items() if k not in skip))
+              [(r["name"], r.get("errors", ""), ", ".join(f"{k} {v}" for k, v in r.items() if k not in skip))
                for r in rows])
     return out
 
@@ -114,6 +115,7 @@ def main() -> int:
     parser.add_argument("--ci", action="store_true", help="the CI slice instead of the long mode")
     parser.add_argument("-k", help="only the tests pytest's -k selects")
     parser.add_argument("--from", dest="saved", metavar="JSON", help="print the tables of a saved run")
+    add_out(parser)
     args = parser.parse_args()
     mode = "ci" if args.ci else "long"
     extra = ["-k", args.k] if args.k else []
@@ -135,7 +137,7 @@ def main() -> int:
         print("\n".join(markdown(area, rows)))
     print(f"\npytest: {summary}; wall {wall:.0f} s; exit {code}")
     if not extra:
-        write_json(str(ROOT / "docs" / "results" / f"reliability_{mode}_2core.json"), {
+        write_results(args.out, f"reliability_{mode}_2core", {
             "mode": mode, "cpu": cpu_name(), "cores": os.cpu_count(), "wall_s": round(wall, 1),
             "pytest": summary, "exit": code, "records": records,
         })

@@ -35,7 +35,7 @@ import tempfile
 import time
 import traceback
 
-from _common import Server, cpu_name, gpu_line, percentile, print_table, write_json
+from _common import Server, add_out, cpu_name, gpu_line, percentile, print_table, write_results
 
 UID_BASE = 41000  # tenant i has uid UID_BASE + i; ids no account on the machine uses
 SHARED_UID = UID_BASE + 500  # the one-tenant baseline: N clients, one uid
@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--kill-repeats", type=int, default=5)
     parser.add_argument("--kill-allocations", type=int, default=100)
     parser.add_argument("--kill-size", default="2MiB")
-    parser.add_argument("--json", default=None)
+    add_out(parser)
     args = parser.parse_args()
     from gms.units import parse_bytes
 
@@ -327,7 +327,7 @@ def main() -> None:
     rate = args.rate or (1000.0 if args.backend == "host" else 400.0)
     size, kill_size = parse_bytes(args.size), parse_bytes(args.kill_size)
     root = os.geteuid() == 0
-    json_path = args.json or f"bench/results/tenants_{args.backend}.json"
+    name = f"tenants_{args.backend}"
     results: dict = {
         "backend": args.backend, "cpu": cpu_name(), "cores": os.cpu_count(), "root": root,
         "identities": "distinct uids (effective ids at connect)" if root else "not root: every client is one uid, one tenant",
@@ -368,7 +368,7 @@ def main() -> None:
                         print(f"{n:3d} clients, {mode:18s}: alloc p50 {row['alloc_p50_us']:8.0f} µs  "
                               f"p99 {row['alloc_p99_us']:8.0f} µs  max {row['alloc_max_us']:8.0f} µs  "
                               f"{row['cycles_per_s']:7.0f}/s  (tenants seen {row['tenants_seen']})", flush=True)
-                    write_json(json_path, results)
+                    write_results(args.out, name, results)
             for _ in range(args.kill_repeats):
                 results["kill"].append(kill_once(server.socket, args.backend, VICTIM_UID if root else None,
                                                  args.kill_allocations, kill_size))
@@ -435,7 +435,7 @@ def main() -> None:
         header=("allocations", "MiB", "abort", "session closed", "probe saw 0", "handles left", "device memory back",
                 "floor: exit", "floor: release"),
     )
-    write_json(json_path, results)
+    write_results(args.out, name, results)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import on_demand  # noqa: E402 - the worker, the shapes and the floor op (bench/on_demand.py)
-from _common import Server, cpu_name, gpu_line, print_table, write_json  # noqa: E402
+from _common import Server, add_out, cpu_name, gpu_line, print_table, write_results  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PRESETS = {
@@ -217,7 +217,7 @@ def main() -> int:
     parser.add_argument("--load-gbps", type=float, default=5.0, help="auto: the build's pace, as a disk read (GB/s)")
     parser.add_argument("--pool", default=None, help="--host-pool for the copier's server (default: the largest layout)")
     parser.add_argument("--chunk", default=None, help="--host-chunk (default 64MiB on cuda)")
-    parser.add_argument("--out", default=None, help="folder for tier_floor_<backend>.json (default bench/results)")
+    add_out(parser)
     parser.add_argument("--check", action="store_true", help="a quick check of the copier path, then exit")
     parser.add_argument("--quick", action="store_true", help="smaller layouts, one run each")
     args = parser.parse_args()
@@ -265,10 +265,7 @@ def main() -> int:
         results["seconds"] = time.perf_counter() - t0
         results["rows"] = summarize(results)
         report(results)
-        name = f"tier_floor_{args.backend}.json"
-        if args.out:
-            os.environ["GMS_BENCH_OUT"] = args.out
-        write_json(f"bench/results/{name}", on_demand.compact(results))
+        write_results(args.out, f"tier_floor_{args.backend}", on_demand.compact(results))
     return 0
 
 

@@ -50,7 +50,7 @@ baseline's.  Each part runs alone or with the others:
 Page cache: the checkpoint is read once before the baseline (warm, vLLM's
 best case); ``--cold`` drops it before the baseline and before engine A.
 Writes ``vllm_<gpu>_<parts>.json`` and ``vllm_engines.log`` (the tail of every
-engine's log) under ``$GMS_BENCH_OUT`` (default bench/results/); prints a
+engine's log) under ``--out`` (bench/_common.out_dir); prints a
 table with every ratio.  Needs vLLM (scripts/gpu-vllm-install.sh on the GPU
 host); never imports it itself, so it holds no CUDA context of its own.
 """
@@ -69,7 +69,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import gpu, log, print_table, versions, wait_served, write_json
+from _common import add_out, gpu, log, out_dir, print_table, versions, wait_served, write_results
 from coordinated import Coordinator
 from failover import Nvml
 from llama_checkpoint import evict, warm
@@ -343,6 +343,7 @@ def ratios(r: dict) -> list[tuple]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="share,sleep,failover")
+    add_out(p)
     p.add_argument("--model", default="/var/tmp/gms-vllm-model", help="made there unless it holds a model")
     p.add_argument("--shape", default="llama-2b")
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV cache per engine (--kv-cache-memory-bytes)")
@@ -385,16 +386,15 @@ def main() -> int:
             bench.failover()
     finally:
         bench.close()
-        out = Path(os.environ.get("GMS_BENCH_OUT") or ROOT / "bench" / "results")
-        out.mkdir(parents=True, exist_ok=True)
+        out = out_dir(args.out)
         if (bench.work / "engines-tail.log").exists():
             shutil.copy(bench.work / "engines-tail.log", out / "vllm_engines.log")
         bench.results["parts"] = sorted(parts)
         model = re.search(r"\b([A-Z]\d{2,4})\b", bench.results["gpu"]["name"])  # "NVIDIA H100 80GB HBM3"
         gpu_tag = model.group(1).lower() if model else "gpu"
         tp_tag = f"tp{bench.tp}_" if bench.tp > 1 else ""
-        name = f"vllm_{gpu_tag}_{tp_tag}{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}.json"
-        write_json(str(ROOT / "bench" / "results" / name), bench.results)
+        name = f"vllm_{gpu_tag}_{tp_tag}{'-'.join(p for p in ('share', 'sleep', 'failover') if p in parts)}"
+        write_results(args.out, name, bench.results)
         if not args.keep:
             shutil.rmtree(bench.work, ignore_errors=True)
     print_table(f"vLLM on gms vs vLLM alone ({bench.results['gpu']['name']}; ratio = gms / baseline)",

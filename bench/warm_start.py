@@ -27,7 +27,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import DRIVER_FLOOR, Server, cpu_name, gpu, print_table, run_json, write_json
+from _common import (
+    DRIVER_FLOOR,
+    Server,
+    add_out,
+    cpu_name,
+    gpu,
+    print_table,
+    run_json,
+    write_results,
+)
 from llama_checkpoint import GiB, evict, warm, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -139,7 +148,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,8,24,32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
-    parser.add_argument("--json", default="bench/results/warm_start.json")
+    add_out(parser)
     args = parser.parse_args()
     sizes = [1] if args.quick else [int(s) for s in args.sizes.split(",")]
     repeats = 1 if args.quick else args.repeats
@@ -147,7 +156,7 @@ def main() -> None:
     import torch
 
     def save() -> None:  # after every size: a long run cut short keeps what it measured
-        write_json(args.json, {
+        write_results(args.out, "warm_start", {
             "gpu": torch.cuda.get_device_name(0), "cpu": cpu_name(), "torch": torch.__version__,
             "driver": gpu()["driver"],
             "rows": rows,

@@ -38,11 +38,10 @@ def bench(tmp_path_factory, name: str, *args: str) -> tuple[dict, subprocess.Com
     keep = os.environ.get("GMS_TEST_KEEP")  # a folder to keep the JSON and the engines' logs in
     out = Path(keep) / name if keep else tmp_path_factory.mktemp(name)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GMS_BENCH_OUT": str(out)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sglang_gms.py"), "--shape", "tiny",
-                           "--out", f"{name}.json", "--work-root", str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=1500)
-    path = out / f"{name}.json"
+                           "--out", str(out), "--work-root", str(out), *args],
+                          capture_output=True, text=True, timeout=1500)
+    path = out / "sglang_gms.json"
     assert path.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(path.read_text()), proc
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import cpu_name, gpu_line  # noqa: E402
+from _common import add_out, cpu_name, gpu_line, write_results  # noqa: E402
 
 # requests per row: (full, quick, check); warm-up calls are a tenth, at least 2
 SIZES = {
@@ -243,7 +242,7 @@ def main() -> None:
     parser.add_argument("--dynamo-log-level", default="WARNING", help="INFO: Dynamo's server as shipped")
     parser.add_argument("--pin", action="store_true",
                         help="clients on CPU 0, gms's server on CPU 1, Dynamo's on CPU 2, throughput processes on 3+")
-    parser.add_argument("--out", default=None, help="folder for the JSON and the table (default bench/results)")
+    add_out(parser)
     args = parser.parse_args()
     level = 2 if args.check else 1 if args.quick else 0
     mode_name = ("full", "quick", "check")[level]
@@ -369,13 +368,7 @@ def main() -> None:
                  if peer else "; Dynamo not run"))
     print(f"\n{header}\n\n{results['table_md']}\n\ngms/Dynamo: times below 1 and throughput above 1 mean gms is ahead.")
     print(f"wall time {results['wall_s']:.0f} s")
-    out = Path(args.out or os.environ.get("GMS_BENCH_OUT") or ROOT / "bench" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"peers_{args.backend}_{mode_name}"
-    results.update(date=time.strftime("%Y-%m-%d"), host=platform.node())
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / f"{name}.md").write_text(f"{header}\n\n{results['table_md']}\n")
-    print(f"wrote {out / name}.json and .md")
+    write_results(args.out, f"peers_{args.backend}_{mode_name}", results, f"{header}\n\n{results['table_md']}\n")
     if failures:
         print("\nFAILED rows:\n" + "\n\n".join(failures), file=sys.stderr)
         sys.exit(1)
