@@ -21,13 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _common import add_out
+
 HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each benchmark in its quick mode")
-    parser.add_argument("--out", metavar="DIR", help="folder for every result (default: each script's)")
+    add_out(parser)
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
     out = ["--out", args.out] if args.out else []
