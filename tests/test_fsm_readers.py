@@ -106,10 +106,11 @@ def test_only_a_reader_leaves_as_one():
 
 def test_a_handshake_records_a_read_lock_with_its_session_and_any_other_grant_after_it():
     state = committed_log().state
-    ro = SessionOpened(2, "default", 1000, 1000, 4242, "RO", layout="w")
+    ro = SessionOpened(2, "default", 1000, 1000, 4242, "RO", 1 << 20, "some-hash", layout="w")
     (grant,) = schedule(state.layout("w"), [(2, RequestedLockType.RO)])
     events, told = opening(ro, grant)
     assert [e.KIND for e in events] == ["READER_JOINED"] and told.event is events[0] and told.granted == grant.granted
+    assert attrs.asdict(events[0]) == attrs.asdict(ro)  # the session as asked, every field
     rw = SessionOpened(3, "default", 1000, 1000, 4242, "RW", layout="w")
     (grant,) = schedule(state.layout("w"), [(3, RequestedLockType.RW)])
     events, told = opening(rw, grant)

