@@ -41,6 +41,15 @@ def run_json(script: str, *args: str, timeout: float = 300) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.05) -> None:
+    """Until ``predicate()`` is true; RuntimeError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
 def wait_served(socket_path: str, proc: subprocess.Popen, where: str = "", timeout: float = 60) -> None:
     """Until the server ``proc`` started answers on ``socket_path`` (``timeout`` s at
     most; ``where``: its log, named in the error)."""
@@ -138,6 +147,13 @@ def dumps(results) -> str:
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def tree_env(*roots: str, **extra: str) -> dict[str, str]:
+    """This environment with ``roots`` first on PYTHONPATH (a checkout's gms, a peer's
+    sources) and the caller's path after them: where a GPU host keeps its packages."""
+    path = os.pathsep.join(filter(None, [*roots, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def add_out(parser) -> None:

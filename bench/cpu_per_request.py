@@ -71,7 +71,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import add_out, cpu_name, print_table, wait_served, write_results  # noqa: E402
+from _common import add_out, cpu_name, print_table, tree_env, wait_for, wait_served, write_results  # noqa: E402
 
 OPS = ("metadata_get", "metadata_put", "export", "handshake", "allocate_free")
 LOGGED = ("put", "handshake", "sessions")  # the log's share: LOG_EVENTS
@@ -293,11 +293,7 @@ if _folder:
 
 
 def _wait_file(path: str, what: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} ({path})")
-        time.sleep(0.01)
+    wait_for(lambda: os.path.exists(path), timeout, f"the {what} ({path})", poll=0.01)
     return Path(path).read_text()
 
 
@@ -388,13 +384,6 @@ def _totals(path: str) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
-def _tree_env(tree: Path, **extra: str) -> dict:
-    """This environment with ``tree``'s gms first on the path (the caller's path kept after it:
-    where the dependencies live on a host that installs them by PYTHONPATH)."""
-    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **extra)
-
-
 def _stop(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)  # the group: a keeper outlives a server that died early
@@ -411,7 +400,7 @@ def server_count(tree: Path, op: str, n: int, keeper: bool, counter: type) -> in
     """What the server process ran per ``op``, counted while only those ran."""
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
-        env = count.env(_tree_env(tree))
+        env = count.env(tree_env(str(tree)))
         sock = os.path.join(folder, "gms.sock")
         args = ["serve", "--backend", "host", "--socket", sock, "--log-level", "warning"]
         if _has_keeper(tree) and not keeper:
@@ -467,7 +456,7 @@ def _served_by(sock: str) -> int:
 
 def client_count(tree: Path, n: int, counter: type) -> int:
     """The tree's client per call against the echo server (polling off)."""
-    env = _tree_env(tree, GMS_CLIENT_SPIN_US="0")
+    env = tree_env(str(tree), GMS_CLIENT_SPIN_US="0")
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
         with echo_server(folder) as (sock, _):
@@ -479,7 +468,7 @@ def client_count(tree: Path, n: int, counter: type) -> int:
 
 def log_count(tree: Path, what: str, n: int, counter: type) -> int:
     """The log alone per request (``LOG_EVENTS``): ``n`` requests' events less none."""
-    env = _tree_env(tree)
+    env = tree_env(str(tree))
     with tempfile.TemporaryDirectory(prefix="gms-cpu-") as folder:
         count = counter(folder)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from _common import Server, add_out, cpu_name, log, print_table, versions, write_results  # noqa: E402
+from _common import Server, add_out, cpu_name, log, print_table, versions, wait_for, write_results  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 BLOCK = 32 * MiB
@@ -178,12 +178,9 @@ def publish(socket: str, size: int) -> tuple[float, list[tuple[bytes, bytes]]]:
 def wait_saved(socket: str, timeout: float = 600) -> float:
     from gms import get_runtime_state
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if get_runtime_state(socket).layout("bench").disk_bytes:
-            return time.perf_counter()
-        time.sleep(0.005)
-    raise RuntimeError("the snapshot was not saved in time (see the server log)")
+    wait_for(lambda: get_runtime_state(socket).layout("bench").disk_bytes, timeout,
+             "the snapshot to be saved (see the server log)", poll=0.005)
+    return time.perf_counter()
 
 
 def restore(socket: str, ends) -> float:

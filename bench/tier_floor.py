@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import on_demand  # noqa: E402 - the worker, the shapes and the floor op (bench/on_demand.py)
-from _common import Server, add_out, cpu_name, gpu_line, print_table, write_results  # noqa: E402
+from _common import Server, add_out, cpu_name, gpu_line, print_table, wait_for, write_results  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PRESETS = {
@@ -56,14 +56,6 @@ def layout_bytes(shapes) -> int:
 
     plan = plan_packs([on_demand.nbytes(shape) for _, shape in shapes])
     return sum(-(-size // (2 * MiB)) * 2 * MiB for size in plan.pack_sizes)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def copier_restores(socket_path: str, layout: str) -> bool:

@@ -20,6 +20,9 @@ from pathlib import Path
 from harness import child_main, measure, stats
 from rows import Client, raw_handshake_row, rows
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ (as harness does), for _common
+from _common import tree_env  # noqa: E402
+
 # Starts the server the way ``python -m dynamo.gpu_memory_service`` does (the
 # package's __init__, then server.main(), which installs uvloop), with one
 # change of setting: the root log level.  The server logs at INFO by default,
@@ -37,10 +40,7 @@ server.main()
 
 def peer_env(peer: Path) -> dict:
     """This process's environment with Dynamo's two source roots in front."""
-    env = dict(os.environ)
-    roots = [str(peer / "lib"), str(peer / "components" / "src")]
-    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
+    return tree_env(str(peer / "lib"), str(peer / "components" / "src"))
 
 
 def _raise_fd_limit() -> None:

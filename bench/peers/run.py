@@ -29,14 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import add_out, cpu_name, gpu_line, write_results  # noqa: E402
+from _common import add_out, cpu_name, gpu_line, tree_env, versions, write_results  # noqa: E402
 
 # requests per row: (full, quick, check); warm-up calls are a tenth, at least 2
 SIZES = {
@@ -104,7 +103,7 @@ class Side:
 def start_floor(kind: str, directory: str) -> tuple[str, subprocess.Popen]:
     """A bare server of gms's framework (trio) or Dynamo's (asyncio): bench/peers/floors.py."""
     path = os.path.join(directory, f"floor-{kind}.sock")
-    proc = subprocess.Popen([sys.executable, str(HERE / "floors.py"), "serve", kind, path], env=gms_env())
+    proc = subprocess.Popen([sys.executable, str(HERE / "floors.py"), "serve", kind, path], env=tree_env(str(ROOT)))
     deadline = time.monotonic() + 60
     while True:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,22 +117,6 @@ def start_floor(kind: str, directory: str) -> tuple[str, subprocess.Popen]:
             time.sleep(0.02)
         finally:
             probe.close()
-
-
-def gms_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
-
-
-def versions(*names: str) -> dict:
-    found = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
 
 
 # -- aggregation ---------------------------------------------------------------------------
@@ -280,7 +263,7 @@ def main() -> None:
     failures = []
     with tempfile.TemporaryDirectory(prefix="gms-peers-") as directory:
         gms_server = gms_side.start_server(directory, args.backend)
-        sides = [Side("gms", HERE / "gms_side.py", gms_env(), gms_server.socket, gms_server.proc.pid)]
+        sides = [Side("gms", HERE / "gms_side.py", tree_env(str(ROOT)), gms_server.socket, gms_server.proc.pid)]
         dynamo_server = None
         try:
             if peer is not None:
@@ -335,7 +318,7 @@ def main() -> None:
             floors = [start_floor(kind, directory) for kind in ("trio", "asyncio")]
             try:
                 results["floors"] = {"gms": floors_mod.loop_name("trio"), "dynamo": floors_mod.loop_name("asyncio")}
-                floor_sides = [Side(name, HERE / "floors.py", gms_env(), path, proc.pid)
+                floor_sides = [Side(name, HERE / "floors.py", tree_env(str(ROOT)), path, proc.pid)
                                for name, (path, proc) in zip(("gms", "dynamo"), floors)]
                 if args.pin:
                     for side in floor_sides:
