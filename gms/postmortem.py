@@ -31,6 +31,7 @@ from .fsm import (
     Rejection,
     check_invariants,
     fold,
+    shown_kind,
 )
 from .fsm.events import ServerStarted
 from .status import layout_rows, tenant_rows
@@ -104,7 +105,10 @@ def _plain_dict(value: dict, depth: int = 0) -> bool:
 
 
 def event_row(seq: int, time: float, event: Event) -> dict:
-    row = {"seq": seq, "kind": event.KIND, "time": time}
+    """A saved log's row: the event in the seed's words, as the history probe shows it."""
+    row = {"seq": seq, "kind": shown_kind(event.KIND), "time": time}
+    if row["kind"] != event.KIND:
+        row["logged_as"] = event.KIND
     for key, value in attrs.asdict(event).items():
         if (event.KIND, key) == ("LAYOUT_RECOVERED", "metadata"):
             value = _hex_rows(value, True)
@@ -113,11 +117,14 @@ def event_row(seq: int, time: float, event: Event) -> dict:
 
 
 def row_event(row: dict) -> Event:
-    kind = row.get("kind")
+    """The event a saved row records: its ``logged_as`` kind where the row shows another."""
+    kind = row.get("logged_as") or row.get("kind")
     cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise LogFileError(f"unknown event kind {kind!r}")
-    fields = {k: v for k, v in row.items() if k not in ("seq", "kind", "time", "mono_ns")}
+    if "logged_as" in row and shown_kind(kind) != row.get("kind"):
+        raise LogFileError(f"a {kind} event shown as {row.get('kind')!r}")
+    fields = {k: v for k, v in row.items() if k not in ("seq", "kind", "time", "mono_ns", "logged_as")}
     try:
         for key in _BYTES[kind]:
             if key in fields:

@@ -157,7 +157,7 @@ def test_restore_at_start_puts_what_fits_on_the_gpu_before_serving(tmp_path, bou
     assert {e.fields["pid"] for e in opened} == {server.state().pid} and opened[0].layout == "a"
     assert [e.kind for e in events if e.layout == "a"] == [
         "LAYOUT_RECOVERED", "SESSION_OPENED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED",
-        "READER_LEFT",
+        "RO_DISCONNECT",
     ]
     granted, again, got = read(server.socket, "a", lock=RequestedLockType.RO)
     assert (granted.value, again, got) == ("RO", first_hash, first)

@@ -70,9 +70,9 @@ def test_readers_killed_release_their_locks(server):
     for reader in readers:
         reader.send_signal(signal.SIGKILL)
         reader.wait()
-    wait_until(lambda: server.layout().state == "COMMITTED", what="last READER_LEFT")
+    wait_until(lambda: server.layout().state == "COMMITTED", what="the last RO_DISCONNECT")
     assert server.layout().memory_layout_hash == layout_hash
-    assert server.kinds().count("READER_LEFT") == 3
+    assert server.kinds().count("RO_DISCONNECT") == 3  # each logged as one READER_LEFT
 
 
 # -- out of memory ------------------------------------------------------------------

@@ -13,26 +13,32 @@ from .transport import RpcTransport
 
 RuntimeState = m.GetRuntimeStateResponse
 
-_ENTRY_KEYS = ("seq", "kind", "time", "mono_ns")
+_ENTRY_KEYS = ("seq", "kind", "time", "mono_ns", "logged_as", "conn")
 
 
 @attrs.frozen
 class HistoryEvent:
+    """One event of the history, ``kind`` in the seed's words (docs/protocol.md);
+    ``logged_as`` the kind the log stores where it differs (a reader's merged
+    READER_JOINED shows as RO_CONNECT), else ""."""
+
     seq: int
     kind: str
     time: float
     mono_ns: int
     conn: int
     fields: dict
+    logged_as: str = ""
 
     def to_event(self) -> Event:
         """The FSM event this entry records: fold these to rebuild the state."""
-        return EVENT_TYPES[self.kind](conn=self.conn, **self.fields)
+        return EVENT_TYPES[self.logged_as or self.kind](conn=self.conn, **self.fields)
 
     @classmethod
     def from_wire(cls, row: dict) -> HistoryEvent:
-        fields = {k: v for k, v in row.items() if k not in _ENTRY_KEYS and k != "conn"}
-        return cls(row["seq"], row["kind"], row["time"], row["mono_ns"], row["conn"], fields)
+        fields = {k: v for k, v in row.items() if k not in _ENTRY_KEYS}
+        return cls(row["seq"], row["kind"], row["time"], row["mono_ns"], row["conn"], fields,
+                   row.get("logged_as", ""))
 
     @property
     def layout(self) -> str:

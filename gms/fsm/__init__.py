@@ -44,7 +44,7 @@ from .errors import (
     UnknownAllocation,
     UnknownLayout,
 )
-from .events import EVENT_TYPES, Event
+from .events import EVENT_TYPES, Event, shown_kind
 from .invariants import check_invariants, layout_problems
 from .layout_hash import compute_layout_hash
 from .limits import Limits
@@ -160,6 +160,7 @@ __all__ = [
     "resolve_rw_or_ro",
     "rules",
     "schedule",
+    "shown_kind",
     "validate_layout_name",
     "why_not_evictable",
 ]

@@ -448,3 +448,15 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in NODE_EVENTS + LOCK_EVENTS + LAYOUT_EVENTS + RESIDENCY_EVENTS + DISK_EVENTS + OBSERVATIONS
 }
+
+# The kinds a reader sees (the history probe, ``gms history``, saved logs): the
+# seed's name for every lock transition, whatever the log stores.  A merged
+# event shows as the seed event it holds, its other fields beside it (a
+# READER_JOINED's session: tenant, uid, pid); ``logged_as`` keeps the stored
+# kind, which is what replaying the row folds (docs/protocol.md).
+SHOWN_AS: dict[str, str] = {ReaderJoined.KIND: RoConnect.KIND, ReaderLeft.KIND: RoDisconnect.KIND}
+
+
+def shown_kind(kind: str) -> str:
+    """The kind a reader of the history sees for a logged ``kind``."""
+    return SHOWN_AS.get(kind, kind)

@@ -79,6 +79,7 @@ from gms.fsm import (
     plan_evictions,
     queries,
     schedule,
+    shown_kind,
 )
 from gms.fsm.events import (
     AllocationOomGaveUp,
@@ -716,6 +717,9 @@ class ServerMachine(RuleBasedStateMachine):
         events = self.server.events(self.replica_seq)
         replica = self.replica
         for event in events:
+            # Each row in the seed's words, the kind the log holds beside it where they differ;
+            # folding what it was logged as rebuilds the state (below).
+            assert event.kind == shown_kind(event.logged_as or event.kind) != event.logged_as, event
             replica = fold(replica, event.to_event())
             self.replica_seq = event.seq
             self.replica_trail.append((event.seq, replica))

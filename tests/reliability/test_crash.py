@@ -122,7 +122,7 @@ def drop_layout(server, layout: str) -> None:
 def victim_conn(server, pid: int, since: int) -> int:
     def find():
         for event in server.events(since):
-            if event.kind in ("SESSION_OPENED", "READER_JOINED") and event.fields["pid"] == pid:
+            if (event.logged_as or event.kind) in ("SESSION_OPENED", "READER_JOINED") and event.fields["pid"] == pid:
                 return event.conn
         return None
 

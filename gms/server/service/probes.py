@@ -19,7 +19,7 @@ import time
 import attrs
 import trio
 
-from ...fsm import PermissionDenied
+from ...fsm import PermissionDenied, shown_kind
 from ...fsm.events import (
     ConnectionDropped,
     ServerResumed,
@@ -79,9 +79,12 @@ class View:
 
 
 def history_entry(entry: LogEntry) -> dict:
-    """One event as the history probe shows it."""
+    """One event as the history probe shows it: in the seed's words (``shown_kind``),
+    the logged kind in ``logged_as`` where they differ."""
     event = entry.event
-    row = {"seq": entry.seq, "kind": event.KIND, "time": entry.wall_ns / 1e9, "mono_ns": entry.mono_ns}
+    row = {"seq": entry.seq, "kind": shown_kind(event.KIND), "time": entry.wall_ns / 1e9, "mono_ns": entry.mono_ns}
+    if row["kind"] != event.KIND:
+        row["logged_as"] = event.KIND
     row.update(attrs.asdict(event))
     return row
 
