@@ -46,55 +46,34 @@ def parse_devices(text: str) -> list[int]:
         raise SystemExit(f"gms serve --devices: expected 'all' or a list like 0,1, got {text!r}") from None
 
 
+# What differs between the devices' servers: each one's own (``--socket`` and
+# ``--metrics-port`` are derived per device); every other word of ``gms serve``
+# reaches every child as the user wrote it.
+PER_DEVICE = ("--devices", "--device", "--socket", "--metrics-port")
+
+
+def without_options(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``words`` less each of ``flags`` and its value (``--flag V`` or ``--flag=V``).  Pure."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        elif not word.startswith(tuple(f + "=" for f in flags)):
+            out.append(word)
+    return out
+
+
 def child_argv(args: argparse.Namespace, device: int) -> list[str]:
-    argv = python_argv("gms", "serve", "--device", str(device), "--backend", args.backend)
-    options = {
-        "--policy": args.policy,
-        "--gpu-budget": args.gpu_budget,
-        "--host-budget": args.host_budget,
-        "--host-capacity": args.host_capacity,
-        "--host-pool": args.host_pool,
-        "--host-chunk": args.host_chunk,
-        "--alloc-retry-interval": args.alloc_retry_interval,
-        "--alloc-retry-timeout": args.alloc_retry_timeout,
-        "--alloc-stock": args.alloc_stock,
-        "--socket-mode": format(args.socket_mode, "o"),
-        "--max-frame-bytes": args.max_frame_bytes,
-        "--max-metadata-value-bytes": args.max_metadata_value_bytes,
-        "--max-allocations": args.max_allocations,
-        "--max-metadata-keys": args.max_metadata_keys,
-        "--max-layouts": args.max_layouts,
-        "--event-log-retain": args.event_log_retain,
-        # what a server may hold and for whom (docs/operations.md)
-        "--event-log-bytes": args.event_log_bytes,
-        "--max-metadata-bytes": args.max_metadata_bytes,
-        "--metadata-entry-bytes": args.metadata_entry_bytes,
-        "--tenant-metadata-quota": args.tenant_metadata_quota,
-        "--tenant-max-layouts": args.tenant_max_layouts,
-        "--scan-cache-bytes": args.scan_cache_bytes,
-        "--handshake-timeout": args.handshake_timeout,
-        "--max-connections-per-uid": args.max_connections_per_uid,
-        "--fd-reserve": args.fd_reserve,
-        "--log-level": args.log_level,
-        "--keeper-socket": args.keeper_socket,
-        "--handover-timeout": args.handover_timeout,
-        "--state-dir": args.state_dir,
-        "--ready-dir": args.ready_dir,
-    }
+    """One device's ``gms serve``: the supervisor's own words, every option of them
+    (the serve parser takes no abbreviations, so a word is its option), its device's."""
+    words = without_options(list(getattr(args, "argv", None) or ["serve"]), PER_DEVICE)
+    words += ["--device", str(device)]
     if args.metrics_port is not None:
         # One port per GPU: the first GPU's server gets the given one, the next the one after.
-        options["--metrics-port"] = args.metrics_port + device
-        options["--metrics-host"] = args.metrics_host
-    for flag, value in options.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.no_host_tier:
-        argv.append("--no-host-tier")
-    switches = (("--no-copier", args.no_copier), ("--no-keeper", args.no_keeper), ("--take-over", args.take_over))
-    for flag, on in switches:
-        if on:
-            argv.append(flag)
-    return argv
+        words += ["--metrics-port", str(args.metrics_port + device)]
+    return python_argv("gms", *words)
 
 
 def _describe(code: int) -> str:

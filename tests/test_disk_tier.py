@@ -24,7 +24,7 @@ from gms.client.admin import evict
 from gms.disk import format as fmt
 from gms.errors import GMSServerError
 
-from .helpers import ServerProcess, wait_until
+from .helpers import ServerProcess, state_or_none, wait_until
 
 MiB = 1 << 20
 _STARTED: list[ServerProcess] = []
@@ -418,3 +418,43 @@ def test_a_disk_folder_others_may_write_is_refused(tmp_path):
     folder.chmod(0o777)
     with pytest.raises(AssertionError, match="not this server's alone"):
         ServerProcess(tmp_path, "--disk-dir", str(folder), socket_path=str(tmp_path / "gms.sock"))
+
+
+# -- a restart is the same node (issue 59) -------------------------------------------------
+
+SETTINGS = ("--disk-budget", "100MiB", "--gpu-budget", "200MiB", "--host-budget", "300MiB",
+            "--max-metadata-bytes", "64MiB")
+
+
+def _node(state) -> tuple:
+    """What ``gms status --json`` says of a node's configuration."""
+    return (state.disk_budget_bytes, state.disk_dir, state.budget_bytes, state.host_budget_bytes,
+            state.capacity_bytes, state.max_metadata_bytes)
+
+
+@pytest.mark.parametrize("path", ["sigkill", "sigkill-no-spare", "gms-restart", "sigterm-server", "take-over"])
+def test_every_restart_keeps_the_disk_tier_and_every_setting(tmp_path, path):
+    """One restart once turned the disk tier off for good: the resumed node's event
+    carried no disk budget.  After each way a server is replaced, the node is the
+    same node (budgets, disk tier) and a commit to persist is saved."""
+    server = serve(tmp_path, *SETTINGS, *(["--no-spare"] if path == "sigkill-no-spare" else []))
+    before = _node(server.state())
+    assert before[0] == 100 * MiB
+    layout_hash, contents = publish(server.socket)
+    saved(server)
+    old = server.server_pid()
+    if path == "take-over":
+        new = serve(tmp_path, *SETTINGS, "--take-over", socket_path=server.socket)
+        wait_until(lambda: server.proc.poll() is not None, timeout=30, what="the old keeper's exit")
+        server = new
+    elif path == "gms-restart":
+        os.kill(server.pid, signal.SIGHUP)  # what `gms restart` sends the keeper
+    else:
+        os.kill(old, signal.SIGTERM if path == "sigterm-server" else signal.SIGKILL)
+    wait_until(lambda: state_or_none(server.socket) and state_or_none(server.socket).pid != old, timeout=30,
+               what=f"the next server\n{server.log}")
+    assert _node(server.state()) == before, "a restart is the same node"
+    assert server.layout().memory_layout_hash == layout_hash
+    second_hash, _ = publish(server.socket, "second")
+    saved(server, "second")
+    assert server.layout("second").memory_layout_hash == second_hash

@@ -382,3 +382,29 @@ def test_every_event_declares_what_it_releases_and_whether_a_restart_keeps_it():
         "LAYOUT_EVICTED": "gpu_copy", "RESTORE_ABORTED": "half_restored", "LAYOUT_LOST": "everything",
         "LAYOUT_SPILLED": "host_copies", "LAYOUT_FELL_TO_DISK": "memory_copies",
     }
+
+
+# -- a restart is the same node (issue 59) -------------------------------------------------
+
+
+def test_a_resumed_node_carries_every_setting_of_its_first_event():
+    """Every field of SERVER_STARTED but the connection and layout is node configuration;
+    SERVER_RESUMED has each, and ``resumed_from`` fills each from the new server's first
+    event.  A setting added to SERVER_STARTED alone fails here (the disk budget once
+    did: every restart turned the disk tier off)."""
+    from gms.fsm import EMPTY_NODE, fold
+    from gms.fsm.events import NODE_CONFIG_FIELDS, ServerResumed, ServerStarted, resumed_from
+
+    assert set(NODE_CONFIG_FIELDS) <= {f.name for f in attrs.fields(ServerResumed)}
+    values = {"capacity_bytes": 1 << 40, "budget_bytes": 1 << 39, "host_budget_bytes": 1 << 38,
+              "quotas": {"a": 1 << 30}, "limits": {"max_layouts": 7}, "backend": "host", "device": 3,
+              "device_uuid": "u", "tenant_limits": {"a": {"metadata_quota": 5, "max_layouts": 6, "disk_quota": 9}},
+              "disk_budget_bytes": 5 << 30}
+    assert set(values) == set(NODE_CONFIG_FIELDS), "a new setting: give it a value here"
+    first = ServerStarted(0, layout="", **values)
+    resumed = resumed_from(first, mode="restart", old_pid=1, reason="signal SIGKILL", state_version=3,
+                           follows_seq=10)
+    assert {name: getattr(resumed, name) for name in NODE_CONFIG_FIELDS} == values
+    # Folded onto a node started otherwise, it leaves the node exactly as a fresh start would.
+    other = ServerStarted(0, None, None, None, {}, {}, layout="")
+    assert attrs.evolve(fold(fold(EMPTY_NODE, other), resumed), tick=0) == attrs.evolve(fold(EMPTY_NODE, first), tick=0)

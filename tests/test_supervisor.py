@@ -204,3 +204,47 @@ def test_servers_of_every_device_keep_their_layouts_in_a_keeper_of_another_proce
         assert proc.wait(60) == 0
         keeper.send_signal(signal.SIGTERM)
         assert keeper.wait(60) == 0
+
+
+# -- every option reaches every device's server (issue 59) ---------------------------------
+
+# A value other than its default for each option of `gms serve` (None: a switch).  A new
+# option fails the test below until it has one here, and then passes only if
+# `--devices` hands it to each device's server.
+SAMPLES = {
+    "--backend": "host", "--policy": "/etc/gms/policy.toml", "--gpu-budget": "0.5", "--host-budget": "2GiB",
+    "--no-host-tier": None, "--no-copier": None, "--disk-dir": "/srv/gms-disk", "--disk-budget": "3GiB",
+    "--no-disk-tier": None, "--restore-at-start": None, "--host-pool": "auto", "--host-chunk": "32MiB",
+    "--host-capacity": "8GiB", "--metrics-port": "9400", "--metrics-host": "0.0.0.0",
+    "--alloc-retry-interval": "0.2", "--alloc-retry-timeout": "5", "--alloc-stock": "0", "--socket-mode": "660",
+    "--max-frame-bytes": "8MiB", "--max-metadata-value-bytes": "2MiB", "--max-allocations": "99",
+    "--max-metadata-keys": "98", "--max-layouts": "97", "--max-metadata-bytes": "1GiB",
+    "--metadata-entry-bytes": "128", "--tenant-metadata-quota": "32MiB", "--tenant-max-layouts": "12",
+    "--scan-cache-bytes": "1MiB", "--handshake-timeout": "3", "--max-connections-per-uid": "9",
+    "--fd-reserve": "64", "--event-log-retain": "5000", "--event-log-bytes": "16MiB", "--log-level": "debug",
+    "--no-keeper": None, "--no-spare": None, "--spare-after": "7", "--keeper-socket": "/run/k.sock",
+    "--take-over": None, "--handover-timeout": "12", "--state-dir": "/srv/state", "--ready-dir": "/run/ready",
+}
+NOT_PASSED_ON = {"--help", "--devices", "--device", "--socket", "--keeper-fd"}  # the supervisor's own, or refused
+
+
+def test_every_option_of_serve_reaches_each_device_s_server():
+    from gms.cli import build_parser
+    from gms.supervisor import child_argv
+
+    parser = build_parser()
+    serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]  # argparse has no public walk
+    options = {a.option_strings[-1] for a in serve._actions if a.option_strings}
+    assert options - NOT_PASSED_ON == set(SAMPLES), "an option of gms serve with no sample value here"
+    words = ["serve", "--devices", "0,1"]
+    for flag, value in SAMPLES.items():
+        words += [flag] if value is None else [flag, value]
+    parent = parser.parse_args(words)
+    parent.argv = words
+    argv = child_argv(parent, 1)
+    child = parser.parse_args(argv[argv.index("gms") + 1:])
+    mine, theirs = vars(parent), vars(child)
+    assert {k for k in mine if mine[k] != theirs.get(k)} == {"devices", "device", "metrics_port", "argv"}
+    assert (child.devices, child.device, child.metrics_port) == (None, 1, 9401)
+    for flag, value in SAMPLES.items():  # and each as the user wrote it
+        assert flag in argv and (value is None or argv[argv.index(flag) + 1] == value or flag == "--metrics-port")

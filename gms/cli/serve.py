@@ -30,7 +30,8 @@ def _positive_float(text: str) -> float:
 
 
 def register(sub) -> None:
-    serve = sub.add_parser("serve", help="run the per-GPU memory server")
+    # No abbreviations: ``--devices`` hands its children the words it was given (gms.supervisor).
+    serve = sub.add_parser("serve", help="run the per-GPU memory server", allow_abbrev=False)
     serve.add_argument("--socket", help="socket path (default: derived from --device)")
     serve.add_argument("--device", type=int, default=0)
     serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))

@@ -89,6 +89,19 @@ class ServerResumed(Event):
 
 RESUME_MODES = ("restart", "take-over")
 
+# A node's configuration: what SERVER_STARTED carries.  A SERVER_RESUMED carries
+# all of it again (the new server's), built by ``resumed_from``, never field by
+# field: a setting added to the first event reaches every restart by itself
+# (tests/test_fsm_node.py checks ServerResumed has every one of these).
+NODE_CONFIG_FIELDS: tuple[str, ...] = tuple(f.name for f in attrs.fields(ServerStarted) if f.name not in ("conn", "layout"))
+
+
+def resumed_from(started: ServerStarted, *, mode: str, old_pid: int, reason: str, state_version: int,
+                 follows_seq: int) -> ServerResumed:
+    """The SERVER_RESUMED of a server whose own configuration is ``started``."""
+    return ServerResumed(0, mode, old_pid, reason, state_version, layout="", follows_seq=follows_seq,
+                         **{name: getattr(started, name) for name in NODE_CONFIG_FIELDS})
+
 
 @attrs.frozen
 class SessionOpened(Event):

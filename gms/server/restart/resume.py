@@ -42,7 +42,7 @@ from ...fsm import (
     decide_resume,
     held_memory,
 )
-from ...fsm.events import ServerResumed
+from ...fsm.events import ServerResumed, resumed_from
 from ...handover.image import (
     ImageError,
     ServerInfo,
@@ -234,13 +234,9 @@ def _tier(name: str) -> MemoryTier:
 
 
 def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:
-    started = core.started_event
-    return ServerResumed(
-        0, handed.mode, handed.old_pid, handed.reason, handed.image.version,
-        started.capacity_bytes, started.budget_bytes, started.host_budget_bytes, started.quotas, started.limits,
-        backend=started.backend, device=started.device, device_uuid=started.device_uuid, layout="",
-        tenant_limits=started.tenant_limits, follows_seq=core.ledger.log.last_seq,
-    )
+    """This server's whole configuration (its SERVER_STARTED's), taking ``handed`` over."""
+    return resumed_from(core.started_event, mode=handed.mode, old_pid=handed.old_pid, reason=handed.reason,
+                        state_version=handed.image.version, follows_seq=core.ledger.log.last_seq)
 
 
 async def resume_core(core: ServiceCore, handed: Handed) -> None:
