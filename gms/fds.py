@@ -44,3 +44,32 @@ def reserve_fd_slots(count: int) -> None:
             os.close(probe)
     except OSError:
         pass
+
+
+# A take-over's new server receives every fd the old one hands over (memory,
+# the listener, the clients' sockets) and gives its keeper a copy of each, a
+# frame at a time (SCM_MAX_FD, 253: each frame's copies are closed once sent,
+# gms.server.restart.mirror); and it opens a few of its own besides (its keeper
+# link, the copier's, a metrics port, admins' connections).
+HANDOVER_SLACK = 253 + 512
+
+
+def handover_need(handed: int) -> int:
+    """Fds a new server needs open at once to take ``handed`` fds over.  Pure."""
+    return handed + HANDOVER_SLACK
+
+
+def fd_room() -> int | None:
+    """How many more fds this process may open, its soft limit first raised to
+    the hard one; None where that is unbounded or /proc cannot say."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    table = _table()
+    if soft == resource.RLIM_INFINITY or table is None:
+        return None
+    return soft - table[1]

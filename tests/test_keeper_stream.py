@@ -171,3 +171,26 @@ def test_the_conversation_names_every_word_once():
 
     said = [say for _, say, _ in CONVERSATION]
     assert sorted(said) == sorted(Say) and len(said) == len(set(said))
+
+
+def test_a_take_over_s_first_fds_tell_the_keeper_the_node_is_provisional():
+    """The keeper learns a node is a take-over's with its first fds, not with the
+    journal after them: a server dying in between leaves a keeper that knows the
+    listener it holds may be the old server's (gms.server.restart.startup.prepare)."""
+    import os as _os
+
+    from gms.handover.frames import Frame
+    from gms.handover.words import Say
+    from gms.keeper.store import Store
+
+    store = Store()
+    r, w = _os.pipe()
+    try:
+        store.apply(Frame(Say.HOLD, {"keys": ["listener"], "provisional": 4242}, (r,)))
+        body, fds = store.handback()
+        assert (body["mode"], body["provisional"]) == ("fresh", 4242) and [k for k, _ in fds] == ["listener"]
+        store.apply(Frame(Say.CONFIRM, {}, ()))
+        assert "provisional" not in store.handback()[0]
+    finally:
+        store.close()
+        _os.close(w)

@@ -32,7 +32,7 @@ from gms.store.log import after_loss
 from gms.wire import messages as m
 
 from .handover_fixtures import replay_saved, rich_log
-from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_store, wait_until
+from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_store, state_or_none, wait_until
 from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
 
@@ -626,3 +626,19 @@ def test_what_the_keeper_does_once_a_server_is_gone(why, code, ready, holds, sta
     then = after_server(outcome, code, holds_node=holds, stalled=stalled, backoff=backoff, ran_s=1.0)
     got = ("again", then.delay, then.backoff) if isinstance(then, Again) else ("done", then.code)
     assert got == expected
+
+
+def test_a_planned_restart_numbers_on_with_no_gap_and_logs_no_error(tmp_path):
+    """A server that leaves its node to the keeper (SIGHUP, `gms restart`) has sent
+    every event first: the next one numbers on from its last, and the keeper says
+    so as information.  A crash leaves the gap (the test above)."""
+    server = server_process(tmp_path, keeper=True)
+    publish_raw(server.socket, "weights", (MiB,))
+    for _ in range(2):
+        old, last = server.server_pid(), server.state().last_event_seq
+        os.kill(server.pid, signal.SIGHUP)
+        wait_until(lambda old=old: (s := state_or_none(server.socket)) is not None and s.pid != old, timeout=30,
+                   what="the next server")
+        (resumed,) = [e for e in server.events(last) if e.kind == "SERVER_RESUMED"]
+        assert resumed.seq == resumed.fields["follows_seq"] + 1 == last + 1
+    assert "ERROR" not in server.log, server.log

@@ -438,3 +438,63 @@ def test_handed_connections_count_against_their_uid_s_cap_on_the_new_server(shar
     wait_until(lambda: new.state().sessions == 1, what="the handed connection's end")
     assert connect_as(new.socket, 23999).call(m.GetRuntimeStateRequest()).sessions == 1, "room again"
     new.stop()
+
+
+# -- all or nothing: fds (issue 59) ------------------------------------------------------------
+
+
+def _nofile(limit: int):
+    def set_limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    return set_limit
+
+
+def _allocate(path: str, count: int) -> None:
+    from gms import GMSClientMemoryManager, RequestedLockType
+
+    writer = GMSClientMemoryManager(path, layout="many")
+    writer.connect(RequestedLockType.RW)
+    for _ in range(count):
+        writer.allocate_handle(4096, tag="t")
+    writer.commit()
+
+
+def test_a_take_over_short_of_fds_is_refused_before_anything_is_taken(tmp_path):
+    """Once, a new server that ran out of fds mid-hand-over died, and its keeper's
+    next server served an empty node on the old server's own listener: two servers
+    on one socket.  Now the new server sees it cannot take the node whole before it
+    takes anything, says why, and the old server serves on alone."""
+    old = server_process(tmp_path, keeper=True)
+    _allocate(old.socket, 3000)
+    old_pid = old.server_pid()
+    new = subprocess.run(
+        [sys.executable, "-m", "gms", "serve", "--backend", "host", "--socket", old.socket, "--take-over",
+         "--log-level", "warning"],
+        capture_output=True, text=True, timeout=120, preexec_fn=_nofile(3000),
+    )
+    assert new.returncode == 75, new.stderr  # its keeper: the take-over did not happen
+    assert "the hand-over carries 3001 fds" in new.stderr and "ulimit -n" in new.stderr, new.stderr
+    states = [get_runtime_state(old.socket) for _ in range(10)]
+    assert {s.pid for s in states} == {old_pid}, "one server answers on the socket"
+    assert states[-1].layout("many").allocation_count == 3000 and states[-1].layout("many").committed
+
+
+def test_a_node_of_ten_thousand_allocations_is_taken_over_under_the_machine_s_limits(tmp_path):
+    """Under keepers (the default), as users run it; the new server raises its soft
+    limit to the hard one and needs the allocations' fds and one frame's more."""
+    import resource
+
+    from gms.fds import handover_need
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < handover_need(10_001) + 256:
+        pytest.skip("this machine's hard open-files limit is below what 10,000 allocations need")
+    old = server_process(tmp_path, keeper=True)
+    _allocate(old.socket, 10_000)
+    old_pid = old.server_pid()
+    new = take_over(old, keeper=True)
+    assert old.proc.wait(60) == 0, "the old keeper is done: its server was taken over"
+    states = [get_runtime_state(new.socket) for _ in range(10)]
+    assert len({s.pid for s in states}) == 1 and states[0].pid != old_pid
+    assert states[-1].layout("many").allocation_count == 10_000

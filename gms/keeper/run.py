@@ -91,6 +91,8 @@ def settle(store: Store, outcome: Outcome, reason: str, code: int | None = None)
         elif why is Leaving.STALE:
             reason = f"its code was not gms's on disk now ({reason})"
         store.old_pid, store.reason = outcome.pid, reason
+        # Its STOPPING came after everything it sent: nothing of its log was lost.
+        store.whole = why in (Leaving.LEFT, Leaving.STALE)
 
 
 class _Adopted:
@@ -250,7 +252,8 @@ class SpawningKeeper:
                 (log.info if then.code == 0 else log.error)("%s (%s): done", then.why, reason)
                 return then.code
             self.backoff = then.backoff
-            log.error(
+            planned = outcome.why in (Leaving.LEFT, Leaving.STALE)  # a restart asked for: no error
+            (log.info if planned else log.error)(
                 "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
                 outcome.pid, reason, f", {outcome.why.value}" if outcome.why else "",
                 "now" if then.delay == 0 else f"in {then.delay:.1f} s", len(self.store.fds),

@@ -38,6 +38,9 @@ class Store:
         self.retired = False
         self.old_pid = 0
         self.reason = ""
+        # The last server said it left (STOPPING after every frame before it): the
+        # journal is whole, and the next server numbers on with no gap.
+        self.whole = False
         self.on_fd: Callable[[str, int | None], None] = on_fd or (lambda key, fd: None)
         # Told of the journal as it changes: ("base", bytes) or ("events", bytes).
         self.on_journal: Callable[[str, bytes], None] = lambda kind, data: None
@@ -85,6 +88,8 @@ class Store:
                 raise ValueError(f"hold with {len(keys)} keys and {len(frame.fds)} fds")
             for key, fd in zip(keys, frame.fds):
                 self.hold(key, fd)
+            if "provisional" in body:  # a take-over's first fds: not this keeper's node until CONFIRM
+                self.provisional = body["provisional"]
             return None
         frame.close_fds()  # only holds carry fds
         if kind == Say.RELEASE:
@@ -140,10 +145,13 @@ class Store:
         if self.retired:
             return {"mode": Mode.RETIRED.value, "features": FEATURES}, []
         if self.base is None:
-            return {"mode": Mode.FRESH.value, "features": FEATURES}, self._listener()
+            body = {"mode": Mode.FRESH.value, "features": FEATURES}
+            if self.provisional is not None:  # a take-over's listener, perhaps still the old server's
+                body["provisional"] = self.provisional
+            return body, self._listener()
         body = {
             "mode": Mode.RESUME.value, "features": FEATURES, "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
-            "reason": self.reason, "failed_resumes": self.failed_resumes,
+            "reason": self.reason, "failed_resumes": self.failed_resumes, "whole": self.whole,
         }
         if self.provisional is not None:
             body["provisional"] = self.provisional

@@ -514,10 +514,12 @@ class TakeOverRequest:
 
 @attrs.frozen
 class TakeOverResponse:
-    """Accepted: the server is quiet and writes its state in ``state_version``."""
+    """Accepted: the server is quiet and writes its state in ``state_version``;
+    ``fds``: how many fds the hand-over carries (0: a server too old to say)."""
 
     state_version: int
     pid: int
+    fds: int = 0
 
 
 @attrs.frozen

@@ -146,11 +146,14 @@ class KeeperStream:
         held: list[tuple[str, int]],
         held_keys: Callable[[], list[str]],
         wants_ack: Callable[[], bool],
+        provisional: int | None = None,
     ) -> None:
         """Serving from now on: queue the fds the keeper lacks of ``held``; the shell
-        then sends a whole base, at once (:meth:`base_now`) or a little at a time."""
+        then sends a whole base, at once (:meth:`base_now`) or a little at a time.
+        ``provisional`` (a take-over's, from that pid) rides the first fds: a keeper
+        holding any of them knows they are not its node until CONFIRM."""
         self._image, self._held_keys, self._wants_ack = image, held_keys, wants_ack
-        self._queue_holds([(key, fd) for key, fd in held if key not in self.keeper_keys])
+        self._queue_holds([(key, fd) for key, fd in held if key not in self.keeper_keys], provisional)
         self.phase = Phase.ATTACHED
         self._writer.forget()
 
@@ -390,12 +393,19 @@ class KeeperStream:
         elif fds:
             self._close(fds)
 
-    def _queue_holds(self, keyed: list[tuple[str, int]]) -> None:
+    def hold_batch(self, keyed: list[tuple[str, int]], provisional: int | None = None) -> None:
+        """Queue holds for ``keyed`` now (an attach that sends a frame at a time)."""
+        self._queue_holds(keyed, provisional)
+
+    def _queue_holds(self, keyed: list[tuple[str, int]], provisional: int | None = None) -> None:
         """The fds are duplicated: the frame may wait here while the memory's own fd is closed."""
         for start in range(0, len(keyed), frames.MAX_FDS):  # a frame's fds ride one system call
             batch = keyed[start : start + frames.MAX_FDS]
+            body: dict = {"keys": [key for key, _ in batch]}
+            if provisional is not None and start == 0:
+                body["provisional"] = provisional
             if self.open:
-                self._queue(Say.HOLD, {"keys": [key for key, _ in batch]}, [os.dup(fd) for _, fd in batch])
+                self._queue(Say.HOLD, body, [os.dup(fd) for _, fd in batch])
 
 
 def _close(fds: Iterable[int]) -> None:

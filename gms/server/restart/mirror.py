@@ -95,6 +95,7 @@ class Handback:
     provisional: int | None = None  # the journal is a take-over's, not committed: the old server's pid
     failed_resumes: int = 0  # servers that died resuming this journal before serving
     features: frozenset = frozenset()
+    whole: bool = False  # the last server left the journal whole (a planned restart): no numbering gap
 
 
 def _mode(word) -> Mode:
@@ -214,7 +215,7 @@ class KeeperLink:
             mode=_mode(body.get("mode")), listener=listener, base=body.get("base"), tails=tuple(body.get("tails", ())),
             fds=fds, old_pid=body.get("old_pid", 0), reason=body.get("reason", ""),
             provisional=body.get("provisional"), failed_resumes=body.get("failed_resumes", 0),
-            features=features,
+            features=features, whole=bool(body.get("whole")),
         )
 
     def attach(
@@ -240,11 +241,20 @@ class KeeperLink:
         the node, as it would have with none)."""
         self._on_released = on_released
         keyed = held()
-        self.stream.attach(image, keyed, lambda: [key for key, _ in held()], wants_ack)
         if now:
+            # Blocking, before serving: the fds go a frame at a time, each frame's
+            # copies closed once the keeper has them, so a node of N allocations
+            # needs N fds here and one frame's more, not 2N (docs/operations.md).
+            self.stream.attach(image, [], lambda: [key for key, _ in held()], wants_ack)
+            missing = [(key, fd) for key, fd in keyed if key not in self.stream.keeper_keys]
+            for start in range(0, len(missing), frames.MAX_FDS):
+                self.stream.hold_batch(missing[start : start + frames.MAX_FDS], provisional if start == 0 else None)
+                if not self.drain(DRAIN_S):
+                    break  # the keeper does not read: the caller's drain says so
             self.stream.base_now([key for key, _ in keyed], provisional)
             self._send_now()
         else:
+            self.stream.attach(image, keyed, lambda: [key for key, _ in held()], wants_ack, provisional)
             self.flush()
             self.stream.rebase_due = True
             self._wake()

@@ -91,6 +91,7 @@ class Handed:
     old_pid: int
     reason: str
     conn_fds: dict = attrs.field(factory=dict)  # conn -> socket fd
+    whole: bool = False  # a restart whose journal the last server left whole: numbers go on with no gap
 
     def close_conn_fds(self) -> None:
         """The clients' sockets not handed to sessions (a take-over refused late)."""
@@ -261,7 +262,7 @@ async def resume_core(core: ServiceCore, handed: Handed) -> None:
         core.state, resumed_event(core, handed), [(t, i) for t, i, _ in lost],
         reason=lost[0][2] if lost else "",
     )
-    if handed.mode == "restart":  # the dead server's last events may never have reached the keeper
+    if handed.mode == "restart" and not handed.whole:  # a dead server's last events may never have reached the keeper
         core.ledger.log.skip_lost()
     try:
         core.ledger.record(events)

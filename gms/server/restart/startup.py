@@ -171,6 +171,13 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
     if handback.mode is Mode.RETIRED:
         return Start(None, link=link, retired=True)
     listener = _listener(handback.listener) if handback.listener is not None else None
+    if handback.provisional and old_server_serves(config.socket_path, handback.provisional):
+        # A take-over that never committed (its server died with the listener handed
+        # to the keeper, the journal or not): the old server serves this node, on
+        # that very listener.  Serving it too would be two servers on one socket.
+        log.warning("the keeper's state is of a take-over that did not happen: taking over again")
+        _close_handback(handback, listener)
+        return take_over(config, device, link)
     if handback.mode is not Mode.RESUME or handback.base is None:
         for fd in handback.fds.values():
             os.close(fd)
@@ -178,14 +185,6 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             return take_over(config, device, link)
         return Start(listener, link=link)
     why_not = None
-    if handback.provisional and old_server_serves(config.socket_path, handback.provisional):
-        # A take-over that never committed: the old server serves this node.
-        log.warning("the keeper's state is of a take-over that did not happen: taking over again")
-        for fd in handback.fds.values():
-            os.close(fd)
-        if listener is not None:
-            listener.close()
-        return take_over(config, device, link)
     if handback.failed_resumes >= MAX_FAILED_RESUMES:
         why_not = f"the last {handback.failed_resumes} servers failed resuming it (a crash, not a kill)"
     try:
@@ -217,7 +216,8 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         _close_handback(handback, listener)
         raise Unresumable(str(exc)) from None
     old_pid = handback.old_pid or image.server.pid
-    handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown")
+    handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown",
+                    whole=handback.whole)
     return Start(listener, handed=handed, link=link)
 
 

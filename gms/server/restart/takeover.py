@@ -44,6 +44,7 @@ import attrs
 import trio
 
 from ...cyclegc import paused
+from ...fds import fd_room, handover_need
 from ...fsm import check_invariants
 from ...handover import frames
 from ...handover.image import (
@@ -184,7 +185,7 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
         return await refuse(f"no quiet point within {config.handover_timeout} s (a client not reading its answers?)")
     image = node_image(server, server.quiesce.parked)
     keyed = handover_fds(server, server.quiesce.parked)
-    first = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid()))
+    first = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid(), len(keyed)))
     sock = socket.socket(fileno=os.dup(channel.sock.fileno()))
     try:
         verdict = await trio.to_thread.run_sync(
@@ -303,6 +304,10 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
             raise TakeOverRefused(f"the running server refused: {answer.error}")
         if not isinstance(answer, m.TakeOverResponse):
             raise TakeOverRefused(f"the running server answered {type(answer).__name__}")
+        short = fd_shortfall(answer.fds)
+        if short:  # before anything is taken: the old server, told, serves on alone
+            abort(sock, short)
+            raise TakeOverRefused(short)
         keyed: dict[str, int] = {}
         try:
             image_frame = frames.recv_frame(sock, reader)
@@ -349,6 +354,18 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
         reader.close()
         sock.close()
         raise
+
+
+def fd_shortfall(handed: int) -> str:
+    """Why this process cannot take ``handed`` fds over ("" if it can): the whole
+    node or nothing, never half of it on one listener beside the old server."""
+    room = fd_room()
+    need = handover_need(handed)
+    if not handed or room is None or need <= room:
+        return ""
+    return (f"the hand-over carries {handed} fds and this server needs {need} open at once, but may open "
+            f"{room} more (ulimit -n): raise the open-files limit of the new gms serve "
+            "(docs/operations.md, 'File descriptors')")
 
 
 def _close_fds(fds) -> None:
