@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Every vLLM run a GPU lease makes once vLLM is installed (scripts/gpu-vllm-install.sh), in
+# the order they matter, in the background: a lease's call may last 10 minutes, the runs
+# together more.  docs/vllm.md, "Running on a GPU host".
+#
+#   scripts/gpu-vllm-lease.sh start      # setsid: runs on after the call returns
+#   scripts/gpu-vllm-lease.sh wait S     # up to S seconds for it to end; prints where it is
+#   scripts/gpu-vllm-lease.sh collect    # its logs and results, one tarball in $OUT
+#
+# Steps (each logged to $RUNS/<step>.log, its exit code to $RUNS/<step>.rc), in the order
+# $STEPS names them (default below); "a+b" runs a and b side by side:
+#   test_vllm_gpu: publish and import, tokens equal to vLLM's own load, sleep and wake through
+#      vLLM's endpoints with CUDA graphs replaying (tests/test_vllm_gpu.py);
+#   gms_gpu: gms's own restart, take-over, disk tier and supervisor tests on CUDA;
+#   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
+#   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
+#   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+RUNS=${RUNS:-/var/tmp/gms-vllm-lease}
+STEPS=${STEPS:-test_vllm_gpu+gms_gpu vllm_daemons test_vllm_disk_gpu vllm_failover}
+export PYTHONUNBUFFERED=1 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 GMS_BENCH_OUT=$RUNS/results
+
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -p no:randomly -m gpu --timeout 900"
+
+run_step() {
+  case "$1" in
+    test_vllm_gpu) step "$1" $PYTEST tests/test_vllm_gpu.py ;;
+    gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_supervisor.py \
+      tests/test_takeover.py tests/test_restart.py ;;
+    vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ;;
+    test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
+    vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;
+    *) echo "unknown step $1" >> "$RUNS/progress" ;;
+  esac
+}
+
+steps() {
+  for group in $STEPS; do
+    for name in ${group//+/ }; do run_step "$name" & done
+    wait
+  done
+}
+
+step() {
+  local name=$1; shift
+  echo "$(date -u +%T) start $name: $*" >> "$RUNS/progress"
+  local t0=$SECONDS
+  "$@" > "$RUNS/$name.log" 2>&1
+  local rc=$?
+  echo "$rc" > "$RUNS/$name.rc"
+  echo "$(date -u +%T) end $name: rc $rc in $((SECONDS - t0)) s" >> "$RUNS/progress"
+}
+
+case "${1:-}" in
+  start)
+    mkdir -p "$RUNS/results"
+    : > "$RUNS/progress"
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      python3 -c 'import sys, torch, vllm; print(sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__)'
+    } > "$RUNS/env.txt" 2>&1
+    setsid bash -c "$(declare -f steps step run_step); RUNS=$RUNS; STEPS='$STEPS'; PYTEST='$PYTEST'; steps; echo done >> $RUNS/progress" \
+      < /dev/null > "$RUNS/lease.log" 2>&1 &
+    echo "started: $RUNS/progress"
+    ;;
+  wait)
+    deadline=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $deadline ] && ! grep -q '^done' "$RUNS/progress" 2>/dev/null; do sleep 5; done
+    cat "$RUNS/progress"
+    for f in "$RUNS"/*.rc; do [ -e "$f" ] && echo "$(basename "$f" .rc): rc $(cat "$f")"; done
+    grep -hE "passed|failed|error" "$RUNS"/test_*.log 2>/dev/null | tail -5
+    ;;
+  collect)
+    tar -C "$RUNS" -czf "${OUT:-.}/vllm-lease.tgz" . && ls -l "${OUT:-.}/vllm-lease.tgz"
+    ;;
+  *) echo "usage: $0 start|wait [S]|collect" >&2; exit 2 ;;
+esac
