@@ -440,7 +440,7 @@ def test_every_restart_keeps_the_disk_tier_and_every_setting(tmp_path, path):
     server = serve(tmp_path, *SETTINGS, *(["--no-spare"] if path == "sigkill-no-spare" else []))
     before = _node(server.state())
     assert before[0] == 100 * MiB
-    layout_hash, contents = publish(server.socket)
+    layout_hash, _ = publish(server.socket)
     saved(server)
     old = server.server_pid()
     if path == "take-over":

@@ -32,7 +32,15 @@ from gms.store.log import after_loss
 from gms.wire import messages as m
 
 from .handover_fixtures import replay_saved, rich_log
-from .helpers import MiB, RawConn, ServerProcess, build_layout, served_from_store, state_or_none, wait_until
+from .helpers import (
+    MiB,
+    RawConn,
+    ServerProcess,
+    build_layout,
+    served_from_store,
+    state_or_none,
+    wait_until,
+)
 from .test_client import PAYLOAD, publish
 from .test_client_ride_through import mapped_reader
 

@@ -394,30 +394,47 @@ def test_read_only_import_equals_vllms_own_load(tmp_path):
 
 @needs_vllm
 def test_the_bench_command_lines_parse(tmp_path):
-    """bench/vllm.py's and tests/test_vllm_gpu.py's ``vllm serve`` lines, through vLLM's parser."""
+    """bench/vllm.py's, bench/vllm_daemons.py's and tests/test_vllm_gpu.py's ``vllm serve`` (and
+    ``vllm preload``) lines, through vLLM's parser."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from vllm_engines import serve_argv
         from vllm_model import make_model
+        import vllm_daemons  # last: it takes bench/ off the path (so that "import vllm" finds vLLM)
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        if str(ROOT / "bench") in sys.path:
+            sys.path.remove(str(ROOT / "bench"))
     model = make_model(tmp_path / "model", "tiny", "float32")["folder"]
     lines = {
         "gms": serve_argv(model, 8001, extra={"gms_socket": "/tmp/x.sock", "gms_read_only": True}),
         "baseline": serve_argv(model, 8002, load_format="safetensors", sleep_mode=True, kv_bytes=1 << 30),
     }
+    if _has_preload():  # vLLM's weight daemon (0.33 on): bench/vllm_daemons.py's lines too
+        lines["ipc_cache"] = serve_argv(model, 8003, load_format="ipc_cache", extra={"socket_dir": "/tmp/ipc"})
     for what, argv in lines.items():
-        serve = argv.index("serve")
-        out = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_probe.py"), "--argv",
-                              json.dumps(argv[serve + 1:])], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert out.returncode == 0, f"{what}: {out.stderr[-3000:]}"
-        found = json.loads(out.stdout.strip().splitlines()[-1])
+        found = _probe("--argv", argv[argv.index("serve") + 1:], what)
         if what == "gms":
             assert found["load_format"] == "gms" and found["worker_cls"] == "gms.integrations.vllm.worker.GMSWorker"
             assert found["extra"] == {"gms_socket": "/tmp/x.sock", "gms_read_only": True}
+        elif what == "ipc_cache":
+            assert found["load_format"] == "ipc_cache" and found["extra"] == {"socket_dir": "/tmp/ipc"}
         else:
             assert found["load_format"] == "safetensors" and found["sleep_mode"] and found["kv_bytes"] == 1 << 30
+    if _has_preload():
+        argv = vllm_daemons.preload_argv(model, "/tmp/ipc", 18439, max_model_len=512, eager=True)
+        found = _probe("--preload-argv", argv[argv.index("preload") + 1:], "preload")
+        assert found == {"model": model, "load_format": "auto", "socket_dir": "/tmp/ipc", "health_port": 18439}
+
+
+def _has_preload() -> bool:
+    return importlib.util.find_spec("vllm.entrypoints.cli.preload") is not None
+
+
+def _probe(flag: str, argv: list[str], what: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_probe.py"), flag, json.dumps(argv)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, f"{what}: {out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- every release in the range (tests/data/vllm_surface, scripts/vllm_surface.py) ----------------

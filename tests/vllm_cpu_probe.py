@@ -4,7 +4,8 @@ Run by tests/test_vllm.py in a process of its own (it changes vLLM's global
 state): ``python tests/vllm_cpu_probe.py MODEL_DIR SOCKET``, where SOCKET is a
 host-backend gms server.  Prints one JSON line.  ``python
 tests/vllm_cpu_probe.py --argv JSON`` instead parses a ``vllm serve`` command
-line (JSON list, after ``serve``) as vLLM does and builds its engine config.
+line (JSON list, after ``serve``) as vLLM does and builds its engine config;
+``--preload-argv JSON`` a ``vllm preload`` line (the weight daemon of vLLM 0.33).
 
 vLLM's CUDA wheel has no CPU kernels and picks no platform on a machine
 without a GPU, so this probe (test scaffolding, nothing more) sets vLLM's
@@ -69,8 +70,12 @@ def engine_config(model: str, load_format: str):
 def parse_serve(argv: list[str]) -> dict:
     """A ``vllm serve`` command line through vLLM's own parser and config checks."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # vLLM 0.33 moved the serve parser from openai/ to common/
+        from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 
     # The CPU platform has no sleep mode; a GPU has: let the CPU say yes, for the checks alone.
     CpuPlatform.is_sleep_mode_available = classmethod(lambda cls: True)
@@ -85,9 +90,24 @@ def parse_serve(argv: list[str]) -> dict:
             "sleep_mode": engine.model_config.enable_sleep_mode}
 
 
+def parse_preload(argv: list[str]) -> dict:
+    """A ``vllm preload`` command line (vLLM's weight daemon, 0.33 on) through its own parser."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.preload import PreloadSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    PreloadSubcommand.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    engine = EngineArgs.from_cli_args(args).create_engine_config()
+    return {"model": engine.model_config.model, "load_format": engine.load_config.load_format,
+            "socket_dir": args.weight_cache_socket_dir, "health_port": args.weight_cache_health_port}
+
+
 def main() -> None:
-    if sys.argv[1] == "--argv":
-        print(json.dumps(parse_serve(json.loads(sys.argv[2]))))
+    if sys.argv[1] in ("--argv", "--preload-argv"):
+        parse = parse_serve if sys.argv[1] == "--argv" else parse_preload
+        print(json.dumps(parse(json.loads(sys.argv[2]))))
         return
     model_dir, socket = sys.argv[1], sys.argv[2]
     register()

@@ -8,6 +8,9 @@ server, the KV layout is dropped with its lock, the addresses stay
 reserved), and on wake maps them back at the same addresses: the weights as
 published, the KV cache as fresh memory.  Nothing is copied to the host.
 
+vLLM 0.33 adds ``discard(tags)`` (the KV cache released while the weights
+stay): served by sleeping those tags.
+
 Level 1 is the level this maps.  Level 2 ("discard the weights, reload them
 on wake") is served the same way: the weights are not discarded, they stay
 published in gms, so there is nothing to reload.
@@ -39,6 +42,13 @@ class GMSSleepBackend(SleepModeBackend):
         memory = current()
         memory.wake(tags)
         self._state = "RUNNING" if not memory.asleep else "SUSPENDED"
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        # vLLM 0.33's selective discard (``release_kv_cache_memory``): a tag
+        # asleep in gms has its memory back on the server already, and a KV
+        # layout's contents are never kept, so discarding is sleeping those tags.
+        current().sleep(tags)
+        self._state = "SUSPENDED"
 
     @classmethod
     def preserves_communicators(cls) -> bool:
