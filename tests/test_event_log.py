@@ -11,7 +11,7 @@ from gms.fsm.events import RoConnect, ServerResumed
 from gms.store import EventLog, LogEntry, Snapshot, replay
 from gms.store.log import RESTART_STRIDE, after_loss
 
-from .fsm_events import churn, closed_reader, committed, reader, started, writer
+from .fsm_events import aborted, churn, closed_reader, committed, reader, started, writer
 
 
 def test_sequence_numbers_and_clocks():
@@ -148,3 +148,28 @@ def test_a_restart_with_nothing_kept_since_its_snapshot_starts_the_kept_numbers_
     assert (resumed.first_seq, resumed.last_seq, len(resumed)) == (RESTART_STRIDE, RESTART_STRIDE, 1)
     assert resumed.snapshot == Snapshot(RESTART_STRIDE - 1, log.state)
     assert [e.seq for e in resumed.since(0)] == [RESTART_STRIDE]
+
+
+# -- an earlier server's events, shown but never folded (gms.store.prior) ---------------------
+
+
+def test_a_resumed_log_shows_the_events_before_its_snapshot_and_drops_them_first():
+    from gms.handover.image import decode_entries, encode_entries
+    from gms.store.prior import Prior, batches
+
+    first = EventLog(retain=None)
+    first.extend([started(), *writer(1)])
+    first.extend(committed(first.state, 1))
+    first.extend([*reader(2), *closed_reader(2)])
+    old = list(first.entries())
+    rows = [[old[0].seq, old[2].seq, 3, encode_entries(old[:3])], [old[3].seq, old[-1].seq, len(old) - 3,
+                                                                    encode_entries(old[3:])],
+            [99, 1, 1, b"x"], "not a row"]  # the last two are not well formed: left out
+    prior = Prior(batches(rows, first.last_seq + 1), decode_entries)
+    log = EventLog.resumed(Snapshot(first.last_seq, first.state), retain=len(old) + 2, prior=prior)
+    log.extend([restarted(first.last_seq)])
+    assert log.first_seq == 1 and [e.seq for e in log.since(0)] == [*(e.seq for e in old), first.last_seq + 1]
+    assert log.entry(2) == old[1] and [e.seq for e in log.since(3, limit=2)] == [4, 5]
+    assert log.replay() == log.state  # the prior is shown, never folded
+    log.extend([*writer(20), *aborted(20)])  # past the count bound: the oldest batch goes first, whole
+    assert log.first_seq == old[3].seq and len(list(log.since(0))) <= len(old) + 2 + 4096

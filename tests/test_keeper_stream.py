@@ -194,3 +194,23 @@ def test_a_take_over_s_first_fds_tell_the_keeper_the_node_is_provisional():
     finally:
         store.close()
         _os.close(w)
+
+
+def test_the_events_a_new_base_leaves_behind_are_the_keeper_s_history():
+    """The keeper keeps, by the numbers the server named beside each batch, what a
+    base replaces, and hands it back with the journal (gms.store.prior)."""
+    from gms.handover.frames import Frame
+    from gms.handover.words import Say
+    from gms.keeper.store import Store
+
+    store = Store()
+    store.apply(Frame(Say.BASE, {"image": b"img0", "history": [[1, 1, 1, b"e1"]]}, ()))
+    store.apply(Frame(Say.EVENTS, {"entries": b"e2-4", "span": [2, 4, 3]}, ()))
+    store.apply(Frame(Say.EVENTS, {"entries": b"old-server"}, ()))  # no numbers (an older server): not kept
+    store.apply(Frame(Say.EVENTS, {"entries": b"e6", "span": [6, 6, 1]}, ()))
+    store.apply(Frame(Say.PART, {"key": "p", "data": b"d"}, ()))
+    store.apply(Frame(Say.BASE, {"parts": ["p"], "tails": 1}, ()))  # the last tail is after the new base
+    body, _ = store.handback()
+    assert body["history"] == [[1, 1, 1, b"e1"], [2, 4, 3, b"e2-4"]] and body["tails"] == [b"e6"]
+    store.drop_node(keep_listener=False)
+    assert store.history == type(store.history)()

@@ -12,6 +12,7 @@ live memory, a state that does not rebuild, and a keeper in another process
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -650,3 +651,32 @@ def test_a_planned_restart_numbers_on_with_no_gap_and_logs_no_error(tmp_path):
         (resumed,) = [e for e in server.events(last) if e.kind == "SERVER_RESUMED"]
         assert resumed.seq == resumed.fields["follows_seq"] + 1 == last + 1
     assert "ERROR" not in server.log, server.log
+
+
+def test_the_history_spans_restarts_and_replays_to_the_live_state(tmp_path):
+    """Once, `gms history` after two restarts held one event and `gms replay` of it
+    failed.  Now the keeper keeps what each new base leaves behind, the next
+    server shows it (never folding it), and the saved history, from event 1
+    across a planned restart and two crashes, replays to the live node."""
+    server = server_process(tmp_path, keeper=True)
+    layout_hash, _ = publish_raw(server.socket, "weights", (MiB,))
+    for how in (signal.SIGHUP, signal.SIGKILL, signal.SIGKILL):
+        old = server.server_pid()
+        os.kill(server.pid if how == signal.SIGHUP else old, how)
+        wait_until(lambda old=old: (s := state_or_none(server.socket)) is not None and s.pid != old, timeout=30,
+                   what="the next server")
+        publish_raw(server.socket, f"after-{server.server_pid()}", (MiB,))
+    events = server.events()
+    assert events[0].seq == server.state().first_event_seq == 1 and events[0].kind == "SERVER_STARTED"
+    assert [e.kind for e in events].count("SERVER_RESUMED") == 3
+    saved = tmp_path / "history.jsonl"
+    with open(saved, "w") as out:
+        subprocess.run([sys.executable, "-m", "gms", "history", "--socket", server.socket, "--json"], stdout=out,
+                       check=True)
+    replayed = subprocess.run([sys.executable, "-m", "gms", "replay", str(saved), "--json"], capture_output=True,
+                              text=True)
+    assert replayed.returncode == 0, replayed.stderr
+    state = json.loads(replayed.stdout)
+    live = {row.name: row.memory_layout_hash for row in server.state().layouts}
+    assert {row["name"]: row["memory_layout_hash"] for row in state["layouts"]} == live
+    assert live["weights"] == layout_hash and len(live) == 4

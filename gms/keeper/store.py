@@ -9,19 +9,28 @@ releases it, a base leaves it out, or the node is dropped.  The base is kept
 in parts (``gms.handover.journal``): ``part`` frames stage the parts that
 changed, and ``base`` names every part of the new base, taking the others
 from the one it replaces, and how many of the events sent meanwhile are
-after it (an older server sends whole images instead).  Pure but for
+after it (an older server sends whole images instead).  The events a new
+base leaves behind are kept as the *history* (bounded, oldest dropped
+first): the next server shows them but does not fold them
+(``gms.store.prior``), so its history spans the restart.  Of each batch the
+keeper knows only the numbers the server named beside it.  Pure but for
 closing fds, and tested without processes.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 
 from ..handover.frames import Frame
 from ..handover.words import Mode, Say
 
 LISTENER = "listener"
+# The history a keeper keeps for the next server: the log's default bounds
+# (--event-log-bytes, --event-log-retain); a server shows at most its own.
+HISTORY_BYTES = 64 << 20
+HISTORY_ENTRIES = 1_000_000
 FEATURES = ["parts"]  # what this keeper understands beyond the first version's frames
 
 
@@ -32,6 +41,9 @@ class Store:
         self.fds: dict[str, int] = {}
         self.base: bytes | dict[str, bytes] | None = None  # an image, or its parts by key
         self.tails: list[bytes] = []
+        self._spans: list[tuple[int, int, int] | None] = []  # each tail's (first, last, count), as the server said
+        self.history: deque[tuple[int, int, int, bytes]] = deque()  # batches before the base: (first, last, count, blob)
+        self._history_bytes = self._history_entries = 0
         self._staged: dict[str, bytes] = {}  # parts of a base on its way
         self.provisional: int | None = None  # a take-over's node, not committed: the old server's pid
         self.failed_resumes = 0
@@ -72,6 +84,7 @@ class Store:
         """Forget the node: its memory's fds and journal (and the listener unless kept)."""
         self.keep_only({LISTENER} if keep_listener else set())
         self.base, self.tails, self.provisional, self.failed_resumes = None, [], None, 0
+        self._spans, self.history, self._history_bytes, self._history_entries = [], deque(), 0, 0
         self._staged = {}
         self.on_journal("base", b"")
 
@@ -99,6 +112,8 @@ class Store:
                 return Say.RELEASED
         elif kind == Say.EVENTS:
             self.tails.append(body["entries"])
+            span = body.get("span")
+            self._spans.append(tuple(span) if isinstance(span, list | tuple) and len(span) == 3 else None)
             self.on_journal("events", body["entries"])
         elif kind == Say.PART:
             self._staged[body["key"]] = body["data"]
@@ -124,16 +139,36 @@ class Store:
             except KeyError as missing:
                 raise ValueError(f"a base names part {missing} that was never sent") from None
             keep = body.get("tails", 0)
+            self._archive(len(self.tails) - keep)
             self.base, self.tails = base, self.tails[len(self.tails) - keep:] if keep else []
         else:
+            self._archive(len(self.tails))
             self.base, self.tails = body["image"], []
         self.on_journal("base", self.base)
         for tail in self.tails:
             self.on_journal("events", tail)
         if "keys" in body:
             self.keep_only(set(body["keys"]))
+        for row in body.get("history", ()):  # a first server's events before its base
+            self.history.append(tuple(row))
+            self._history_entries += row[2]
+            self._history_bytes += len(row[3])
         if "provisional" in body:
             self.provisional = body["provisional"]
+
+    def _archive(self, count: int) -> None:
+        """The first ``count`` tails, which a new base leaves behind, into the history."""
+        spans = [None] * (len(self.tails) - len(self._spans)) + self._spans  # (tails from systemd's journal: none)
+        for span, blob in zip(spans[:count], self.tails[:count]):
+            if span is not None:
+                self.history.append((*span, blob))
+                self._history_entries += span[2]
+                self._history_bytes += len(blob)
+        self._spans = spans[count:]
+        while self.history and (self._history_bytes > HISTORY_BYTES or self._history_entries > HISTORY_ENTRIES):
+            _, _, n, blob = self.history.popleft()
+            self._history_entries -= n
+            self._history_bytes -= len(blob)
 
     # -- the next server --------------------------------------------------------------
 
@@ -152,6 +187,7 @@ class Store:
         body = {
             "mode": Mode.RESUME.value, "features": FEATURES, "base": self.base, "tails": list(self.tails), "old_pid": self.old_pid,
             "reason": self.reason, "failed_resumes": self.failed_resumes, "whole": self.whole,
+            "history": [list(batch) for batch in self.history],
         }
         if self.provisional is not None:
             body["provisional"] = self.provisional

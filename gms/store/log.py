@@ -40,6 +40,7 @@ import attrs
 
 from ..fsm.events import Event, ServerResumed
 from ..fsm.node import EMPTY_NODE, NodeState, fold
+from .prior import Prior
 from .sizes import entry_bytes, pinned_bytes
 
 _MIN_CHUNK_BYTES = 64 << 10
@@ -145,11 +146,13 @@ class EventLog:
         self._bytes = 0  # of the kept entries
         self._pinned = 0  # by the snapshot, beyond the live state: recounted at chunk boundaries
         self._trim_at = 0  # _trim sets it: the kept count at which an append must trim
+        # Events of the node's earlier servers, before the snapshot: shown, never folded (gms.store.prior).
+        self._prior: Prior | None = None
 
     @classmethod
     def resumed(
         cls, snapshot: Snapshot, entries: Iterable[LogEntry] = (), *, retain: int | None = 1_000_000,
-        chunk_size: int = 4096, max_bytes: int | None = None,
+        chunk_size: int = 4096, max_bytes: int | None = None, prior: Prior | None = None,
     ) -> EventLog:
         """A log that goes on from another server's: its snapshot is ``snapshot``
         (the state after event ``last_seq``), then ``entries`` (the events after
@@ -158,8 +161,11 @@ class EventLog:
         The entries are counted against ``max_bytes`` as appended ones are, and
         the snapshot's share of metadata from the start (a take-over's snapshot
         is the live state: none).  The one gap allowed is just before a
-        SERVER_RESUMED (a restart after a crash: :meth:`skip_lost`)."""
+        SERVER_RESUMED (a restart after a crash: :meth:`skip_lost`).  ``prior``:
+        the events before the snapshot, as the keeper kept them: in the history,
+        within the same bounds (they go first)."""
         log = cls(retain=retain, chunk_size=chunk_size, max_bytes=max_bytes)
+        log._prior = prior if prior is not None and prior.batches else None
         log.state = snapshot.state
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
@@ -259,13 +265,22 @@ class EventLog:
         return entries
 
     def _over(self) -> bool:
-        first = self._chunks[0]
-        if self._retain is not None and self._kept - len(first.entries) >= self._retain:
+        prior = self._prior
+        # What dropping the oldest (a prior batch while there are any, else a chunk) would leave.
+        if prior is not None:
+            kept_after, extra = self._kept + prior.count - prior.batches[0].count, prior.bytes
+        else:
+            kept_after, extra = self._kept - len(self._chunks[0].entries), 0
+        if self._retain is not None and kept_after >= self._retain:
             return True
-        return self._max_bytes is not None and self._bytes + self._pinned > self._max_bytes
+        return self._max_bytes is not None and self._bytes + self._pinned + extra > self._max_bytes
 
     def _trim(self) -> None:
         chunks = self._chunks
+        while self._prior is not None and self._over():
+            self._prior.drop_oldest()
+            if not self._prior.batches:
+                self._prior = None
         while len(chunks) > 1 and self._over():
             chunk = chunks.popleft()
             self._kept -= len(chunk.entries)
@@ -280,7 +295,7 @@ class EventLog:
         entries past the oldest chunk reach ``retain`` (that chunk is closed
         once another follows it, so its length is known; while it is the only
         one, it closes at ``chunk_size``)."""
-        if self._max_bytes is not None:
+        if self._max_bytes is not None or self._prior is not None:
             return 0
         if self._retain is None:
             return _NEVER
@@ -301,8 +316,9 @@ class EventLog:
 
     @property
     def first_seq(self) -> int:
-        """Sequence number of the oldest kept entry (``last_seq + 1`` when empty)."""
-        return self._chunks[0].start_seq
+        """Sequence number of the oldest kept entry (``last_seq + 1`` when empty),
+        an earlier server's (``prior``) included."""
+        return self._prior.first_seq if self._prior is not None else self._chunks[0].start_seq
 
     @property
     def last_seq(self) -> int:
@@ -316,10 +332,15 @@ class EventLog:
             yield from chunk.entries
 
     def since(self, since_seq: int = 0, limit: int | None = None) -> list[LogEntry]:
-        """Kept entries with ``seq > since_seq``, oldest first, at most ``limit``."""
+        """Kept entries with ``seq > since_seq``, oldest first, at most ``limit``
+        (an earlier server's first: they are older)."""
         start = since_seq + 1
-        left = len(self) if limit is None else max(limit, 0)
+        prior = self._prior
+        left = self._kept + (prior.count if prior else 0) if limit is None else max(limit, 0)
         out: list[LogEntry] = []
+        if prior is not None and start < self._chunks[0].start_seq:
+            out = prior.since(since_seq, left)
+            left -= len(out)
         chunks = self._chunks
         index = self._chunk_index(start)
         while left > 0 and index < len(chunks):
@@ -335,6 +356,8 @@ class EventLog:
         """The kept entry with sequence number ``seq``, if any (O(log chunks))."""
         if not self.first_seq <= seq <= self.last_seq:
             return None
+        if seq < self._chunks[0].start_seq:
+            return self._prior.entry(seq) if self._prior is not None else None
         chunk = self._chunks[self._chunk_index(seq)]
         index = seq - chunk.start_seq
         return chunk.entries[index] if index < len(chunk.entries) else None  # (None: in a gap)

@@ -193,7 +193,9 @@ class KeeperStream:
             return False
         blob = encode_entries(entries)
         lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
-        self._queue(Say.EVENTS, {"entries": blob}, lasting=lasting)
+        # The numbers beside the opaque batch: a keeper keeps it as history by them (gms.keeper.store).
+        body = {"entries": blob, "span": [entries[0].seq, entries[-1].seq, len(entries)]} if entries else {"entries": blob}
+        self._queue(Say.EVENTS, body, lasting=lasting)
         self._tail_bytes += len(blob)
         self.since_trim += len(blob)
         if len(blob) > _COUNTED_BYTES:
@@ -321,10 +323,14 @@ class KeeperStream:
 
     # -- bases -----------------------------------------------------------------------------------
 
-    def base_now(self, keys: list[str] | None, provisional: int | None = None) -> None:
-        """A whole base at once (when attaching, or for a keeper that keeps images)."""
+    def base_now(self, keys: list[str] | None, provisional: int | None = None, history: list | None = None) -> None:
+        """A whole base at once (when attaching, or for a keeper that keeps images);
+        ``history``: batches of the events before it, for a keeper that has none
+        (``[first, last, count, blob]``: gms.store.prior)."""
         image = self._image()
         body: dict = {}
+        if history:
+            body["history"] = history
         if self.parts:
             parts, names = self._writer.parts(image)
             for name, data in parts.items():

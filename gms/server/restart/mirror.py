@@ -36,7 +36,7 @@ import attrs
 import trio
 
 from ...handover import frames
-from ...handover.image import STATE_VERSION, StateImage
+from ...handover.image import STATE_VERSION, StateImage, encode_entries
 from ...handover.words import Leaving, Mode, Say
 from ...heap import give_back_free_memory
 from ...peer import peer_of
@@ -96,6 +96,7 @@ class Handback:
     failed_resumes: int = 0  # servers that died resuming this journal before serving
     features: frozenset = frozenset()
     whole: bool = False  # the last server left the journal whole (a planned restart): no numbering gap
+    history: tuple = ()  # (first, last, count, blob) batches before the base: shown, not folded (gms.store.prior)
 
 
 def _mode(word) -> Mode:
@@ -120,6 +121,16 @@ def _keeper_pids(sock: socket.socket, body: dict) -> tuple[int, int]:
 
 class KeeperGone(Exception):
     """The keeper channel broke."""
+
+
+HISTORY_BATCH = 4096  # entries a history row holds
+
+
+def history_rows(entries: Iterable[LogEntry]) -> list[list]:
+    """``entries`` as a keeper keeps history: ``[first, last, count, blob]`` rows."""
+    entries = list(entries)
+    return [[batch[0].seq, batch[-1].seq, len(batch), encode_entries(batch)]
+            for batch in (entries[i : i + HISTORY_BATCH] for i in range(0, len(entries), HISTORY_BATCH))]
 
 
 class KeeperLink:
@@ -215,7 +226,7 @@ class KeeperLink:
             mode=_mode(body.get("mode")), listener=listener, base=body.get("base"), tails=tuple(body.get("tails", ())),
             fds=fds, old_pid=body.get("old_pid", 0), reason=body.get("reason", ""),
             provisional=body.get("provisional"), failed_resumes=body.get("failed_resumes", 0),
-            features=features, whole=bool(body.get("whole")),
+            features=features, whole=bool(body.get("whole")), history=tuple(body.get("history", ())),
         )
 
     def attach(
@@ -227,6 +238,7 @@ class KeeperLink:
         wants_ack: Callable[[], bool] = lambda: False,
         on_released: Callable[[], None] = lambda: None,
         now: bool = True,
+        history: Iterable[LogEntry] = (),
     ) -> None:
         """Serving from now on: send what the keeper lacks of ``held()`` ((key, fd)
         of every fd the state needs kept, the listener included), then a whole
@@ -238,7 +250,9 @@ class KeeperLink:
         once the keeper closed its fds: ``on_released()``).  ``now``: the base is
         made at once (before serving); else by :meth:`run`, a little at a time
         (a keeper found again while serving: until it has it, a crash loses
-        the node, as it would have with none)."""
+        the node, as it would have with none).  ``history``: the events the
+        base already holds, for a keeper that has none of them (a node's first
+        server): kept beside the base, shown by the next server."""
         self._on_released = on_released
         keyed = held()
         if now:
@@ -251,7 +265,7 @@ class KeeperLink:
                 self.stream.hold_batch(missing[start : start + frames.MAX_FDS], provisional if start == 0 else None)
                 if not self.drain(DRAIN_S):
                     break  # the keeper does not read: the caller's drain says so
-            self.stream.base_now([key for key, _ in keyed], provisional)
+            self.stream.base_now([key for key, _ in keyed], provisional, history_rows(history))
             self._send_now()
         else:
             self.stream.attach(image, keyed, lambda: [key for key, _ in held()], wants_ack, provisional)

@@ -54,6 +54,7 @@ from ...handover.image import (
 from ...handover.journal import decode_parts
 from ...postmortem import event_row
 from ...store import EventLog, Snapshot
+from ...store.prior import Prior, batches
 from ..service.core import ServiceCore
 from ..tiers.host_memory import parse_chunk_name
 from .mirror import memory_key, split_key
@@ -92,6 +93,7 @@ class Handed:
     reason: str
     conn_fds: dict = attrs.field(factory=dict)  # conn -> socket fd
     whole: bool = False  # a restart whose journal the last server left whole: numbers go on with no gap
+    kept_seq: int = 0  # the last event its keeper has (the journal's): the ones after go to it as history
 
     def close_conn_fds(self) -> None:
         """The clients' sockets not handed to sessions (a take-over refused late)."""
@@ -107,13 +109,18 @@ def decode_base(base: bytes | dict) -> StateImage:
 
 def rebuild(
     base: bytes | dict, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
+    history: Iterable = (),
 ) -> tuple[StateImage, EventLog, int]:
-    """(image, log, next conn) from a keeper's journal; raises Unreplayable."""
+    """(image, log, next conn) from a keeper's journal; raises Unreplayable.
+    ``history``: the keeper's batches before its base, shown in the log's
+    history, never folded (one that is not well formed is left out)."""
     try:
         with paused():
             image = decode_base(base)
             entries = [entry for tail in tails for entry in decode_entries(tail)]
-            log_ = EventLog.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain, max_bytes=max_bytes)
+            prior = Prior(batches(history, image.last_seq + 1), decode_entries)
+            log_ = EventLog.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain,
+                                    max_bytes=max_bytes, prior=prior)
             check_invariants(log_.state)
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc

@@ -192,6 +192,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
             raise Unreplayable(why_not)
         image, log_, next_conn = rebuild(
             handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
+            history=handback.history,
         )
     except Unreplayable as exc:
         folder = config.state_dir or os.path.dirname(os.path.abspath(config.socket_path))
@@ -217,7 +218,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         raise Unresumable(str(exc)) from None
     old_pid = handback.old_pid or image.server.pid
     handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown",
-                    whole=handback.whole)
+                    whole=handback.whole, kept_seq=log_.last_seq)
     return Start(listener, handed=handed, link=link)
 
 

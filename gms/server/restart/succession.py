@@ -69,6 +69,9 @@ async def take_the_node(server, core: ServiceCore, start: Start) -> None:
         link.attach(
             lambda: keeper_image(server), lambda: held_fds(server), provisional=offer.old_pid if offer else None,
             wants_ack=server.signal.watched, on_released=server.signal.released,
+            # The events the base holds that the keeper never had (this server's, logged
+            # before it attached: a first SERVER_STARTED, a SERVER_RESUMED): its history.
+            history=core.log.since(handed.kept_seq if handed is not None else 0),
         )
         # Before serving (blocking is fine): a take-over commits only once its keeper
         # holds the node, so that nothing is lost should this server die right after.
