@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -458,3 +459,25 @@ def test_every_restart_keeps_the_disk_tier_and_every_setting(tmp_path, path):
     second_hash, _ = publish(server.socket, "second")
     saved(server, "second")
     assert server.layout("second").memory_layout_hash == second_hash
+
+
+def test_a_failed_save_is_tried_again_and_lands_once_the_disk_takes_it(tmp_path):
+    """Once, a save that failed was never tried again: a layout committed to persist
+    was gone after a reboot though the disk had room by then.  RLIMIT_FSIZE on the
+    server stands for a full disk; lifted, the next try saves (within the backoff)."""
+    import resource
+
+    server = serve(tmp_path)
+    hard = resource.prlimit(server.server_pid(), resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(server.server_pid(), resource.RLIMIT_FSIZE, (7 * MiB, hard))  # the soft limit: liftable
+    layout_hash, contents = publish(server.socket)
+    failed = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_FAILED"], what="the failed save")
+    assert "tried again in 1 s" in failed[0].fields["reason"], failed
+    time.sleep(3.5)  # two more tries fail the same way: said once
+    assert len([e for e in server.events() if e.kind == "SNAPSHOT_FAILED"]) == 1
+    resource.prlimit(server.server_pid(), resource.RLIMIT_FSIZE, (hard, hard))
+    saved(server)  # the next try (at most 8 s after the last) lands
+    assert server.layout().memory_layout_hash == layout_hash
+    server = reboot(server, tmp_path)
+    assert read(server.socket)[2] == contents, "what was committed to persist outlives the node"
+    server.stop()

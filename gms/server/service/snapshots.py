@@ -10,7 +10,10 @@ restored from one, every snapshot found again when a server starts with nothing.
   again on the state as it is then: a layout rewritten or dropped meanwhile
   gets no snapshot (the file is removed).  A save that fails (a full disk, the
   budget, no copier, an I/O error) is ``SNAPSHOT_FAILED`` with the reason; the
-  commit stands, and the layout is not tried again by this server.
+  commit stands, and the save is tried again while the layout is unchanged,
+  after 1 s, then twice as long each time up to a minute (``SNAPSHOT_FAILED``
+  again only when the reason changes): a disk that had no room saves once it
+  has some.
 * **restore** (:meth:`Snapshots.restore`): the reader granted the restore of a
   layout on the disk tier waits in its handshake while its GPU memory is made
   (as for the host tier) and the copier reads the file into it, checking every
@@ -31,6 +34,7 @@ dropped or lost), on the disk lane.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -59,7 +63,22 @@ from .ledger import Ledger
 
 log = logging.getLogger("gms.server.service.snapshots")
 _MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
-RETRY_S = 1.0  # after the copier went away mid-save: the next one tries again
+SAVE_RETRY_FIRST_S = 1.0  # a failed save is tried again after this, then twice as long each time ...
+SAVE_RETRY_MAX_S = 60.0  # ... up to this
+
+
+@attrs.frozen
+class Waiting:
+    """A commit whose save failed: tried again at ``at`` (trio's clock)."""
+
+    at: float
+    delay: float
+    reason: str
+
+
+def retry_delay(last: Waiting | None) -> float:
+    """How long after a failed save the next try comes.  Pure."""
+    return SAVE_RETRY_FIRST_S if last is None else min(last.delay * 2, SAVE_RETRY_MAX_S)
 
 
 class Snapshots:
@@ -70,7 +89,7 @@ class Snapshots:
         self.link = link
         self.lane = Lane("disk")  # unlinks, off the loop
         self._wake = trio.Event()
-        self._given_up: set[tuple[str, str, int]] = set()  # commits (layout, hash, count) whose save failed
+        self.waiting: dict[tuple[str, str, int], Waiting] = {}  # commits (layout, hash, count) whose save failed
 
     # -- what the ledger and the core tell it -----------------------------------------
 
@@ -98,22 +117,26 @@ class Snapshots:
     # -- saving ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Save what waits, then wait for the next commit that asks (the server's nursery)."""
+        """Save what waits (a failed save when its next try is due), then wait for
+        the next commit that asks or the next try (the server's nursery)."""
         while True:
-            retry = False
             for name in unsaved(self.ledger.state):
                 layout = self.ledger.state.layouts.get(name)
-                if layout is not None and _commit(layout) not in self._given_up:
-                    retry = await self.save(name) is None or retry
-            if retry:
-                await trio.sleep(RETRY_S)
-                continue
-            await self._wake.wait()
+                if layout is None:
+                    continue
+                waiting = self.waiting.get(_commit(layout))
+                if waiting is None or waiting.at <= trio.current_time():
+                    await self.save(name)
+            pending = {_commit(layout) for name in unsaved(self.ledger.state)
+                       if (layout := self.ledger.state.layouts.get(name)) is not None}
+            self.waiting = {c: w for c, w in self.waiting.items() if c in pending}  # saved, rewritten or gone
+            with trio.move_on_at(min((w.at for w in self.waiting.values()), default=math.inf)):
+                await self._wake.wait()
             self._wake = trio.Event()
 
     async def save(self, name: str) -> bool | None:
-        """One layout's snapshot; whether ``SNAPSHOT_SAVED`` was recorded (None: the
-        copier went away meanwhile, to be tried again with the next)."""
+        """One layout's snapshot; whether ``SNAPSHOT_SAVED`` was recorded (a failure
+        is tried again: :meth:`run`)."""
         layout = self.ledger.state.layouts[name]
         commit, layout_hash = _commit(layout), layout.layout_hash
         allocations, metadata = snapshot_rows(layout)
@@ -139,9 +162,6 @@ class Snapshots:
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.store.abandon, pending)
-            if isinstance(exc, CopierGone) and self.link.state != "running":
-                self._record_failure(name, layout_hash, f"{_why(exc)}: tried again with the next copier")
-                return None
             if isinstance(exc, (CopierGone, OSError, SnapshotCorrupt)):
                 return self._failed(name, layout_hash, commit, _why(exc))
             raise
@@ -162,8 +182,12 @@ class Snapshots:
         return True
 
     def _failed(self, name: str, layout_hash: str, commit: tuple[str, str, int], reason: str) -> bool:
-        self._given_up.add(commit)
-        self._record_failure(name, layout_hash, f"{reason} (the commit stands; it lives until the node goes)")
+        last = self.waiting.get(commit)
+        delay = retry_delay(last)
+        self.waiting[commit] = Waiting(trio.current_time() + delay, delay, reason)
+        if last is None or last.reason != reason:  # said once per reason, not at every try
+            self._record_failure(name, layout_hash, f"{reason} (the commit stands; tried again in {delay:.0f} s, "
+                                 f"then less often up to every {SAVE_RETRY_MAX_S:.0f} s, while the layout is unchanged)")
         return False
 
     def _record_failure(self, name: str, layout_hash: str, reason: str) -> None:
