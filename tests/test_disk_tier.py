@@ -481,3 +481,53 @@ def test_a_failed_save_is_tried_again_and_lands_once_the_disk_takes_it(tmp_path)
     server = reboot(server, tmp_path)
     assert read(server.socket)[2] == contents, "what was committed to persist outlives the node"
     server.stop()
+
+
+def test_a_snapshot_the_log_never_took_is_superseded_by_the_next_writer_of_its_layout(tmp_path):
+    """Once, a snapshot a cold start refused (its owner gone from the policy) stayed
+    unknown to the log; the layout was written again (not to persist), and a later
+    cold start whose policy took the old snapshot served it: an older version over
+    a newer one.  Now a writer's grant on the layout supersedes such files, also
+    after a restart of the server in between."""
+    uid = os.getuid()
+    policy = tmp_path / "policy.toml"
+    team = f'[[tenant]]\nname = "team"\nuids = [{uid}]\nwrite = ["*"]\nadmin = true\npersist = true\n'
+    policy.write_text(team)
+    server = serve(tmp_path, "--policy", str(policy))
+    publish(server.socket, "weights", persist=None)
+    saved(server)
+    server.stop()
+    policy.write_text(f'[[tenant]]\nname = "other"\nuids = [{uid}]\nwrite = ["*"]\nadmin = true\n')
+    server = serve(tmp_path, "--policy", str(policy))
+    assert server.layout().state == "EMPTY" and "left on disk" in server.log
+    old = server.server_pid()
+    os.kill(server.pid, signal.SIGHUP)  # a restart between: the next server finds the file again
+    wait_until(lambda: (s := state_or_none(server.socket)) is not None and s.pid != old, what="the next server")
+    folder = server.state().disk_dir
+    assert len(os.listdir(folder)) == 1
+    publish(server.socket, "weights", persist=False)  # version 2, not to persist
+    wait_until(lambda: not os.listdir(folder), what="the superseded snapshot gone")
+    server.stop()
+    policy.write_text(team)
+    server = serve(tmp_path, "--policy", str(policy))
+    assert server.layout().state == "EMPTY", "version 1 never comes back over version 2"
+    server.stop()
+
+
+def test_a_save_stamp_passes_every_snapshot_in_the_folder_whatever_the_clock(tmp_path):
+    """A save made while the clock is behind must still win over older snapshots at
+    the next cold start (of two, the higher stamp is kept): stamps never go back."""
+    import time as _time
+
+    from gms.disk.store import DiskStore
+
+    folder = tmp_path / "disk"
+    folder.mkdir(mode=0o700)
+    ahead = _time.time_ns() + 86_400 * 10**9  # a snapshot saved while the clock was a day ahead
+    (folder / fmt.file_name("weights", "h" * 64, ahead)).write_bytes(b"")
+    store = DiskStore(str(folder))
+    try:
+        first = store.next_stamp()
+        assert ahead < first < store.next_stamp()
+    finally:
+        store.close()

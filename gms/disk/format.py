@@ -74,7 +74,9 @@ class Manifest:
     metadata: tuple[tuple, ...]  # (key, allocation id, offset, value)
     extents: tuple[Extent, ...]
     chunk_bytes: int = CHUNK_BYTES
-    saved_ns: int = 0  # the wall clock at the save: of two snapshots of one layout, the later wins
+    # The save's stamp: the wall clock, or past every snapshot the folder has held
+    # (DiskStore.next_stamp): of two snapshots of one layout, the higher wins.
+    saved_ns: int = 0
     version: int = VERSION
     residency: str = "unpinned"  # the layout's at its save (older snapshots: unpinned)
 
@@ -94,6 +96,18 @@ def file_name(name: str, layout_hash: str, saved_ns: int) -> str:
     (a layout rebuilt with the same structure hashes the same: each save is a
     file of its own, never one a release of the last may remove)."""
     return f"{hashlib.sha256(f'{name}@{layout_hash}'.encode()).hexdigest()[:24]}-{saved_ns:016x}{SUFFIX}"
+
+
+def stamp_of(file: str) -> int | None:
+    """The save stamp a snapshot's file name carries (set-aside names too); None if none.  Pure."""
+    base = file[: file.index(SUFFIX)] if SUFFIX in file else ""
+    digest, _, stamp = base.rpartition("-")
+    if len(digest) != 24 or len(stamp) != 16:
+        return None
+    try:
+        return int(stamp, 16)
+    except ValueError:
+        return None
 
 
 def names_it(manifest: Manifest, file: str) -> bool:

@@ -21,6 +21,8 @@ import itertools
 import logging
 import os
 import stat
+import time
+from collections.abc import Callable
 
 import attrs
 
@@ -61,6 +63,8 @@ class DiskStore:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._dir_fd = _folder(directory)
+        # The highest save stamp any file in the folder carries (its name says it: no file opened).
+        self.highest = max((s for n in os.listdir(self._dir_fd) if (s := fmt.stamp_of(n)) is not None), default=0)
 
     def close(self) -> None:
         if self._dir_fd >= 0:
@@ -68,6 +72,13 @@ class DiskStore:
             self._dir_fd = -1
 
     # -- saving ------------------------------------------------------------------------
+
+    def next_stamp(self) -> int:
+        """A new save's stamp: the wall clock, or just past every snapshot this folder
+        has held, whichever is higher (a clock set back never makes an older snapshot
+        win over a newer one at the next cold start)."""
+        self.highest = max(time.time_ns(), self.highest + 1)
+        return self.highest
 
     def begin(self, name: str, size: int) -> Pending:
         """A temporary file of ``size`` bytes reserved to become ``name``: OSError
@@ -119,11 +130,11 @@ class DiskStore:
             raise
         return fd, manifest
 
-    def scan(self) -> list[Found]:
-        """Every snapshot in the folder, in name order, read or refused."""
+    def scan(self, which: Callable[[str], bool] = lambda file: True) -> list[Found]:
+        """Every snapshot in the folder (``which`` of them), in name order, read or refused."""
         found = []
         for name in sorted(os.listdir(self._dir_fd)):
-            if not name.endswith(fmt.SUFFIX) or name.startswith("."):
+            if not name.endswith(fmt.SUFFIX) or name.startswith(".") or not which(name):
                 continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)

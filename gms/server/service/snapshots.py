@@ -50,6 +50,7 @@ from ...fsm.events import (
     LayoutRecovered,
     RestoreAborted,
     RwCommit,
+    RwConnect,
     SnapshotFailed,
     SnapshotSaved,
 )
@@ -90,13 +91,23 @@ class Snapshots:
         self.lane = Lane("disk")  # unlinks, off the loop
         self._wake = trio.Event()
         self.waiting: dict[tuple[str, str, int], Waiting] = {}  # commits (layout, hash, count) whose save failed
+        # Snapshots in the folder the log does not name (a cold start refused them), by
+        # layout: a writer's grant on that layout supersedes them, and they go.
+        self.unlisted: dict[str, list[str]] = {}
 
     # -- what the ledger and the core tell it -----------------------------------------
 
     def notice(self, event) -> None:
-        """Every recorded event: a commit that asks for a snapshot wakes the saver."""
+        """Every recorded event: a commit that asks for a snapshot wakes the saver; a
+        writer's grant supersedes the layout's snapshots the log never took (a later
+        cold start must not bring them back over what the writer makes)."""
         if type(event) is RwCommit and event.persist:
             self._wake.set()
+        elif type(event) is RwConnect and event.layout in self.unlisted:
+            files = self.unlisted.pop(event.layout)
+            log.info("snapshots of %r that the log never took are superseded by its writer: %s", event.layout,
+                     ", ".join(files))
+            self.release(files)
 
     def release(self, files: Iterable[str]) -> None:
         for file in files:
@@ -142,7 +153,7 @@ class Snapshots:
         allocations, metadata = snapshot_rows(layout)
         extents = fmt.plan([row[2] for row in allocations])
         manifest = fmt.Manifest(name, layout_hash, layout.owner, tuple(map(tuple, allocations)),
-                                tuple(map(tuple, metadata)), extents, saved_ns=time.time_ns(),
+                                tuple(map(tuple, metadata)), extents, saved_ns=self.store.next_stamp(),
                                 residency=layout.residency.value)
         file = fmt.file_name(name, layout_hash, manifest.saved_ns)
         widest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=_MAX_CRC) for e in extents))
@@ -291,7 +302,9 @@ class Snapshots:
             try:
                 self.ledger.record([event])
             except Rejection as exc:
-                log.warning("snapshot of %r left on disk, not recovered: %s", name, exc.message)
+                log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a "
+                            "start whose policy takes it recovers it)", name, exc.message, name)
+                self.unlisted.setdefault(name, []).append(snapshot.file)
                 continue
             recovered += 1
         if found:
@@ -299,8 +312,15 @@ class Snapshots:
         return recovered
 
     async def sweep(self) -> None:
-        """A resumed node: only what a crash cut short goes (the log says what exists)."""
+        """A resumed node: only what a crash cut short goes (the log says what exists);
+        snapshots the log does not name (a cold start refused them) are found again,
+        for a writer of their layout to supersede."""
         await trio.to_thread.run_sync(self.store.sweep)
+        named = {layout.disk_file for layout in self.ledger.state.layouts.values() if layout.disk_file}
+        unknown = await trio.to_thread.run_sync(self.store.scan, lambda file: file not in named)
+        for snapshot in unknown:
+            if snapshot.manifest is not None:
+                self.unlisted.setdefault(snapshot.manifest.name, []).append(snapshot.file)
 
 
 def _commit(layout: LayoutState) -> tuple[str, str, int]:
