@@ -531,3 +531,16 @@ def test_a_save_stamp_passes_every_snapshot_in_the_folder_whatever_the_clock(tmp
         assert ahead < first < store.next_stamp()
     finally:
         store.close()
+
+
+def test_a_fifo_named_like_a_snapshot_is_set_aside_not_waited_on(tmp_path):
+    """Issue 60: a FIFO named ``*.gsnap`` in the folder hung the cold start (opening it waits for a writer)."""
+    server = serve(tmp_path)
+    folder = server.state().disk_dir
+    server.stop()
+    fifo = os.path.join(folder, fmt.file_name("weights", "f" * 64, 1))
+    os.mkfifo(fifo, 0o600)
+    server = serve(tmp_path)  # would time out waiting for the FIFO's writer
+    assert server.layout().state == "EMPTY" and os.path.exists(fifo + ".corrupt")
+    assert "not a regular file" in server.log
+    server.stop()

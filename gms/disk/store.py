@@ -32,6 +32,9 @@ from . import format as fmt
 log = logging.getLogger("gms.disk")
 
 _TEMPORARY = ".tmp"
+# Reading a snapshot: never through a link, and never waiting on a FIFO or a
+# device planted under a snapshot's name (only a regular file reads: _read_manifest).
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _ASIDE = ".corrupt"
 _counter = itertools.count()
 
@@ -122,7 +125,7 @@ class DiskStore:
     def open(self, file: str) -> tuple[int, fmt.Manifest]:
         """The snapshot's fd (read-only) and its manifest; SnapshotError if it does not
         read as the snapshot its name says (OSError if it is not there)."""
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        fd = os.open(file, _READ, dir_fd=self._dir_fd)
         try:
             manifest, _ = _read_named(fd, file)
         except BaseException:
@@ -137,7 +140,7 @@ class DiskStore:
             if not name.endswith(fmt.SUFFIX) or name.startswith(".") or not which(name):
                 continue
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+                fd = os.open(name, _READ, dir_fd=self._dir_fd)
             except OSError as exc:
                 found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot open it: {exc}")))
                 continue
@@ -214,7 +217,10 @@ def _read_named(fd: int, file: str) -> tuple[fmt.Manifest, int]:
 
 
 def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise fmt.CorruptSnapshot("not a regular file")
+    size = st.st_size
     tail = os.pread(fd, fmt.TRAILER.size, max(0, size - fmt.TRAILER.size))
     version, at, length, crc = fmt.read_trailer(tail, size)
     body = os.pread(fd, length, at)
