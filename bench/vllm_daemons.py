@@ -63,9 +63,6 @@ from failover import Nvml
 from llama_checkpoint import warm
 from vllm_engines import SERVE, Engine, GiB, serve_argv, serve_env
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # "import vllm" must not find bench/vllm.py
-
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = {"alone": 18400, "ipc_cache": 18420, "gms": 18440}  # each setup's engines count up from its port
 PROMPT = "The weights stay in the daemon while engines come and go, and"

@@ -60,15 +60,9 @@ def handover_need(handed: int) -> int:
 
 
 def fd_room() -> int | None:
-    """How many more fds this process may open, its soft limit first raised to
-    the hard one; None where that is unbounded or /proc cannot say."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError):
-            pass
+    """How many more fds this process may open (``gms serve`` raised its soft limit
+    to the hard one at start); None where that is unbounded or /proc cannot say."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     table = _table()
     if soft == resource.RLIM_INFINITY or table is None:
         return None

@@ -24,6 +24,20 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-P", "-m", module, *args]
 
 
+def without_options(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    """A command line's ``words`` less each of ``flags`` and its value (``--flag V``
+    or ``--flag=V``): what a child is started with from its parent's own words.  Pure."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        elif not word.startswith(tuple(f + "=" for f in flags)):
+            out.append(word)
+    return out
+
+
 def _owners() -> frozenset[int]:
     return frozenset({0, os.geteuid()})
 

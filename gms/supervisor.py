@@ -24,7 +24,7 @@ import trio
 
 from .cuda import cuda_device_count
 from .keeper.conversation import SUPERVISOR_ENV
-from .launch import child_env, python_argv
+from .launch import child_env, python_argv, without_options
 
 log = logging.getLogger("gms.supervisor")
 STOP_GRACE_S = 30
@@ -50,19 +50,6 @@ def parse_devices(text: str) -> list[int]:
 # ``--metrics-port`` are derived per device); every other word of ``gms serve``
 # reaches every child as the user wrote it.
 PER_DEVICE = ("--devices", "--device", "--socket", "--metrics-port")
-
-
-def without_options(words: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``words`` less each of ``flags`` and its value (``--flag V`` or ``--flag=V``).  Pure."""
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in flags:
-            skip = True
-        elif not word.startswith(tuple(f + "=" for f in flags)):
-            out.append(word)
-    return out
 
 
 def child_argv(args: argparse.Namespace, device: int) -> list[str]:

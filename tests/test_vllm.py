@@ -398,12 +398,11 @@ def test_the_bench_command_lines_parse(tmp_path):
     ``vllm preload``) lines, through vLLM's parser."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
+        import vllm_daemons
         from vllm_engines import serve_argv
         from vllm_model import make_model
-        import vllm_daemons  # last: it takes bench/ off the path (so that "import vllm" finds vLLM)
     finally:
-        if str(ROOT / "bench") in sys.path:
-            sys.path.remove(str(ROOT / "bench"))
+        sys.path.remove(str(ROOT / "bench"))
     model = make_model(tmp_path / "model", "tiny", "float32")["folder"]
     lines = {
         "gms": serve_argv(model, 8001, extra={"gms_socket": "/tmp/x.sock", "gms_read_only": True}),

@@ -60,6 +60,11 @@ EXIT_REFUSED = 75  # EX_TEMPFAIL: a take-over refused; the old server serves on
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
 
+# A server that said so on leaving left its node, and all it sent before, to the
+# keeper on purpose: the next one starts at once, with no gap in the log.
+LEFT_WHOLE = (Leaving.LEFT, Leaving.STALE)
+
+
 def failed_by_itself(code: int | None) -> bool:
     """Did a server that exited with ``code`` fail on its own (a fatal error or a
     crash signal)?  A kill (SIGKILL, SIGTERM), a configuration it could not use,
@@ -92,7 +97,7 @@ def settle(store: Store, outcome: Outcome, reason: str, code: int | None = None)
             reason = f"its code was not gms's on disk now ({reason})"
         store.old_pid, store.reason = outcome.pid, reason
         # Its STOPPING came after everything it sent: nothing of its log was lost.
-        store.whole = why in (Leaving.LEFT, Leaving.STALE)
+        store.whole = why in LEFT_WHOLE
 
 
 class _Adopted:
@@ -190,7 +195,7 @@ def after_server(
         backoff = max(backoff, UNRESUMABLE_BACKOFF_S)
     if outcome.ready or ran_s >= HEALTHY_AFTER_S:
         backoff = 0.0
-    if why in (Leaving.LEFT, Leaving.STALE) or stalled:
+    if why in LEFT_WHOLE or stalled:
         return Again(0.0, backoff)
     return Again(backoff, FIRST_BACKOFF_S if backoff == 0 else min(backoff * 2, MAX_BACKOFF_S))
 
@@ -252,8 +257,7 @@ class SpawningKeeper:
                 (log.info if then.code == 0 else log.error)("%s (%s): done", then.why, reason)
                 return then.code
             self.backoff = then.backoff
-            planned = outcome.why in (Leaving.LEFT, Leaving.STALE)  # a restart asked for: no error
-            (log.info if planned else log.error)(
+            (log.info if self.store.whole else log.error)(  # a restart asked for is no error
                 "server pid %d ended (%s)%s; starting the next one %s with the node (%d fds kept)",
                 outcome.pid, reason, f", {outcome.why.value}" if outcome.why else "",
                 "now" if then.delay == 0 else f"in {then.delay:.1f} s", len(self.store.fds),

@@ -149,22 +149,22 @@ class Store:
             self.on_journal("events", tail)
         if "keys" in body:
             self.keep_only(set(body["keys"]))
-        for row in body.get("history", ()):  # a first server's events before its base
-            self.history.append(tuple(row))
-            self._history_entries += row[2]
-            self._history_bytes += len(row[3])
+        self._keep_history(tuple(row) for row in body.get("history", ()))  # a first server's events before its base
         if "provisional" in body:
             self.provisional = body["provisional"]
 
     def _archive(self, count: int) -> None:
         """The first ``count`` tails, which a new base leaves behind, into the history."""
         spans = [None] * (len(self.tails) - len(self._spans)) + self._spans  # (tails from systemd's journal: none)
-        for span, blob in zip(spans[:count], self.tails[:count]):
-            if span is not None:
-                self.history.append((*span, blob))
-                self._history_entries += span[2]
-                self._history_bytes += len(blob)
+        self._keep_history((*span, blob) for span, blob in zip(spans[:count], self.tails[:count]) if span is not None)
         self._spans = spans[count:]
+
+    def _keep_history(self, batches) -> None:
+        """``(first, last, count, blob)`` batches after those kept, the oldest dropped past the bounds."""
+        for batch in batches:
+            self.history.append(batch)
+            self._history_entries += batch[2]
+            self._history_bytes += len(batch[3])
         while self.history and (self._history_bytes > HISTORY_BYTES or self._history_entries > HISTORY_ENTRIES):
             _, _, n, blob = self.history.popleft()
             self._history_entries -= n

@@ -153,7 +153,7 @@ class KeeperStream:
         ``provisional`` (a take-over's, from that pid) rides the first fds: a keeper
         holding any of them knows they are not its node until CONFIRM."""
         self._image, self._held_keys, self._wants_ack = image, held_keys, wants_ack
-        self._queue_holds([(key, fd) for key, fd in held if key not in self.keeper_keys], provisional)
+        self.hold_batch([(key, fd) for key, fd in held if key not in self.keeper_keys], provisional)
         self.phase = Phase.ATTACHED
         self._writer.forget()
 
@@ -175,7 +175,7 @@ class KeeperStream:
     def held(self, tier: str, items: list[tuple[str, int]]) -> None:
         """Memory made: goes with the next frame, before the event that records it."""
         if self.phase in _LIVE:
-            self._queue_holds([(memory_key(tier, i), fd) for i, fd in items])
+            self.hold_batch([(memory_key(tier, i), fd) for i, fd in items])
 
     def released(self, tier: str, allocation_ids: list[str]) -> None:
         """Memory let go (after its event)."""
@@ -400,11 +400,9 @@ class KeeperStream:
             self._close(fds)
 
     def hold_batch(self, keyed: list[tuple[str, int]], provisional: int | None = None) -> None:
-        """Queue holds for ``keyed`` now (an attach that sends a frame at a time)."""
-        self._queue_holds(keyed, provisional)
-
-    def _queue_holds(self, keyed: list[tuple[str, int]], provisional: int | None = None) -> None:
-        """The fds are duplicated: the frame may wait here while the memory's own fd is closed."""
+        """Queue holds for ``keyed`` (an attach that sends a frame at a time calls it
+        itself).  The fds are duplicated: the frame may wait here while the memory's
+        own fd is closed."""
         for start in range(0, len(keyed), frames.MAX_FDS):  # a frame's fds ride one system call
             batch = keyed[start : start + frames.MAX_FDS]
             body: dict = {"keys": [key for key, _ in batch]}

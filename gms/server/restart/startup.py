@@ -26,7 +26,7 @@ import attrs
 
 from ...cuda import DeviceInfo
 from ...handover.words import Mode
-from ...launch import child_env, python_argv
+from ...launch import child_env, python_argv, without_options
 from ...paths import device_id
 from ...peer import own_uids, require_peer
 from ...policy import PolicyError
@@ -152,15 +152,7 @@ def spawn_keeper(argv: list[str]) -> socket.socket:
 def server_argv(argv: list[str]) -> list[str]:
     """How the keeper started this server (``argv``: its ``sys.argv[1:]``), without
     the channel to that keeper: what a new keeper starts the next one with."""
-    out, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word == "--keeper-fd":
-            skip = True
-        elif not word.startswith("--keeper-fd="):
-            out.append(word)
-    return python_argv("gms", *out)
+    return python_argv("gms", *without_options(argv, ("--keeper-fd",)))
 
 
 def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -> Start:
