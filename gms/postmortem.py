@@ -33,7 +33,7 @@ from .fsm import (
     fold,
     shown_kind,
 )
-from .fsm.events import ServerStarted
+from .fsm.events import ServerStarted, kind_columns
 from .status import layout_rows, tenant_rows
 from .store.log import restart_gap
 from .wire import messages as m
@@ -106,9 +106,7 @@ def _plain_dict(value: dict, depth: int = 0) -> bool:
 
 def event_row(seq: int, time: float, event: Event) -> dict:
     """A saved log's row: the event in the seed's words, as the history probe shows it."""
-    row = {"seq": seq, "kind": shown_kind(event.KIND), "time": time}
-    if row["kind"] != event.KIND:
-        row["logged_as"] = event.KIND
+    row = {"seq": seq, **kind_columns(event.KIND), "time": time}
     for key, value in attrs.asdict(event).items():
         if (event.KIND, key) == ("LAYOUT_RECOVERED", "metadata"):
             value = _hex_rows(value, True)

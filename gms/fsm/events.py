@@ -473,3 +473,9 @@ SHOWN_AS: dict[str, str] = {ReaderJoined.KIND: RoConnect.KIND, ReaderLeft.KIND: 
 def shown_kind(kind: str) -> str:
     """The kind a reader of the history sees for a logged ``kind``."""
     return SHOWN_AS.get(kind, kind)
+
+
+def kind_columns(kind: str) -> dict:
+    """A history row's ``kind`` (and ``logged_as`` where the shown kind is another) for a logged ``kind``."""
+    shown = SHOWN_AS.get(kind)
+    return {"kind": kind} if shown is None else {"kind": shown, "logged_as": kind}

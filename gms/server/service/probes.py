@@ -19,13 +19,14 @@ import time
 import attrs
 import trio
 
-from ...fsm import PermissionDenied, shown_kind
+from ...fsm import PermissionDenied
 from ...fsm.events import (
     ConnectionDropped,
     ServerResumed,
     ServerStarted,
     SessionOpened,
     SessionRefused,
+    kind_columns,
 )
 from ...peer import Peer
 from ...policy import Policy, TenantPolicy
@@ -79,12 +80,10 @@ class View:
 
 
 def history_entry(entry: LogEntry) -> dict:
-    """One event as the history probe shows it: in the seed's words (``shown_kind``),
+    """One event as the history probe shows it: in the seed's words (``kind_columns``),
     the logged kind in ``logged_as`` where they differ."""
     event = entry.event
-    row = {"seq": entry.seq, "kind": shown_kind(event.KIND), "time": entry.wall_ns / 1e9, "mono_ns": entry.mono_ns}
-    if row["kind"] != event.KIND:
-        row["logged_as"] = event.KIND
+    row = {"seq": entry.seq, **kind_columns(event.KIND), "time": entry.wall_ns / 1e9, "mono_ns": entry.mono_ns}
     row.update(attrs.asdict(event))
     return row
 

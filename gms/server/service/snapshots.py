@@ -131,21 +131,19 @@ class Snapshots:
         """Save what waits (a failed save when its next try is due), then wait for
         the next commit that asks or the next try (the server's nursery)."""
         while True:
-            for name in unsaved(self.ledger.state):
-                layout = self.ledger.state.layouts.get(name)
-                if layout is None:
-                    continue
-                waiting = self.waiting.get(_commit(layout))
-                if waiting is None or waiting.at <= trio.current_time():
-                    await self.save(name)
-            pending = {_commit(layout) for name in unsaved(self.ledger.state)
-                       if (layout := self.ledger.state.layouts.get(name)) is not None}
+            state = self.ledger.state
+            pending = {_commit(state.layouts[name]): name for name in unsaved(state)}
             self.waiting = {c: w for c, w in self.waiting.items() if c in pending}  # saved, rewritten or gone
+            for commit, name in pending.items():
+                waiting = self.waiting.get(commit)
+                # (after an earlier save's awaits the layout may be gone: save reads it again)
+                if (waiting is None or waiting.at <= trio.current_time()) and name in self.ledger.state.layouts:
+                    await self.save(name)
             with trio.move_on_at(min((w.at for w in self.waiting.values()), default=math.inf)):
                 await self._wake.wait()
             self._wake = trio.Event()
 
-    async def save(self, name: str) -> bool | None:
+    async def save(self, name: str) -> bool:
         """One layout's snapshot; whether ``SNAPSHOT_SAVED`` was recorded (a failure
         is tried again: :meth:`run`)."""
         layout = self.ledger.state.layouts[name]
