@@ -5,8 +5,8 @@ after that base.  What was logged before the base (by this node's earlier
 servers) the keeper kept too, as the encoded batches the servers sent it;
 the new server shows them in its history (``gms history``, and so ``gms
 replay`` of a saved history covers the restart) but never folds them, and
-decodes a batch only when a reader asks for it: a restart takes no longer
-for a long history.  They count against the log's bounds like its own
+decodes a batch only when a reader asks for it: a restart folds nothing
+more for a long history (it still carries the bytes from the keeper).  They count against the log's bounds like its own
 entries (their encoded bytes), and go first, oldest first.
 """
 
