@@ -11,7 +11,7 @@
 # $STEPS names them (default below); "a+b" runs a and b side by side:
 #   test_vllm_gpu: publish and import, tokens equal to vLLM's own load, sleep and wake through
 #      vLLM's endpoints with CUDA graphs replaying (tests/test_vllm_gpu.py);
-#   gms_gpu: gms's own restart, take-over, disk tier and supervisor tests on CUDA;
+#   gms_gpu: gms's own restart, take-over, disk tier and copier tests on CUDA (alone: they count memory);
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
 #   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines.
@@ -26,7 +26,7 @@ PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -p no:randomly -m gpu --tim
 run_step() {
   case "$1" in
     test_vllm_gpu) step "$1" $PYTEST tests/test_vllm_gpu.py ;;
-    gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_supervisor.py \
+    gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_copier_process.py \
       tests/test_takeover.py tests/test_restart.py ;;
     vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;

@@ -332,6 +332,23 @@ def test_freeing_finds_its_metadata_through_the_index():
     assert not state.layout("m").metadata and state.layout("m").metadata_bytes == 0
 
 
+def test_a_committed_layout_keeps_no_index():
+    """No writer frees an allocation of a committed layout (RW_CONNECT starts it
+    afresh): the commit drops the index, which a restart then never rebuilds."""
+    from gms.fsm import decide_metadata_put
+
+    state = fold_all([started(), *writer(1, "m")])
+    state = fold_all([allocation(state, 1, "m", 2 * MiB, "x")], state)
+    state = fold_all(decide_metadata_put(state.layout("m"), 1, "k", "x", 0, b"v"), state)
+    index = state.layout("m").keys_by_allocation
+    state = fold_all(decide_commit_for(state, 1, "m"), state)
+    check_invariants(state)
+    assert not state.layout("m").keys_by_allocation and state.layout("m").metadata
+    kept = attrs.evolve(state, layouts=state.layouts.set("m", attrs.evolve(state.layout("m"), keys_by_allocation=index)))
+    with pytest.raises(InvariantViolation, match="committed layout keeps"):
+        check_invariants(kept)
+
+
 def test_the_layout_cap_holds_in_the_fold():
     """Two first writers of new layouts both pass the session check; the fold refuses
     the grant that would break the cap (the shell grants at once, so it never asks)."""

@@ -73,3 +73,31 @@ async def test_events_of_no_lasting_change_follow_within_soon_s_and_a_lasting_on
         nursery.cancel_scope.cancel()
     ours.close()
     keepers.close()
+
+
+async def test_a_quiet_node_gives_its_keeper_a_new_base(monkeypatch):
+    """Events since the base, then a quiet spell: a new base (the parts that changed),
+    so a restart folds no tail; no events, no base."""
+    monkeypatch.setattr(mirror, "QUIET_REBASE_S", 0.05)
+    ours, keepers = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = KeeperLink(ours)
+    link.stream.opened(parts=True)
+    log = EventLog()
+    log.extend([started(), *writer(1, "w")])
+    info = ServerInfo(os.getpid(), "host", 0, "uuid", False)
+    link.attach(lambda: StateImage(STATE_VERSION, info, log.last_seq, 1, log.state), list)
+    keeper = frames.FrameReader()
+    assert [f.kind for f in _read_all(keepers, keeper)][-1] == "base"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        await trio.sleep(0.2)
+        assert _read_all(keepers, keeper) == [], "nothing happened: no base"
+        _recorded(log, link, committed(log.state, 1, "w"))
+        await trio.sleep(0.2)
+        got = [f.kind for f in _read_all(keepers, keeper)]
+        assert got[0] == "events" and got[-1] == "base" and got.count("base") == 1
+        await trio.sleep(0.2)
+        assert _read_all(keepers, keeper) == [], "one base per quiet spell"
+        nursery.cancel_scope.cancel()
+    ours.close()
+    keepers.close()

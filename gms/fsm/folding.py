@@ -59,6 +59,7 @@ def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
     return replace(
         state, writer=None, committed=True, layout_hash=event.layout_hash,
         residency=Residency(event.residency), persist=event.persist, loads=state.loads + 1,
+        keys_by_allocation=_EMPTY_KEYS,  # (no writer will free an allocation of it: see LayoutState)
     )
 
 
@@ -221,16 +222,13 @@ def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:
         for allocation_id, size, aligned, tag, slot in event.allocations
     }
     metadata = {}
-    keys: dict[str, dict[str, None]] = {}
     for key, allocation_id, offset, value in event.metadata:
         allocation_id = allocations[allocation_id].allocation_id  # one id string per allocation
         metadata[key] = MetadataEntry(key, allocation_id, offset, value)
-        keys.setdefault(allocation_id, {})[key] = None
     return state.fresh(
         committed=True,
         allocations=Map(allocations),
         metadata=Map(metadata),
-        keys_by_allocation=Map({a: Map(k) for a, k in keys.items()}),
         metadata_bytes=sum(entry_bytes(m.key, m.value) for m in metadata.values()),
         layout_hash=event.layout_hash,
         next_layout_slot=1 + max((a.layout_slot for a in allocations.values()), default=-1),

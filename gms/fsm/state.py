@@ -78,7 +78,10 @@ class LayoutState:
     allocations: Map[str, Allocation] = Map()
     metadata: Map[str, MetadataEntry] = Map()
     # allocation id -> the metadata keys pointing into it (a set as a Map), so
-    # freeing an allocation finds its keys without scanning every key.
+    # freeing an allocation finds its keys without scanning every key.  Kept
+    # while a writer builds the layout only: a committed layout's metadata never
+    # changes (a writer's RW_CONNECT starts it afresh), so the commit drops it,
+    # and a restart has none to rebuild.
     keys_by_allocation: Map[str, Map[str, None]] = Map()
     metadata_bytes: int = 0  # bytes of every key and value: what the daemon's RAM holds for it
     layout_hash: str | None = None

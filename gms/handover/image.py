@@ -251,8 +251,9 @@ def _read_layout_v1(d: dict) -> LayoutState:
     entries = [MetadataEntry(key, ids.get(i, i), offset, value) for key, i, offset, value in d["metadata"]]
     metadata = Map(zip(map(_by_key, entries), entries))
     keys: dict[str, dict[str, None]] = {}
-    for key, allocation_id, _, _ in entries:
-        keys.setdefault(allocation_id, {})[key] = None
+    if not d["committed"]:  # a writer's layout: its index (a committed one keeps none, see LayoutState)
+        for key, allocation_id, _, _ in entries:
+            keys.setdefault(allocation_id, {})[key] = None
     return LayoutState(
         name=d["name"],
         writer=d["writer"],

@@ -17,7 +17,7 @@ the keeper's image has none):
   image's body with no layouts, and ``[name, buckets]`` per layout;
 * ``l:<name>``: the layout's head (everything but its metadata column);
 * ``m:<name>:<buckets>:<i>``: the metadata entries whose key hashes to
-  bucket ``i`` (sorted by key).  A layout has ``buckets`` of them, a power of
+  bucket ``i`` (in no order).  A layout has ``buckets`` of them, a power of
   two chosen so that each holds about :data:`BUCKET_BYTES`; the count is
   kept until the layout's metadata grows or shrinks fourfold.
 
@@ -26,12 +26,16 @@ entries it has sent since the last base: a metadata entry put or deleted
 changes its bucket, any event on a layout its head, and an event that may
 change a layout's metadata in bulk (a writer clearing it, an abort, an
 eviction, a loss) every bucket of it.  :func:`decode_parts` puts a base back
-together.  Buckets group keys by Python's ``hash``, which differs between
-processes: that is fine, since a server writes every part of its first base
-and the reader merges the buckets whatever their number.
+together, whatever the number of buckets.  Buckets group keys by CRC-32, the
+same in every process (format 2; format 1 used Python's ``hash``, which is
+not): so a server handed a keeper's base in parts (a restart) sends only what
+changed since that base as its first one (:meth:`PartWriter.adopt`), where a
+200,000-entry layout re-sent whole cost its restart 0.3 s.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import attrs
 import msgpack
@@ -44,13 +48,13 @@ from .image import (
     StateImage,
     image_body,
     layout_head,
-    metadata_rows,
     read_body,
     with_metadata,
 )
 
 MAGIC = b"gms-journal"
-FORMAT = 1
+FORMAT = 2  # what this server writes: buckets by CRC-32
+READABLE_FORMATS = (1, 2)  # what it reads (1: buckets by the writer's own hash)
 HEAD = "head"
 BUCKET_BYTES = 1 << 20
 MAX_BUCKETS = 1 << 12
@@ -89,7 +93,7 @@ def bucket_count(metadata_bytes: int, kept: int | None) -> int:
 
 
 def _bucket(key: str, count: int) -> int:
-    return hash(key) & (count - 1)
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) & (count - 1)
 
 
 def layout_part(name: str) -> str:
@@ -107,6 +111,9 @@ class PartWriter:
         self._state = None  # the NodeState of the last base (None: none yet, or forgotten)
         self._buckets: dict[str, int] = {}  # layout -> its bucket count in the last base
         self._changed: dict[str, set[str] | None] = {}  # layout -> keys changed since (None: every bucket)
+        # An adopted base's rebuilt state: a layout whose metadata is not that very one
+        # changed in a way never noted here, so every bucket of it is sent.
+        self._rebuilt = None
 
     def note(self, entries: list[LogEntry]) -> None:
         """Log entries sent since the last base (their layouts, their keys)."""
@@ -127,7 +134,15 @@ class PartWriter:
 
     def forget(self) -> None:
         """The next base is written whole (a new keeper, or a base that did not finish)."""
-        self._state, self._buckets, self._changed = None, {}, {}
+        self._state, self._buckets, self._changed, self._rebuilt = None, {}, {}, None
+
+    def adopt(self, kept: KeptBase) -> None:
+        """The keeper holds ``kept`` (another server's base, this node rebuilt from it
+        and its tails): the next base sends what differs from it, the tails' keys
+        and any layout whose metadata is not the rebuilt one (the state is
+        immutable: the same object, the same entries)."""
+        self._state, self._buckets, self._changed, self._rebuilt = kept.state, dict(kept.buckets), {}, kept.rebuilt
+        self.note(list(kept.tails))
 
     def parts(self, image: StateImage) -> tuple[dict[str, bytes], list[str]]:
         """The parts of ``image`` that changed since the last base (all of them
@@ -166,6 +181,9 @@ class PartWriter:
             if before is not None and count == kept and layout.metadata is before.metadata:
                 continue  # no bucket changed
             dirty = changed.get(name, _EVERY) if before is not None and count == kept else _EVERY
+            rebuilt = None if self._rebuilt is None else self._rebuilt.layouts.get(name)
+            if self._rebuilt is not None and (rebuilt is None or rebuilt.metadata is not layout.metadata):
+                dirty = _EVERY
             wanted = range(count) if dirty is _EVERY else {_bucket(key, count) for key in dirty}
             if not wanted:
                 continue
@@ -176,13 +194,13 @@ class PartWriter:
                     members.append(entry)
                 if n % 4096 == 4095:
                     yield None, None
-            for i, entries in grouped.items():
-                yield names[i], _pack(metadata_rows(entries))
+            for i, entries in grouped.items():  # (in no order: the reader files them by key)
+                yield names[i], _pack(entries)
             yield None, None
         bare = attrs.evolve(state, layouts=Map())
         body = image_body(StateImage(STATE_VERSION, image.server, image.last_seq, image.next_conn, bare))
         yield HEAD, _pack([MAGIC, FORMAT, {"version": STATE_VERSION, "body": body, "layouts": rows}])
-        self._state, self._buckets = state, buckets
+        self._state, self._buckets, self._rebuilt = state, buckets, None
 
 
 class Steps:
@@ -199,13 +217,36 @@ class Steps:
         self.keys = keys
 
 
+@attrs.frozen
+class KeptBase:
+    """A base the keeper holds in parts and the node a server rebuilt from it
+    (``gms.server.restart``: a restart): the base's state and each layout's
+    bucket count, the tails' log entries, the state after them."""
+
+    state: object  # NodeState
+    buckets: dict[str, int]
+    tails: tuple[LogEntry, ...] = ()
+    rebuilt: object = None  # NodeState
+
+
 def decode_parts(parts: dict) -> StateImage:
     """The image a keeper's parts make up (ImageError if they do not)."""
+    return _decode(parts)[0]
+
+
+def decode_kept(parts: dict) -> tuple[StateImage, dict[str, int] | None]:
+    """:func:`decode_parts`, and each layout's bucket count (None where the buckets
+    are not this format's: the next base is sent whole)."""
+    image, fmt, head = _decode(parts)
+    return image, ({name: count for name, count in head["layouts"]} if fmt == FORMAT else None)
+
+
+def _decode(parts: dict) -> tuple[StateImage, int, dict]:
     try:
         magic, fmt, head = _unpack(parts[HEAD])
     except Exception as exc:  # missing, or not the journal's head
         raise ImageError(f"the journal has no readable head: {exc!r}") from None
-    if magic != MAGIC or fmt != FORMAT:
+    if magic != MAGIC or fmt not in READABLE_FORMATS:
         raise ImageError(f"not a gms journal head (format {fmt!r})")
     try:
         body = head["body"]
@@ -214,13 +255,12 @@ def decode_parts(parts: dict) -> StateImage:
             rows = []
             for i in range(count):
                 rows += _unpack(parts[bucket_part(name, count, i)])
-            rows.sort(key=lambda row: row[0])
             layouts.append(with_metadata(_unpack(parts[layout_part(name)]), rows))
         body["node"]["layouts"] = layouts
         version = head["version"]
     except (KeyError, TypeError, ValueError) as exc:
         raise ImageError(f"the journal's parts do not make up a state: {exc!r}") from None
-    return read_body(version, body)
+    return read_body(version, body), fmt, head
 
 
-__all__ = ["PartWriter", "decode_parts", "bucket_count"]
+__all__ = ["KeptBase", "PartWriter", "bucket_count", "decode_kept", "decode_parts"]

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from ...fsm import LASTING
 from ...handover import frames
 from ...handover.image import StateImage, encode_entries, encode_image
-from ...handover.journal import PartWriter
+from ...handover.journal import KeptBase, PartWriter
 from ...handover.words import Leaving, Say
 from ...store import LogEntry
 
@@ -147,15 +147,20 @@ class KeeperStream:
         held_keys: Callable[[], list[str]],
         wants_ack: Callable[[], bool],
         provisional: int | None = None,
+        kept: KeptBase | None = None,
     ) -> None:
         """Serving from now on: queue the fds the keeper lacks of ``held``; the shell
         then sends a whole base, at once (:meth:`base_now`) or a little at a time.
         ``provisional`` (a take-over's, from that pid) rides the first fds: a keeper
-        holding any of them knows they are not its node until CONFIRM."""
+        holding any of them knows they are not its node until CONFIRM.  ``kept``:
+        the base this keeper holds in parts, that this node was rebuilt from: the
+        first base sends what differs from it."""
         self._image, self._held_keys, self._wants_ack = image, held_keys, wants_ack
         self.hold_batch([(key, fd) for key, fd in held if key not in self.keeper_keys], provisional)
         self.phase = Phase.ATTACHED
         self._writer.forget()
+        if kept is not None and self.parts:
+            self._writer.adopt(kept)
 
     def gone(self) -> None:
         """The channel is done: drop what waits for it (a later keeper gets a whole base)."""
@@ -320,6 +325,11 @@ class KeeperStream:
 
     def backlog_bytes(self) -> int:
         return self.position() - self.sent
+
+    def quiet_rebase_due(self) -> bool:
+        """Should a quiet spell bring a new base: events since the last one, kept in parts
+        (a new base costs what changed; a keeper of whole images would copy the state)."""
+        return self.parts and self.phase is Phase.BASED and self._tails_since > 0
 
     # -- bases -----------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ import trio
 
 from ...handover import frames
 from ...handover.image import STATE_VERSION, StateImage, encode_entries
+from ...handover.journal import KeptBase
 from ...handover.words import Leaving, Mode, Say
 from ...heap import give_back_free_memory
 from ...peer import peer_of
@@ -68,6 +69,10 @@ _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # requests' events.  A crash loses at most this much of them, which a restart
 # keeps nothing of (no session, lock or unfinished build).
 SOON_S = 0.002
+# A node quiet this long with events since its keeper's base gets a new base (the
+# parts that changed): a restart then folds no tail and resends nothing (issue 59:
+# 200,000 entries behind a base taken mid-build cost a SIGKILL 0.3 s more).
+QUIET_REBASE_S = 1.0
 
 __all__ = [
     "BACKLOG_BYTES", "DRAIN_S", "LISTENER", "MIN_TAIL_BYTES", "SOON_S", "TAIL_BOUND_BYTES", "Handback",
@@ -151,6 +156,7 @@ class KeeperLink:
         self._fd_pressure = False  # too many fds in flight for this user: try again a moment later
         self._progress: trio.Event | None = None
         self._work: trio.Event | None = None
+        self._logged_at = 0.0  # (time.monotonic) the last events stored: a quiet spell counts from here
         if sock is not None:
             self.use(sock)
 
@@ -239,6 +245,7 @@ class KeeperLink:
         on_released: Callable[[], None] = lambda: None,
         now: bool = True,
         history: Iterable[LogEntry] = (),
+        kept: KeptBase | None = None,
     ) -> None:
         """Serving from now on: send what the keeper lacks of ``held()`` ((key, fd)
         of every fd the state needs kept, the listener included), then a whole
@@ -252,14 +259,16 @@ class KeeperLink:
         (a keeper found again while serving: until it has it, a crash loses
         the node, as it would have with none).  ``history``: the events the
         base already holds, for a keeper that has none of them (a node's first
-        server): kept beside the base, shown by the next server."""
+        server): kept beside the base, shown by the next server.  ``kept``: the
+        keeper's base this node was rebuilt from (a restart): the first base sends
+        only the parts that differ from it."""
         self._on_released = on_released
         keyed = held()
         if now:
             # Blocking, before serving: the fds go a frame at a time, each frame's
             # copies closed once the keeper has them, so a node of N allocations
             # needs N fds here and one frame's more, not 2N (docs/operations.md).
-            self.stream.attach(image, [], lambda: [key for key, _ in held()], wants_ack)
+            self.stream.attach(image, [], lambda: [key for key, _ in held()], wants_ack, kept=kept)
             missing = [(key, fd) for key, fd in keyed if key not in self.stream.keeper_keys]
             for start in range(0, len(missing), frames.MAX_FDS):
                 self.stream.hold_batch(missing[start : start + frames.MAX_FDS], provisional if start == 0 else None)
@@ -287,10 +296,12 @@ class KeeperLink:
 
     def logged(self, entries: list[LogEntry]) -> None:
         """Events stored: sent at the ledger's :meth:`flush`, or with an earlier frame."""
+        self._logged_at = time.monotonic()
+        quiet_before = self.stream.quiet_rebase_due()
         if self.stream.logged(entries):
             self._send_now()  # (an older keeper's whole image, handed on)
-        elif self.stream.rebase_due:
-            self._wake()  # the task makes it, a little at a time
+        elif self.stream.rebase_due or not quiet_before and self.stream.quiet_rebase_due():
+            self._wake()  # the task makes it, a little at a time (or waits for a quiet spell first)
 
     def ready(self, **info) -> None:
         self.stream.send(Say.READY, {"pid": os.getpid(), **info})
@@ -382,7 +393,15 @@ class KeeperLink:
                 continue
             if not stream.out or not stream.open:
                 self._work = trio.Event()
-                await self._work.wait()
+                quiet_left = self._logged_at + QUIET_REBASE_S - time.monotonic()
+                if not stream.quiet_rebase_due():
+                    await self._work.wait()
+                elif quiet_left > 0:
+                    with trio.move_on_after(quiet_left):
+                        await self._work.wait()
+                else:
+                    self._work = None
+                    stream.rebase_due = True
                 continue
             if self._fd_pressure:
                 self._fd_pressure = False

@@ -51,7 +51,7 @@ from ...handover.image import (
     decode_image,
     encode_image,
 )
-from ...handover.journal import decode_parts
+from ...handover.journal import KeptBase, decode_kept, decode_parts
 from ...postmortem import event_row
 from ...store import EventLog, Snapshot
 from ...store.prior import Prior, batches
@@ -94,6 +94,7 @@ class Handed:
     conn_fds: dict = attrs.field(factory=dict)  # conn -> socket fd
     whole: bool = False  # a restart whose journal the last server left whole: numbers go on with no gap
     kept_seq: int = 0  # the last event its keeper has (the journal's): the ones after go to it as history
+    kept: KeptBase | None = None  # the keeper's base in parts, this node's start: the first base sends what differs
 
     def close_conn_fds(self) -> None:
         """The clients' sockets not handed to sessions (a take-over refused late)."""
@@ -110,13 +111,14 @@ def decode_base(base: bytes | dict) -> StateImage:
 def rebuild(
     base: bytes | dict, tails: Iterable[bytes], *, retain: int | None, max_bytes: int | None = None,
     history: Iterable = (),
-) -> tuple[StateImage, EventLog, int]:
-    """(image, log, next conn) from a keeper's journal; raises Unreplayable.
-    ``history``: the keeper's batches before its base, shown in the log's
-    history, never folded (one that is not well formed is left out)."""
+) -> tuple[StateImage, EventLog, int, KeptBase | None]:
+    """(image, log, next conn, the base as the keeper keeps it) from a keeper's
+    journal; raises Unreplayable.  ``history``: the keeper's batches before its
+    base, shown in the log's history, never folded (one that is not well formed
+    is left out)."""
     try:
         with paused():
-            image = decode_base(base)
+            image, buckets = decode_kept(base) if isinstance(base, dict) else (decode_image(base), None)
             entries = [entry for tail in tails for entry in decode_entries(tail)]
             prior = Prior(batches(history, image.last_seq + 1), decode_entries)
             log_ = EventLog.resumed(Snapshot(image.last_seq, image.state), entries, retain=retain,
@@ -125,7 +127,8 @@ def rebuild(
     except (ImageError, ValueError, Rejection, InvariantViolation) as exc:
         raise Unreplayable(f"{type(exc).__name__}: {exc}") from exc
     next_conn = max([image.next_conn] + [entry.event.conn + 1 for entry in entries])
-    return image, log_, next_conn
+    kept = None if buckets is None else KeptBase(image.state, buckets, tuple(entries), log_.state)
+    return image, log_, next_conn, kept
 
 
 def save_journal(

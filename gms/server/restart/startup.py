@@ -182,7 +182,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
     try:
         if why_not is not None:
             raise Unreplayable(why_not)
-        image, log_, next_conn = rebuild(
+        image, log_, next_conn, kept = rebuild(
             handback.base, handback.tails, retain=config.event_log_retain, max_bytes=config.event_log_bytes,
             history=handback.history,
         )
@@ -210,7 +210,7 @@ def prepare(config: ServerConfig, link: KeeperLink | None, device: DeviceInfo) -
         raise Unresumable(str(exc)) from None
     old_pid = handback.old_pid or image.server.pid
     handed = Handed("restart", image, log_, next_conn, dict(handback.fds), old_pid, handback.reason or "unknown",
-                    whole=handback.whole, kept_seq=log_.last_seq)
+                    whole=handback.whole, kept_seq=log_.last_seq, kept=kept)
     return Start(listener, handed=handed, link=link)
 
 

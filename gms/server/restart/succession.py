@@ -72,6 +72,7 @@ async def take_the_node(server, core: ServiceCore, start: Start) -> None:
             # The events the base holds that the keeper never had (this server's, logged
             # before it attached: a first SERVER_STARTED, a SERVER_RESUMED): its history.
             history=core.log.since(handed.kept_seq if handed is not None else 0),
+            kept=handed.kept if handed is not None else None,
         )
         # Before serving (blocking is fine): a take-over commits only once its keeper
         # holds the node, so that nothing is lost should this server die right after.
