@@ -7,7 +7,11 @@ shares almost everything with the live state (persistent maps); what it keeps
 alive on its own is metadata the live state has since dropped or replaced,
 and only the oldest chunk's start state (the snapshot) can hold any that no
 kept event holds too: every value a later chunk's start state holds was put
-by a kept event, or was there at the snapshot already.
+by a kept event, or was there at the snapshot already.  What a start state
+holds of the maps' structure is charged to the events that changed a map:
+the nodes a put or a delete copies (its path) stay alive in the start state
+of its chunk.  Measured with tracemalloc, 200,000 puts into one layout held
+523 bytes each where the count said 287 (issue 59); with the path, 543.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ..fsm.events import Event
 from ..fsm.node import NodeState
 
 ENTRY_BYTES = 256
+PATH_BYTES = 256  # a metadata put or delete: the map nodes it copied, kept by its chunk's start state
+_PATHS = frozenset({"METADATA_PUT", "METADATA_DELETED"})
 # Past this many keys a changed layout's metadata is counted whole rather than
 # compared entry by entry (the comparison runs at each chunk boundary).
 _COMPARE_KEYS = 10_000
@@ -32,7 +38,7 @@ def _payload(cls: type) -> tuple[str, ...]:
 
 def entry_bytes(event: Event) -> int:
     """The memory one logged event holds, roughly (never less than its payload)."""
-    total = ENTRY_BYTES
+    total = ENTRY_BYTES + (PATH_BYTES if event.KIND in _PATHS else 0)
     for name in _payload(type(event)):
         value = getattr(event, name)
         total += len(repr(value)) if isinstance(value, dict) else len(value)
