@@ -72,6 +72,11 @@ class Policy:
     tenants: tuple[TenantPolicy, ...]
     source: str = ""
 
+    def may_write(self, tenant: str, layout: str) -> bool:
+        """Whether the tenant named ``tenant`` may write ``layout`` (a snapshot's owner
+        is checked as its writer would have been)."""
+        return any(t.name == tenant and t.may_write(layout) for t in self.tenants)
+
     def tenant_for(self, uid: int, gid: int) -> TenantPolicy | None:
         for tenant in self.tenants:
             if tenant.everyone or uid in tenant.uids:

@@ -108,6 +108,23 @@ def test_a_damaged_manifest_or_trailer_is_refused_by_name(damage):
         fmt.decode(bytes(tail[:length]), version, crc)
 
 
+def test_a_manifest_whose_sizes_do_not_fit_its_file_is_refused_before_it_is_planned():
+    """Issue 60: a crafted manifest (a valid crc) with a 1 TiB allocation in 4 KiB chunks
+    OOM-killed the server at every cold start: the plan (2^28 extents) was built first."""
+    m = manifest()
+    at = m.data_bytes
+    huge = attrs.evolve(m, allocations=(("a0", 1 << 40, 1 << 40, "w", 0),), chunk_bytes=4096, extents=m.extents[:1])
+    body = fmt.encode(huge, at)[: -fmt.TRAILER.size]
+    with pytest.raises(fmt.CorruptSnapshot, match="need 1099511627776 bytes of data"):
+        fmt.decode(body, 1, zlib.crc32(body), data_end=at)
+    with pytest.raises(fmt.CorruptSnapshot, match="extents do not cover"):  # the file's own size unknown
+        fmt.decode(body, 1, zlib.crc32(body))
+    body = fmt.encode(m, at)[: -fmt.TRAILER.size]
+    assert fmt.decode(body, 1, zlib.crc32(body), data_end=at) == m
+    with pytest.raises(fmt.CorruptSnapshot):  # a data region longer than its allocations
+        fmt.decode(body, 1, zlib.crc32(body), data_end=at + fmt.ALIGN)
+
+
 # -- the rules of the disk tier's events ----------------------------------------------------
 
 

@@ -402,6 +402,13 @@ def test_a_tenant_policy_persists_by_default_and_its_disk_quota_bounds_it(tmp_pa
     assert server.layout("small").state == "EMPTY" and "left on disk" in server.log
     assert len(os.listdir(server.state().disk_dir)) == 1
     server.stop()
+    # Named, but not to write that layout (issue 60: a snapshot's owner was taken on its
+    # word): checked as its writer would have been.
+    policy.write_text(f'[[tenant]]\nname = "team"\nuids = [{uid}]\nwrite = ["other-*"]\nadmin = true\n')
+    server = serve(tmp_path, "--policy", str(policy))
+    assert server.layout("small").state == "EMPTY" and "may not write it" in server.log
+    assert len(os.listdir(server.state().disk_dir)) == 1
+    server.stop()
 
 
 def test_a_server_without_a_disk_tier_refuses_to_persist_and_says_so(tmp_path):

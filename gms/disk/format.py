@@ -162,8 +162,10 @@ def read_trailer(tail: bytes, file_size: int) -> tuple[int, int, int, int]:
     return version, at, length, crc
 
 
-def decode(body: bytes, version: int, crc: int) -> Manifest:
-    """The manifest; CorruptSnapshot for anything but a well-formed one."""
+def decode(body: bytes, version: int, crc: int, data_end: int | None = None) -> Manifest:
+    """The manifest; CorruptSnapshot for anything but a well-formed one.  ``data_end``:
+    where the file's data region ends (the manifest's offset), which the
+    allocations' sizes must fill exactly."""
     if zlib.crc32(body) != crc:
         raise CorruptSnapshot("the manifest does not match its checksum")
     try:
@@ -182,7 +184,7 @@ def decode(body: bytes, version: int, crc: int) -> Manifest:
         )
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise CorruptSnapshot(f"the manifest does not parse: {exc!r}"[:300]) from None
-    _check_extents(manifest)
+    _check_extents(manifest, data_end)
     return manifest
 
 
@@ -198,11 +200,22 @@ def _row(row, kinds: tuple[type, ...]) -> tuple:
     return tuple(_of(v, k) for v, k in zip(row, kinds))
 
 
-def _check_extents(manifest: Manifest) -> None:
-    """The extents cover every allocation's aligned bytes once, in order, inside the data region."""
-    if manifest.chunk_bytes <= 0 or manifest.chunk_bytes % ALIGN or any(a[2] <= 0 for a in manifest.allocations):
+def _check_extents(manifest: Manifest, data_end: int | None) -> None:
+    """The extents cover every allocation's aligned bytes once, in order, inside the data region.
+    Sizes and counts are checked by arithmetic before a plan is made: a forged
+    1 TiB allocation in 4 KiB chunks would make 2^28 extents (the server was
+    OOM-killed at every cold start, issue 60)."""
+    chunk = manifest.chunk_bytes
+    if chunk <= 0 or chunk % ALIGN or any(a[2] <= 0 for a in manifest.allocations):
         raise CorruptSnapshot("the manifest's sizes are not a snapshot's")
-    expected = plan([a[2] for a in manifest.allocations], manifest.chunk_bytes)
+    end = 0
+    for allocation in manifest.allocations:
+        end = align_up(end + allocation[2])
+    if data_end is not None and end != data_end:
+        raise CorruptSnapshot(f"the manifest's allocations need {end} bytes of data, the file holds {data_end}")
+    if sum(-(-a[2] // chunk) for a in manifest.allocations) != len(manifest.extents):
+        raise CorruptSnapshot("the manifest's extents do not cover its allocations as a snapshot lays them out")
+    expected = plan([a[2] for a in manifest.allocations], chunk)
     got = tuple(attrs.evolve(e, crc=0) for e in manifest.extents)
     if got != expected:
         raise CorruptSnapshot("the manifest's extents do not cover its allocations as a snapshot lays them out")

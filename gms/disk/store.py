@@ -226,7 +226,4 @@ def _read_manifest(fd: int) -> tuple[fmt.Manifest, int]:
     body = os.pread(fd, length, at)
     if len(body) != length:
         raise fmt.CorruptSnapshot("the manifest is cut short")
-    manifest = fmt.decode(body, version, crc)
-    if manifest.data_bytes > at:
-        raise fmt.CorruptSnapshot("the extents run into the manifest")
-    return manifest, size
+    return fmt.decode(body, version, crc, data_end=at), size

@@ -291,7 +291,7 @@ class Server:
             recovered = 0
             if core.snapshots is not None:  # a node that starts with nothing finds its snapshots again
                 if start.handed is None:
-                    recovered = await core.snapshots.recover()
+                    recovered = await core.snapshots.recover(core.policy.may_write)
                 else:
                     await core.snapshots.sweep()
             # Counted once the node is taken: adopted memory is counted by its tables,

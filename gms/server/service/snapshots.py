@@ -272,9 +272,11 @@ class Snapshots:
 
     # -- recovering --------------------------------------------------------------------
 
-    async def recover(self) -> int:
+    async def recover(self, may_write: Callable[[str, str], bool]) -> int:
         """At a cold start: every snapshot in the folder as a committed layout on the
-        disk tier (the latest of each layout's); how many were recovered."""
+        disk tier (the latest of each layout's); how many were recovered.
+        ``may_write(owner, layout)``: the policy's word, asked as of a writer (a
+        snapshot names its owner itself: trusted no more than a client)."""
         found = await trio.to_thread.run_sync(self.store.scan)
         await trio.to_thread.run_sync(self.store.sweep)
         latest: dict[str, Found] = {}  # layout -> its latest snapshot
@@ -294,6 +296,11 @@ class Snapshots:
         recovered = 0
         for name, snapshot in sorted(latest.items()):
             manifest = snapshot.manifest
+            if not may_write(manifest.owner, name):
+                log.warning("snapshot of %r left on disk, not recovered: its owner %r may not write it under this "
+                            "policy (a writer of %r supersedes it)", name, manifest.owner, name)
+                self.unlisted.setdefault(name, []).append(snapshot.file)
+                continue
             event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
                                     [list(m) for m in manifest.metadata], snapshot.size, snapshot.file,
                                     manifest.residency, layout=name)
