@@ -328,3 +328,62 @@ def test_a_restore_that_finds_a_bad_extent_ends_only_once_every_extent_has(tmp_p
         os.close(fd)
         engine.unmap(mapped)
         copier.close()
+
+
+# A copier that moves a file copy's extents at the pace the test sets (a slow disk):
+# its Ready, then for the one FileCopy a Progress per extent, ``pause`` s apart, then Done.
+SLOW_COPIER = r"""
+import socket, sys, time
+from gms.copier import messages as msg
+pause, stall = float(sys.argv[1]), float(sys.argv[2])
+sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--fd") + 1]))
+msg.send(sock, msg.Ready(0, "slow"))
+while (got := msg.receive(sock)) is not None:
+    job, fds = got
+    msg.close_fds(fds)
+    if isinstance(job, msg.FileCopy):
+        for n in range(len(job.size)):
+            time.sleep(pause)
+            msg.send(sock, msg.Progress(job.job, n + 1))
+        time.sleep(stall)
+        msg.send(sock, msg.Done(job.job, crcs=[0] * len(job.size)))
+"""
+
+
+@pytest.mark.parametrize("pace", ["slow but moving", "stuck"])
+def test_a_file_copy_s_deadline_follows_its_progress(tmp_path, monkeypatch, pace):
+    """Issue 60: a save on a disk slower than an assumed 64 MiB/s was killed at a
+    deadline set by its size, and never landed.  Now the deadline runs from the
+    last extent done: a copy that moves finishes however long it takes, one that
+    stops moving is killed."""
+    import trio
+
+    from gms.disk.format import plan
+    from gms.server.tiers import copier_link
+    from gms.server.tiers.copier_link import CopierGone, CopierLink
+
+    monkeypatch.setattr(copier_link, "DEADLINE_BASE_S", 0.5)
+    monkeypatch.setattr(copier_link, "DISK_STALL_BYTES_PER_S", 1 << 40)  # the base alone: 0.5 s
+    script = tmp_path / "slow_copier.py"
+    script.write_text(SLOW_COPIER)
+    pause, stall = (0.2, 0.0) if pace == "slow but moving" else (0.0, 2.0)
+    extents = plan([8 * MiB], MiB)  # eight extents: 1.6 s in all when slow, three deadlines' worth
+
+    async def main():
+        link = CopierLink("host", 0)
+        link.argv = [sys.executable, str(script), str(pause), str(stall)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link.run)
+            fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(2)]
+            try:
+                return await link.file_copy(True, fds, [8 * MiB], extents)
+            except CopierGone as gone:
+                return gone
+            finally:
+                nursery.cancel_scope.cancel()
+
+    got = trio.run(main)
+    if pace == "stuck":
+        assert isinstance(got, CopierGone) and "stuck" in str(got), got
+    else:
+        assert got == [0] * len(extents)

@@ -98,6 +98,14 @@ class Ready:
 
 
 @attrs.frozen
+class Progress:
+    """A file copy's extents done so far (one after each): its deadline follows them."""
+
+    job: int
+    extents: int
+
+
+@attrs.frozen
 class Done:
     """The copy ended: every byte landed (``error`` empty), or it failed, saying why."""
 
@@ -108,7 +116,7 @@ class Done:
 
 
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # a plain int: ``int & IntFlag`` runs the enum's operator
-_TYPES = {cls.__name__: cls for cls in (MapChunks, UnmapChunks, Copy, FileCopy, Ready, Done)}
+_TYPES = {cls.__name__: cls for cls in (MapChunks, UnmapChunks, Copy, FileCopy, Ready, Progress, Done)}
 
 
 def encode(message: object) -> bytes:

@@ -28,6 +28,7 @@ close, falls back to client-side copies and starts another.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -383,7 +384,16 @@ class Copier:
             for i, fd in enumerate(device_fds):
                 consumed = i + 1  # map_device consumes the fd, mapped or not
                 device.append(self.engine.map_device(fd, job.device_sizes[i], writable=not job.to_file))
-            crcs = self._files.run(job, device, file_fd, lambda: self._maybe_stop(kind))
+            done = itertools.count(1)
+            lock = threading.Lock()
+
+            def each() -> None:  # (on the disk threads)
+                self._maybe_stop(kind)
+                with lock:
+                    extents = next(done)
+                self._send(msg.Progress(job.job, extents))
+
+            crcs = self._files.run(job, device, file_fd, each)
         except files.Corrupt as exc:
             log.error("restore %d from a snapshot: %s", job.job, exc)
             return msg.Done(job.job, f"corrupt: {exc}", corrupt=True)

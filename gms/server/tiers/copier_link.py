@@ -45,7 +45,11 @@ STOP_GRACE_S = 5.0
 # presumed stuck and killed; its callers fall back.
 DEADLINE_BASE_S = 30.0
 DEADLINE_BYTES_PER_S = 1 << 30
-DISK_DEADLINE_BYTES_PER_S = 64 << 20  # a file copy's: disks (network storage too) are slower
+# A file copy's deadline follows its progress (issue 60: a disk slower than an
+# assumed rate never finished a save): the copier says when each extent is done,
+# and it is presumed stuck only when an extent takes longer than this, as slow
+# as 1 MiB/s after the base.
+DISK_STALL_BYTES_PER_S = 1 << 20
 
 
 class CopierGone(Exception):
@@ -69,6 +73,15 @@ class Move:
 LiveChunks = Callable[[], list[tuple[str, int, int]]]  # (chunk id, a new fd, size)
 
 
+@attrs.define
+class _Job:
+    """A copy asked of the copier: its answer, once it came."""
+
+    progress: bool  # its deadline follows its Progress (a file copy's)
+    done: msg.Done | None = None
+    news: trio.Event = attrs.Factory(trio.Event)  # the answer came, or (progress) an extent is done
+
+
 class CopierLink:
     def __init__(
         self,
@@ -87,7 +100,7 @@ class CopierLink:
         self.live_chunks: LiveChunks = list  # set by the host tier: what a new copier must map
         self._settled = trio.Event()  # set when a start succeeded or failed
         self._outbox: trio.MemorySendChannel | None = None
-        self._jobs: dict[int, list] = {}  # job -> [event, error or None]
+        self._jobs: dict[int, _Job] = {}
         self._next_job = 1
         self._process: trio.Process | None = None
 
@@ -130,35 +143,40 @@ class CopierLink:
                 job, to_file, list(device_sizes), [e.allocation for e in extents], [e.offset for e in extents],
                 [e.file_offset for e in extents], [e.size for e in extents], [e.crc for e in extents],
             ),
-            fds, DEADLINE_BASE_S + sum(e.size for e in extents) / DISK_DEADLINE_BYTES_PER_S,
+            fds, DEADLINE_BASE_S + max((e.size for e in extents), default=0) / DISK_STALL_BYTES_PER_S,
+            progress=True,
         )
         if to_file and len(done.crcs) != len(extents):
             raise CopierGone(f"the copier answered {len(done.crcs)} checksums for {len(extents)} extents")
         return done.crcs
 
-    async def _ask(self, make, fds: list[int], deadline: float) -> msg.Done:
+    async def _ask(self, make, fds: list[int], deadline: float, progress: bool = False) -> msg.Done:
+        """``deadline``: for the whole copy; with ``progress``, from the copy's start or
+        its last extent done (the copier's Progress), whichever came last."""
         if not await self.usable():
             msg.close_fds(fds)
             raise CopierGone(f"no copier is running ({self.state})")
         job = self._next_job
         self._next_job += 1
-        entry = self._jobs[job] = [trio.Event(), None, None]  # answered, why it failed, the answer
+        waiting = self._jobs[job] = _Job(progress)
         try:
             if not self._post(make(job), fds):
                 raise CopierGone("the copier went away")
-            with trio.move_on_after(deadline) as waited:
-                await entry[0].wait()
-            if waited.cancelled_caught:
-                log.error("copier: copy %d outlived its %.0f s deadline: killing it", job, deadline)
-                self._kill()
-                raise CopierGone("the copier was stuck and was killed")
+            while waiting.done is None:
+                with trio.move_on_after(deadline) as waited:
+                    await waiting.news.wait()
+                if waited.cancelled_caught:
+                    log.error("copier: copy %d made no progress for %.0f s: killing it", job, deadline)
+                    self._kill()
+                    raise CopierGone("the copier was stuck and was killed")
+                waiting.news = trio.Event()
         finally:
             self._jobs.pop(job, None)  # an answer that comes after this is ignored
-        done = entry[2]
-        if done is not None and done.corrupt:
+        done = waiting.done
+        if done.corrupt:
             raise SnapshotCorrupt(done.error)
-        if entry[1]:
-            raise CopierGone(entry[1])
+        if done.error:
+            raise CopierGone(done.error)
         return done
 
     def status(self) -> tuple[str, int]:
@@ -199,9 +217,10 @@ class CopierLink:
     def _down(self, why: str) -> None:
         self.state = "down"
         self._settled.set()
-        for entry in self._jobs.values():  # their copies will never be answered
-            entry[1] = entry[1] or f"the copier went away ({why})"
-            entry[0].set()
+        for waiting in self._jobs.values():  # their copies will never be answered
+            if waiting.done is None:
+                waiting.done = msg.Done(0, f"the copier went away ({why})")
+            waiting.news.set()
 
     async def _serve_one(self) -> None:
         """Start one copier and serve its link until it closes."""
@@ -278,12 +297,15 @@ class CopierLink:
                 self.state, self.pid, self.engine = "running", message.pid, message.engine
                 self._settled.set()
                 log.info("copier (pid %d) ready: %s", message.pid, message.engine)
+            elif isinstance(message, msg.Progress):
+                waiting = self._jobs.get(message.job)
+                if waiting is not None and waiting.progress:
+                    waiting.news.set()
             elif isinstance(message, msg.Done):
-                entry = self._jobs.get(message.job)
-                if entry is not None:
-                    entry[1] = message.error or None
-                    entry[2] = message
-                    entry[0].set()
+                waiting = self._jobs.get(message.job)
+                if waiting is not None:
+                    waiting.done = message
+                    waiting.news.set()
                 if message.error:
                     log.warning("copier: copy %d failed: %s", message.job, message.error)
 
