@@ -7,6 +7,10 @@
 #   scripts/gpu-vllm-lease.sh wait S     # up to S seconds for it to end; prints where it is
 #   scripts/gpu-vllm-lease.sh collect    # its logs and results, one tarball in $OUT
 #
+# The runs outlive the call that starts them, and each later call to the device copies the
+# working tree again (a server started in the middle of that found half a package): so they
+# run from a copy of the tree of their own, $RUNS/tree, first on PYTHONPATH.
+#
 # Steps (each logged to $RUNS/<step>.log, its exit code to $RUNS/<step>.rc), in the order
 # $STEPS names them (default below); "a+b" runs a and b side by side:
 #   test_vllm_gpu: publish and import, tokens equal to vLLM's own load, sleep and wake through
@@ -28,7 +32,7 @@ run_step() {
     test_vllm_gpu) step "$1" $PYTEST tests/test_vllm_gpu.py ;;
     gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_copier_process.py \
       tests/test_takeover.py tests/test_restart.py ;;
-    vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ;;
+    vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
     vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;
     *) echo "unknown step $1" >> "$RUNS/progress" ;;
@@ -56,10 +60,12 @@ case "${1:-}" in
   start)
     mkdir -p "$RUNS/results"
     : > "$RUNS/progress"
+    rm -rf "$RUNS/tree" && mkdir -p "$RUNS/tree" && cp -a gms bench scripts tests examples pyproject.toml "$RUNS/tree"/
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c 'import sys, torch, vllm; print(sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__)'
     } > "$RUNS/env.txt" 2>&1
-    setsid bash -c "$(declare -f steps step run_step); RUNS=$RUNS; STEPS='$STEPS'; PYTEST='$PYTEST'; steps; echo done >> $RUNS/progress" \
+    setsid bash -c "$(declare -f steps step run_step); RUNS=$RUNS; STEPS='$STEPS'; PYTEST='$PYTEST'; SETUPS='${SETUPS:-}';
+      cd $RUNS/tree && export PYTHONPATH=$RUNS/tree\${PYTHONPATH:+:\$PYTHONPATH}; steps; echo done >> $RUNS/progress" \
       < /dev/null > "$RUNS/lease.log" 2>&1 &
     echo "started: $RUNS/progress"
     ;;
