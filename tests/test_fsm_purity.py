@@ -11,7 +11,7 @@ from gms.fsm.events import ReaderJoined, ReaderLeft, ServerStarted
 
 ALLOWED = {
     "__future__", "attrs", "immutables", "enum", "hashlib", "struct", "re", "collections",
-    "collections.abc", "typing",
+    "collections.abc", "typing", "operator",
 }
 
 
