@@ -101,10 +101,14 @@ def test_a_coordinator_waits_while_another_holds_the_serving_lock(path, tmp_path
         '[sets.B]', 'kind = "local"', "ports = [2]", f"command = {json.dumps(sleeper)}",
     ]) + "\n")
     other = hold_in_child(path, "A")
+    said = tmp_path / "coordinator.log"
     coordinator = subprocess.Popen([sys.executable, "-m", "gms", "failover", "--config", str(config)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=said.open("w"))
     try:
-        time.sleep(1.5)
+        # Until it has met the held lock (a fixed sleep let a loaded host kill the
+        # holder before the coordinator's first try: it never waited, and said so).
+        wait_until(lambda: "waiting" in said.read_text(), timeout=60, what="the coordinator to wait for the lock")
+        time.sleep(0.5)  # ten of its intervals, the lock still held
         assert coordinator.poll() is None
         assert not events.exists() or events.read_text() == ""  # started nothing
         other.kill()
@@ -114,7 +118,6 @@ def test_a_coordinator_waits_while_another_holds_the_serving_lock(path, tmp_path
         assert FileServingLock(path).holder() == "A"
         coordinator.send_signal(signal.SIGTERM)
         assert coordinator.wait(30) == 0
-        assert "waiting" in coordinator.stderr.read()
         assert FileServingLock(path).holder() is None  # released on the way out
     finally:
         other.kill()

@@ -164,3 +164,10 @@ def test_under_a_supervisor_gms_stop_stops_every_device(tmp_path):
             supervisor.kill()
             supervisor.wait()
         log.close()
+
+
+def test_gms_version_says_the_release_it_is():
+    from gms import __version__
+
+    out = gms("--version")
+    assert out.returncode == 0 and out.stdout.startswith(f"gms {__version__} (Python "), out

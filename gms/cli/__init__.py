@@ -23,7 +23,10 @@ from . import admin, control, failover, inspect, keeper, ray, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="gms", description="GPU Memory Service")
+    parser.add_argument("--version", action="version", version=f"gms {__version__} (Python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (serve, control, keeper, inspect, admin, failover, ray):
         module.register(sub)
