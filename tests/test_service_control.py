@@ -171,3 +171,24 @@ def test_gms_version_says_the_release_it_is():
 
     out = gms("--version")
     assert out.returncode == 0 and out.stdout.startswith(f"gms {__version__} (Python "), out
+
+
+def test_gms_stop_from_another_installation_names_the_service_and_asks_for_its_socket(tmp_path, monkeypatch, capsys):
+    """Issue 63: a second clone's CI ran `gms stop` and stopped the user's service,
+    every layout with it.  On the default socket, `gms stop` and `gms restart`
+    act only on a service that runs from their own Python; another is named, and
+    stopped only when its socket is given."""
+    from gms import paths
+    from gms.cli import main
+
+    monkeypatch.setenv("GMS_SOCKET_DIR", str(tmp_path))
+    path = paths.socket_path(0, "host")
+    service = ServerProcess(tmp_path, keeper=True, socket_path=path)
+    assert service.state().python_prefix == sys.prefix
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-clone" / ".venv"))
+    for verb in ("stop", "restart"):
+        assert main([verb, "--backend", "host"]) == 1
+        assert f"runs from {service.state().python_prefix}" in capsys.readouterr().err
+    assert service.proc.poll() is None and service.state().python_prefix != sys.prefix
+    assert main(["stop", "--socket", path]) == 0
+    assert service.proc.wait(10) == 0

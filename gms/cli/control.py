@@ -96,8 +96,21 @@ def service_role(state) -> str:
     return "the supervisor of every device's server"
 
 
-def stop(path: str, *, timeout: float, wait: float) -> str:
+def ours(state, path: str, verb: str) -> None:
+    """A service found on a default socket is acted on only from the installation
+    that runs it (issue 63: a second clone's CI stopped the user's service, and
+    every layout with it); another must name the socket."""
+    if state.python_prefix and os.path.realpath(state.python_prefix) != os.path.realpath(sys.prefix):
+        raise ControlError(
+            f"the service on {path} (pid {state.service_pid or state.pid}) runs from {state.python_prefix}, "
+            f"not from this gms ({sys.prefix}): `gms {verb} --socket {path}` to {verb} it all the same"
+        )
+
+
+def stop(path: str, *, timeout: float, wait: float, explicit: bool = True) -> str:
     state = _state(path, timeout)
+    if not explicit:
+        ours(state, path, "stop")
     pid = state.service_pid
     if not pid:
         raise ControlError(
@@ -110,8 +123,10 @@ def stop(path: str, *, timeout: float, wait: float) -> str:
     return f"stopped: pid {pid} ({what}) released every layout and ended"
 
 
-def restart(path: str, *, timeout: float, wait: float) -> str:
+def restart(path: str, *, timeout: float, wait: float, explicit: bool = True) -> str:
     state = _state(path, timeout)
+    if not explicit:
+        ours(state, path, "restart")
     if state.keeper == "none":
         raise ControlError(
             f"the server on {path} runs without a keeper (--no-keeper): a restart would lose every layout. "
@@ -133,7 +148,7 @@ def restart(path: str, *, timeout: float, wait: float) -> str:
 
 def _run(verb: str, action, args: argparse.Namespace) -> int:
     try:
-        print(action(socket_of(args), timeout=args.timeout, wait=args.wait))
+        print(action(socket_of(args), timeout=args.timeout, wait=args.wait, explicit=bool(args.socket)))
     except GMSError as exc:
         print(client_error(verb, exc), file=sys.stderr)
         return 1

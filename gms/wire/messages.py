@@ -424,6 +424,9 @@ class GetRuntimeStateResponse:
     # without a keeper itself (0: not known, a keeper in another container).
     keeper_pid: int = 0
     service_pid: int = 0
+    # Where the service's Python runs from (``sys.prefix``: a virtual environment's
+    # folder): `gms stop` from another installation asks for an explicit --socket.
+    python_prefix: str = ""
     # The disk tier (extensions): its budget (0: no disk tier, None: what the disk
     # holds), the snapshots it keeps, its folder and what that disk has free.
     disk_budget_bytes: int | None = 0

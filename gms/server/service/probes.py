@@ -14,6 +14,7 @@ seed's single-layout fields at the top level, describing the layout
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import attrs
@@ -91,11 +92,11 @@ def history_entry(entry: LogEntry) -> dict:
 def keeper_status(keeper) -> dict:
     """The keeper's fields of the runtime state (``none``: the server runs without one)."""
     if keeper is None:
-        return {"keeper": "none", "service_pid": os.getpid()}
+        return {"keeper": "none", "service_pid": os.getpid(), "python_prefix": sys.prefix}
     return {
         "keeper": keeper.state.value, "keeper_backlog_bytes": keeper.backlog_bytes(),
         "keeper_behind_s": round(keeper.behind_s(), 3), "keepers_lost": keeper.lost,
-        "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid,
+        "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid, "python_prefix": sys.prefix,
     }
 
 
