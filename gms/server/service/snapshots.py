@@ -66,6 +66,7 @@ log = logging.getLogger("gms.server.service.snapshots")
 _MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
 SAVE_RETRY_FIRST_S = 1.0  # a failed save is tried again after this, then twice as long each time ...
 SAVE_RETRY_MAX_S = 60.0  # ... up to this
+RECOVER_BATCH = 256  # snapshots recovered per recorded batch: one log append, one keeper frame
 
 
 @attrs.frozen
@@ -294,6 +295,7 @@ class Snapshots:
                 self.release([older.file])
             latest[snapshot.manifest.name] = snapshot
         recovered = 0
+        batch = None  # recorded RECOVER_BATCH at a time: one log append and one keeper frame each
         for name, snapshot in sorted(latest.items()):
             manifest = snapshot.manifest
             if not may_write(manifest.owner, name):
@@ -305,13 +307,18 @@ class Snapshots:
                                     [list(m) for m in manifest.metadata], snapshot.size, snapshot.file,
                                     manifest.residency, layout=name)
             try:
-                self.ledger.record([event])
+                batch = self.ledger.fold([event], after=batch)
             except Rejection as exc:
                 log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a "
                             "start whose policy takes it recovers it)", name, exc.message, name)
                 self.unlisted.setdefault(name, []).append(snapshot.file)
                 continue
             recovered += 1
+            if len(batch.events) >= RECOVER_BATCH:
+                self.ledger.record(batch)
+                batch = None
+        if batch is not None:
+            self.ledger.record(batch)
         if found:
             log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
         return recovered
