@@ -159,6 +159,8 @@ class Replayed:
             sessions=len(state.sessions),
             metadata_bytes=state.metadata_bytes,
             max_metadata_bytes=state.limits.max_metadata_bytes,
+            disk_budget_bytes=state.disk_budget_bytes,
+            disk_used_bytes=state.disk_bytes,
             first_event_seq=1,
             last_event_seq=self.last_seq,
             layouts=layout_rows(state),

@@ -105,6 +105,9 @@ def test_history_filters_by_layout_and_replay_rebuilds_the_status(server, tmp_pa
     }
     table = subprocess.run([sys.executable, "-m", "gms", "replay", str(log)], capture_output=True, text=True)
     assert "every invariant holds" in table.stdout and "model-a" in table.stdout
+    # A log's state, not a server's: no socket, keeper, copier or process to signal (issue 63).
+    heads = [line.split()[0] for line in table.stdout.splitlines() if line.strip()]
+    assert heads[0] == "log" and not {"socket", "keeper", "copier", "server", "stop"} & set(heads), heads
 
     # A log cut by retention cannot be rebuilt from the file alone: replay says so.
     lines = log.read_text().splitlines()

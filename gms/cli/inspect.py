@@ -121,14 +121,19 @@ def _budget(budget: int | None, whole: str) -> str:
     return f"budget {format_bytes(budget)}" if budget is not None else f"no budget ({whole})"
 
 
-def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
+# What only a live server can say (``gms replay`` shows a log's state: none of it).
+_LIVE_ONLY = frozenset({"copier", "keeper", "handles", "server", "stop"})
+
+
+def status_table(path: str, state: m.GetRuntimeStateResponse, *, replayed: bool = False) -> str:
+    """``gms status``'s table; ``replayed``: of a log's state (``path``: the log)."""
     host_backend = state.backend == "host"
     device = (
         f"host memory (memfd) standing in for a GPU: the host backend, device {state.device}, {state.device_uuid}"
         if host_backend else f"{state.backend}, device {state.device} ({state.device_name}) {state.device_uuid}"
     )
     rows = [
-        ("socket", path),
+        ("log" if replayed else "socket", path),
         ("device", device),
         (
             "memory" if host_backend else "gpu",
@@ -157,6 +162,8 @@ def status_table(path: str, state: m.GetRuntimeStateResponse) -> str:
         ("server", server_line(state)),
         ("stop", stop_line(state)),
     ]
+    if replayed:
+        rows = [(k, v) for k, v in rows if k not in _LIVE_ONLY]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     layouts = [
@@ -260,6 +267,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"replayed": result.count, "last_seq": result.last_seq, **attrs.asdict(state)}))
     else:
-        print(status_table(args.log, state))
+        print(status_table(args.log, state, replayed=True))
         print(f"\nreplayed {result.count} events (1..{result.last_seq}); every invariant holds")
     return 0
