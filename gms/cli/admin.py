@@ -52,7 +52,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     def action(path: str) -> str:
         done = evict(path, args.layout, timeout=args.timeout)
         where = "dropped (unpinned)" if done.tier == "none" else f"now on tier {done.tier}"
-        return f"{args.layout}: {format_bytes(done.freed_bytes)} of GPU memory released, {where}"
+        return f"{args.layout}: {format_bytes(done.freed_bytes)} of device memory released, {where}"
 
     return _run(args, "evict", action)
 
