@@ -326,10 +326,15 @@ class KeeperStream:
     def backlog_bytes(self) -> int:
         return self.position() - self.sent
 
-    def quiet_rebase_due(self) -> bool:
-        """Should a quiet spell bring a new base: events since the last one, kept in parts
-        (a new base costs what changed; a keeper of whole images would copy the state)."""
-        return self.parts and self.phase is Phase.BASED and self._tails_since > 0
+    def rebases_when_quiet(self) -> bool:
+        """Whether a quiet spell after events brings a new base: a keeper that keeps it in
+        parts (a new base costs what changed; one of whole images would copy the state)."""
+        return self.parts and self.phase is Phase.BASED
+
+    @property
+    def events_since_base(self) -> int:
+        """Events frames queued since the last base was taken."""
+        return self._tails_since
 
     # -- bases -----------------------------------------------------------------------------------
 

@@ -156,7 +156,6 @@ class KeeperLink:
         self._fd_pressure = False  # too many fds in flight for this user: try again a moment later
         self._progress: trio.Event | None = None
         self._work: trio.Event | None = None
-        self._logged_at = 0.0  # (time.monotonic) the last events stored: a quiet spell counts from here
         if sock is not None:
             self.use(sock)
 
@@ -296,12 +295,10 @@ class KeeperLink:
 
     def logged(self, entries: list[LogEntry]) -> None:
         """Events stored: sent at the ledger's :meth:`flush`, or with an earlier frame."""
-        self._logged_at = time.monotonic()
-        quiet_before = self.stream.quiet_rebase_due()
         if self.stream.logged(entries):
             self._send_now()  # (an older keeper's whole image, handed on)
-        elif self.stream.rebase_due or not quiet_before and self.stream.quiet_rebase_due():
-            self._wake()  # the task makes it, a little at a time (or waits for a quiet spell first)
+        elif self.stream.rebase_due:
+            self._wake()  # the task makes it, a little at a time
 
     def ready(self, **info) -> None:
         self.stream.send(Say.READY, {"pid": os.getpid(), **info})
@@ -382,6 +379,24 @@ class KeeperLink:
     async def run(self) -> None:
         """Send what waits as the keeper reads, and make the next base when one
         falls due (a task of the server's, for ever)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._rebase_when_quiet)
+            await self._send()
+
+    async def _rebase_when_quiet(self) -> None:
+        """Once a second, apart from the requests' path: events since the base and
+        none in the last second bring a new base (a restart then folds no tail)."""
+        stream = self.stream
+        seen = 0
+        while True:
+            await trio.sleep(QUIET_REBASE_S)
+            now = stream.events_since_base
+            if now and now == seen and stream.rebases_when_quiet() and not stream.rebase_due:
+                stream.rebase_due = True
+                self._wake()
+            seen = now
+
+    async def _send(self) -> None:
         stream = self.stream
         while True:
             if stream.rebase_due and stream.open and stream.attached:
@@ -393,15 +408,7 @@ class KeeperLink:
                 continue
             if not stream.out or not stream.open:
                 self._work = trio.Event()
-                quiet_left = self._logged_at + QUIET_REBASE_S - time.monotonic()
-                if not stream.quiet_rebase_due():
-                    await self._work.wait()
-                elif quiet_left > 0:
-                    with trio.move_on_after(quiet_left):
-                        await self._work.wait()
-                else:
-                    self._work = None
-                    stream.rebase_due = True
+                await self._work.wait()
                 continue
             if self._fd_pressure:
                 self._fd_pressure = False
