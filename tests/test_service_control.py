@@ -192,3 +192,22 @@ def test_gms_stop_from_another_installation_names_the_service_and_asks_for_its_s
     assert service.proc.poll() is None and service.state().python_prefix != sys.prefix
     assert main(["stop", "--socket", path]) == 0
     assert service.proc.wait(10) == 0
+
+
+def test_every_command_and_option_says_what_it_is():
+    """Issue 63: options with no help, log levels with no choices.  Every verb and
+    every option of every verb is described (hidden ones aside)."""
+    import argparse
+
+    from gms.cli import build_parser
+
+    parser = build_parser()
+    (verbs,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {c.dest: bool(c.help) for c in verbs._choices_actions} == dict.fromkeys(verbs.choices, True)
+    silent = [
+        (verb, action.option_strings or action.dest)
+        for verb, sub in verbs.choices.items() for action in sub._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert silent == [], silent
+    assert parser.parse_args(["serve", "--log-level", "WARNING"]).log_level == "warning"

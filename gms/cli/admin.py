@@ -13,18 +13,22 @@ from .common import client_error, socket_of, target_args
 def register(sub) -> None:
     revoke = sub.add_parser("revoke", help="take every lock on a layout away (its writer aborts)")
     target_args(revoke)
-    revoke.add_argument("layout")
+    revoke.add_argument("layout", help="the layout's name")
     revoke.set_defaults(handler=cmd_revoke)
 
     evict = sub.add_parser("evict", help="release an idle layout's GPU memory now")
     target_args(evict)
-    evict.add_argument("layout")
+    evict.add_argument("layout", help="the layout's name")
     evict.set_defaults(handler=cmd_evict)
 
     pin = sub.add_parser("pin", help="set a committed layout's residency (default: device, never evicted)")
     target_args(pin)
-    pin.add_argument("layout")
-    pin.add_argument("--residency", default="device", choices=("device", "system", "unpinned"))
+    pin.add_argument("layout", help="the layout's name")
+    pin.add_argument(
+        "--residency", default="device", choices=("device", "system", "unpinned"),
+        help="device: never evicted; system: evicted to the host tier and restored on use; unpinned: evicted "
+        "by dropping it (default device)",
+    )
     pin.set_defaults(handler=cmd_pin)
 
 

@@ -7,12 +7,21 @@ import argparse
 from .. import paths
 
 
+BACKEND_HELP = "the memory: cuda (a GPU's), host (host memory standing in for one), auto (cuda where a GPU is; default)"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level_arg(parser: argparse.ArgumentParser, default: str = "info") -> None:
+    parser.add_argument("--log-level", default=default, type=str.lower, choices=LOG_LEVELS,
+                        help=f"what is logged, on stderr (default {default})")
+
+
 def target_args(parser: argparse.ArgumentParser) -> None:
     from ..client.probes import DEFAULT_TIMEOUT_S
 
     parser.add_argument("--socket", help="socket path (default: derived from --device)")
-    parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    parser.add_argument("--device", type=int, default=0, help="the device whose server (default 0)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help=BACKEND_HELP)
     parser.add_argument(
         "--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
         help=f"give up on a server that does not answer in this long (default {DEFAULT_TIMEOUT_S:g})",

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from .common import log_level_arg
 from .serve import leaves as _leaves
 
 EXIT_LOST_LOCK = 3
@@ -18,7 +19,7 @@ EXIT_LOST_LOCK = 3
 def register(sub) -> None:
     parser = sub.add_parser("failover", help="run the shadow-engine failover coordinator")
     parser.add_argument("--config", required=True, help="a TOML file (docs/failover.md)")
-    parser.add_argument("--log-level", default="info")
+    log_level_arg(parser)
     parser.set_defaults(handler=cmd_failover)
 
 

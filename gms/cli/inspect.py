@@ -25,20 +25,20 @@ EXIT_REPLAY_FAILED = 2
 def register(sub) -> None:
     status = sub.add_parser("status", help="the runtime state: layouts, tenants, budgets (takes no lock)")
     target_args(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="the runtime state as one JSON object")
     status.set_defaults(handler=cmd_status)
 
     history = sub.add_parser("history", help="the event log (takes no lock)")
     target_args(history)
     history.add_argument("--layout", help="only this layout's events")
     history.add_argument("--since", type=int, default=0, help="events after this sequence number")
-    history.add_argument("--limit", type=int, default=None)
+    history.add_argument("--limit", type=int, default=None, help="at most this many events after --since (default every one kept)")
     history.add_argument("--json", action="store_true", help="one JSON object per line (what replay reads)")
     history.set_defaults(handler=cmd_history)
 
     replay = sub.add_parser("replay", help="rebuild the state from a saved log, check it, print it")
     replay.add_argument("log", help="a file written by 'gms history --json' ('-': stdin)")
-    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--json", action="store_true", help="the rebuilt state as one JSON object")
     replay.set_defaults(handler=cmd_replay)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from .common import log_level_arg
+
 
 def register(sub) -> None:
     keeper = sub.add_parser("keeper", help="hold the memory of servers in other containers across their restarts")
@@ -19,7 +21,7 @@ def register(sub) -> None:
     # A server whose own keeper died starts one in its place: this channel is that
     # server's, and the words after "--" start the next server when it dies.
     where.add_argument("--adopt-fd", type=int, help=argparse.SUPPRESS)
-    keeper.add_argument("--log-level", default="info")
+    log_level_arg(keeper)
     keeper.add_argument("server_argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     keeper.set_defaults(handler=cmd_keeper)
 

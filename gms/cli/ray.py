@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..errors import GMSError
+from .common import BACKEND_HELP
 
 
 def _device_list(text: str) -> list[int] | None:
@@ -31,7 +32,7 @@ def register(sub) -> None:
         "--devices", type=_device_list, default=None,
         help="'all' (default: every CUDA GPU; device 0 on the host backend) or a list like 0,1",
     )
-    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help=BACKEND_HELP)
     parser.set_defaults(handler=cmd_ray_resources)
 
 

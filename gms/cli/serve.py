@@ -15,7 +15,7 @@ from ..fds import reserve_fd_slots
 from ..heap import keep_big_blocks, return_big_blocks
 from ..launch import python_argv, safe_import_path
 from ..wire.messages import MAX_FDS_PER_MESSAGE
-from .common import byte_count, pool_size
+from .common import BACKEND_HELP, byte_count, log_level_arg, pool_size
 
 EXIT_FATAL = 70  # EX_SOFTWARE: a broken invariant or a CUDA failure
 EXIT_CONFIG = 78  # EX_CONFIG: the policy file or an option cannot be used
@@ -33,8 +33,8 @@ def register(sub) -> None:
     # No abbreviations: ``--devices`` hands its children the words it was given (gms.supervisor).
     serve = sub.add_parser("serve", help="run the per-GPU memory server", allow_abbrev=False)
     serve.add_argument("--socket", help="socket path (default: derived from --device)")
-    serve.add_argument("--device", type=int, default=0)
-    serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    serve.add_argument("--device", type=int, default=0, help="the device this server owns (default 0)")
+    serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"), help=BACKEND_HELP)
     serve.add_argument(
         "--devices",
         help="supervise one server process per GPU: 'all' or a list like 0,1 (each restarted on its own)",
@@ -75,8 +75,10 @@ def register(sub) -> None:
     serve.add_argument("--host-capacity", type=byte_count, help="host backend: the device's size")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
-    serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S")
-    serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S")
+    serve.add_argument("--alloc-retry-interval", type=_positive_float, default=0.05, metavar="S",
+                       help="an allocation the device has no room for is tried again, at most this long apart (default 0.05)")
+    serve.add_argument("--alloc-retry-timeout", type=_positive_float, default=None, metavar="S",
+                       help="and given up on after this long (default: never, while its client waits)")
     serve.add_argument(
         "--alloc-stock", type=byte_count, default=None, metavar="BYTES",
         help="small allocations made ahead of need, outside the budget (default 64MiB on CUDA, "
@@ -85,8 +87,10 @@ def register(sub) -> None:
     serve.add_argument(
         "--socket-mode", type=lambda s: int(s, 8), default=0o600, help="octal, e.g. 660 (default 600)"
     )
-    serve.add_argument("--max-frame-bytes", type=byte_count, default=16 << 20)
-    serve.add_argument("--max-metadata-value-bytes", type=byte_count, default=1 << 20)
+    serve.add_argument("--max-frame-bytes", type=byte_count, default=16 << 20,
+                       help="the largest request a client may send (default 16MiB)")
+    serve.add_argument("--max-metadata-value-bytes", type=byte_count, default=1 << 20,
+                       help="the largest metadata value (default 1MiB)")
     serve.add_argument("--max-allocations", type=int, default=1 << 20, help="per layout")
     serve.add_argument("--max-metadata-keys", type=int, default=1 << 20, help="per layout")
     serve.add_argument("--max-layouts", type=int, default=4096, help="layouts on the server")
@@ -129,7 +133,7 @@ def register(sub) -> None:
         "--event-log-bytes", type=byte_count, default=64 << 20,
         help="memory the kept events (and the snapshot) may hold (default 64MiB)",
     )
-    serve.add_argument("--log-level", default="info")
+    log_level_arg(serve)
     restarts = serve.add_argument_group(
         "restarts and take-overs",
         "By default the server runs under a keeper, a small process without CUDA that holds every "
