@@ -384,14 +384,11 @@ class Copier:
             for i, fd in enumerate(device_fds):
                 consumed = i + 1  # map_device consumes the fd, mapped or not
                 device.append(self.engine.map_device(fd, job.device_sizes[i], writable=not job.to_file))
-            done = itertools.count(1)
-            lock = threading.Lock()
+            done = itertools.count(1)  # (next() on it is atomic: the disk threads share it)
 
             def each() -> None:  # (on the disk threads)
                 self._maybe_stop(kind)
-                with lock:
-                    extents = next(done)
-                self._send(msg.Progress(job.job, extents))
+                self._send(msg.Progress(job.job, next(done)))
 
             crcs = self._files.run(job, device, file_fd, each)
         except files.Corrupt as exc:

@@ -85,11 +85,11 @@ class Ledger:
             self._on_released()
         return room
 
-    def fold(self, events: list[Event], after: Folded | None = None) -> Folded:
+    def fold(self, events: list[Event]) -> Folded:
         """What recording ``events`` now would do, recorded nowhere (a refusal
         raises): for a decision that spans an ``await``, which records it after,
-        or one that builds a batch (``after``: the batch so far; :meth:`fold_more`)."""
-        return self.log.fold(events, after=after)
+        or one that builds a batch (:meth:`fold_more`)."""
+        return self.log.fold(events)
 
     async def make_then_record(
         self,

@@ -66,7 +66,6 @@ log = logging.getLogger("gms.server.service.snapshots")
 _MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
 SAVE_RETRY_FIRST_S = 1.0  # a failed save is tried again after this, then twice as long each time ...
 SAVE_RETRY_MAX_S = 60.0  # ... up to this
-RECOVER_BATCH = 256  # snapshots recovered per recorded batch: one log append, one keeper frame
 
 
 @attrs.frozen
@@ -295,33 +294,31 @@ class Snapshots:
                 self.release([older.file])
             latest[snapshot.manifest.name] = snapshot
         recovered = 0
-        batch = None  # recorded RECOVER_BATCH at a time: one log append and one keeper frame each
         for name, snapshot in sorted(latest.items()):
             manifest = snapshot.manifest
             if not may_write(manifest.owner, name):
-                log.warning("snapshot of %r left on disk, not recovered: its owner %r may not write it under this "
-                            "policy (a writer of %r supersedes it)", name, manifest.owner, name)
-                self.unlisted.setdefault(name, []).append(snapshot.file)
+                why = f"its owner {manifest.owner!r} may not write it under this policy"
+                self._left_on_disk(name, snapshot.file, why)
                 continue
             event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
                                     [list(m) for m in manifest.metadata], snapshot.size, snapshot.file,
                                     manifest.residency, layout=name)
             try:
-                batch = self.ledger.fold([event], after=batch)
+                self.ledger.record([event])
             except Rejection as exc:
-                log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a "
-                            "start whose policy takes it recovers it)", name, exc.message, name)
-                self.unlisted.setdefault(name, []).append(snapshot.file)
+                self._left_on_disk(name, snapshot.file, exc.message)
                 continue
             recovered += 1
-            if len(batch.events) >= RECOVER_BATCH:
-                self.ledger.record(batch)
-                batch = None
-        if batch is not None:
-            self.ledger.record(batch)
         if found:
             log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
         return recovered
+
+    def _left_on_disk(self, name: str, file: str, why: str) -> None:
+        """A snapshot this start does not recover: kept for a start whose policy takes
+        it, until a writer of its layout supersedes it."""
+        log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
+                    "policy takes it recovers it)", name, why, name)
+        self.unlisted.setdefault(name, []).append(file)
 
     async def sweep(self) -> None:
         """A resumed node: only what a crash cut short goes (the log says what exists);
