@@ -24,7 +24,8 @@ case "$mode" in
     } > "$OUT/env.txt" 2>&1
     # the whole suite unless a path under tests/ is named
     paths=tests; for a in "$@"; do case "$a" in tests/*) paths= ;; esac; done
-    python3 -m pytest -q -rs -p no:cacheprovider --timeout 600 $paths "$@" 2>&1 | tee "$OUT/${LOG:-pytest}.log"
+    # one process (-o addopts: pyproject's -n needs pytest-xdist, which the image lacks; GPU tests share a device)
+    python3 -m pytest -q -rs -o addopts=-ra -p no:cacheprovider --timeout 600 $paths "$@" 2>&1 | tee "$OUT/${LOG:-pytest}.log"
     ;;
   bench)
     name=$1; shift

@@ -25,7 +25,7 @@ RUNS=${RUNS:-/var/tmp/gms-vllm-lease}
 STEPS=${STEPS:-test_vllm_gpu+gms_gpu vllm_daemons test_vllm_disk_gpu vllm_failover}
 export PYTHONUNBUFFERED=1 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 GMS_BENCH_OUT=$RUNS/results
 
-PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -p no:randomly -m gpu --timeout 900"
+PYTEST="python3 -m pytest -q -rs -o addopts=-ra -p no:cacheprovider -p no:randomly -m gpu --timeout 900"  # one process: no xdist
 
 run_step() {
   case "$1" in

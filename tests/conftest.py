@@ -56,6 +56,16 @@ def pytest_collectreport(report):
     _note_optional_skip(report)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): two test processes where no GPU is, so a
+    2-core machine runs the suite in about 60 % of the time (most of a test waits
+    on the servers it started); one where a GPU is, since GPU tests measure the
+    device's memory, which tests in parallel would share."""
+    if cuda_device_count() > 0 or (os.cpu_count() or 1) < 2:
+        return 0
+    return 2
+
+
 def pytest_collection_modifyitems(config, items):
     if cuda_device_count() > 0:
         return

@@ -44,8 +44,12 @@ def record(area: str, name: str, **figures) -> None:
     _records.append({"area": area, "name": name, "mode": MODE, **figures})
 
 
-def records() -> list[dict]:
-    return _records
+def take_records() -> list[dict]:
+    """The rows recorded in this process since the last call (a test's, handed to
+    its report: the suite may run in several processes, pytest-xdist)."""
+    rows = _records[:]
+    _records.clear()
+    return rows
 
 
 # -- figures --------------------------------------------------------------------------
