@@ -13,9 +13,12 @@ whole.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -551,3 +554,69 @@ def test_a_fifo_named_like_a_snapshot_is_set_aside_not_waited_on(tmp_path):
     assert server.layout().state == "EMPTY" and os.path.exists(fifo + ".corrupt")
     assert "not a regular file" in server.log
     server.stop()
+
+
+def gms_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gms", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_gms_snapshots_lists_the_persisted_layouts_and_gms_delete_removes_one_for_good(tmp_path):
+    """Issue 63: a verb lists persisted layouts and one deletes them (before, a
+    snapshot could only be removed by hand, behind the log's back)."""
+    server = serve(tmp_path)
+    layout_hash, _ = publish(server.socket)
+    publish(server.socket, "scratch", persist=False)
+    path = saved(server)
+    listed = gms_cli("snapshots", "--socket", server.socket, "--json")
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["layout"], r["disk_bytes"], r["memory_layout_hash"]) for r in rows] == [
+        ("weights", os.path.getsize(path), layout_hash)
+    ], listed
+    assert "1 snapshots" in gms_cli("snapshots", "--socket", server.socket).stdout
+
+    reader = GMSClientMemoryManager(server.socket, layout="weights")
+    reader.connect(RequestedLockType.RO)
+    held = gms_cli("delete", "weights", "--socket", server.socket)
+    assert held.returncode == 1 and "NOT_EVICTABLE" in held.stderr, held
+    assert os.path.exists(path) and server.layout().state == "RO", "refused: nothing lost"
+    reader.close()
+    wait_until(lambda: server.layout().state == "COMMITTED", what="the reader gone")
+
+    done = gms_cli("delete", "weights", "--socket", server.socket)
+    assert done.returncode == 0 and "deleted" in done.stdout, done
+    assert server.layout().state == "EMPTY" and server.state().disk_used_bytes == 0
+    wait_until(lambda: not os.path.exists(path), what="the snapshot removed")
+    assert "LAYOUT_DELETED" in server.kinds()
+    assert gms_cli("snapshots", "--socket", server.socket, "--json").stdout == ""
+    ghost = gms_cli("delete", "ghost", "--socket", server.socket)
+    assert ghost.returncode == 1 and "UNKNOWN_LAYOUT" in ghost.stderr, ghost
+    assert server.layout("scratch").state == "COMMITTED", "the other layout is untouched"
+
+    server = reboot(server, tmp_path)
+    assert server.layout().state == "EMPTY", "a deleted layout does not come back at a reboot"
+    server.stop()
+
+
+@pytest.mark.parametrize("others", [False, True])
+def test_gms_stop_purge_removes_the_snapshots_and_folders_and_nothing_else(tmp_path, others):
+    """Issue 63: `gms stop` leaves the disk tier (that is its point); `--purge`
+    removes it too, and the socket's folder once empty, but never a file gms did
+    not make."""
+    run = tmp_path / "run"
+    run.mkdir()
+    server = serve(tmp_path, socket_path=str(run / "gms.sock"))
+    publish(server.socket)
+    saved(server)
+    disk_dir = server.state().disk_dir
+    if others:
+        (run / "notes.txt").write_text("a user's")
+        with open(os.path.join(disk_dir, "notes.txt"), "w") as f:
+            f.write("a user's")
+    out = gms_cli("stop", "--purge", "--socket", server.socket)
+    assert out.returncode == 0, out
+    if others:
+        assert os.listdir(disk_dir) == ["notes.txt"] and os.listdir(run) == ["gms.disk", "notes.txt"], out.stdout
+        assert "kept it for what else is there: notes.txt" in out.stdout
+    else:
+        assert not run.exists(), out.stdout
+        assert f"removed {disk_dir} and its 1 snapshot files" in out.stdout

@@ -73,12 +73,14 @@ def test_odd_layout_names_get_a_clear_error_and_nothing_changes(server, name):
 
 
 def test_admin_verbs_on_unknown_layouts_are_clear_errors(server):
-    for verb in (gms.client.admin.evict, gms.client.admin.pin):
+    """Issue 63: every admin verb answers a name the node never had the same way."""
+    for verb in (gms.client.admin.evict, gms.client.admin.pin, revoke):
         with pytest.raises(gms.GMSServerError, match="no layout 'ghost'") as error:
             verb(server.socket, "ghost")
         assert error.value.code == "UNKNOWN_LAYOUT"
-    # Revoking is idempotent: a layout nobody holds (its holder died first) revokes nothing.
-    assert revoke(server.socket, "ghost") == 0
+    # Revoking stays idempotent: a layout nobody holds (its holder died first) revokes nothing.
+    publish(server.socket, "idle", b"x")
+    assert revoke(server.socket, "idle") == 0
     assert server.state().pid  # still serving
 
 

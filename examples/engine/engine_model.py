@@ -156,7 +156,7 @@ class Engine:
         Needs admin rights on the server (its uid, root, or a policy admin)."""
         from gms.client.admin import revoke
 
-        return revoke(self.options.gms_socket, "kv_cache")
+        return revoke(self.options.gms_socket, "kv_cache", missing_ok=True)  # none left: nothing held
 
     def wake(self) -> dict[str, float]:
         if self.phase == "serving":

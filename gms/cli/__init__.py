@@ -4,9 +4,10 @@
     gms keeper     a keeper for servers in other containers (``keeper``)
     gms stop | restart   stop the service, or start its next server keeping every layout (``control``)
     gms status     the runtime state: layouts, tenants, budgets (``inspect``)
+    gms snapshots  the persisted layouts on the disk tier (``inspect``)
     gms history    the event log (``inspect``)
     gms replay     rebuild the state from a saved log, offline (``inspect``)
-    gms revoke | evict | pin LAYOUT    admin verbs (``admin``)
+    gms revoke | evict | delete | pin LAYOUT    admin verbs (``admin``)
     gms failover   the shadow-engine failover coordinator (``failover``)
     gms ray-resources   this node's GPU memory as Ray resources (``ray``)
 """

@@ -1,4 +1,4 @@
-"""``gms revoke | evict | pin LAYOUT``: admin verbs (server's uid, root, or a policy admin)."""
+"""``gms revoke | evict | delete | pin LAYOUT``: admin verbs (server's uid, root, or a policy admin)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ def register(sub) -> None:
     target_args(evict)
     evict.add_argument("layout", help="the layout's name")
     evict.set_defaults(handler=cmd_evict)
+
+    delete = sub.add_parser(
+        "delete", help="delete an idle committed layout from every tier, its snapshot on disk included",
+    )
+    target_args(delete)
+    delete.add_argument("layout", help="the layout's name")
+    delete.set_defaults(handler=cmd_delete)
 
     pin = sub.add_parser("pin", help="set a committed layout's residency (default: device, never evicted)")
     target_args(pin)
@@ -59,6 +66,19 @@ def cmd_evict(args: argparse.Namespace) -> int:
         return f"{args.layout}: {format_bytes(done.freed_bytes)} of device memory released, {where}"
 
     return _run(args, "evict", action)
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from ..client.admin import delete
+
+    def action(path: str) -> str:
+        done = delete(path, args.layout, timeout=args.timeout)
+        return (
+            f"{args.layout}: deleted ({format_bytes(done.device_bytes)} of device memory, "
+            f"{format_bytes(done.host_bytes)} of host copies, {format_bytes(done.disk_bytes)} of snapshot)"
+        )
+
+    return _run(args, "delete", action)
 
 
 def cmd_pin(args: argparse.Namespace) -> int:

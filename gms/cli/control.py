@@ -4,7 +4,7 @@ The server names who to signal (``gms status``): ``gms stop`` sends SIGTERM
 to the process that runs the service (the keeper, or the ``gms serve
 --devices`` supervisor above it, or a server without a keeper), which stops
 its server cleanly, releasing every layout, and waits until the socket is
-gone.  ``gms restart`` sends SIGTERM to the server alone: it leaves its node
+gone (``--purge``: then its disk folder and snapshots too).  ``gms restart`` sends SIGTERM to the server alone: it leaves its node
 to its keeper, which starts the next server with every layout (clients ride
 through), reading the options, the policy and the code again.  The kernel
 decides who may signal whom: root, or the service's own user.
@@ -13,8 +13,10 @@ decides who may signal whom: root, or the service's own user.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -44,7 +46,12 @@ def register(sub) -> None:
             "--wait", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="SECONDS",
             help=f"how long to wait for it to be done (default {DEFAULT_WAIT_S:g})",
         )
-        parser.set_defaults(handler=handler)
+        parser.set_defaults(handler=handler, purge=False)
+    stop.add_argument(
+        "--purge", action="store_true",
+        help="then remove what the service leaves: its disk tier's folder with every snapshot (the persisted "
+        "layouts, for good) and its socket's folder if empty",
+    )
 
 
 def is_gms(pid: int) -> bool:
@@ -107,7 +114,7 @@ def ours(state, path: str, verb: str) -> None:
         )
 
 
-def stop(path: str, *, timeout: float, wait: float, explicit: bool = True) -> str:
+def stop(path: str, *, timeout: float, wait: float, explicit: bool = True, purge: bool = False) -> str:
     state = _state(path, timeout)
     if not explicit:
         ours(state, path, "stop")
@@ -120,7 +127,31 @@ def stop(path: str, *, timeout: float, wait: float, explicit: bool = True) -> st
     what = service_role(state)
     signal_process(pid, signal.SIGTERM, what)
     _until(lambda: procs.gone(pid), wait, f"pid {pid} ({what}) did not stop")
-    return f"stopped: pid {pid} ({what}) released every layout and ended"
+    done = f"stopped: pid {pid} ({what}) released every layout and ended"
+    return done + purged(path, state.disk_dir) if purge else done
+
+
+def purged(path: str, disk_dir: str) -> str:
+    """What ``--purge`` removed once the service ended: its disk folder and snapshots, and
+    the socket's folder if nothing else is in it (another device's server, a user's file)."""
+    from ..disk.store import purge
+
+    lines = []
+    if disk_dir:
+        removed, left = purge(disk_dir)
+        lines.append(f"removed {disk_dir} and its {removed} snapshot files" if not left
+                     else f"removed {removed} snapshot files from {disk_dir}; kept it for what else is there: "
+                     + ", ".join(left[:5]))
+    folder = os.path.dirname(os.path.abspath(path))
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):  # left by a server that died: a socket, nothing else
+            os.unlink(path)
+    try:
+        os.rmdir(folder)
+        lines.append(f"removed {folder}")
+    except OSError:
+        lines.append(f"kept {folder} (not empty)")
+    return "".join(f"\n{line}" for line in lines)
 
 
 def restart(path: str, *, timeout: float, wait: float, explicit: bool = True) -> str:
@@ -148,7 +179,8 @@ def restart(path: str, *, timeout: float, wait: float, explicit: bool = True) ->
 
 def _run(verb: str, action, args: argparse.Namespace) -> int:
     try:
-        print(action(socket_of(args), timeout=args.timeout, wait=args.wait, explicit=bool(args.socket)))
+        options = {"purge": True} if args.purge else {}
+        print(action(socket_of(args), timeout=args.timeout, wait=args.wait, explicit=bool(args.socket), **options))
     except GMSError as exc:
         print(client_error(verb, exc), file=sys.stderr)
         return 1

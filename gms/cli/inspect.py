@@ -28,6 +28,13 @@ def register(sub) -> None:
     status.add_argument("--json", action="store_true", help="the runtime state as one JSON object")
     status.set_defaults(handler=cmd_status)
 
+    snapshots = sub.add_parser(
+        "snapshots", help="the persisted layouts: each snapshot on the disk tier (`gms delete` removes one)",
+    )
+    target_args(snapshots)
+    snapshots.add_argument("--json", action="store_true", help="one JSON object per snapshot, one per line")
+    snapshots.set_defaults(handler=cmd_snapshots)
+
     history = sub.add_parser("history", help="the event log (takes no lock)")
     target_args(history)
     history.add_argument("--layout", help="only this layout's events")
@@ -211,6 +218,38 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"socket": path, **attrs.asdict(state)}))
     else:
         print(status_table(path, state))
+    return 0
+
+
+def snapshot_rows(state: m.GetRuntimeStateResponse) -> list[m.LayoutStatus]:
+    """The layouts with a snapshot on the disk tier, by name."""
+    return sorted((row for row in state.layouts if row.disk_bytes), key=lambda row: row.name)
+
+
+def cmd_snapshots(args: argparse.Namespace) -> int:
+    from ..client.probes import get_runtime_state
+
+    path = socket_of(args)
+    try:
+        state = get_runtime_state(path, timeout=args.timeout)
+    except GMSError as exc:
+        print(client_error("snapshots", exc), file=sys.stderr)
+        return 1
+    rows = snapshot_rows(state)
+    if args.json:
+        for row in rows:
+            print(json.dumps({"layout": row.name, "owner": row.owner, "disk_bytes": row.disk_bytes,
+                              "tier": row.tier, "memory_layout_hash": row.memory_layout_hash}))
+        return 0
+    if not state.disk_dir:
+        print(f"{path}: no disk tier (gms serve --disk-dir)")
+        return 0
+    host = state.backend == "host"
+    table = [(r.name, r.owner or "-", format_bytes(r.disk_bytes), _tier(r.tier, host), r.memory_layout_hash[:16])
+             for r in rows]
+    print(f"{len(rows)} snapshots, {format_bytes(state.disk_used_bytes)} in {state.disk_dir}")
+    if rows:
+        print("\n".join(_columns(("LAYOUT", "OWNER", "ON DISK", "TIER NOW", "HASH"), table)))
     return 0
 
 

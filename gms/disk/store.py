@@ -187,6 +187,32 @@ class DiskStore:
         return st.f_bavail * st.f_frsize
 
 
+def purge(directory: str) -> tuple[int, list[str]]:
+    """``gms stop --purge``: remove a stopped server's disk folder, every snapshot
+    in it (sealed, set aside or half-written) and then the folder; another's
+    files, and the folder holding them, stay.  Returns (files removed, names left).
+    Nothing is followed through a link (the daemon runs as root)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0, []
+    removed, left = 0, []
+    try:
+        for name in os.listdir(fd):
+            ours = name.endswith((fmt.SUFFIX, fmt.SUFFIX + _ASIDE)) or (name.startswith(".") and name.endswith(_TEMPORARY))
+            if not ours or stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+                left.append(name)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+                removed += 1
+    finally:
+        os.close(fd)
+    if not left:
+        os.rmdir(directory)
+    return removed, sorted(left)
+
+
 def _folder(directory: str) -> int:
     """The folder, made 0700 if missing; FolderRefused where it is a link, another
     uid's, or others may write in it."""

@@ -358,7 +358,7 @@ class Coordinator:
             try:
                 # Bounded: a hung server must not hold the failover up.
                 out[socket] = await trio.to_thread.run_sync(
-                    partial(admin.revoke, socket, KV_LAYOUT, timeout=self.config.canary_timeout_s)
+                    partial(admin.revoke, socket, KV_LAYOUT, timeout=self.config.canary_timeout_s, missing_ok=True)
                 )
             except Exception as exc:  # noqa: BLE001 - a dead server must not stop the failover
                 out[socket] = f"error: {exc}"

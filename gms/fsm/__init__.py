@@ -60,6 +60,7 @@ from .locks import (
 )
 from .node import DEFAULT_TENANT, EMPTY_NODE, NodeState, SessionInfo, TenantState, fold, fold_all
 from .residency import (
+    decide_delete,
     decide_evict,
     decide_pin,
     decide_restore_finished,
@@ -72,7 +73,7 @@ from .residency import (
 )
 from .resume import decide_resume, held_memory
 from .rules import LASTING, RULES, Rule, Who, fold_layout, parse_residency
-from .sessions import decide_disconnect, decide_session, holders, opening, validate_layout_name
+from .sessions import decide_disconnect, decide_revoke, decide_session, holders, opening, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
 __all__ = [
@@ -128,6 +129,8 @@ __all__ = [
     "decide_allocate",
     "decide_commit",
     "decide_disconnect",
+    "decide_revoke",
+    "decide_delete",
     "decide_evict",
     "decide_spill",
     "decide_free",

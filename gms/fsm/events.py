@@ -287,6 +287,15 @@ class LayoutLost(Event):
     tier: str
 
 
+@attrs.frozen
+class LayoutDeleted(Event):
+    """An admin deleted an idle committed layout (``gms delete``): its memory on
+    every tier goes, its snapshot on disk too; ``uid`` is the admin's."""
+
+    KIND: ClassVar[str] = "LAYOUT_DELETED"
+    uid: int
+
+
 # -- the disk tier (gms.disk) ----------------------------------------------------
 
 
@@ -445,6 +454,7 @@ RESIDENCY_EVENTS: tuple[type[Event], ...] = (
     RestoreFinished,
     RestoreAborted,
     LayoutLost,
+    LayoutDeleted,
 )
 DISK_EVENTS: tuple[type[Event], ...] = (SnapshotSaved, LayoutRecovered, LayoutSpilled, LayoutFellToDisk)
 OBSERVATIONS: tuple[type[Event], ...] = (

@@ -19,6 +19,7 @@ from . import rules
 from .errors import Rejection, UnknownLayout
 from .events import (
     Event,
+    LayoutDeleted,
     LayoutEvicted,
     LayoutSpilled,
     ResidencySet,
@@ -102,6 +103,13 @@ def _known(node: NodeState, name: str) -> LayoutState:
 def decide_evict(node: NodeState, conn: int, name: str, reason: str) -> list[Event]:
     _known(node, name)
     return [LayoutEvicted(conn, reason, layout=name)]
+
+
+def decide_delete(node: NodeState, conn: int, uid: int, name: str) -> list[Event]:
+    """An admin's delete of an idle committed layout, from every tier (``NOT_EVICTABLE``
+    while anyone holds it: revoke first)."""
+    _known(node, name)
+    return [LayoutDeleted(conn, uid, layout=name)]
 
 
 def decide_pin(node: NodeState, conn: int, name: str, residency: Residency | str) -> list[Event]:

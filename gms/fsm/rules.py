@@ -62,6 +62,7 @@ from .events import (
     HostCopyCreated,
     LayoutEvicted,
     LayoutFellToDisk,
+    LayoutDeleted,
     LayoutLost,
     LayoutRecovered,
     LayoutRevoked,
@@ -713,6 +714,12 @@ RULES: dict[type[Event], Rule] = {
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
         (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout"), Move(DISK, GPU, "a fresh layout")),
         releases=everything, lasting=True, step=steps.layout_lost,
+    ),
+    # an admin's delete: an idle committed layout goes from every tier, its snapshot too
+    LayoutDeleted: Rule(
+        Who.ANYONE, (Move(COMMITTED, EMPTY, "deleted"),),
+        (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout"), Move(DISK, GPU, "a fresh layout")),
+        action="delete", refusal=NotEvictable, releases=everything, lasting=True, step=steps.layout_lost,
     ),
     # the disk tier (gms.disk): a snapshot saved after a commit; a layout recovered from one at a cold start
     SnapshotSaved: Rule(

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import attrs
 
-from .errors import PermissionDenied
+from .errors import PermissionDenied, UnknownLayout
 from .events import (
     Event,
+    LayoutRevoked,
     ReaderJoined,
     ReaderLeft,
     RestoreAborted,
@@ -102,3 +103,13 @@ def holders(node: NodeState, layout: str) -> list[int]:
     state = node.layout(layout)
     found = [c for c in (state.writer, state.restorer) if c is not None]
     return found + sorted(state.readers)
+
+
+def decide_revoke(node: NodeState, conn: int, uid: int, layout: str) -> tuple[list[Event], list[int]]:
+    """An admin's revoke: its event and the connections that lose their lock.  A
+    layout the node knows and nobody holds (its holder died already) revokes none;
+    a name the node never had is refused as ``evict`` and ``pin`` refuse it."""
+    if layout not in node.layouts:
+        raise UnknownLayout(f"no layout {layout!r} on this server")
+    victims = holders(node, layout)
+    return [LayoutRevoked(conn, uid, len(victims), layout=layout)], victims

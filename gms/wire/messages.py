@@ -490,6 +490,20 @@ class EvictResponse:
 
 
 @attrs.frozen
+class DeleteRequest:
+    layout: str
+
+
+@attrs.frozen
+class DeleteResponse:
+    """What went with the layout: bytes of device memory, of host copies, of its snapshot."""
+
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+
+
+@attrs.frozen
 class PinRequest:
     layout: str
     residency: str = "device"
@@ -575,6 +589,7 @@ REQUESTS: tuple[type, ...] = (
     GetEventHistoryRequest,
     RevokeRequest,
     EvictRequest,
+    DeleteRequest,
     PinRequest,
     TakeOverRequest,
 )
@@ -601,6 +616,7 @@ RESPONSES: tuple[type, ...] = (
     GetEventHistoryResponse,
     RevokeResponse,
     EvictResponse,
+    DeleteResponse,
     PinResponse,
     TakeOverResponse,
     ErrorResponse,
@@ -616,7 +632,7 @@ class LockWaiting:
 NOTICES: tuple[type, ...] = (SessionEnded, LockWaiting)
 REGISTRY: dict[str, type] = {cls.__name__: cls for cls in REQUESTS + RESPONSES + NOTICES}
 PROBES: tuple[type, ...] = (GetRuntimeStateRequest, GetEventHistoryRequest)
-ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, PinRequest)
+ADMIN: tuple[type, ...] = (RevokeRequest, EvictRequest, DeleteRequest, PinRequest)
 ONE_SHOT: tuple[type, ...] = PROBES + ADMIN + (TakeOverRequest,)  # answered, then the connection closes
 MAX_FDS_PER_MESSAGE = 253  # the kernel's SCM_MAX_FD
 

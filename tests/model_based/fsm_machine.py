@@ -6,7 +6,7 @@ limit) on two layouts (and a third the layout cap refuses), crashes,
 allocations (evicting under a GPU budget the way the shell does), frees,
 metadata puts and deletes, host copies, commits with each residency (and
 persisting or not), snapshots saved (within the disk budget and quotas, or
-refused), evictions (an unpinned layout with a snapshot to the disk tier),
+refused), evictions (an unpinned layout with a snapshot to the disk tier), admin deletes,
 pins, restores from the host tier or the disk (finished or abandoned), reads,
 and reboots (a new log: every snapshot recovered, or refused by the policy in
 force), the way the shell does: decide, append to the log, fold.  After every
@@ -37,6 +37,7 @@ from gms.fsm import (
     decide_allocate,
     decide_commit,
     decide_disconnect,
+    decide_delete,
     decide_evict,
     decide_free,
     decide_host_copy,
@@ -574,6 +575,14 @@ class FsmMachine(RuleBasedStateMachine):
         """An admin's ``gms evict``."""
         code, _ = self._decide(lambda: decide_evict(self.log.state, 0, layout, "admin"))
         expected = self.refs[layout].evict() if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
+        assert code == expected
+        self._pump(layout)
+
+    @rule(layout=st.sampled_from(LAYOUTS))
+    def delete(self, layout):
+        """An admin's ``gms delete``: every tier, the snapshot too."""
+        code, _ = self._decide(lambda: decide_delete(self.log.state, 0, 0, layout))
+        expected = self.refs[layout].delete() if not self.refs[layout].vacant() else "UNKNOWN_LAYOUT"
         assert code == expected
         self._pump(layout)
 

@@ -170,6 +170,13 @@ class ReferenceModel:
                 self._clear_layout()
         return error
 
+    def delete(self) -> str | None:
+        """An admin's delete: an idle committed layout goes from every tier, its snapshot too."""
+        if not self.committed or self.writer is not None or self.readers or self.restorer is not None:
+            return "NOT_EVICTABLE"
+        self._clear_layout()
+        return None
+
     def restore_source(self) -> str:
         """The tier it is on; else its host copies (residency system, every one held,
         and some, or no snapshot), else its snapshot."""

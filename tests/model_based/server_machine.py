@@ -65,6 +65,7 @@ from gms.fsm import (
     decide_allocate,
     decide_commit,
     decide_disconnect,
+    decide_delete,
     decide_evict,
     decide_free,
     decide_host_copy,
@@ -609,6 +610,13 @@ class ServerMachine(RuleBasedStateMachine):
         """An admin's ``gms evict`` (this process is root or the server's uid)."""
         response = RawConn(self.server.socket).call(m.EvictRequest(layout))
         self._expect(response, lambda: decide_evict(self.state, 0, layout, "admin"))
+        self._grant(layout)
+
+    @rule(layout=st.sampled_from(["a", "b"]))
+    def delete(self, layout):
+        """An admin's ``gms delete``: the layout from every tier, its snapshot too."""
+        response = RawConn(self.server.socket).call(m.DeleteRequest(layout))
+        self._expect(response, lambda: decide_delete(self.state, 0, os.getuid(), layout))
         self._grant(layout)
 
     @precondition(

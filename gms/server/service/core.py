@@ -32,18 +32,19 @@ from ...fsm import (
     NodeState,
     PermissionDenied,
     RequestedLockType,
+    decide_delete,
     decide_disconnect,
     decide_evict,
     decide_pin,
     decide_restore_finished,
+    decide_revoke,
     decide_session,
-    holders,
     host_room,
     opening,
     schedule,
     validate_layout_name,
 )
-from ...fsm.events import Event, LayoutRevoked, ServerStarted, SessionRefused
+from ...fsm.events import Event, ServerStarted, SessionRefused
 from ...fsm.queries import layout_of
 from ...fsm.rules import check_lock_type
 from ...peer import Peer
@@ -297,6 +298,13 @@ class ServiceCore:
         tier = self.state.layout(name).tier.value if name in self.state.layouts else "none"
         return Reply(m.EvictResponse(tier, before.gpu_bytes))
 
+    def delete(self, conn: int, layout: str, peer: Peer) -> Reply:
+        """An admin's delete: the idle committed layout goes from every tier, its snapshot too."""
+        name = validate_layout_name(layout)
+        before = self.state.layout(name)
+        self.ledger.record(decide_delete(self.state, conn, peer.uid, name))
+        return Reply(m.DeleteResponse(before.gpu_bytes, before.host_bytes, before.disk_bytes))
+
     def pin(self, conn: int, layout: str, residency: str) -> Reply:
         name = validate_layout_name(layout)
         self.ledger.record(decide_pin(self.state, conn, name, residency))
@@ -306,9 +314,8 @@ class ServiceCore:
         """Take the layout's locks away: the writer aborts (its memory is
         released), readers and a restorer are dropped, the next waiter is granted.
         Idempotent: a layout nobody holds (its holder died already) revokes 0."""
-        layout = validate_layout_name(layout)
-        victims = holders(self.state, layout)
-        self.ledger.record([LayoutRevoked(conn, peer.uid, len(victims), layout=layout)])
+        events, victims = decide_revoke(self.state, conn, peer.uid, validate_layout_name(layout))
+        self.ledger.record(events)
         for victim in victims:
             hook = self._revoke_hooks.pop(victim, None)
             self.ledger.record(decide_disconnect(self.state, victim), by_server=True)

@@ -107,6 +107,7 @@ ROUTES: dict[type, Route] = {
     # admin verbs
     m.RevokeRequest: Route(lambda s, r: Reply(m.RevokeResponse(s.core.revoke(s.conn, r.layout, s.peer))), admin=True),
     m.EvictRequest: Route(lambda s, r: s.core.evict(s.conn, r.layout), admin=True),
+    m.DeleteRequest: Route(lambda s, r: s.core.delete(s.conn, r.layout, s.peer), admin=True),
     m.PinRequest: Route(lambda s, r: s.core.pin(s.conn, r.layout, r.residency), admin=True),
     # another server asks for this one's place (the session hands the connection on)
     m.TakeOverRequest: Route(_take_over, only_if=lambda s: s.on_take_over is not None),
