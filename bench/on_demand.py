@@ -567,7 +567,7 @@ def main() -> None:
                     # (PyTorch's run of the same trace starts from the same set).
                     names = [e["name"] for e in catalog]
                     initial = [names.index(r.name) for r in sorted(
-                        (r for r in get_runtime_state(server.socket).layouts if r.tier == "gpu"),
+                        (r for r in get_runtime_state(server.socket).layouts if r.tier == "device"),
                         key=lambda r: -(r.last_use_s or 0.0))]
                     t0 = time.perf_counter()
                     rows = run_trace(server.socket, worker, catalog, trace, budget, f"s={exponent}", deadline)

@@ -97,7 +97,7 @@ def layouts(path: str) -> dict:
 
     out = {}
     for row in get_runtime_state(path).layouts:
-        if not row.committed or row.tier != "gpu":
+        if not row.committed or row.tier != "device":
             out[row.name] = {"hash": row.memory_layout_hash, "tier": row.tier, "state": row.state}
             continue
         reader = GMSClientMemoryManager(path, layout=row.name)

@@ -108,7 +108,7 @@ def test_publish_and_restore_through_the_copier_give_the_bytes_back(pooled):
     conn = RawConn(server.socket)
     response = conn.handshake("RO", layout="m")
     assert (response.granted_lock_type, response.restore) == ("RO", False), "the server restored it: the reader waited"
-    assert server.layout("m").tier == "gpu" and server.layout("m").restores == 1
+    assert server.layout("m").tier == "device" and server.layout("m").restores == 1
     conn.close()
     read(server, "m")
     assert "RESTORE_ABORTED" not in server.kinds()

@@ -131,7 +131,7 @@ def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_
     assert (granted.value, again) == ("RO", layout_hash) and got == contents
     kinds = server.kinds()
     assert kinds[:4] == ["LAYOUT_RECOVERED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED"], kinds
-    assert (server.layout().tier, server.layout().restores) == ("gpu", 1)
+    assert (server.layout().tier, server.layout().restores) == ("device", 1)
     assert read(server.socket, lock=RequestedLockType.RO)[2] == contents, "a second reader imports what is there"
     server.stop()
 
@@ -153,7 +153,7 @@ def test_restore_at_start_puts_what_fits_on_the_gpu_before_serving(tmp_path, bou
 
     server = serve(tmp_path, "--restore-at-start", bound, str(10 * MiB), socket_path=server.socket)
     a, b = server.layout("a"), server.layout("b")
-    assert (a.tier, a.restores, a.state, a.memory_layout_hash) == ("gpu", 1, "COMMITTED", first_hash)
+    assert (a.tier, a.restores, a.state, a.memory_layout_hash) == ("device", 1, "COMMITTED", first_hash)
     assert (b.tier, b.gpu_bytes) == ("disk", 0), "b does not fit beside a: it stays on disk"
     events = server.events()
     opened = [e for e in events if e.kind == "SESSION_OPENED"]

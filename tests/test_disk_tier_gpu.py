@@ -35,7 +35,7 @@ def test_a_persisted_layout_is_back_on_the_gpu_after_every_gms_process_is_gone(t
     assert server.layout().tier == "disk"
     granted, again, got = read(server.socket)
     assert (granted.value, again) == ("RO", layout_hash) and got == contents, "RW_OR_RO imports the same bytes"
-    assert server.layout().tier == "gpu" and server.layout().restores == 1
+    assert server.layout().tier == "device" and server.layout().restores == 1
     server.kill()  # keeper and all, at once
     server = serve(tmp_path)
     assert read(server.socket, lock=RequestedLockType.RO)[1:] == (layout_hash, contents)
@@ -49,7 +49,7 @@ def test_restore_at_start_on_the_gpu_then_a_reader_imports(tmp_path):
     server.stop()
     server = serve(tmp_path, "--restore-at-start", socket_path=server.socket)
     row = server.layout()
-    assert (row.tier, row.restores, row.memory_layout_hash) == ("gpu", 1, layout_hash), server.log
+    assert (row.tier, row.restores, row.memory_layout_hash) == ("device", 1, layout_hash), server.log
     assert read(server.socket, lock=RequestedLockType.RO)[1:] == (layout_hash, contents)
     assert server.layout().restores == 1, "the reader imported what the server restored"
     server.stop()

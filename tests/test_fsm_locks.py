@@ -185,7 +185,7 @@ def test_a_writer_may_replace_an_evicted_layout():
     (grant,) = schedule(evicted(), [(5, RW), (6, RO)])
     assert grant.granted is GrantedLockType.RW
     state = fold([grant.event], evicted())
-    assert state.tier.value == "gpu" and not state.host_copies and not state.committed
+    assert state.tier.value == "device" and not state.host_copies and not state.committed
 
 
 def test_host_copies_are_read_by_the_writer_and_the_restorer_only_where_they_exist():

@@ -159,7 +159,7 @@ def test_metrics_endpoint(start_server):
     publish(server.socket, "model-a", b"a")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for needle in (
-        'gms_layout_bytes{layout="model-a",tier="gpu"} 4.194304e+06',
+        'gms_layout_bytes{layout="model-a",tier="device"} 4.194304e+06',
         'gms_tenant_used_bytes{tenant="default"} 4.194304e+06',
         "gms_capacity_bytes", "gms_budget_bytes", "gms_sessions 0.0",
         'gms_events_total{kind="RW_COMMIT"} 1.0',

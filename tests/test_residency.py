@@ -59,13 +59,13 @@ def test_least_recently_used_idle_layouts_are_evicted_and_restored_on_demand(bud
     hashes = {name: publish(budgeted, name) for name in ("a", "b")}
     assert read(budgeted, "a") == pattern("a")  # a is now more recently used than b
     hashes["c"] = publish(budgeted, "c")  # no room: b, the least recently used, goes to the host
-    assert tiers(budgeted) == {"a": "gpu", "b": "host", "c": "gpu"}
+    assert tiers(budgeted) == {"a": "device", "b": "host", "c": "device"}
     evicted = [e for e in budgeted.events() if e.kind == "LAYOUT_EVICTED"]
     assert [(e.layout, e.fields["reason"]) for e in evicted] == [("b", "budget")]
 
     assert read(budgeted, "b") == pattern("b"), "restored from the host copy, byte for byte"
     state = budgeted.state()
-    assert tiers(budgeted) == {"a": "host", "b": "gpu", "c": "gpu"}  # a was then the LRU one
+    assert tiers(budgeted) == {"a": "host", "b": "device", "c": "device"}  # a was then the LRU one
     assert state.layout("b").restores == 1 and state.layout("b").memory_layout_hash == hashes["b"]
     assert state.used_bytes == 2 * SIZE <= state.budget_bytes
     assert state.host_used_bytes == 3 * SIZE and state.host_handle_count == 3
@@ -125,12 +125,12 @@ def test_unpinned_layouts_are_dropped_and_device_layouts_never_evicted(budgeted)
     publish(budgeted, "pinned", residency="device")
     publish(budgeted, "loose", residency="unpinned")
     publish(budgeted, "third", residency="device")  # evicts "loose": the only evictable one
-    assert tiers(budgeted) == {"pinned": "gpu", "third": "gpu"}
+    assert tiers(budgeted) == {"pinned": "device", "third": "device"}
     conn = RawConn(budgeted.socket)
     assert conn.handshake("RW_OR_RO", layout="loose").granted_lock_type == "RW", "its next user reloads it"
     refused = conn.call(m.AllocateRequest(SIZE, "w"))
     assert refused.code == "OUT_OF_MEMORY", "nothing evictable: the allocation waited, then gave up"
-    assert tiers(budgeted) == {"pinned": "gpu", "third": "gpu", "loose": "gpu"}
+    assert tiers(budgeted) == {"pinned": "device", "third": "device", "loose": "device"}
 
 
 def test_a_layout_larger_than_the_budget_is_a_clear_error_at_publish(budgeted):

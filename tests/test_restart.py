@@ -161,8 +161,8 @@ def test_a_killed_server_comes_back_with_every_committed_layout_and_only_those(t
     rows = {row.name: row for row in state.layouts}
     assert sorted(rows) == ["cold", "scratch", "warm", "weights"], "the build went with its server"
     assert [(rows[n].state, rows[n].tier, rows[n].memory_layout_hash) for n in sorted(rows)] == [
-        ("COMMITTED", "host", cold_hash), ("COMMITTED", "gpu", scratch_hash),
-        ("COMMITTED", "host", warm_hash), ("COMMITTED", "gpu", weights_hash),
+        ("COMMITTED", "host", cold_hash), ("COMMITTED", "device", scratch_hash),
+        ("COMMITTED", "host", warm_hash), ("COMMITTED", "device", weights_hash),
     ], "every lock released; the half-done restore back in the host tier"
     assert state.sessions == 0 and state.server_handle_count == 3 and state.host_handle_count == 2
     assert {name: listing(server.socket, name) for name in before} == before, "same ids, sizes and slots"
@@ -195,7 +195,7 @@ def test_a_killed_server_comes_back_with_every_committed_layout_and_only_those(t
         va = mgr.create_mapping(allocation.allocation_id)
         assert mgr.read(va, allocation.aligned_size) == pattern(0, allocation.aligned_size)
         mgr.close()
-    assert server.layout("cold").tier == "gpu" and server.layout("warm").tier == "gpu"
+    assert server.layout("cold").tier == "device" and server.layout("warm").tier == "device"
     assert server.stop() == 0
 
 

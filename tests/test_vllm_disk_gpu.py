@@ -67,7 +67,7 @@ def test_an_engine_imports_weights_restored_from_disk_after_a_reboot(tmp_path):
     try:
         assert b.load_line()["gms_how"] == "imported"
         assert b.complete(PROMPT, TOKENS)["token_ids"] == expected
-        assert (server.layout(weights).tier, server.layout(weights).restores) == ("gpu", 1)
+        assert (server.layout(weights).tier, server.layout(weights).restores) == ("device", 1)
     finally:
         b.stop()
     server.stop()

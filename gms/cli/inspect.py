@@ -61,11 +61,6 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def _tier(tier: str, host_backend: bool) -> str:
-    """The host backend's device memory is host memory too: called "device" there, not "gpu"."""
-    return "device" if host_backend and tier == "gpu" else tier
-
-
 def _columns(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     cells = [header, *[tuple(str(c) for c in row) for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -160,7 +155,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse, *, replayed: bool 
         ("sessions", f"{state.sessions} ({state.waiting} waiting for a lock)"),
         (
             "handles",
-            f"{'device' if host_backend else 'gpu'} {state.server_handle_count} "
+            f"device {state.server_handle_count} "
             f"({format_bytes(state.server_handle_bytes)}), "
             f"host {state.host_handle_count} ({format_bytes(state.host_handle_bytes)}), "
             f"{state.allocations_cleared} cleared",
@@ -175,7 +170,7 @@ def status_table(path: str, state: m.GetRuntimeStateResponse, *, replayed: bool 
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     layouts = [
         (
-            r.name, r.state, r.residency, _tier(r.tier, host_backend) + (" (restoring)" if r.restoring else ""),
+            r.name, r.state, r.residency, r.tier + (" (restoring)" if r.restoring else ""),
             format_bytes(r.bytes), _saved(r), r.allocation_count, r.readers, "yes" if r.writer else "-",
             f"{r.waiting_writers}/{r.waiting_readers}", r.owner or "-", _ago(r.last_use_s),
             r.loads, r.restores, r.evictions, r.memory_layout_hash[:12] or "-",
@@ -244,8 +239,7 @@ def cmd_snapshots(args: argparse.Namespace) -> int:
     if not state.disk_dir:
         print(f"{path}: no disk tier (gms serve --disk-dir)")
         return 0
-    host = state.backend == "host"
-    table = [(r.name, r.owner or "-", format_bytes(r.disk_bytes), _tier(r.tier, host), r.memory_layout_hash[:16])
+    table = [(r.name, r.owner or "-", format_bytes(r.disk_bytes), r.tier, r.memory_layout_hash[:16])
              for r in rows]
     print(f"{len(rows)} snapshots, {format_bytes(state.disk_used_bytes)} in {state.disk_dir}")
     if rows:

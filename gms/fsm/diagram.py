@@ -35,7 +35,7 @@ def lock_diagram() -> str:
 
 
 def tier_diagram() -> str:
-    lines = ["```mermaid", "stateDiagram-v2", "    [*] --> gpu"]
+    lines = ["```mermaid", "stateDiagram-v2", f"    [*] --> {Tier.GPU.value}"]
     lines += [f"    {a} --> {b} : {label}" for a, b, label in _edges("tier")]
     return "\n".join(lines + ["```"])
 

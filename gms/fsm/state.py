@@ -41,9 +41,10 @@ class Residency(str, enum.Enum):
 
 
 class Tier(str, enum.Enum):
-    """Where a layout's bytes are now."""
+    """Where a layout's bytes are now.  The first tier is called ``device`` to
+    users on both backends (the GPU's memory, or the host backend's stand-in)."""
 
-    GPU = "gpu"
+    GPU = "device"
     HOST = "host"  # evicted: only the host copy holds the bytes
     RESTORING = "restoring"  # GPU memory exists again and is being filled (from the host copy or the disk)
     DISK = "disk"  # evicted or recovered: only the layout's snapshot on disk holds the bytes

@@ -166,6 +166,13 @@ def with_metadata(head: dict, rows: list[list]) -> dict:
     return body
 
 
+# The image's word for each tier: the first is "gpu" in every version (users call it
+# "device" since 2026-12), so images stay as they were, a server of before reads one of
+# today, and the frozen fixtures of each version still read and write back the same.
+_TIER_WORDS = {Tier.GPU: "gpu"}
+_TIERS_READ = {word: tier for tier, word in _TIER_WORDS.items()}
+
+
 def layout_head(layout: LayoutState) -> dict:
     """A layout as version 1 and 2 write it, but for its ``metadata`` column
     (the keeper's journal keeps that in parts of its own: ``gms.handover.journal``)."""
@@ -184,7 +191,7 @@ def layout_head(layout: LayoutState) -> dict:
         "held_bytes": layout.held_bytes,
         "owner": layout.owner,
         "residency": layout.residency.value,
-        "tier": layout.tier.value,
+        "tier": _TIER_WORDS.get(layout.tier, layout.tier.value),
         "restorer": layout.restorer,
         "host_copies": sorted([k, v] for k, v in layout.host_copies.items()),
         "host_bytes": layout.host_bytes,
@@ -268,7 +275,7 @@ def _read_layout_v1(d: dict) -> LayoutState:
         held_bytes=d["held_bytes"],
         owner=d["owner"],
         residency=Residency(d["residency"]),
-        tier=Tier(d["tier"]),
+        tier=_TIERS_READ.get(d["tier"]) or Tier(d["tier"]),
         restorer=d["restorer"],
         host_copies=Map({k: v for k, v in d["host_copies"]}),
         host_bytes=d["host_bytes"],

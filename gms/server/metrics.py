@@ -33,10 +33,11 @@ class _StateCollector:
         gauges = {
             "gms_capacity_bytes": ("Device memory in bytes", state.capacity_bytes),
             "gms_budget_bytes": (
-                "GPU budget in bytes (the capacity when no budget is set)",
+                "Device memory budget in bytes (the capacity when no budget is set)",
                 state.budget_bytes if state.budget_bytes is not None else state.capacity_bytes,
             ),
-            "gms_gpu_used_bytes": ("Layout bytes on the GPU", state.gpu_bytes),
+            "gms_device_used_bytes": ("Layout bytes in device memory (the GPU's; host memory on the host backend)",
+                                      state.gpu_bytes),
             "gms_host_used_bytes": ("Layout bytes in the host tier", state.host_bytes),
             "gms_disk_used_bytes": ("Bytes of snapshots on the disk tier", state.disk_bytes),
             "gms_sessions": ("Handshaken connections", len(state.sessions)),
@@ -45,6 +46,13 @@ class _StateCollector:
         for name, (text, value) in gauges.items():
             if value is not None:
                 yield GaugeMetricFamily(name, text, value=value)
+        device = core.device
+        server = GaugeMetricFamily(
+            "gms_server_info", "What memory the device tier is (value 1): backend cuda or host",
+            labels=["backend", "device", "uuid"],
+        )
+        server.add_metric([device.backend, str(device.device), device.uuid], 1)
+        yield server
         if state.host_budget_bytes is not None:
             yield GaugeMetricFamily("gms_host_budget_bytes", "Host tier budget in bytes", value=state.host_budget_bytes)
         if state.disk_budget_bytes is not None:
@@ -59,7 +67,7 @@ class _StateCollector:
         )
         waiting = GaugeMetricFamily("gms_lock_waiters", "Handshakes waiting for a lock", labels=["layout", "mode"])
         for name, layout in state.layouts.items():
-            layout_bytes.add_metric([name, "gpu"], layout.gpu_bytes)
+            layout_bytes.add_metric([name, "device"], layout.gpu_bytes)
             layout_bytes.add_metric([name, "host"], layout.host_bytes)
             layout_bytes.add_metric([name, "disk"], layout.disk_bytes)
             readers.add_metric([name], len(layout.readers))

@@ -348,7 +348,7 @@ class LayoutStatus:
     @classmethod
     def empty(cls, name: str) -> LayoutStatus:
         """The row of a layout the server holds none of."""
-        return cls(name, "EMPTY", False, "device", "gpu", 0, 0, 0, 0, 0, False, 0, False, 0, 0, "", "", None, 0, 0, 0)
+        return cls(name, "EMPTY", False, "device", "device", 0, 0, 0, 0, 0, False, 0, False, 0, 0, "", "", None, 0, 0, 0)
 
 
 @attrs.frozen

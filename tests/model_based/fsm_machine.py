@@ -614,7 +614,7 @@ class FsmMachine(RuleBasedStateMachine):
             ref.tier = "restoring"
             return
         self._append(decide_restore_finished(self.log.state, conn, layout))
-        ref.tier, ref.restorer = "gpu", None
+        ref.tier, ref.restorer = "device", None
         ref.readers.add(conn)
         ref.last_use = self._tick()
         self._pump(layout)

@@ -52,7 +52,7 @@ class ReferenceModel:
     queue: list[tuple[int, str]] = field(default_factory=list)
     owner: str | None = None
     residency: str = "device"
-    tier: str = "gpu"
+    tier: str = "device"
     restorer: int | None = None
     host: set[str] = field(default_factory=set)
     last_use: int = 0
@@ -88,7 +88,7 @@ class ReferenceModel:
         self.next_slot = 0
         self.owner = None
         self.residency = "device"
-        self.tier = "gpu"
+        self.tier = "device"
         self.host.clear()
         self.persist = False
         self.disk = 0
@@ -154,7 +154,7 @@ class ReferenceModel:
     def evictable(self) -> str | None:
         if not self.committed or self.writer is not None:
             return "NOT_EVICTABLE"
-        if self.residency == "device" or self.tier != "gpu" or self.readers or self.restorer is not None:
+        if self.residency == "device" or self.tier != "device" or self.readers or self.restorer is not None:
             return "NOT_EVICTABLE"
         return None
 
@@ -209,7 +209,7 @@ class ReferenceModel:
         return None
 
     def pin(self, residency: str) -> str | None:
-        if not self.committed or self.writer is not None or self.tier != "gpu":
+        if not self.committed or self.writer is not None or self.tier != "device":
             return "STATE_VIOLATION"
         if residency == "system" and self.host != set(self.allocs):
             return "HOST_COPY_MISSING"

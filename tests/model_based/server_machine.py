@@ -621,7 +621,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: any(
-            l.residency.value == "system" and l.tier.value == "gpu" and not l.readers
+            l.residency.value == "system" and l.tier.value == "device" and not l.readers
             for l in self.state.layouts.values()
         )
     )
@@ -630,7 +630,7 @@ class ServerMachine(RuleBasedStateMachine):
         """An evictable layout goes to the host tier; a reader then brings it back."""
         names = sorted(
             n for n, l in self.state.layouts.items()
-            if l.residency.value == "system" and l.tier.value == "gpu" and not l.readers
+            if l.residency.value == "system" and l.tier.value == "device" and not l.readers
         )
         name = data.draw(st.sampled_from(names), label="layout")
         self.evict(name)

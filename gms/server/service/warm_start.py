@@ -83,5 +83,5 @@ async def restore_one(core: ServiceCore, name: str) -> bool:
     finally:
         core.disconnect(conn)  # a restore cut short goes back to disk (RESTORE_ABORTED)
     took = time.perf_counter() - started
-    log.info("restore at start: %r on the GPU (%.1f MiB in %.2f s)", name, layout.held_bytes / 2**20, took)
+    log.info("restore at start: %r in device memory (%.1f MiB in %.2f s)", name, layout.held_bytes / 2**20, took)
     return True
