@@ -498,3 +498,71 @@ def test_a_node_of_ten_thousand_allocations_is_taken_over_under_the_machine_s_li
     states = [get_runtime_state(new.socket) for _ in range(10)]
     assert len({s.pid for s in states}) == 1 and states[0].pid != old_pid
     assert states[-1].layout("many").allocation_count == 10_000
+
+
+def test_a_writer_putting_all_along_a_pre_copied_take_over_loses_no_answered_put(tmp_path):
+    """Issue 59: the node is sent while the old server serves on; the pause then
+    carries only the events since.  A writer putting metadata before, during and
+    after the take-over finds every put it was answered for on the new server."""
+    import re
+
+    old = server_process(tmp_path, "--log-level", "info")  # (its line names the base's event)
+    writer = RawConn(old.socket)
+    assert writer.handshake("RW", layout="kv").success
+    (allocation,) = build_layout(writer, (2 * MiB,))
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def put() -> None:
+        while not stop.is_set():
+            key = f"k{len(answered)}"
+            assert writer.call(m.MetadataPutRequest(key, allocation.allocation_id, 0, b"v")).success
+            answered.append(key)
+
+    thread = threading.Thread(target=put)
+    thread.start()
+    try:
+        wait_until(lambda: len(answered) > 50, what="puts before")
+        new = take_over(old)
+        assert old.proc.wait(30) == 0
+        after = len(answered)
+        wait_until(lambda: len(answered) > after + 50, what="puts on the new server")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert set(answered) <= set(writer.call(m.MetadataListRequest()).keys)
+    base = int(re.search(r"sending the node as of event (\d+)", old.log).group(1))
+    resumed = next(e for e in new.events() if e.kind == "SERVER_RESUMED")
+    assert resumed.seq - 1 > base, "events came after the base, carried by the tail"
+    writer.close()
+    new.stop()
+
+
+@pytest.mark.parametrize("retain", [None, 16])
+def test_a_tail_is_the_events_since_the_base_or_the_whole_image_where_the_log_dropped_some(retain):
+    """The old server's tail, and the node the new one makes of it, in process."""
+    from gms.fsm.events import MetadataPut
+    from gms.handover.image import STATE_VERSION, ServerInfo, StateImage
+    from gms.server.restart.takeover import handed_image, tail_body
+    from gms.store import EventLog
+
+    from .fsm_events import started, writer as writing
+
+    log = EventLog(retain=retain, chunk_size=4)
+    for event in [started(), *writing(1, "kv")]:
+        log.append(event)
+    server = ServerInfo(pid=1, backend="host", device=0, device_uuid="host-0", host_tier=True)
+
+    def image() -> StateImage:
+        return StateImage(STATE_VERSION, server, log.last_seq, 2, log.state, (), ())
+
+    base = image()
+    from gms.fsm.events import AllocationCreated
+
+    log.append(AllocationCreated(1, "a0", MiB, MiB, "kv", 0, layout="kv"))
+    for n in range(40):
+        log.append(MetadataPut(1, f"k{n}", "a0", 0, b"v", layout="kv"))
+    body = tail_body(log, base, image(), fds=3)
+    assert ("entries" in body) == (retain is None), "the events since, unless the log dropped some"
+    handed = handed_image(base, body)
+    assert handed.state == log.state and handed.last_seq == log.last_seq

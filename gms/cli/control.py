@@ -4,8 +4,9 @@ The server names who to signal (``gms status``): ``gms stop`` sends SIGTERM
 to the process that runs the service (the keeper, or the ``gms serve
 --devices`` supervisor above it, or a server without a keeper), which stops
 its server cleanly, releasing every layout, and waits until the socket is
-gone (``--purge``: then its disk folder and snapshots too).  ``gms restart`` sends SIGTERM to the server alone: it leaves its node
-to its keeper, which starts the next server with every layout (clients ride
+gone (``--purge``: then removes its disk folder and snapshots too).  ``gms
+restart`` sends SIGTERM to the server alone: it leaves its node to its
+keeper, which starts the next server with every layout (clients ride
 through), reading the options, the policy and the code again.  The kernel
 decides who may signal whom: root, or the service's own user.
 """

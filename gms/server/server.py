@@ -163,6 +163,7 @@ class Server:
         self.admission: Admission | None = None
         self.log_limit: ratelimit.RateLimit | None = None
         self.quiesce = Quiesce()
+        self.handing_over = False  # a take-over is under way (gms.server.restart.takeover)
         self.signal = MemorySignal()  # memory released: told by the ledger, and by the keeper's acks
         self.listener = None
         self.link = None

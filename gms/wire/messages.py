@@ -527,16 +527,20 @@ class TakeOverRequest:
 
     readable_versions: list[int]
     pid: int = 0
+    precopy: bool = False  # it reads a base before the pause, then only what changed (frames base, tail)
 
 
 @attrs.frozen
 class TakeOverResponse:
     """Accepted: the server is quiet and writes its state in ``state_version``;
-    ``fds``: how many fds the hand-over carries (0: a server too old to say)."""
+    ``fds``: how many fds the hand-over carries (0: a server too old to say).
+    ``precopy``: the server serves on and sends a base first (the new server
+    asked for it, and this one knows it); it pauses once the new one read it."""
 
     state_version: int
     pid: int
     fds: int = 0
+    precopy: bool = False
 
 
 @attrs.frozen

@@ -29,12 +29,20 @@ does an old server whose new one goes silent or away before "commit".
 Before the commit the old server holds everything; after it, the new one:
 neither ever lets go first.
 
+A new server asks for a pre-copy (``precopy``; an old server that does not
+know it answers as above): the old one then answers at once, serving on, and
+sends frame "base" (the node as of an event); once the new one answers
+"ready" it pauses, and frame "tail" (the events since the base, and the
+sessions) takes the image's place, so the pause carries what changed, not
+the node (docs/protocol.md, "Take-over").
+
 Images and frames are encoded in ``gms.handover``; this module is the
 shell's two sides of the conversation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -45,7 +53,7 @@ import trio
 
 from ...cyclegc import paused
 from ...fds import fd_room, handover_need
-from ...fsm import check_invariants
+from ...fsm import EMPTY_NODE, check_invariants, fold_all
 from ...handover import frames
 from ...handover.image import (
     READABLE_VERSIONS,
@@ -56,11 +64,14 @@ from ...handover.image import (
     ServerInfo,
     StateImage,
     UnsupportedVersion,
+    decode_entries,
     decode_image,
+    encode_entries,
     encode_image,
 )
 from ...handover.words import Leaving
 from ...peer import UntrustedPeer, own_uids, require_peer
+from ...store import EventLog
 from ...wire import FrameDecoder, ProtocolError, decode, encode
 from ...wire import messages as m
 from ..edge.netio import Channel
@@ -115,22 +126,48 @@ def handover_fds(server, parked: dict) -> list[tuple[str, int]]:
     return keyed
 
 
-def _hand_over_blocking(sock: socket.socket, first: bytes, image: bytes, keyed, timeout: float) -> str:
-    """Send the answer, the image and the fds; return the new server's verdict
-    (``commit`` or why not)."""
-    sock.settimeout(timeout)
-    sock.sendall(first)
-    frames.send_frame(sock, "image", {"image": image})
-    frames.send_fds(sock, "fds", keyed)
-    frames.send_frame(sock, "end")
+def _verdict(sock: socket.socket) -> str:
+    """The new server's next word: its frame's kind, with the reason it gives, if any."""
     reader = frames.FrameReader()
     try:
         frame = frames.recv_frame(sock, reader)
     finally:
         reader.close()
-    if frame.kind == "commit":
-        return "commit"
-    return f"{frame.kind}: {frame.body.get('reason', '')}"
+    frame.close_fds()
+    reason = frame.body.get("reason", "")
+    return f"{frame.kind}: {reason}" if reason else frame.kind
+
+
+def _send_base_blocking(sock: socket.socket, first: bytes, base: StateImage, timeout: float) -> str:
+    """Pre-copy, while this server serves on: the answer and the node as of an
+    event; then the new server's word (``ready`` once it read and checked it)."""
+    sock.settimeout(timeout)
+    sock.sendall(first)
+    frames.send_frame(sock, "base", {"image": encode_image(base)})
+    return _verdict(sock)
+
+
+def _hand_over_blocking(sock: socket.socket, first: bytes, kind: str, body: dict, keyed, timeout: float) -> str:
+    """Send the answer (unless pre-copied), the image or the tail, and the fds;
+    return the new server's verdict (``commit`` or why not)."""
+    sock.settimeout(timeout)
+    if first:
+        sock.sendall(first)
+    frames.send_frame(sock, kind, body)
+    frames.send_fds(sock, "fds", keyed)
+    frames.send_frame(sock, "end")
+    return _verdict(sock)
+
+
+def tail_body(log: EventLog, base: StateImage, image: StateImage, fds: int) -> dict:
+    """What changed since the pre-copied ``base``: the events after it, and the
+    image without its node (sessions, queues, numbering); the whole image where
+    the log no longer holds every event since (its retention, a numbering gap)."""
+    entries = log.since(base.last_seq)
+    if len(entries) != image.last_seq - base.last_seq:
+        return {"image": encode_image(image), "fds": fds}
+    bare = attrs.evolve(image, state=EMPTY_NODE)
+    return {"image": encode_image(bare), "entries": encode_entries(entries), "fds": fds}
 
 
 def listening_socket(fd: int) -> None:
@@ -153,7 +190,7 @@ def listening_socket(fd: int) -> None:
 
 async def hand_over(server, channel: Channel, protocol, request: m.TakeOverRequest) -> None:
     """Answer a TakeOverRequest on ``channel`` (the connection is ours now)."""
-    core, config = server.core, server.config
+    core = server.core
     peer = channel.peer
 
     async def refuse(message: str, code: str = "STATE_VIOLATION") -> None:
@@ -172,38 +209,71 @@ async def hand_over(server, channel: Channel, protocol, request: m.TakeOverReque
             f"this server hands over state version {STATE_VERSION}; the new one reads "
             f"{sorted(request.readable_versions)}: upgrade through a version both know"
         )
-    if server.quiesce.requested:
+    if server.quiesce.requested or server.handing_over:
         return await refuse("a take-over is already under way")
+    server.handing_over = True
+    sock = socket.socket(fileno=os.dup(channel.sock.fileno()))
+    try:
+        await _hand_over(server, channel, protocol, request, sock, refuse)
+    finally:
+        server.handing_over = False
+        sock.close()
+        channel.close()
+
+
+async def _hand_over(server, channel: Channel, protocol, request: m.TakeOverRequest, sock, refuse) -> None:
+    core, config, peer = server.core, server.config, channel.peer
+    timeout = config.handover_timeout
+    base = None
+    if request.precopy:
+        # Pre-copy (issue 59): the node as of now, while every session goes on (the
+        # state is immutable); the pause then carries only what changed since.
+        base = node_image(server, {}, sessions=False)
+        first = protocol.send(
+            m.TakeOverResponse(STATE_VERSION, os.getpid(), len(handover_fds(server, {})), precopy=True)
+        )
+        log.info("take-over by pid %d: sending the node as of event %d, serving on", peer.pid, base.last_seq)
+        try:
+            word = await trio.to_thread.run_sync(_send_base_blocking, sock, first, base, timeout)
+        except (OSError, frames.FrameError) as exc:
+            word = f"the new server went away: {exc}"
+        if word != "ready":
+            log.warning("take-over by pid %d did not happen (%s): serving on, never paused", peer.pid, word)
+            return
     log.info("take-over by pid %d: pausing at a quiet point", peer.pid)
     started = trio.current_time()
     server.stop_accepting()
     server.quiesce.pause()
-    with trio.move_on_after(config.handover_timeout) as waited:
+    with trio.move_on_after(timeout) as waited:
         await server.quiesce.until_quiet_dropping_stuck()
     if waited.cancelled_caught:
         server.resume_serving()
-        return await refuse(f"no quiet point within {config.handover_timeout} s (a client not reading its answers?)")
+        message = f"no quiet point within {timeout} s (a client not reading its answers?)"
+        if base is None:
+            return await refuse(message)
+        log.warning("take-over by pid %d refused: %s", peer.pid, message)
+        with contextlib.suppress(OSError):
+            frames.send_frame(sock, "abort", {"reason": message})
+        return
     image = node_image(server, server.quiesce.parked)
     keyed = handover_fds(server, server.quiesce.parked)
-    first = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid(), len(keyed)))
-    sock = socket.socket(fileno=os.dup(channel.sock.fileno()))
+    if base is None:
+        first, kind, body = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid(), len(keyed))), "image", {
+            "image": encode_image(image)}
+    else:
+        first, kind, body = b"", "tail", tail_body(core.log, base, image, len(keyed))
     try:
-        verdict = await trio.to_thread.run_sync(
-            _hand_over_blocking, sock, first, encode_image(image), keyed, config.handover_timeout
-        )
+        verdict = await trio.to_thread.run_sync(_hand_over_blocking, sock, first, kind, body, keyed, timeout)
         if verdict == "commit":
             # The keeper first: were this process to die now, its keeper must not
             # start a server of its own on a node another one serves.
-            verdict = await _tell_keeper(server, config.handover_timeout)
+            verdict = await _tell_keeper(server, timeout)
             try:
                 frames.send_frame(sock, "bye" if verdict == "commit" else "refused", {"reason": verdict})
             except OSError:
                 pass  # it sees our silence, and that this process is gone
     except (OSError, frames.FrameError) as exc:
         verdict = f"the new server went away: {exc}"
-    finally:
-        sock.close()
-        channel.close()
     paused_ms = (trio.current_time() - started) * 1000
     if verdict == "commit":
         log.info("taken over by pid %d after a pause of %.1f ms: exiting", peer.pid, paused_ms)
@@ -293,7 +363,7 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
         raise TakeOverRefused(str(exc)) from None
     reader = frames.FrameReader()
     try:
-        sock.sendall(encode(m.TakeOverRequest(list(READABLE_VERSIONS), os.getpid())))
+        sock.sendall(encode(m.TakeOverRequest(list(READABLE_VERSIONS), os.getpid(), precopy=True)))
         try:
             answer = _answer(sock, reader)
         except (ProtocolError, OSError) as exc:
@@ -308,12 +378,22 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
         if short:  # before anything is taken: the old server, told, serves on alone
             abort(sock, short)
             raise TakeOverRefused(short)
+        # A server that pre-copies sends the node first, serving on: read and checked
+        # here before it pauses, so that the pause carries only what changed since.
+        base = _precopied(sock, reader) if answer.precopy else None
         keyed: dict[str, int] = {}
         try:
             image_frame = frames.recv_frame(sock, reader)
-            if image_frame.kind != "image" or not isinstance(image_frame.body.get("image"), bytes):
+            due = "image" if base is None else "tail"
+            if image_frame.kind == "abort" and base is not None:
+                raise TakeOverRefused(f"the running server refused: {image_frame.body.get('reason', '')}")
+            if image_frame.kind != due or not isinstance(image_frame.body.get("image"), bytes):
                 image_frame.close_fds()
-                raise frames.FrameError(f"a {image_frame.kind!r} frame where the image was due")
+                raise frames.FrameError(f"a {image_frame.kind!r} frame where the {due} was due")
+            short = fd_shortfall(image_frame.body.get("fds", 0)) if base is not None else ""
+            if short:  # the node grew during the pre-copy: still before any fd came
+                abort(sock, short)
+                raise TakeOverRefused(short)
             while True:
                 frame = frames.recv_frame(sock, reader)
                 if frame.kind == "end":
@@ -342,9 +422,7 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
                 raise ImageError("the running server handed over no listening socket")
             listening_socket(listener)
             with paused():
-                image = decode_image(image_frame.body["image"])
-                # Checked as a restart's journal is: a forged or broken image is refused, not served.
-                check_invariants(image.state)
+                image = handed_image(base, image_frame.body)
         except Exception as exc:  # noqa: BLE001 - whatever does not check out is refused, not served
             _close_fds([fd for fd in [listener, *offer_fds.values(), *conn_fds.values()] if fd is not None])
             abort(sock, str(exc))
@@ -354,6 +432,39 @@ def request_take_over(path: str, timeout: float) -> Offer | None:
         reader.close()
         sock.close()
         raise
+
+
+def _precopied(sock: socket.socket, reader: frames.FrameReader) -> StateImage:
+    """The node a pre-copying server sent as of an event, read and checked (it
+    then pauses); TakeOverRefused, the old server told, if it does not check out."""
+    try:
+        frame = frames.recv_frame(sock, reader)
+        frame.close_fds()
+        if frame.kind != "base" or not isinstance(frame.body.get("image"), bytes):
+            raise frames.FrameError(f"a {frame.kind!r} frame where the base was due")
+        with paused():
+            base = decode_image(frame.body["image"])
+            check_invariants(base.state)
+    except Exception as exc:  # noqa: BLE001 - whatever does not check out is refused, not served
+        abort(sock, f"the pre-copied node is not one to serve: {exc}")
+        raise TakeOverRefused(f"the pre-copied node is not one to serve: {exc}") from None
+    frames.send_frame(sock, "ready")
+    return base
+
+
+def handed_image(base: StateImage | None, body: dict) -> StateImage:
+    """The node handed over: the whole image; or, after a pre-copy, the base with
+    the events since folded in (each checked by the rules, as the old server's
+    were), and the sessions, queues and numbering of the tail's bare image."""
+    image = decode_image(body["image"])
+    if base is None or "entries" not in body:
+        # Checked as a restart's journal is: a forged or broken image is refused, not served.
+        check_invariants(image.state)
+        return image
+    if image.version != base.version:
+        raise ImageError(f"a tail of version {image.version} after a base of version {base.version}")
+    state = fold_all([entry.event for entry in decode_entries(body["entries"])], base.state)
+    return attrs.evolve(image, state=state)
 
 
 def fd_shortfall(handed: int) -> str:
