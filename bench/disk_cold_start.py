@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,7 @@ def main() -> None:
         (f"{args.snapshots:,} snapshots: start to the first answer (all listed), s", f"{measured['serving_s']:.2f}"),
     ])
     write_results(args.out, "disk_cold_start", results)
+    shutil.rmtree(work, ignore_errors=True)  # (kept where it failed: its logs say why)
 
 
 if __name__ == "__main__":

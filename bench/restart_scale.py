@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def main() -> None:
         ("growth / stored", f"{(full_rss - empty_rss) / stored:.2f}"),
     ])
     write_results(args.out, "restart_scale", results)
+    shutil.rmtree(work, ignore_errors=True)  # (kept where it failed: its logs say why)
 
 
 if __name__ == "__main__":
