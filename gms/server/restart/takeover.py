@@ -258,9 +258,9 @@ async def _hand_over(server, channel: Channel, protocol, request: m.TakeOverRequ
     image = node_image(server, server.quiesce.parked)
     keyed = handover_fds(server, server.quiesce.parked)
     if base is None:
-        first, kind, body = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid(), len(keyed))), "image", {
-            "image": encode_image(image)}
-    else:
+        first = protocol.send(m.TakeOverResponse(STATE_VERSION, os.getpid(), len(keyed)))
+        kind, body = "image", {"image": encode_image(image)}
+    else:  # answered already
         first, kind, body = b"", "tail", tail_body(core.log, base, image, len(keyed))
     try:
         verdict = await trio.to_thread.run_sync(_hand_over_blocking, sock, first, kind, body, keyed, timeout)
