@@ -20,9 +20,14 @@ clients derive the same name either way.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import socket
 import stat
 
+from .peer import own_uids
+
+_log = logging.getLogger("gms.server")
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes, with the terminating NUL
 SYSTEM_DIR = "/run/gms"
 
@@ -113,3 +118,56 @@ def socket_path_in(directory: str, device_id: str) -> str:
             "address holds: set GMS_SOCKET_DIR to a shorter folder"
         )
     return path
+
+
+# -- the socket's file and folder (the server's and the keeper's) --------------------------
+
+
+class SocketPathError(Exception):
+    """The socket path is taken by a live server or by something not a socket."""
+
+
+def clear_stale_socket(path: str) -> None:
+    """Remove a dead server's socket file; refuse a live one or a non-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        _log.info("replacing stale socket %s", path)
+        os.unlink(path)
+        return
+    except OSError as exc:
+        raise SocketPathError(f"cannot tell whether {path} is live: {exc}") from exc
+    finally:
+        probe.close()
+    raise SocketPathError(f"a gms server is already listening on {path}")
+
+
+def make_socket_dir(directory: str) -> None:
+    """Create the socket's folder (and its parents) writable by us alone, whatever
+    the umask: whoever can write the folder can replace the socket with their own."""
+    old_umask = os.umask(0o022)
+    os.umask(old_umask | 0o022)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    finally:
+        os.umask(old_umask)
+    st = os.stat(directory)
+    if st.st_uid not in own_uids():
+        # Its owner can replace our socket with one of their own: serve nowhere near it.
+        raise SocketPathError(
+            f"the socket folder {directory} belongs to uid {st.st_uid}, not to this server's uid "
+            f"{os.getuid()} or root: choose another (--socket, GMS_SOCKET_DIR)"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        _log.warning(
+            "socket folder %s is writable by others (mode %o) without the sticky bit: "
+            "anyone who can write it can replace the socket", directory, stat.S_IMODE(st.st_mode),
+        )

@@ -87,3 +87,20 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_the_cycle_check_finds_a_loop_and_passes_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_keeper_imports_nothing_of_the_server_nor_of_the_core():
+    """docs/architecture.md: the keeper holds fds and bytes it does not read; it
+    imports the channel's frames and words, never the server, the pure core or
+    the log (issue 64: it once reached into the server for two socket helpers)."""
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    reached, todo = set(), [n for n in known if n.startswith("gms.keeper")]
+    while todo:
+        name = todo.pop()
+        for found in graph[name]:
+            if found not in reached:
+                reached.add(found)
+                todo.append(found)
+    assert not {n for n in reached if n.startswith(("gms.server", "gms.fsm", "gms.store"))}, sorted(
+        n for n in reached if n.startswith(("gms.server", "gms.fsm", "gms.store")))

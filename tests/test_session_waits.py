@@ -9,7 +9,8 @@ import pytest
 
 from gms.fsm import Grant, GrantedLockType, RequestedLockType
 from gms.fsm.events import RestoreClaimed, RoConnect
-from gms.handover.image import PendingImage, Waiting
+from gms.handover.image import PendingImage
+from gms.handover.words import Waiting
 from gms.server.service.waits import StateError, Waits
 from gms.wire import messages as m
 

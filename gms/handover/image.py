@@ -31,7 +31,6 @@ it has and an older writer did not.
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Callable, Iterable
 
@@ -42,6 +41,7 @@ from immutables import Map
 from ..fsm import EVENT_TYPES, Limits, NodeState, SessionInfo, TenantState
 from ..fsm.state import Allocation, LayoutState, MetadataEntry, Residency, Tier
 from ..store import LogEntry
+from .words import Waiting
 
 MAGIC = b"gms-state"
 STATE_VERSION = 4  # what this server writes
@@ -101,15 +101,6 @@ class PendingImage:
     timeout_left_ms: int | None = None
     granted: str = ""
     restore: bool = False
-
-
-class Waiting(enum.StrEnum):
-    """What a session waits on while serving a request: the three states a
-    take-over can find it in (encoded in images by value)."""
-
-    LOCK = "lock"  # a handshake, for its lock
-    RESTORE = "restore"  # a granted restore, for GPU memory
-    ALLOCATE = "allocate"  # an allocation, for memory
 
 
 PENDING_KINDS = tuple(Waiting)

@@ -3,7 +3,8 @@
 The channel carries frames (``gms.handover.frames``) whose kinds are
 :class:`Say`; a keeper's hand-back names a :class:`Mode`; a server that ends
 on purpose says why (:class:`Leaving`) and the keeper acts on it
-(``gms.keeper.run``).  String enums: what travels is their value, so either
+(``gms.keeper.run``); a take-over's image says what each session waits on
+(:class:`Waiting`).  String enums: what travels is their value, so either
 side reads a peer of an older version that spoke plain strings.
 
 The conversation, in order, is :data:`CONVERSATION` (docs/architecture.md
@@ -95,3 +96,13 @@ def sequence_diagram() -> str:
         arrow = "S->>K" if who == SERVER else "K-->>S"
         lines.append(f"    {arrow}: {say.value.upper()}" + (f" {note}" if note else ""))
     return "\n".join(lines + ["```"])
+
+
+class Waiting(enum.StrEnum):
+    """What a session waits on while serving a request: the three states a
+    take-over can find it in (encoded in images by value).  Here, not in the
+    image's module, so the rooms that wait need not import the image codec."""
+
+    LOCK = "lock"  # a handshake, for its lock
+    RESTORE = "restore"  # a granted restore, for GPU memory
+    ALLOCATE = "allocate"  # an allocation, for memory

@@ -36,6 +36,7 @@ import trio
 from .. import sdnotify
 from ..handover import frames
 from ..handover.words import Leaving, Say
+from ..paths import clear_stale_socket, make_socket_dir
 from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
 from ..procs import stopped
 from .conversation import Outcome, converse, describe, recv, send
@@ -392,8 +393,6 @@ async def keep_spawning(server_argv: list[str], adopted: socket.socket | None = 
 
 def bind_keeper_socket(path: str) -> socket.socket:
     """The keeper's own socket: mode 0600, a dead keeper's file replaced, a live one refused."""
-    from ..server.server import clear_stale_socket, make_socket_dir
-
     make_socket_dir(os.path.dirname(os.path.abspath(path)))
     clear_stale_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 
 import attrs
 import trio
@@ -27,7 +26,8 @@ from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..disk.store import DiskStore
 from ..fsm import host_room
 from ..handover.words import Leaving
-from ..peer import Peer, own_uids
+from ..paths import clear_stale_socket, make_socket_dir
+from ..peer import Peer
 from ..store import EventLog
 from ..units import parse_budget
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
@@ -53,56 +53,6 @@ from .tiers.memory_signal import MemorySignal
 from .tiers.pool_sizing import PoolSizing
 
 logger = logging.getLogger("gms.server")
-
-
-class SocketPathError(Exception):
-    """The socket path is taken by a live server or by something not a socket."""
-
-
-def clear_stale_socket(path: str) -> None:
-    """Remove a dead server's socket file; refuse a live one or a non-socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SocketPathError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        logger.info("replacing stale socket %s", path)
-        os.unlink(path)
-        return
-    except OSError as exc:
-        raise SocketPathError(f"cannot tell whether {path} is live: {exc}") from exc
-    finally:
-        probe.close()
-    raise SocketPathError(f"a gms server is already listening on {path}")
-
-
-def make_socket_dir(directory: str) -> None:
-    """Create the socket's folder (and its parents) writable by us alone, whatever
-    the umask: whoever can write the folder can replace the socket with their own."""
-    old_umask = os.umask(0o022)
-    os.umask(old_umask | 0o022)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    finally:
-        os.umask(old_umask)
-    st = os.stat(directory)
-    if st.st_uid not in own_uids():
-        # Its owner can replace our socket with one of their own: serve nowhere near it.
-        raise SocketPathError(
-            f"the socket folder {directory} belongs to uid {st.st_uid}, not to this server's uid "
-            f"{os.getuid()} or root: choose another (--socket, GMS_SOCKET_DIR)"
-        )
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        logger.warning(
-            "socket folder %s is writable by others (mode %o) without the sticky bit: "
-            "anyone who can write it can replace the socket", directory, stat.S_IMODE(st.st_mode),
-        )
 
 
 def bind_listener(path: str, mode: int) -> tuple[socket.socket, int]:

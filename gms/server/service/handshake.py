@@ -16,7 +16,7 @@ import trio
 from ...fsm import Grant, SnapshotUnreadable, Tier
 from ...fsm.events import LockTimeout
 from ...fsm.folding import restore_source
-from ...handover.image import Waiting
+from ...handover.words import Waiting
 from ...wire import encode
 from ...wire import messages as m
 from ..edge.admission import FdsExhausted

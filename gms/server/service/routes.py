@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ...handover.image import Waiting
+from ...handover.words import Waiting
 from ...wire import messages as m
 from ..edge.reply import Reply
 from . import handshake

@@ -37,7 +37,7 @@ import trio
 
 from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection
 from ...fsm.events import ConnectionDropped, RestoreClaimed, RoConnect
-from ...handover.image import Waiting
+from ...handover.words import Waiting
 from ...wire import ProtocolError, UnknownMessageType
 from ...wire import messages as m
 from ...wire.connection import (

@@ -17,7 +17,8 @@ import math
 import attrs
 
 from ...fsm import Grant, RequestedLockType
-from ...handover.image import PendingImage, Waiting
+from ...handover.image import PendingImage
+from ...handover.words import Waiting
 from ...wire import messages as m
 
 
