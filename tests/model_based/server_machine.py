@@ -29,7 +29,12 @@ for the server's ``SNAPSHOT_SAVED`` and folds it), an unpinned saved layout
 is evicted to disk, and a reboot (every gms process stopped, ``gms serve``
 again on the same socket and folders) brings every saved layout back on the
 disk tier (``LAYOUT_RECOVERED``), whose first reader restores it from the
-snapshot: the bytes it reads are the writer's.
+snapshot: the bytes it reads are the writer's.  An admin deletes a layout
+from every tier (``LAYOUT_DELETED``).  And once an example, a new server takes
+the old one's place (``gms serve --take-over``, pre-copied: the node sent while
+the old one serves, the events since at the pause) with connections holding
+and waiting: the local state goes on with the core's ``SERVER_RESUMED`` and
+every check holds on the new server (under a keeper too: the kept machine).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from gms.fsm import (
     decide_disconnect,
     decide_delete,
     decide_evict,
+    decide_resume,
     decide_free,
     decide_host_copy,
     decide_metadata_delete,
@@ -183,6 +189,7 @@ class ServerMachine(RuleBasedStateMachine):
         self.waiting: dict[str, list[tuple[int, RequestedLockType]]] = {}
         self.next_conn = 1
         self.rebooted = False
+        self.taken_over = False
         self._serve()
         self.mapper = open_mapper(self.backend, 0)
 
@@ -595,6 +602,29 @@ class ServerMachine(RuleBasedStateMachine):
         if read and recovered:
             name = recovered[0]
             self.handshake(RequestedLockType.RO, name, self.state.layout(name).owner, None)
+
+    # One take-over an example at most (each costs a server's start, about 1 s), once
+    # connections hold or wait for something to carry.
+    @precondition(lambda self: not self.taken_over and len(self.conns) > 1 and self.state.layouts)
+    @rule()
+    def take_over(self):
+        """``gms serve --take-over`` between any two steps: every connection goes on,
+        in whatever state it is, on a server that starts from the node the old one
+        sent while serving and the events it logged since, sent at the pause (issue 59)."""
+        self.taken_over = True
+        self.server_agrees_with_the_pure_core()  # the replica at the old server's last event
+        old = self.server
+        old_pid = old.server_pid()
+        self.server = ServerProcess(
+            self.tmp_path, "--take-over", *self.args, backend=self.backend, keeper=self.keeper,
+            socket_path=old.socket,
+        )
+        assert old.proc.wait(30) == 0, old.log
+        wait_until(lambda: self.server.server_pid() != old_pid, what="the new server serving")
+        (row,) = [e for e in self.server.events(self.expected.last_seq) if e.kind == "SERVER_RESUMED"]
+        resumed = row_event(row.fields | {"kind": row.kind, "conn": row.conn})
+        assert (resumed.mode, resumed.old_pid, row.seq) == ("take-over", old_pid, self.expected.last_seq + 1)
+        self._record(decide_resume(self.state, resumed))
 
     def _decide_commit(self, state, conn, residency, persist=False):
         """The commit; with a copier, a ``system`` one makes the missing host copies
