@@ -281,6 +281,11 @@ class Snapshots:
         await trio.to_thread.run_sync(self.store.sweep)
         latest: dict[str, Found] = {}  # layout -> its latest snapshot
         for snapshot in found:
+            if isinstance(snapshot.error, fmt.UnsupportedSnapshot):
+                # Whole, of a format another gms writes (a downgrade): left where it is for
+                # a gms that reads it, never renamed away (its save stamp still counts).
+                log.warning("snapshot %s left as it is, not served: %s", snapshot.file, snapshot.error)
+                continue
             if snapshot.manifest is None:
                 aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
                 log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
