@@ -31,7 +31,8 @@ def run(mode: str, extra: list[str]) -> tuple[int, float, list[dict], str]:
         env = {**os.environ, "GMS_RELIABILITY": mode, "GMS_RELIABILITY_OUT": out}
         started = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider", *extra],
+            # One process (-n 0): each figure measured with no other test beside it.
+            [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-n", "0", "-p", "no:cacheprovider", *extra],
             cwd=ROOT, env=env, capture_output=True, text=True,
         )
         wall = time.perf_counter() - started
