@@ -1,6 +1,6 @@
 """The reliability suite's long mode, by one command (issue 15, docs/reliability.md).
 
-    python bench/soak.py              # long mode: GMS_RELIABILITY=long pytest tests/reliability
+    python bench/soak.py              # long mode: GMS_RELIABILITY=long pytest -n 0 tests/reliability
     python bench/soak.py --ci         # the CI slice (what .ci/run runs), for its size and wall time
     python bench/soak.py -k fuzz      # a part of it (pytest's -k)
 
