@@ -161,7 +161,8 @@ def test_metrics_endpoint(start_server):
     for needle in (
         'gms_layout_bytes{layout="model-a",tier="device"} 4.194304e+06',
         'gms_tenant_used_bytes{tenant="default"} 4.194304e+06',
-        "gms_capacity_bytes", "gms_budget_bytes", "gms_sessions 0.0",
+        "gms_capacity_bytes", "gms_budget_bytes", "gms_sessions 0.0", "gms_device_used_bytes 4.194304e+06",
+        f'gms_server_info{{backend="{server.backend}",device="0",uuid="{server.state().device_uuid}"}} 1.0',
         'gms_events_total{kind="RW_COMMIT"} 1.0',
         'gms_layout_transitions_total{kind="load",layout="model-a"} 1.0',
         "gms_allocate_seconds_count 1.0", 'gms_lock_wait_seconds_count{mode="RW"} 1.0',

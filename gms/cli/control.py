@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import stat
@@ -47,7 +48,7 @@ def register(sub) -> None:
             "--wait", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="SECONDS",
             help=f"how long to wait for it to be done (default {DEFAULT_WAIT_S:g})",
         )
-        parser.set_defaults(handler=handler, purge=False)
+        parser.set_defaults(handler=handler)
     stop.add_argument(
         "--purge", action="store_true",
         help="then remove what the service leaves: its disk tier's folder with every snapshot (the persisted "
@@ -180,8 +181,7 @@ def restart(path: str, *, timeout: float, wait: float, explicit: bool = True) ->
 
 def _run(verb: str, action, args: argparse.Namespace) -> int:
     try:
-        options = {"purge": True} if args.purge else {}
-        print(action(socket_of(args), timeout=args.timeout, wait=args.wait, explicit=bool(args.socket), **options))
+        print(action(socket_of(args), timeout=args.timeout, wait=args.wait, explicit=bool(args.socket)))
     except GMSError as exc:
         print(client_error(verb, exc), file=sys.stderr)
         return 1
@@ -192,7 +192,7 @@ def _run(verb: str, action, args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    return _run("stop", stop, args)
+    return _run("stop", functools.partial(stop, purge=args.purge), args)
 
 
 def cmd_restart(args: argparse.Namespace) -> int:

@@ -200,14 +200,21 @@ def status_table(path: str, state: m.GetRuntimeStateResponse, *, replayed: bool 
     return "\n".join(lines)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _runtime_state(args: argparse.Namespace, verb: str) -> tuple[str, m.GetRuntimeStateResponse | None]:
+    """The socket and its server's runtime state; None (said on stderr) where it cannot be had."""
     from ..client.probes import get_runtime_state
 
     path = socket_of(args)
     try:
-        state = get_runtime_state(path, timeout=args.timeout)
+        return path, get_runtime_state(path, timeout=args.timeout)
     except GMSError as exc:
-        print(client_error("status", exc), file=sys.stderr)
+        print(client_error(verb, exc), file=sys.stderr)
+        return path, None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    path, state = _runtime_state(args, "status")
+    if state is None:
         return 1
     if args.json:
         print(json.dumps({"socket": path, **attrs.asdict(state)}))
@@ -216,21 +223,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def snapshot_rows(state: m.GetRuntimeStateResponse) -> list[m.LayoutStatus]:
-    """The layouts with a snapshot on the disk tier, by name."""
-    return sorted((row for row in state.layouts if row.disk_bytes), key=lambda row: row.name)
-
-
 def cmd_snapshots(args: argparse.Namespace) -> int:
-    from ..client.probes import get_runtime_state
-
-    path = socket_of(args)
-    try:
-        state = get_runtime_state(path, timeout=args.timeout)
-    except GMSError as exc:
-        print(client_error("snapshots", exc), file=sys.stderr)
+    path, state = _runtime_state(args, "snapshots")
+    if state is None:
         return 1
-    rows = snapshot_rows(state)
+    rows = sorted((row for row in state.layouts if row.disk_bytes), key=lambda row: row.name)
     if args.json:
         for row in rows:
             print(json.dumps({"layout": row.name, "owner": row.owner, "disk_bytes": row.disk_bytes,

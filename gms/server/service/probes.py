@@ -91,13 +91,12 @@ def history_entry(entry: LogEntry) -> dict:
 
 def keeper_status(keeper) -> dict:
     """The keeper's fields of the runtime state (``none``: the server runs without one)."""
-    if keeper is None:
-        return {"keeper": "none", "service_pid": os.getpid(), "python_prefix": sys.prefix}
-    return {
+    fields = {"keeper": "none", "service_pid": os.getpid()} if keeper is None else {
         "keeper": keeper.state.value, "keeper_backlog_bytes": keeper.backlog_bytes(),
         "keeper_behind_s": round(keeper.behind_s(), 3), "keepers_lost": keeper.lost,
-        "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid, "python_prefix": sys.prefix,
+        "keeper_pid": keeper.keeper_pid, "service_pid": keeper.service_pid,
     }
+    return {**fields, "python_prefix": sys.prefix}
 
 
 class Probes:
