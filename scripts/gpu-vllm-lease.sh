@@ -16,6 +16,8 @@
 #   test_vllm_gpu: publish and import, tokens equal to vLLM's own load, sleep and wake through
 #      vLLM's endpoints with CUDA graphs replaying (tests/test_vllm_gpu.py);
 #   gms_gpu: gms's own restart, take-over, disk tier and copier tests on CUDA (alone: they count memory);
+#      before vLLM's install it runs on the image's torch, with gms's wheels on PYTHONPATH;
+#   model_based: the model-based machines on CUDA;
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
 #   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines.
@@ -31,7 +33,8 @@ run_step() {
   case "$1" in
     test_vllm_gpu) step "$1" $PYTEST tests/test_vllm_gpu.py ;;
     gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_copier_process.py \
-      tests/test_takeover.py tests/test_restart.py ;;
+      tests/test_copier.py tests/test_takeover.py tests/test_restart.py ;;
+    model_based) step "$1" $PYTEST tests/model_based ;;
     vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
     vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;

@@ -56,6 +56,7 @@ def pytest_collectreport(report):
     _note_optional_skip(report)
 
 
+@pytest.hookimpl(optionalhook=True)  # where pytest-xdist is absent (the GPU image) the hook is unknown
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): two test processes where no GPU is, so a
     2-core machine runs the suite in about 60 % of the time (most of a test waits
