@@ -45,6 +45,7 @@ def layout_rows(
                 restores=layout.restores,
                 evictions=layout.evictions,
                 disk_bytes=layout.disk_bytes,
+                kept_bytes=layout.kept_bytes,
                 persist=layout.persist,
             )
         )

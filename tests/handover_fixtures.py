@@ -3,7 +3,8 @@
 ``python -m tests.handover_fixtures N`` wrote ``tests/fixtures/state_vN.bin``
 once, with version N of the hand-over format (version 1 before issue 21's
 bounds, version 2 with them, version 3 with a metadata entry's own charge,
-issue 48, version 4 with the disk tier, issue 52); each is frozen: every later server must read it
+issue 48, version 4 with the disk tier, issue 52, version 5 with a snapshot kept through a
+rebuild, issue 60); each is frozen: every later server must read it
 back to exactly the node ``rich_image(N)`` builds (``test_handover.py``).  Do
 not regenerate one when the format changes: add a version, and a reader for
 the old one.
@@ -35,7 +36,7 @@ from gms.wire import messages as m
 from gms.wire.codec import encode_body
 
 MiB = 1 << 20
-FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2, 3, 4)}
+FIXTURES = {version: Path(__file__).parent / "fixtures" / f"state_v{version}.bin" for version in (1, 2, 3, 4, 5)}
 FIXTURE = FIXTURES[1]  # the previous version: what a take-over from an older server reads
 # The allocations of the fixture's node: (layout, id, size, aligned).
 ALLOCATIONS = [
@@ -46,13 +47,15 @@ ALLOCATIONS = [
     ("kv", "k0", 5 * MiB, 6 * MiB),
 ]
 PARKED = [("parked", "p0", 2 * MiB, 2 * MiB)]  # version 4: a layout on the disk tier (no memory)
+REBUILT = [("rebuilt", "r0", 1 * MiB, 2 * MiB)]  # version 5: committed again, its earlier snapshot kept
 
 
 def _publish(
     log: EventLog, conn: int, name: str, tenant: str, residency: str, host_copies: bool, persist: bool = False,
+    save: bool = True,
 ) -> None:
     log.extend([SessionOpened(conn, tenant, 1000, 1000, 100 + conn, "RW", layout=name), RwConnect(conn, layout=name)])
-    for slot, (layout, allocation_id, size, aligned) in enumerate(a for a in ALLOCATIONS + PARKED if a[0] == name):
+    for slot, (layout, allocation_id, size, aligned) in enumerate(a for a in ALLOCATIONS + PARKED + REBUILT if a[0] == name):
         log.extend([
             AllocationCreated(conn, allocation_id, size, aligned, "weights", slot, layout=name),
             MetadataPut(conn, f"{allocation_id}.t", allocation_id, 0, b"meta-" + allocation_id.encode(), layout=name),
@@ -65,16 +68,18 @@ def _publish(
     from gms.fsm.events import SessionClosed
 
     log.append(SessionClosed(conn, layout=name))
-    if persist:
+    if persist and save:
         file = f"{digest[:24]}-{conn:016x}.gsnap"
         log.append(SnapshotSaved(0, digest, state.held_bytes + 4096, file, layout=name))
 
 
-def rich_log(version: int = 4) -> EventLog:
+def rich_log(version: int = 5) -> EventLog:
     """Every kind of layout and session a take-over meets; from version 2 on, with
     issue 21's bounds (a node metadata bound, tenants' metadata quotas and layouts);
     from version 3 on, with a charge per metadata entry; from version 4 on, a disk
-    tier (a budget, a tenant's disk quota, a snapshot, a layout on disk only)."""
+    tier (a budget, a tenant's disk quota, a snapshot, a layout on disk only); from
+    version 5 on, a layout committed again whose new snapshot is not saved yet (the
+    earlier one kept)."""
     log = EventLog(retain=None)
     limits: dict = {"max_layouts": 16}
     tenant_limits: dict = {}
@@ -97,6 +102,9 @@ def rich_log(version: int = 4) -> EventLog:
     if disk:
         _publish(log, 9, "parked", "team", "unpinned", host_copies=False, persist=True)
         log.append(LayoutEvicted(0, "budget", layout="parked"))
+    if version >= 5:
+        _publish(log, 10, "rebuilt", "default", "device", host_copies=False, persist=True)
+        _publish(log, 11, "rebuilt", "default", "device", host_copies=False, persist=True, save=False)
     # A reader of weights; a restorer half-way through warm; a writer building kv;
     # a writer queued behind the reader; a reader queued behind the restore.
     log.extend([SessionOpened(4, "default", 1000, 1000, 104, "RO", layout="weights"), RoConnect(4, layout="weights")])
@@ -121,7 +129,7 @@ def _protocol(state: str, serving: object = None, buffered: bytes = b"", request
     )
 
 
-def rich_image(version: int = 4) -> StateImage:
+def rich_image(version: int = 5) -> StateImage:
     log = rich_log(version)
     half_frame = bytes.fromhex("0000002a") + b"\x83"  # a client's next request, 5 bytes of it
     conns = (
@@ -139,7 +147,7 @@ def rich_image(version: int = 4) -> StateImage:
         version=version,
         server=ServerInfo(pid=4242, backend="host", device=0, device_uuid="host-0", host_tier=True),
         last_seq=log.last_seq,
-        next_conn=10,
+        next_conn=12 if version >= 5 else 10,
         state=log.state,
         conns=conns,
         queues=(("weights", (7,)), ("warm", (8,))),

@@ -25,9 +25,11 @@ from gms.fsm.events import (
     LayoutEvicted,
     LayoutRecovered,
     MetadataPut,
+    ResidencySet,
     RestoreAborted,
     RestoreClaimed,
     RestoreLoading,
+    RwAbort,
     RwCommit,
     RwConnect,
     ServerStarted,
@@ -196,8 +198,84 @@ def test_an_unpinned_saved_layout_is_evicted_to_disk_restored_from_it_and_a_writ
     writer = [SessionOpened(3, "team", 1000, 1000, 3, "RW", layout="llama")]
     before = fold_all(writer, node)
     released = released_memory(before, RwConnect(3, layout="llama"))
-    assert [(r.tier, r.allocation_id) for r in released] == [(MemoryTier.DISK, FILE)]
-    assert fold_all([RwConnect(3, layout="llama")], before).disk_bytes == 0
+    assert released == [], "a writer's grant keeps the snapshot until a newer one is whole"
+    rebuilding = fold_all([RwConnect(3, layout="llama")], before)
+    assert (rebuilding.disk_bytes, rebuilding.layout("llama").kept_file) == (5 * MiB, FILE)
+
+
+FILE2 = "abababababababababababab-0000000000000002.gsnap"
+
+
+def rebuild(node, conn=3, tenant="team", persist=True, commit=True):
+    """A second writer rebuilds the layout the same way (same hash), committing or not."""
+    events = [SessionOpened(conn, tenant, 1000, 1000, conn, "RW", layout="llama"), RwConnect(conn, layout="llama"),
+              AllocationCreated(conn, "b0", 3 * MiB, 4 * MiB, "weights", 0, layout="llama"),
+              MetadataPut(conn, "k", "b0", 0, b"v", layout="llama")]
+    node = fold_all(events, node)
+    if commit:
+        layout = node.layout("llama")
+        digest = compute_layout_hash(layout.allocations.values(), layout.metadata.values())
+        node = fold_all([RwCommit(conn, digest, "device", persist, layout="llama")], node)
+    check_invariants(node)
+    return node
+
+
+def disk_releases(node, event):
+    return [r.allocation_id for r in released_memory(node, event) if r.tier is MemoryTier.DISK]
+
+
+def test_the_last_whole_snapshot_is_kept_through_a_rebuild_until_a_newer_one_is_whole():
+    """Issue 60: RW_CONNECT clears the committed layout (the seed's rule), but its
+    snapshot stays on disk, charged to its saver, until the new commit's snapshot is
+    whole: a node that dies at any step of a rebuild finds one whole snapshot."""
+    events, digest = built()
+    saved = fold_all(started() + events + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    building = rebuild(saved, commit=False)
+    layout = building.layout("llama")
+    assert (layout.kept_file, layout.kept_bytes, layout.kept_owner, layout.disk_bytes) == (FILE, 5 * MiB, "team", 0)
+    assert (building.disk_bytes, building.tenants["team"].disk_bytes) == (5 * MiB, 5 * MiB), "still charged"
+    committed = rebuild(saved)
+    assert committed.layout("llama").kept_file == FILE, "kept while the new commit's save is pending"
+    assert disk_releases(committed, SnapshotSaved(0, digest, 6 * MiB, FILE2, layout="llama")) == [FILE]
+    after = fold_all([SnapshotSaved(0, digest, 6 * MiB, FILE2, layout="llama")], committed)
+    check_invariants(after)
+    assert (after.layout("llama").disk_file, after.layout("llama").kept_file, after.disk_bytes) == (FILE2, "", 6 * MiB)
+    again = rebuild(committed, conn=4, commit=False)  # rebuilt again before that save: the last whole one stays
+    assert again.layout("llama").kept_file == FILE
+    # Dropped on purpose: a commit asking for no snapshot, an abort, an unpinned eviction of an unsaved commit.
+    writer = fold_all([SessionOpened(5, "team", 1000, 1000, 5, "RW", layout="llama"), RwConnect(5, layout="llama")],
+                      saved)
+    unasked = RwCommit(5, compute_layout_hash([], []), "device", False, layout="llama")
+    assert disk_releases(writer, unasked) == [FILE]
+    assert fold_all([unasked], writer).disk_bytes == 0
+    assert disk_releases(building, RwAbort(3, layout="llama")) == [FILE]
+    aborted = fold_all([RwAbort(3, layout="llama")], building)
+    assert (aborted.disk_bytes, aborted.tenants["team"].disk_bytes, "llama" in aborted.layouts) == (0, 0, False)
+    unpinned = rebuild(saved, persist=True)
+    unpinned = fold_all([ResidencySet(0, "unpinned", layout="llama")], unpinned)
+    evicted = LayoutEvicted(0, "admin", layout="llama")
+    assert FILE in disk_releases(unpinned, evicted)
+    assert fold_all([evicted], unpinned).disk_bytes == 0
+
+
+def test_a_kept_snapshot_stays_its_savers_charge_when_another_tenant_rebuilds():
+    events, digest = built()
+    node = fold_all([ServerStarted(0, 256 * MiB, None, None, {"team": None, "other": None}, {}, layout="",
+                                   tenant_limits={"other": {"disk_quota": 6 * MiB}}, disk_budget_bytes=16 * MiB)]
+                    + events + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    rebuilt = rebuild(node, tenant="other")
+    assert (rebuilt.tenants["team"].disk_bytes, rebuilt.tenants["other"].disk_bytes) == (5 * MiB, 0)
+    saved = fold_all([SnapshotSaved(0, digest, 6 * MiB, FILE2, layout="llama")], rebuilt)
+    check_invariants(saved)
+    assert (saved.tenants["team"].disk_bytes, saved.tenants["other"].disk_bytes, saved.disk_bytes) == (0, 6 * MiB, 6 * MiB)
+    with pytest.raises(Rejection) as refused:  # the kept one is the saver's, not room in another's quota
+        fold_all([SnapshotSaved(0, digest, 7 * MiB, FILE2, layout="llama")], rebuilt)
+    assert refused.value.limit == "disk_quota"
+    # The node's budget counts the kept snapshot as room the new one takes over.
+    tight = fold_all([ServerStarted(0, 256 * MiB, None, None, {"team": None}, {}, layout="",
+                                    tenant_limits={}, disk_budget_bytes=8 * MiB)] + events
+                     + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    assert fold_all([SnapshotSaved(0, digest, 8 * MiB, FILE2, layout="llama")], rebuild(tight)).disk_bytes == 8 * MiB
 
 
 def test_a_recovered_layout_is_the_committed_one_on_disk_and_checked_like_a_clients():

@@ -625,3 +625,67 @@ def test_gms_stop_purge_removes_the_snapshots_and_folders_and_nothing_else(tmp_p
     else:
         assert not run.exists(), out.stdout
         assert f"removed {disk_dir} and its 1 snapshot files" in out.stdout
+
+
+@pytest.mark.parametrize("step, how", [
+    ("granted", "kill"), ("built", "kill"), ("committed", "kill"), ("saved", "kill"), ("built", "stop"),
+])
+def test_a_node_that_dies_in_a_rebuild_comes_back_with_the_last_whole_snapshot_or_the_new_one(tmp_path, step, how):
+    """Issue 60: a writer's RW_CONNECT clears the committed layout (the seed's rule)
+    but not its snapshot, which stays until the new commit's is whole.  Every gms
+    process killed (or stopped) at each step of a rebuild: the next cold start
+    serves version 1 whole, or version 2 whole once its snapshot was; never neither."""
+    server = serve(tmp_path)
+    v1 = publish(server.socket, sizes=(5 * MiB,))
+    first = saved(server)
+    writer = GMSClientMemoryManager(server.socket, layout="weights")
+    writer.connect(RequestedLockType.RW)
+    row = server.layout()
+    assert (row.state, row.disk_bytes, row.kept_bytes) == ("RW", 0, os.path.getsize(first)), "kept, still charged"
+    assert server.state().disk_used_bytes == os.path.getsize(first)
+    v2 = (None, [os.urandom(40 * MiB)])
+    if step != "granted":
+        va = writer.create_mapping(size=40 * MiB, tag="weights")
+        writer.write(va, v2[1][0])
+        writer.metadata_put("tensor.0", writer.mappings[-1].allocation_id, 0, b"meta0")
+    if step in ("committed", "saved"):
+        writer.commit(persist=True)
+        v2 = (writer.get_memory_layout_hash(), v2[1])
+    if step == "saved":
+        wait_until(lambda: server.layout().disk_bytes > 0, what="version 2's snapshot")
+        wait_until(lambda: not os.path.exists(first), what="version 1's snapshot released once 2's is whole")
+    server = reboot(server, tmp_path, how)
+    writer.abort()
+    granted, layout_hash, contents = read(server.socket)
+    assert granted.value == "RO", "never neither: the layout comes back from a whole snapshot"
+    if step == "saved":
+        assert (layout_hash, contents) == v2
+    elif step == "committed":
+        assert (layout_hash, contents) in (v1, v2), "version 1, or version 2 if its save was whole in time"
+    else:
+        assert (layout_hash, contents) == v1
+    files = [n for n in os.listdir(server.state().disk_dir) if n.endswith(fmt.SUFFIX)]
+    wait_until(lambda: len([n for n in os.listdir(server.state().disk_dir) if n.endswith(fmt.SUFFIX)]) == 1,
+               what=f"one snapshot left of {files}")
+    server.stop()
+
+
+def test_a_rebuild_that_ends_without_a_snapshot_lets_the_kept_one_go(tmp_path):
+    """The kept snapshot goes, and its bytes leave the disk budget, when the rebuild is
+    dropped on purpose (its writer aborts) or its commit asks for no snapshot."""
+    server = serve(tmp_path)
+    publish(server.socket, sizes=(5 * MiB,))
+    first = saved(server)
+    writer = GMSClientMemoryManager(server.socket, layout="weights")
+    writer.connect(RequestedLockType.RW)
+    writer.abort()
+    wait_until(lambda: not os.path.exists(first), what="the kept snapshot released by the abort")
+    assert server.state().disk_used_bytes == 0 and server.layout().state == "EMPTY"
+    publish(server.socket, sizes=(5 * MiB,))
+    first = saved(server)
+    publish(server.socket, sizes=(5 * MiB,), persist=False)
+    wait_until(lambda: not os.path.exists(first), what="the kept snapshot released by a commit asking for none")
+    assert server.state().disk_used_bytes == 0
+    server = reboot(server, tmp_path)
+    assert server.layout().state == "EMPTY", "version 1 never comes back over version 2"
+    server.stop()

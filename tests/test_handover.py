@@ -194,7 +194,7 @@ def test_a_restart_disconnects_every_dead_session_in_order_and_keeps_the_committ
     ]
     after = fold_all(events, state)
     check_invariants(after)
-    assert sorted(after.layouts) == ["cold", "parked", "warm", "weights"], "the build is dropped"
+    assert sorted(after.layouts) == ["cold", "parked", "rebuilt", "warm", "weights"], "the build is dropped"
     assert after.layout("warm").tier.value == "host", "a half-done restore goes back to the host tier"
     for name in ("cold", "warm", "weights"):
         before, now = state.layout(name), after.layout(name)
@@ -219,7 +219,7 @@ def test_memory_found_lost_drops_its_whole_layout_unless_its_snapshot_holds_it()
     ], "weights is saved: its snapshot holds it; cold has none"
     after = fold_all(events, state)
     check_invariants(after)
-    assert sorted(after.layouts) == ["parked", "warm", "weights"], "parked is on disk only: no memory to lose"
+    assert sorted(after.layouts) == ["parked", "rebuilt", "warm", "weights"], "parked is on disk only: no memory to lose"
     weights = after.layout("weights")
     before = state.layout("weights")
     assert (weights.tier.value, weights.committed, weights.gpu_bytes, weights.host_bytes) == ("disk", True, 0, 0)
@@ -281,7 +281,7 @@ def test_a_new_configuration_brings_its_metadata_and_layout_bounds():
     two = {"default": {"metadata_quota": None, "max_layouts": 1}}
     after = fold_all(decide_resume(state, _resumed(state, tenant_limits=two)), state)
     check_invariants(after)
-    assert dict(after.tenants["default"].layout_refs) == {"weights": 1}
+    assert dict(after.tenants["default"].layout_refs) == {"weights": 1, "rebuilt": 1}
 
 
 # -- the connection object -------------------------------------------------------------
@@ -444,7 +444,10 @@ def test_the_image_carries_every_field_of_the_state():
     body = codec._body_v4(rich_image())["node"]
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
-    assert {f.name for f in attrs.fields(LayoutState)} - derived == set(body["layouts"][0])
+    kept = {"kept_file", "kept_bytes", "kept_owner"}  # one "kept" row (version 5), only where a layout has one
+    rows = {row["name"]: row for row in body["layouts"]}
+    assert {f.name for f in attrs.fields(LayoutState)} - derived - kept == set(rows["weights"])
+    assert set(rows["rebuilt"]) == set(rows["weights"]) | {"kept"}
     assert [f.name for f in attrs.fields(TenantState)] == [
         "name", "quota_bytes", "used_bytes", "sessions", "metadata_quota", "metadata_bytes", "max_layouts",
         "layout_refs", "disk_quota", "disk_bytes",

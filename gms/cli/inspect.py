@@ -227,20 +227,22 @@ def cmd_snapshots(args: argparse.Namespace) -> int:
     path, state = _runtime_state(args, "snapshots")
     if state is None:
         return 1
-    rows = sorted((row for row in state.layouts if row.disk_bytes), key=lambda row: row.name)
+    rows = sorted((row for row in state.layouts if row.disk_bytes or row.kept_bytes), key=lambda row: row.name)
     if args.json:
         for row in rows:
             print(json.dumps({"layout": row.name, "owner": row.owner, "disk_bytes": row.disk_bytes,
-                              "tier": row.tier, "memory_layout_hash": row.memory_layout_hash}))
+                              "kept_bytes": row.kept_bytes, "tier": row.tier,
+                              "memory_layout_hash": row.memory_layout_hash}))
         return 0
     if not state.disk_dir:
         print(f"{path}: no disk tier (gms serve --disk-dir)")
         return 0
-    table = [(r.name, r.owner or "-", format_bytes(r.disk_bytes), r.tier, r.memory_layout_hash[:16])
-             for r in rows]
+    table = [(r.name, r.owner or "-", format_bytes(r.disk_bytes) if r.disk_bytes else "-",
+              f"{format_bytes(r.kept_bytes)} (earlier commit)" if r.kept_bytes else "-", r.tier,
+              r.memory_layout_hash[:16] or "-") for r in rows]
     print(f"{len(rows)} snapshots, {format_bytes(state.disk_used_bytes)} in {state.disk_dir}")
     if rows:
-        print("\n".join(_columns(("LAYOUT", "OWNER", "ON DISK", "TIER NOW", "HASH"), table)))
+        print("\n".join(_columns(("LAYOUT", "OWNER", "ON DISK", "KEPT", "TIER NOW", "HASH"), table)))
     return 0
 
 

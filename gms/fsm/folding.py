@@ -52,15 +52,26 @@ def entry_bytes(key: str, value: bytes) -> int:
 
 
 def rw_connect(state: LayoutState, event: RwConnect) -> LayoutState:
+    if state.saved:  # its snapshot is kept until a newer one is whole (LayoutState.kept_file)
+        return state.fresh(writer=event.conn, kept_file=state.disk_file, kept_bytes=state.disk_bytes,
+                           kept_owner=state.owner)
+    if state.kept_file:  # rebuilt again before that commit was saved: the last whole one stays
+        return state.fresh(writer=event.conn, kept_file=state.kept_file, kept_bytes=state.kept_bytes,
+                           kept_owner=state.kept_owner)
     return state.fresh(writer=event.conn)
 
 
 def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
+    kept = {} if event.persist or not state.kept_file else _NOTHING_KEPT  # a commit asking for none: it goes
     return replace(
         state, writer=None, committed=True, layout_hash=event.layout_hash,
         residency=Residency(event.residency), persist=event.persist, loads=state.loads + 1,
         keys_by_allocation=_EMPTY_KEYS,  # (no writer will free an allocation of it: see LayoutState)
+        **kept,
     )
+
+
+_NOTHING_KEPT = {"kept_file": "", "kept_bytes": 0, "kept_owner": None}
 
 
 def rw_abort(state: LayoutState, event: RwAbort) -> LayoutState:
@@ -210,7 +221,8 @@ def restore_source(state: LayoutState) -> Tier:
 
 
 def snapshot_saved(state: LayoutState, event: SnapshotSaved) -> LayoutState:
-    return replace(state, disk_bytes=event.bytes, disk_file=event.file)
+    """The commit's snapshot is whole: the earlier one kept through its rebuild goes."""
+    return replace(state, disk_bytes=event.bytes, disk_file=event.file, **_NOTHING_KEPT)
 
 
 def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:

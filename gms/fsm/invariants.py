@@ -45,6 +45,10 @@ def layout_problems(state: LayoutState):
         yield "restoring with neither host copies nor a snapshot"
     if state.saved and not (state.committed and state.persist and state.disk_file):
         yield "a snapshot of a layout not committed to persist, or with no file"
+    if bool(state.kept_file) != (state.kept_bytes > 0) or bool(state.kept_file) != (state.kept_owner is not None):
+        yield "a kept snapshot without its file, size or owner"
+    if state.kept_file and (state.saved or not (state.writer is not None or state.committed and state.persist)):
+        yield "a snapshot kept beside a newer one, or with no rebuild or save to wait for"
     if state.tier is Tier.RESTORING and state.restorer is None:
         yield "restoring with no restorer"
     if state.writer is None and not state.committed and (state.allocations or state.metadata):
@@ -139,9 +143,11 @@ def _node_problems(node: NodeState):
             yield f"layout {name!r} holds metadata but has no owner"
         gpu += layout.gpu_bytes
         host += layout.host_bytes
-        disk += layout.disk_bytes
+        disk += layout.disk_held
         if layout.owner is not None:
             disk_used[layout.owner] += layout.disk_bytes
+        if layout.kept_owner is not None:
+            disk_used[layout.kept_owner] += layout.kept_bytes
         metadata += charged
         for conn in [layout.writer, layout.restorer, *layout.readers]:
             if conn is None:

@@ -82,6 +82,7 @@ def _settle(
     was, now = before.owner, None if vacant else after.owner
     held = after.held_bytes - before.held_bytes
     disk = after.disk_bytes - before.disk_bytes
+    kept = after.kept_bytes - before.kept_bytes
     per_entry = node.limits.metadata_entry_bytes
     metadata = after.metadata_bytes - before.metadata_bytes + (len(after.metadata) - len(before.metadata)) * per_entry
     layouts = node.layouts
@@ -93,7 +94,7 @@ def _settle(
     state["layouts"] = layouts
     state["tick"] = tick
     if (
-        was is not None and was == now and not held and not metadata and not disk
+        was is not None and was == now and not held and not metadata and not disk and not kept
         and after.tier is before.tier and after.host_bytes == before.host_bytes
     ):
         return rebuilt(node, state)  # a lock or a residency moved: no total did
@@ -111,6 +112,12 @@ def _settle(
             )
     elif now is not None and (held or metadata or disk):
         tenants = _charge(tenants, now, held, metadata, 0, after.name, event, disk)
+    if kept or after.kept_owner != before.kept_owner:  # a snapshot kept through a rebuild: its saver's
+        if before.kept_owner is not None:
+            tenants = _charge(tenants, before.kept_owner, 0, 0, 0, after.name, event, -before.kept_bytes)
+        if after.kept_owner is not None:
+            tenants = _charge(tenants, after.kept_owner, 0, 0, 0, after.name, event, after.kept_bytes)
+        disk += kept
     if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
         raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     if after.tier is before.tier:  # (most steps: the GPU's share moves with the held bytes)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from .events import AllocationFreed, Event
+from .events import AllocationFreed, Event, RwCommit
+from .folding import restore_source
 from .state import LayoutState, Residency, Tier
 
 
@@ -32,13 +33,28 @@ def _all(layout: LayoutState, *, gpu: bool, host: bool, disk: bool = False) -> R
         out += [(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
     if disk and layout.saved:
         out.append((MemoryTier.DISK, layout.disk_file, layout.disk_bytes))
+    if disk and layout.kept_file:
+        out += kept_snapshot(layout, None)
     return out
 
 
 def everything(layout: LayoutState, event: Event) -> Released:
-    """The layout's memory on every tier, its snapshot too (a writer's grant clears
-    it; an abort or a loss drops it)."""
+    """The layout's memory on every tier, its snapshots too (an abort, a loss or a
+    delete drops it)."""
     return _all(layout, gpu=layout.gpu_bytes > 0, host=True, disk=True)
+
+
+def cleared(layout: LayoutState, event: Event) -> Released:
+    """A writer's grant: the committed layout's memory; its snapshot is kept
+    until a newer one is whole (LayoutState.kept_file)."""
+    return _all(layout, gpu=layout.gpu_bytes > 0, host=True)
+
+
+def kept_snapshot(layout: LayoutState, event: Event | None) -> Released:
+    """The snapshot kept through a rebuild, once a newer one is whole (or a commit asks for none)."""
+    if not layout.kept_file or (isinstance(event, RwCommit) and event.persist):
+        return []
+    return [(MemoryTier.DISK, layout.kept_file, layout.kept_bytes)]
 
 
 def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:
@@ -52,8 +68,12 @@ def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:
 
 def gpu_copy(layout: LayoutState, event: Event) -> Released:
     """An eviction: the GPU's memory; the host copies too if the layout is unpinned
-    (dropped, or kept in its snapshot alone)."""
-    return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED)
+    (dropped, or kept in its snapshot alone); an earlier snapshot kept for it if
+    it is dropped (no copy of this commit left: gms.fsm.folding.layout_evicted)."""
+    dropped = not layout.saved and restore_source(layout) is not Tier.HOST
+    return _all(layout, gpu=True, host=layout.residency is Residency.UNPINNED) + (
+        kept_snapshot(layout, event) if dropped else []
+    )
 
 
 def memory_copies(layout: LayoutState, event: Event) -> Released:

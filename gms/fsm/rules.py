@@ -96,10 +96,12 @@ from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
 from .releases import (
     ReleaseFn,
+    cleared,
     everything,
     gpu_copy,
     half_restored,
     host_copies,
+    kept_snapshot,
     memory_copies,
     one_allocation,
 )
@@ -396,18 +398,19 @@ def require_disk_tier(node) -> None:
         raise StateViolation("this server keeps no disk tier (gms serve --disk-dir)")
 
 
-def _within_disk_bounds(node, owner: str, more: int) -> None:
-    """A snapshot's bytes: its owner's disk quota, then the node's disk budget."""
+def _within_disk_bounds(node, owner: str, more: int, owner_freed: int = 0, freed: int = 0) -> None:
+    """A snapshot's bytes: its owner's disk quota, then the node's disk budget
+    (``owner_freed``, ``freed``: bytes of files released with it, the owner's and the node's)."""
     tenant = node.tenants[owner]
-    if tenant.disk_quota is not None and tenant.disk_bytes + more > tenant.disk_quota:
+    if tenant.disk_quota is not None and tenant.disk_bytes - owner_freed + more > tenant.disk_quota:
         raise OverLimit(
-            "disk_quota", "tenant", tenant.disk_bytes, more, tenant.disk_quota,
+            "disk_quota", "tenant", tenant.disk_bytes - owner_freed, more, tenant.disk_quota,
             f"tenant {owner!r}'s disk quota (its layouts' snapshots) would be passed",
         )
     budget = node.disk_budget_bytes
-    if budget is not None and node.disk_bytes + more > budget:
+    if budget is not None and node.disk_bytes + more - freed > budget:
         raise OverLimit(
-            "disk_budget", "node", node.disk_bytes, more, budget, "the disk tier's budget would be passed",
+            "disk_budget", "node", node.disk_bytes - freed, more, budget, "the disk tier's budget would be passed",
         )
 
 
@@ -420,7 +423,9 @@ def _snapshot_admitted(node, layout: LayoutState, e: SnapshotSaved) -> None:
     if layout.saved:
         raise StateViolation(f"layout {layout.name!r} has a snapshot already")
     check_snapshot(e)
-    _within_disk_bounds(node, layout.owner, e.bytes)
+    # (the snapshot kept through the rebuild goes with this one: its bytes are room)
+    freed = layout.kept_bytes
+    _within_disk_bounds(node, layout.owner, e.bytes, freed if layout.kept_owner == layout.owner else 0, freed)
 
 
 def check_snapshot(e: SnapshotSaved | LayoutRecovered) -> None:
@@ -628,12 +633,12 @@ RULES: dict[type[Event], Rule] = {
     RwConnect: Rule(
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
-        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped"), Move(DISK, GPU, "the snapshot is dropped")),
-        uses=True, owns=True, releases=everything, lasting=True, step=steps.rw_connect,
+        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped"), Move(DISK, GPU, "its snapshot kept till a newer one is whole")),
+        uses=True, owns=True, releases=cleared, lasting=True, step=steps.rw_connect,
     ),
     RwCommit: Rule(
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field, _persist_field), action="commit", uses=True,
-        makes_room=True, releases=None, lasting=True, step=steps.rw_commit,
+        makes_room=True, releases=kept_snapshot, lasting=True, step=steps.rw_commit,
     ),
     RwAbort: Rule(
         Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=everything, lasting=False,
@@ -724,7 +729,7 @@ RULES: dict[type[Event], Rule] = {
     # the disk tier (gms.disk): a snapshot saved after a commit; a layout recovered from one at a cold start
     SnapshotSaved: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU, HOST, RESTORING), (_snapshot_admitted,), action="save",
-        releases=None, lasting=True, step=steps.snapshot_saved,
+        releases=kept_snapshot, lasting=True, step=steps.snapshot_saved,
     ),
     # ... unless its snapshot holds it: then it goes on, on the disk tier
     LayoutFellToDisk: Rule(

@@ -97,6 +97,14 @@ class LayoutState:
     persist: bool = False  # its writer asked for a snapshot on disk (gms.disk): saved after the commit
     disk_bytes: int = 0  # the size of its snapshot file; 0: none saved (yet)
     disk_file: str = ""  # the snapshot's file in the disk tier's folder (gms.disk.format.file_name)
+    # The last whole snapshot of an earlier commit, kept while a writer rebuilds the
+    # layout (RW_CONNECT clears the committed layout, not the one copy on disk): it goes
+    # once a newer snapshot is whole (SNAPSHOT_SAVED), at a commit that asks for none, or
+    # when the layout is dropped (an abort, a loss).  A node that dies mid-rebuild comes
+    # back with it or with the newer one.  Charged to ``kept_owner``, whose commit it holds.
+    kept_file: str = ""
+    kept_bytes: int = 0
+    kept_owner: str | None = None
     last_use: int = 0  # the node's tick when a lock on it was last taken or released
     loads: int = 0  # commits
     restores: int = 0
@@ -114,6 +122,11 @@ class LayoutState:
     def gpu_bytes(self) -> int:
         """Bytes this layout holds on the GPU now."""
         return self.held_bytes if self.tier is not Tier.HOST and self.tier is not Tier.DISK else 0
+
+    @property
+    def disk_held(self) -> int:
+        """Bytes of this layout's files on disk: its snapshot and a kept earlier one."""
+        return self.disk_bytes + self.kept_bytes
 
     @property
     def saved(self) -> bool:

@@ -44,8 +44,8 @@ from ..store import LogEntry
 from .words import Waiting
 
 MAGIC = b"gms-state"
-STATE_VERSION = 4  # what this server writes
-READABLE_VERSIONS = (1, 2, 3, 4)  # what it reads
+STATE_VERSION = 5  # what this server writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # what it reads
 
 
 class ImageError(ValueError):
@@ -167,7 +167,7 @@ _TIERS_READ = {word: tier for tier, word in _TIER_WORDS.items()}
 def layout_head(layout: LayoutState) -> dict:
     """A layout as version 1 and 2 write it, but for its ``metadata`` column
     (the keeper's journal keeps that in parts of its own: ``gms.handover.journal``)."""
-    return {
+    head = {
         "name": layout.name,
         "writer": layout.writer,
         "readers": sorted(layout.readers),
@@ -194,6 +194,9 @@ def layout_head(layout: LayoutState) -> dict:
         "restores": layout.restores,
         "evictions": layout.evictions,
     }
+    if layout.kept_file:  # (version 5: a snapshot kept through a rebuild; only where there is one)
+        head["kept"] = [layout.kept_file, layout.kept_bytes, layout.kept_owner]
+    return head
 
 
 def _node_v1(node: NodeState) -> dict:
@@ -273,11 +276,19 @@ def _read_layout_v1(d: dict) -> LayoutState:
         persist=d.get("persist", False),
         disk_bytes=d.get("disk_bytes", 0),
         disk_file=d.get("disk_file", ""),
+        **_read_kept(d.get("kept")),
         last_use=d["last_use"],
         loads=d["loads"],
         restores=d["restores"],
         evictions=d["evictions"],
     )
+
+
+def _read_kept(row: list | None) -> dict:
+    if row is None:
+        return {}
+    file, size, owner = row
+    return {"kept_file": file, "kept_bytes": size, "kept_owner": owner}
 
 
 def _read_node_v1(d: dict) -> NodeState:
@@ -484,8 +495,17 @@ def _read_v4(body: dict) -> StateImage:
     return attrs.evolve(image, version=4, state=state)
 
 
-_WRITERS = {4: _body_v4}  # only the current version is written
-_READERS = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4}
+# -- version 5: a layout's snapshot kept through a rebuild (its "kept" row) -----------------
+# Written as version 4 is; the version says that an older gms, which would drop the row
+# (and lose the file from its log), may not read it.
+
+
+def _read_v5(body: dict) -> StateImage:
+    return attrs.evolve(_read_v4(body), version=5)
+
+
+_WRITERS = {5: _body_v4}  # only the current version is written
+_READERS = {1: _read_v1, 2: _read_v2, 3: _read_v3, 4: _read_v4, 5: _read_v5}
 
 
 # -- the envelope --------------------------------------------------------------------

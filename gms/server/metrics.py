@@ -69,7 +69,7 @@ class _StateCollector:
         for name, layout in state.layouts.items():
             layout_bytes.add_metric([name, "device"], layout.gpu_bytes)
             layout_bytes.add_metric([name, "host"], layout.host_bytes)
-            layout_bytes.add_metric([name, "disk"], layout.disk_bytes)
+            layout_bytes.add_metric([name, "disk"], layout.disk_held)
             readers.add_metric([name], len(layout.readers))
             info.add_metric(
                 [name, layout.lock_state.value, layout.residency.value, layout.tier.value, layout.owner or ""], 1

@@ -94,6 +94,7 @@ class Snapshots:
         # Snapshots in the folder the log does not name (a cold start refused them), by
         # layout: a writer's grant on that layout supersedes them, and they go.
         self.unlisted: dict[str, list[str]] = {}
+        self.node_stopping = False  # a planned stop: no file goes (Server.stop)
 
     # -- what the ledger and the core tell it -----------------------------------------
 
@@ -110,6 +111,10 @@ class Snapshots:
             self.release(files)
 
     def release(self, files: Iterable[str]) -> None:
+        if self.node_stopping:
+            # A stop ends its sessions (a writer mid-rebuild reads as an abort), but the node
+            # keeps its files: the snapshot kept through that rebuild is the next start's.
+            return
         for file in files:
             self.lane.post(self.store.remove, file)
 
@@ -330,7 +335,7 @@ class Snapshots:
         snapshots the log does not name (a cold start refused them) are found again,
         for a writer of their layout to supersede."""
         await trio.to_thread.run_sync(self.store.sweep)
-        named = {layout.disk_file for layout in self.ledger.state.layouts.values() if layout.disk_file}
+        named = {file for layout in self.ledger.state.layouts.values() for file in (layout.disk_file, layout.kept_file)}
         unknown = await trio.to_thread.run_sync(self.store.scan, lambda file: file not in named)
         for snapshot in unknown:
             if snapshot.manifest is not None:
