@@ -481,14 +481,15 @@ def test_a_host_copy_whose_chunks_do_not_come_back_whole_is_lost_with_its_layout
         "host:c0/0/1048576": memfd("c0a", MiB),  # cold: one chunk of two (the second never came)
         "gpu:h0": memfd("h0", 2 * MiB), "host:h0": memfd("h0c", 2 * MiB),  # warm (restoring): whole
         "gpu:k0": memfd("k0", MiB),  # kv's build: the wrong size, and dropped with its writer anyway
+        "gpu:r0": memfd("r0", 2 * MiB),  # rebuilt: whole (its earlier snapshot kept)
     })
     try:
         with served_from_store(tmp_path, store) as served:
             path = served.path
-            assert sorted(store.fds) == ["gpu:w0", "gpu:w1", "host:h0", "listener"], "only what it holds"
+            assert sorted(store.fds) == ["gpu:r0", "gpu:w0", "gpu:w1", "host:h0", "listener"], "only what it holds"
             runtime = get_runtime_state(path)
-            assert sorted(row.name for row in runtime.layouts) == ["parked", "warm", "weights"]  # (parked: on disk)
-            assert (runtime.server_handle_count, runtime.host_handle_count) == (2, 1), "warm's restore was aborted"
+            assert sorted(row.name for row in runtime.layouts) == ["parked", "rebuilt", "warm", "weights"]
+            assert (runtime.server_handle_count, runtime.host_handle_count) == (3, 1), "warm's restore was aborted"
             events = RawConn(path).call(m.GetEventHistoryRequest()).events
             lost = [(e["layout"], e["allocation_id"], e["tier"]) for e in events if e["kind"] == "LAYOUT_LOST"]
             assert lost == [("cold", "c0", "host")], lost
