@@ -245,7 +245,7 @@ class Setup:
         before = self.bench.used()
         try:
             sleep_s = engine.sleep()
-            asleep = self.bench.used()
+            asleep = self.bench.settled()  # (gms frees a dropped layout's memory just after the answer)
             wake_s = engine.wake()
         except httpx.HTTPError as e:
             return {"supported": False, "answer": _answer(e)}
@@ -315,6 +315,17 @@ class Bench:
 
     def used(self) -> int:
         return self.nvml.used(0)
+
+    def settled(self, timeout: float = 10) -> int:
+        """The GPU's use once it stops falling for a second: what a release left."""
+        last, deadline = self.used(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            now = self.used()
+            if now >= last - (16 << 20):
+                return now
+            last = now
+        return last
 
     def wait_memory_back(self, timeout: float = 60) -> None:
         """Until the GPU's use stops falling: a killed engine's memory returns
