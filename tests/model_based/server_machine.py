@@ -381,6 +381,16 @@ class ServerMachine(RuleBasedStateMachine):
         if any(conn in {c for c, _ in q} for q in self.waiting.values()):
             self._sync()  # queue order matters: let the server queue this one before the next
 
+    @precondition(lambda self: _idle_saved(self.state))
+    @rule(data=st.data())
+    def rebuild(self, data):
+        """Its owner writes a saved layout again: the seed's RW_CONNECT clears it, its
+        snapshot stays until the new commit's is whole (issue 60)."""
+        name = data.draw(st.sampled_from(_idle_saved(self.state)), label="saved layout")
+        self.handshake(RequestedLockType.RW, name, self.state.layout(name).owner, None)
+        if not self.rebooted and data.draw(st.booleans(), label="the node stops in the middle of it"):
+            self.reboot(data.draw(st.booleans(), label="read"))
+
     @precondition(lambda self: self.conns)
     @rule(data=st.data())
     def close(self, data):
@@ -604,7 +614,7 @@ class ServerMachine(RuleBasedStateMachine):
                 continue
             if not layout.disk_file:
                 event("a reboot in the middle of a rebuild: its last whole snapshot comes back")
-                print("KEPT-REBOOT", name, file=sys.stderr)
+                print("KEPT-REBOOT", name, file=__import__("sys").stderr)
             recovered = self.snapshots[file]
             try:
                 fold_all([recovered], self.state)
@@ -795,6 +805,10 @@ class ServerMachine(RuleBasedStateMachine):
         ), "server-owned device memory must be exactly the folded layouts'"
         assert (runtime.host_handle_count, runtime.host_handle_bytes) == (len(host), sum(host))
         assert runtime.used_bytes == expected.gpu_bytes <= BUDGET
+
+
+def _idle_saved(state) -> list[str]:
+    return sorted(name for name, layout in state.layouts.items() if layout.saved and layout.lock_state.value == "COMMITTED")
 
 
 def run_machine(machine: type[ServerMachine], backend: str, copier: bool, examples: int, steps: int) -> None:
