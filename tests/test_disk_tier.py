@@ -45,13 +45,14 @@ def _no_server_outlives_its_test():
 
 def serve(
     tmp_path, *args: str, socket_path: str | None = None, env: dict | None = None, backend: str = "host",
+    keeper: bool = True,
 ) -> ServerProcess:
-    """``gms serve`` as users run it (its keeper on), killed after the test if still up."""
+    """``gms serve`` as users run it (its keeper on, unless ``keeper`` says), killed after the test if still up."""
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
         server = ServerProcess(
-            tmp_path, *args, socket_path=socket_path or str(tmp_path / "gms.sock"), keeper=True, backend=backend,
+            tmp_path, *args, socket_path=socket_path or str(tmp_path / "gms.sock"), keeper=keeper, backend=backend,
         )
         _STARTED.append(server)
         return server
@@ -627,15 +628,20 @@ def test_gms_stop_purge_removes_the_snapshots_and_folders_and_nothing_else(tmp_p
         assert f"removed {disk_dir} and its 1 snapshot files" in out.stdout
 
 
-@pytest.mark.parametrize("step, how", [
-    ("granted", "kill"), ("built", "kill"), ("committed", "kill"), ("saved", "kill"), ("built", "stop"),
+@pytest.mark.parametrize("step, how, keeper", [
+    ("granted", "kill", True), ("built", "kill", True), ("committed", "kill", True), ("saved", "kill", True),
+    ("built", "stop", True), ("granted", "stop", False),
 ])
-def test_a_node_that_dies_in_a_rebuild_comes_back_with_the_last_whole_snapshot_or_the_new_one(tmp_path, step, how):
+def test_a_node_that_dies_in_a_rebuild_comes_back_with_the_last_whole_snapshot_or_the_new_one(
+    tmp_path, step, how, keeper,
+):
     """Issue 60: a writer's RW_CONNECT clears the committed layout (the seed's rule)
     but not its snapshot, which stays until the new commit's is whole.  Every gms
     process killed (or stopped) at each step of a rebuild: the next cold start
-    serves version 1 whole, or version 2 whole once its snapshot was; never neither."""
-    server = serve(tmp_path)
+    serves version 1 whole, or version 2 whole once its snapshot was; never neither.
+    (The stop of a server without a keeper let the kept file go: the model-based
+    machine found it.)"""
+    server = serve(tmp_path, keeper=keeper)
     v1 = publish(server.socket, sizes=(5 * MiB,))
     first = saved(server)
     writer = GMSClientMemoryManager(server.socket, layout="weights")
@@ -654,7 +660,7 @@ def test_a_node_that_dies_in_a_rebuild_comes_back_with_the_last_whole_snapshot_o
     if step == "saved":
         wait_until(lambda: server.layout().disk_bytes > 0, what="version 2's snapshot")
         wait_until(lambda: not os.path.exists(first), what="version 1's snapshot released once 2's is whole")
-    server = reboot(server, tmp_path, how)
+    server = reboot(server, tmp_path, how, keeper=keeper)
     writer.abort()
     granted, layout_hash, contents = read(server.socket)
     assert granted.value == "RO", "never neither: the layout comes back from a whole snapshot"

@@ -402,6 +402,7 @@ async def run_server(config: ServerConfig) -> None:
                         server.left_as = Leaving.LEFT
                     else:
                         logger.info("%s: shutting down", name)
+                    server.stop()
                     nursery.cancel_scope.cancel()
                     return
 

@@ -386,7 +386,9 @@ class ServerMachine(RuleBasedStateMachine):
     def rebuild(self, data):
         """Its owner writes a saved layout again: the seed's RW_CONNECT clears it, its
         snapshot stays until the new commit's is whole (issue 60)."""
-        name = data.draw(st.sampled_from(_idle_saved(self.state)), label="saved layout")
+        self._rebuild(data, data.draw(st.sampled_from(_idle_saved(self.state)), label="saved layout"))
+
+    def _rebuild(self, data, name: str) -> None:
         self.handshake(RequestedLockType.RW, name, self.state.layout(name).owner, None)
         if not self.rebooted and data.draw(st.booleans(), label="the node stops in the middle of it"):
             self.reboot(data.draw(st.booleans(), label="read"))
@@ -571,6 +573,8 @@ class ServerMachine(RuleBasedStateMachine):
             self._grant(layout)
             if persist and self.state.layout(layout).loads == committed and self.state.layout(layout).committed:
                 self._saved(layout)  # (a writer granted at once cleared it: the saver finds nothing to save)
+                if layout in _idle_saved(self.state) and data.draw(st.booleans(), label="written again at once"):
+                    self._rebuild(data, layout)
 
     def _saved(self, layout: str) -> None:
         """The server's saver, off the commit's path: wait for its SNAPSHOT_SAVED and fold it here."""
@@ -614,7 +618,6 @@ class ServerMachine(RuleBasedStateMachine):
                 continue
             if not layout.disk_file:
                 event("a reboot in the middle of a rebuild: its last whole snapshot comes back")
-                print("KEPT-REBOOT", name, file=__import__("sys").stderr)
             recovered = self.snapshots[file]
             try:
                 fold_all([recovered], self.state)
