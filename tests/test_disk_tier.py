@@ -695,3 +695,22 @@ def test_a_rebuild_that_ends_without_a_snapshot_lets_the_kept_one_go(tmp_path):
     server = reboot(server, tmp_path)
     assert server.layout().state == "EMPTY", "version 1 never comes back over version 2"
     server.stop()
+
+
+def test_set_aside_snapshots_are_bounded_the_newest_kept(tmp_path):
+    """Issue 60: every cold start may set unreadable files aside; they were never
+    removed.  The newest SET_ASIDE_KEPT (by the save stamp in their names) stay."""
+    from gms.disk.store import SET_ASIDE_KEPT
+
+    server = serve(tmp_path)
+    folder = server.state().disk_dir
+    server.stop()
+    names = [fmt.file_name("weights", "e" * 64, stamp) for stamp in range(1, SET_ASIDE_KEPT + 3)]
+    for name in names:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"torn" * 1024)
+    server = serve(tmp_path)
+    left = sorted(n for n in os.listdir(folder) if n.endswith(".corrupt"))
+    assert left == sorted(n + ".corrupt" for n in names[-SET_ASIDE_KEPT:]), left
+    assert "older set-aside snapshots removed" in server.log
+    server.stop()

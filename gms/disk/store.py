@@ -36,6 +36,7 @@ _TEMPORARY = ".tmp"
 # device planted under a snapshot's name (only a regular file reads: _read_manifest).
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _ASIDE = ".corrupt"
+SET_ASIDE_KEPT = 4  # set-aside files kept for the operator, the newest by their save stamp; older ones go
 _counter = itertools.count()
 
 
@@ -170,6 +171,17 @@ class DiskStore:
         aside = file + _ASIDE
         os.rename(file, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         return aside
+
+    def trim_set_aside(self, keep: int = SET_ASIDE_KEPT) -> list[str]:
+        """Remove all but the ``keep`` newest set-aside files (by the stamp their names
+        carry: the log's order of saves, not the clock's): the names removed.  Each
+        cold start may set more aside; the folder must not fill with them."""
+        aside = [n for n in os.listdir(self._dir_fd) if n.endswith(fmt.SUFFIX + _ASIDE) and not n.startswith(".")]
+        aside.sort(key=lambda n: (fmt.stamp_of(n) or 0, n), reverse=True)
+        for name in aside[keep:]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._dir_fd)
+        return aside[keep:]
 
     def sweep(self) -> list[str]:
         """Remove temporary files (saves a crash cut short); the names removed.  A

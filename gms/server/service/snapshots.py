@@ -22,7 +22,8 @@ restored from one, every snapshot found again when a server starts with nothing.
 * **recover** (:meth:`Snapshots.recover`): at a cold start (no keeper state),
   every snapshot in the folder becomes ``LAYOUT_RECOVERED``, checked by the
   rules like a client's layout; one that does not read is set aside
-  (``*.corrupt``), one the policy refuses (its owner gone) stays for a later start.
+  (``*.corrupt``, the newest ``SET_ASIDE_KEPT`` of them kept for the operator,
+  older ones removed), one the policy refuses (its owner gone) stays for a later start.
 * **spill** (:meth:`Snapshots.spill`): the host tier is short of room for new
   host copies: saved layouts on it, least recently used first, let their host
   copies go (``LAYOUT_SPILLED``: tier disk), if that makes the room.
@@ -43,7 +44,7 @@ import attrs
 import trio
 
 from ...disk import format as fmt
-from ...disk.store import DiskStore, Found
+from ...disk.store import SET_ASIDE_KEPT, DiskStore, Found
 from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished, decide_spill, plan_spills
 from ...fsm.events import (
     LayoutLost,
@@ -303,6 +304,9 @@ class Snapshots:
                     continue
                 self.release([older.file])
             latest[snapshot.manifest.name] = snapshot
+        if gone := await trio.to_thread.run_sync(self.store.trim_set_aside):
+            log.warning("disk tier: %d older set-aside snapshots removed (the newest %d are kept): %s", len(gone),
+                        SET_ASIDE_KEPT, ", ".join(gone))
         recovered = 0
         for name, snapshot in sorted(latest.items()):
             manifest = snapshot.manifest
