@@ -230,6 +230,9 @@ def test_a_snapshot_that_does_not_read_is_set_aside_at_start_and_never_served(tm
     else:
         assert not os.path.exists(path) and os.path.exists(path + ".corrupt"), "kept aside for the operator"
         assert "set aside" in server.log
+    (aside,) = [e for e in server.events() if e.kind == "SNAPSHOT_SET_ASIDE"]  # in the history, not only the log
+    assert aside.fields["file"] == os.path.basename(path) and aside.fields["reason"], aside.fields
+    assert aside.fields["aside"] == ("" if damage == "other-version" else os.path.basename(path) + ".corrupt")
     assert read(server.socket)[0].value == "RW"
     server.stop()
 
@@ -516,6 +519,8 @@ def test_a_snapshot_the_log_never_took_is_superseded_by_the_next_writer_of_its_l
     policy.write_text(f'[[tenant]]\nname = "other"\nuids = [{uid}]\nwrite = ["*"]\nadmin = true\n')
     server = serve(tmp_path, "--policy", str(policy))
     assert server.layout().state == "EMPTY" and "left on disk" in server.log
+    (left,) = [e for e in server.events() if e.kind == "SNAPSHOT_SET_ASIDE"]
+    assert left.layout == "weights" and "may not write" in left.fields["reason"], left
     old = server.server_pid()
     os.kill(server.pid, signal.SIGHUP)  # a restart between: the next server finds the file again
     wait_until(lambda: (s := state_or_none(server.socket)) is not None and s.pid != old, what="the next server")

@@ -435,6 +435,20 @@ class SnapshotFailed(Event):
     reason: str
 
 
+@attrs.frozen
+class SnapshotSetAside(Event):
+    """A start found a snapshot in the disk folder that it does not serve: ``file``
+    was renamed ``aside`` (it does not read: torn, truncated, not a regular file)
+    or left as it is (``aside`` empty: of another format version, or its owner
+    refused by the policy), ``reason`` says why.  ``layout`` names its layout
+    where its manifest read; a torn one names none."""
+
+    KIND: ClassVar[str] = "SNAPSHOT_SET_ASIDE"
+    file: str
+    reason: str
+    aside: str = ""
+
+
 NODE_EVENTS: tuple[type[Event], ...] = (ServerStarted, ServerResumed, SessionOpened, SessionClosed)
 LOCK_EVENTS: tuple[type[Event], ...] = (
     RwConnect, RwCommit, RwAbort, RoConnect, RoDisconnect, ReaderJoined, ReaderLeft,
@@ -466,6 +480,7 @@ OBSERVATIONS: tuple[type[Event], ...] = (
     ConnectionDropped,
     StateDiscarded,
     SnapshotFailed,
+    SnapshotSetAside,
 )
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.KIND: cls

@@ -89,6 +89,7 @@ from .events import (
     SessionRefused,
     SnapshotFailed,
     SnapshotSaved,
+    SnapshotSetAside,
     StateDiscarded,
 )
 from .folding import entry_bytes
@@ -769,6 +770,8 @@ RULES: dict[type[Event], Rule] = {
     ),
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
     SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, node_step=observation),
+    SnapshotSetAside: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False,
+                           node_step=observation),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event (lasting: the configuration)
 # The kinds whose effect a restart keeps (their rows' ``lasting``, and the start).

@@ -54,6 +54,7 @@ from ...fsm.events import (
     RwConnect,
     SnapshotFailed,
     SnapshotSaved,
+    SnapshotSetAside,
 )
 from ...fsm.queries import layout_of, snapshot_rows, unsaved
 from ...fsm.state import LayoutState
@@ -291,11 +292,13 @@ class Snapshots:
                 # Whole, of a format another gms writes (a downgrade): left where it is for
                 # a gms that reads it, never renamed away (its save stamp still counts).
                 log.warning("snapshot %s left as it is, not served: %s", snapshot.file, snapshot.error)
+                self._set_aside(snapshot.file, f"left as it is: {snapshot.error}")
                 continue
             if snapshot.manifest is None:
                 aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
                 log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
                           snapshot.error, aside)
+                self._set_aside(snapshot.file, f"does not read: {snapshot.error}", aside)
                 continue
             older = latest.get(snapshot.manifest.name)
             if older is not None:  # a crash came between a newer save and the older one's release
@@ -333,6 +336,12 @@ class Snapshots:
         log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
                     "policy takes it recovers it)", name, why, name)
         self.unlisted.setdefault(name, []).append(file)
+        self._set_aside(file, f"left on disk, not recovered: {why}", layout=name)
+
+    def _set_aside(self, file: str, reason: str, aside: str = "", layout: str = "") -> None:
+        """A snapshot a start does not serve, in the history (``gms history``): its file,
+        why, and its layout where its manifest named one."""
+        self.ledger.record([SnapshotSetAside(0, file, reason, aside, layout=layout)], by_server=True)
 
     async def sweep(self) -> None:
         """A resumed node: only what a crash cut short goes (the log says what exists);
