@@ -46,6 +46,7 @@ def layout_rows(
                 evictions=layout.evictions,
                 disk_bytes=layout.disk_bytes,
                 kept_bytes=layout.kept_bytes,
+                save_error=layout.save_error,
                 persist=layout.persist,
             )
         )

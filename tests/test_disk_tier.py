@@ -494,9 +494,13 @@ def test_a_failed_save_is_tried_again_and_lands_once_the_disk_takes_it(tmp_path)
     assert "tried again in 1 s" in failed[0].fields["reason"], failed
     time.sleep(3.5)  # two more tries fail the same way: said once
     assert len([e for e in server.events() if e.kind == "SNAPSHOT_FAILED"]) == 1
+    row = server.layout()  # waiting to be saved, and why: in gms status, its metrics and the history
+    assert row.save_error == failed[0].fields["reason"] and row.disk_bytes == 0
+    waiting = gms_cli("status", "--socket", server.socket).stdout
+    assert "waiting: " in waiting, waiting
     resource.prlimit(server.server_pid(), resource.RLIMIT_FSIZE, (hard, hard))
     saved(server)  # the next try (at most 8 s after the last) lands
-    assert server.layout().memory_layout_hash == layout_hash
+    assert server.layout().memory_layout_hash == layout_hash and server.layout().save_error == ""
     server = reboot(server, tmp_path)
     assert read(server.socket)[2] == contents, "what was committed to persist outlives the node"
     server.stop()

@@ -444,7 +444,8 @@ def test_the_image_carries_every_field_of_the_state():
     body = codec._body_v4(rich_image())["node"]
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
-    kept = {"kept_file", "kept_bytes", "kept_owner"}  # one "kept" row (version 5), only where a layout has one
+    # version 5: a "kept" row and a "save_error", each only where a layout has one
+    kept = {"kept_file", "kept_bytes", "kept_owner", "save_error"}
     rows = {row["name"]: row for row in body["layouts"]}
     assert {f.name for f in attrs.fields(LayoutState)} - derived - kept == set(rows["weights"])
     assert set(rows["rebuilt"]) == set(rows["weights"]) | {"kept"}

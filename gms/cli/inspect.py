@@ -108,7 +108,9 @@ def _over(t: m.TenantStatus) -> str:
 def _saved(row: m.LayoutStatus) -> str:
     if row.disk_bytes:
         return format_bytes(row.disk_bytes)
-    return "saving" if row.persist and row.committed else "-"
+    if not (row.persist and row.committed):
+        return "-"
+    return f"waiting: {row.save_error}" if row.save_error else "saving"
 
 
 def disk_line(state: m.GetRuntimeStateResponse) -> str:

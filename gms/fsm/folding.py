@@ -34,6 +34,7 @@ from .events import (
     RwAbort,
     RwCommit,
     RwConnect,
+    SnapshotFailed,
     SnapshotSaved,
 )
 from .replace import rebuilt, replace
@@ -67,6 +68,7 @@ def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
         state, writer=None, committed=True, layout_hash=event.layout_hash,
         residency=Residency(event.residency), persist=event.persist, loads=state.loads + 1,
         keys_by_allocation=_EMPTY_KEYS,  # (no writer will free an allocation of it: see LayoutState)
+        save_error="",
         **kept,
     )
 
@@ -222,7 +224,15 @@ def restore_source(state: LayoutState) -> Tier:
 
 def snapshot_saved(state: LayoutState, event: SnapshotSaved) -> LayoutState:
     """The commit's snapshot is whole: the earlier one kept through its rebuild goes."""
-    return replace(state, disk_bytes=event.bytes, disk_file=event.file, **_NOTHING_KEPT)
+    return replace(state, disk_bytes=event.bytes, disk_file=event.file, save_error="", **_NOTHING_KEPT)
+
+
+def snapshot_failed(state: LayoutState, event: SnapshotFailed) -> LayoutState:
+    """Why this commit waits to be saved (a failure of a read back, or of another
+    commit, changes nothing)."""
+    if state.committed and state.persist and not state.saved and event.layout_hash == state.layout_hash:
+        return replace(state, save_error=event.reason)
+    return state
 
 
 def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:

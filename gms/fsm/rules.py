@@ -769,7 +769,7 @@ RULES: dict[type[Event], Rule] = {
         Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False, node_step=observation,
     ),
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
-    SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, node_step=observation),
+    SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, step=steps.snapshot_failed),
     SnapshotSetAside: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False,
                            node_step=observation),
 }

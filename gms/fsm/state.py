@@ -105,6 +105,7 @@ class LayoutState:
     kept_file: str = ""
     kept_bytes: int = 0
     kept_owner: str | None = None
+    save_error: str = ""  # why this commit's snapshot is not saved yet (its last SNAPSHOT_FAILED); "": none failed
     last_use: int = 0  # the node's tick when a lock on it was last taken or released
     loads: int = 0  # commits
     restores: int = 0

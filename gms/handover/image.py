@@ -196,6 +196,8 @@ def layout_head(layout: LayoutState) -> dict:
     }
     if layout.kept_file:  # (version 5: a snapshot kept through a rebuild; only where there is one)
         head["kept"] = [layout.kept_file, layout.kept_bytes, layout.kept_owner]
+    if layout.save_error:  # (version 5: why its save waits; only where one failed)
+        head["save_error"] = layout.save_error
     return head
 
 
@@ -277,6 +279,7 @@ def _read_layout_v1(d: dict) -> LayoutState:
         disk_bytes=d.get("disk_bytes", 0),
         disk_file=d.get("disk_file", ""),
         **_read_kept(d.get("kept")),
+        save_error=d.get("save_error", ""),
         last_use=d["last_use"],
         loads=d["loads"],
         restores=d["restores"],
@@ -495,7 +498,7 @@ def _read_v4(body: dict) -> StateImage:
     return attrs.evolve(image, version=4, state=state)
 
 
-# -- version 5: a layout's snapshot kept through a rebuild (its "kept" row) -----------------
+# -- version 5: a layout's snapshot kept through a rebuild (its "kept" row), why its save waits --
 # Written as version 4 is; the version says that an older gms, which would drop the row
 # (and lose the file from its log), may not read it.
 

@@ -66,7 +66,13 @@ class _StateCollector:
             labels=["layout", "state", "residency", "tier", "owner"],
         )
         waiting = GaugeMetricFamily("gms_lock_waiters", "Handshakes waiting for a lock", labels=["layout", "mode"])
+        unsaved = GaugeMetricFamily(
+            "gms_layout_unsaved", "1 for a commit that asked to persist and is not on disk yet; failing: its save "
+            "failed at least once (gms status says why)", labels=["layout", "failing"],
+        )
         for name, layout in state.layouts.items():
+            if layout.persist and layout.committed and not layout.saved:
+                unsaved.add_metric([name, "yes" if layout.save_error else "no"], 1)
             layout_bytes.add_metric([name, "device"], layout.gpu_bytes)
             layout_bytes.add_metric([name, "host"], layout.host_bytes)
             layout_bytes.add_metric([name, "disk"], layout.disk_held)
@@ -94,7 +100,7 @@ class _StateCollector:
                 quota.add_metric([name], tenant.quota_bytes)
             for bound in tenant.over_bounds:
                 over.add_metric([name, bound], 1)
-        yield from (layout_bytes, readers, info, waiting, used, quota, sessions, over, disk)
+        yield from (layout_bytes, readers, info, waiting, unsaved, used, quota, sessions, over, disk)
         keeper = core.keeper
         if keeper is not None:  # (a server without one has no keeper series)
             yield GaugeMetricFamily(

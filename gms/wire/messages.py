@@ -345,6 +345,7 @@ class LayoutStatus:
     disk_bytes: int = 0  # its snapshot on the disk tier (0: none)
     persist: bool = False  # committed to persist: a snapshot is saved (or is being)
     kept_bytes: int = 0  # an earlier commit's snapshot, kept until this commit's is whole (issue 60)
+    save_error: str = ""  # why this commit's snapshot is not saved yet ("": saved, saving, or none asked)
 
     @classmethod
     def empty(cls, name: str) -> LayoutStatus:

@@ -69,6 +69,8 @@ from gms.fsm.events import (
     SessionClosed,
     SnapshotSaved,
 )
+from gms.fsm.folding import layout_recovered
+from gms.fsm.state import LayoutState
 from gms.store import EventLog
 
 from .reference import ReferenceModel
@@ -133,6 +135,7 @@ class FsmMachine(RuleBasedStateMachine):
         # The policy in force: a new server's (``new_policy``) replaces it.
         self.quotas = {name: quota for name, (quota, _, _) in TENANTS.items()}
         self.tenant_limits = dict(TENANT_LIMITS)
+        self.snapshots: dict[str, LayoutRecovered] = {}  # each saved file: what a cold start recovers of it
         self._start()
         self.clock = 0
 
@@ -633,32 +636,41 @@ class FsmMachine(RuleBasedStateMachine):
         event = SnapshotSaved(0, state.layout_hash or "0" * 64, size, f"{'ab' * 12}-{self._tick():016x}.gsnap",
                               layout=layout)
         code, _ = rejection_code(lambda: self._append([event]))
-        owner_used = sum(r.disk for r in self.refs.values() if r.owner == ref.owner)
-        used = sum(r.disk for r in self.refs.values())
+        owner_used = self._disk_used(ref.owner)
+        used = self._disk_used()
         assert code == ref.save(size, used, DISK_BUDGET, owner_used, DISK_QUOTAS.get(ref.owner))
+        if code is None:  # what a cold start would find in the file
+            allocations, metadata = queries.snapshot_rows(self.log.state.layout(layout))
+            self.snapshots[event.file] = LayoutRecovered(
+                0, ref.owner, ref.layout_hash, allocations, metadata, size, event.file, ref.residency, layout=layout)
 
-    @precondition(lambda self: any(ref.disk for ref in self.refs.values()))
+    def _disk_used(self, tenant: str | None = None) -> int:
+        """Bytes of snapshots on disk (``tenant``'s: those charged to it), kept ones too."""
+        return sum(r.disk * (tenant is None or r.owner == tenant) + r.kept * (tenant is None or r.kept_owner == tenant)
+                   for r in self.refs.values())
+
+    @precondition(lambda self: any(ref.disk or ref.kept for ref in self.refs.values()))
     @rule()
     def reboot(self):
         """Every process gone, the node started again with nothing: each snapshot
         comes back as a layout on disk, with its residency (the manifest's: the
-        shell writes the layout's at its save), unless the policy in force refuses it."""
-        saved = [(name, layout) for name, layout in sorted(self.log.state.layouts.items()) if layout.saved]
+        shell writes the layout's at its save), unless the policy in force refuses it;
+        a layout in the middle of a rebuild as its kept snapshot had it (issue 60)."""
+        files = [layout.disk_file or layout.kept_file for _, layout in sorted(self.log.state.layouts.items())]
         self._start()
-        for name, layout in saved:
-            allocations, metadata = queries.snapshot_rows(layout)
-            event = LayoutRecovered(0, layout.owner, layout.layout_hash, allocations, metadata, layout.disk_bytes,
-                                    layout.disk_file, layout.residency.value, layout=name)
-            expected = self._recovery_refusal(layout)
+        for event in (self.snapshots[file] for file in files if file):
+            name = event.layout
+            recovered = layout_recovered(LayoutState(name), event)
+            expected = self._recovery_refusal(recovered)
             code, _ = rejection_code(lambda: self._append([event]))
             assert code == expected, (name, code, expected)
             if code is None:
                 ref = self.refs[name]
-                ref.committed, ref.layout_hash, ref.owner = True, layout.layout_hash, layout.owner
-                ref.allocs = {a[0]: tuple(a[1:]) for a in allocations}
-                ref.meta = {m[0]: tuple(m[1:]) for m in metadata}
-                ref.next_slot = 1 + max((a[4] for a in allocations), default=-1)
-                ref.residency, ref.tier, ref.persist, ref.disk = layout.residency.value, "disk", True, layout.disk_bytes
+                ref.committed, ref.layout_hash, ref.owner = True, event.layout_hash, event.owner
+                ref.allocs = {a[0]: tuple(a[1:]) for a in event.allocations}
+                ref.meta = {m[0]: tuple(m[1:]) for m in event.metadata}
+                ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
+                ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
 
     @precondition(lambda self: any(self.refs[n].tier == "disk" and self.refs[n].restorer is None for n in LAYOUTS))
     @rule(data=st.data(), lock=st.sampled_from([RequestedLockType.RO, RequestedLockType.RW_OR_RO]))
@@ -750,7 +762,7 @@ class FsmMachine(RuleBasedStateMachine):
             assert (layout.residency.value, layout.tier.value, set(layout.host_copies), layout.owner) == (
                 ref.residency, ref.tier, ref.host, ref.owner,
             )
-            assert (layout.persist, layout.disk_bytes) == (ref.persist, ref.disk)
+            assert (layout.persist, layout.disk_bytes, layout.kept_bytes) == (ref.persist, ref.disk, ref.kept)
         for name, tenant in state.tenants.items():  # a total over its bound never grew (the fold's hold)
             now = (tenant.used_bytes, tenant.metadata_bytes, tenant.layouts)
             bounds = (tenant.quota_bytes, tenant.metadata_quota, tenant.max_layouts)
@@ -766,8 +778,8 @@ class FsmMachine(RuleBasedStateMachine):
         assert state.metadata_bytes == self._metadata_used() <= LIMITS.max_metadata_bytes
         assert state.gpu_bytes == sum(ref.gpu_bytes() for ref in self.refs.values()) <= BUDGET
         assert state.host_bytes == sum(ref.host_bytes() for ref in self.refs.values()) <= HOST_BUDGET
-        assert state.disk_bytes == sum(ref.disk for ref in self.refs.values()) <= DISK_BUDGET
+        assert state.disk_bytes == self._disk_used() <= DISK_BUDGET
         for tenant, quota in DISK_QUOTAS.items():
-            disk = sum(ref.disk for ref in self.refs.values() if ref.owner == tenant)
+            disk = self._disk_used(tenant)
             assert state.tenants[tenant].disk_bytes == disk and (quota is None or disk <= quota)
         assert set(state.sessions) == set(self.sessions)

@@ -58,6 +58,8 @@ class ReferenceModel:
     last_use: int = 0
     persist: bool = False
     disk: int = 0  # its snapshot's bytes (0: none)
+    kept: int = 0  # an earlier commit's snapshot kept through a rebuild until the new one is saved (issue 60)
+    kept_owner: str | None = None  # charged for it
 
     # -- lock table -------------------------------------------------------
 
@@ -92,6 +94,7 @@ class ReferenceModel:
         self.host.clear()
         self.persist = False
         self.disk = 0
+        self.kept, self.kept_owner = 0, None
 
     def _may_grant(self, position: int) -> str | None:
         conn, wanted = self.queue[position]
@@ -118,7 +121,9 @@ class ReferenceModel:
                 if lock is not None:
                     conn, _ = self.queue.pop(position)
                     if lock == "RW":
+                        kept = (self.disk, self.owner) if self.disk else (self.kept, self.kept_owner)
                         self._clear_layout()
+                        self.kept, self.kept_owner = kept
                         self.writer = conn
                         self.owner = tenant_of(conn)
                     elif lock == "RESTORE":
@@ -201,11 +206,13 @@ class ReferenceModel:
             return "STATE_VIOLATION"
         if not self.persist or self.disk:
             return "STATE_VIOLATION"
-        if owner_quota is not None and owner_used + size > owner_quota:
+        # (the kept snapshot goes with this save: its bytes are room, its saver's)
+        if owner_quota is not None and owner_used - (self.kept if self.kept_owner == self.owner else 0) + size > owner_quota:
             return "LIMIT_EXCEEDED"
-        if disk_budget is not None and disk_used + size > disk_budget:
+        if disk_budget is not None and disk_used - self.kept + size > disk_budget:
             return "LIMIT_EXCEEDED"
         self.disk = size
+        self.kept, self.kept_owner = 0, None
         return None
 
     def pin(self, residency: str) -> str | None:
@@ -292,6 +299,8 @@ class ReferenceModel:
             self.committed = True
             self.residency = residency
             self.persist = persist
+            if not persist:  # a commit asking for no snapshot lets the kept one go
+                self.kept, self.kept_owner = 0, None
             self.layout_hash = reference_hash(self.allocs, self.meta)
             self.last_use = clock()
         return error
