@@ -52,14 +52,17 @@ def entry_bytes(key: str, value: bytes) -> int:
 # -- locks --------------------------------------------------------------------------
 
 
+_NOTHING_KEPT = {"kept_file": "", "kept_bytes": 0, "kept_owner": None}
+
+
 def rw_connect(state: LayoutState, event: RwConnect) -> LayoutState:
-    if state.saved:  # its snapshot is kept until a newer one is whole (LayoutState.kept_file)
-        return state.fresh(writer=event.conn, kept_file=state.disk_file, kept_bytes=state.disk_bytes,
-                           kept_owner=state.owner)
-    if state.kept_file:  # rebuilt again before that commit was saved: the last whole one stays
-        return state.fresh(writer=event.conn, kept_file=state.kept_file, kept_bytes=state.kept_bytes,
-                           kept_owner=state.kept_owner)
-    return state.fresh(writer=event.conn)
+    """The layout cleared; its snapshot (or, rebuilt again before that commit was
+    saved, the one kept from before) stays until a newer one is whole (LayoutState.kept_file)."""
+    if state.saved:
+        kept = {"kept_file": state.disk_file, "kept_bytes": state.disk_bytes, "kept_owner": state.owner}
+    else:
+        kept = {"kept_file": state.kept_file, "kept_bytes": state.kept_bytes, "kept_owner": state.kept_owner}
+    return state.fresh(writer=event.conn, **kept)
 
 
 def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
@@ -71,9 +74,6 @@ def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
         save_error="",
         **kept,
     )
-
-
-_NOTHING_KEPT = {"kept_file": "", "kept_bytes": 0, "kept_owner": None}
 
 
 def rw_abort(state: LayoutState, event: RwAbort) -> LayoutState:

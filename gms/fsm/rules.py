@@ -634,7 +634,8 @@ RULES: dict[type[Event], Rule] = {
     RwConnect: Rule(
         Who.SESSION,
         (Move(EMPTY, RW), Move(COMMITTED, RW, "the layout is cleared")),
-        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped"), Move(DISK, GPU, "its snapshot kept till a newer one is whole")),
+        (Move(GPU, GPU), Move(HOST, GPU, "the host copy is dropped"),
+         Move(DISK, GPU, "its snapshot kept till a newer one is whole")),
         uses=True, owns=True, releases=cleared, lasting=True, step=steps.rw_connect,
     ),
     RwCommit: Rule(
