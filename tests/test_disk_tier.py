@@ -693,6 +693,8 @@ def test_a_rebuild_that_ends_without_a_snapshot_lets_the_kept_one_go(tmp_path):
     first = saved(server)
     writer = GMSClientMemoryManager(server.socket, layout="weights")
     writer.connect(RequestedLockType.RW)
+    (listed,) = [json.loads(line) for line in gms_cli("snapshots", "--socket", server.socket, "--json").stdout.splitlines()]
+    assert (listed["disk_bytes"], listed["kept_bytes"]) == (0, os.path.getsize(first)), "gms snapshots: KEPT"
     writer.abort()
     wait_until(lambda: not os.path.exists(first), what="the kept snapshot released by the abort")
     assert server.state().disk_used_bytes == 0 and server.layout().state == "EMPTY"
@@ -723,3 +725,34 @@ def test_set_aside_snapshots_are_bounded_the_newest_kept(tmp_path):
     assert left == sorted(n + ".corrupt" for n in names[-SET_ASIDE_KEPT:]), left
     assert "older set-aside snapshots removed" in server.log
     server.stop()
+
+
+async def test_a_commit_waiting_to_be_saved_is_in_the_metrics_with_whether_it_failed(tmp_path):
+    """gms_layout_unsaved (docs/operations.md): a server with no copier cannot save;
+    the commit stands, waits, and says that its save failed."""
+    import trio
+
+    from gms.cuda.host import HostBackend
+    from gms.server.config import ServerConfig
+    from gms.server.server import Server
+    from gms.wire import messages as m
+
+    from .helpers import RawConn
+
+    config = ServerConfig(socket_path=str(tmp_path / "gms.sock"), backend="host", copier=False,
+                          disk_dir=str(tmp_path / "disk"))
+    async with trio.open_nursery() as nursery:
+        server = Server(config, backend=HostBackend(capacity=1 << 30), host_tier=HostBackend())
+        await nursery.start(server.serve)
+        writer = RawConn(config.socket_path)
+        assert (await trio.to_thread.run_sync(writer.call, m.HandshakeRequest("RW", None, "weights"))).success
+        assert (await trio.to_thread.run_sync(writer.call, m.CommitRequest("device", True))).success
+        writer.close()
+        with trio.fail_after(10):
+            while not server.core.state.layout("weights").save_error:
+                await trio.sleep(0.05)
+        families = {f.name: f for f in server.metrics.registry.collect()}
+        samples = [(s.labels, s.value) for s in families["gms_layout_unsaved"].samples]
+        assert samples == [({"layout": "weights", "failing": "yes"}, 1)], samples
+        assert "no copier" in server.core.state.layout("weights").save_error
+        nursery.cancel_scope.cancel()

@@ -230,7 +230,7 @@ def snapshot_saved(state: LayoutState, event: SnapshotSaved) -> LayoutState:
 def snapshot_failed(state: LayoutState, event: SnapshotFailed) -> LayoutState:
     """Why this commit waits to be saved (a failure of a read back, or of another
     commit, changes nothing)."""
-    if state.committed and state.persist and not state.saved and event.layout_hash == state.layout_hash:
+    if state.unsaved and event.layout_hash == state.layout_hash:
         return replace(state, save_error=event.reason)
     return state
 

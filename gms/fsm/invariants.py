@@ -45,7 +45,7 @@ def layout_problems(state: LayoutState):
         yield "restoring with neither host copies nor a snapshot"
     if state.saved and not (state.committed and state.persist and state.disk_file):
         yield "a snapshot of a layout not committed to persist, or with no file"
-    if state.save_error and (state.saved or not (state.committed and state.persist)):
+    if state.save_error and not state.unsaved:
         yield "a save error on a layout saved, or not committed to persist"
     if bool(state.kept_file) != (state.kept_bytes > 0) or bool(state.kept_file) != (state.kept_owner is not None):
         yield "a kept snapshot without its file, size or owner"

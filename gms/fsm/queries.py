@@ -108,7 +108,7 @@ def unsaved(node) -> list[str]:
     are on the GPU to save from, least recently used first (the disk tier's queue)."""
     waiting = [
         layout for layout in node.layouts.values()
-        if layout.persist and layout.committed and not layout.saved and layout.tier is Tier.GPU
+        if layout.unsaved and layout.tier is Tier.GPU
     ]
     return [layout.name for layout in sorted(waiting, key=lambda layout: (layout.last_use, layout.name))]
 

@@ -51,10 +51,13 @@ def cleared(layout: LayoutState, event: Event) -> Released:
 
 
 def kept_snapshot(layout: LayoutState, event: Event | None) -> Released:
-    """The snapshot kept through a rebuild, once a newer one is whole (or a commit asks for none)."""
-    if not layout.kept_file or (isinstance(event, RwCommit) and event.persist):
-        return []
-    return [(MemoryTier.DISK, layout.kept_file, layout.kept_bytes)]
+    """The snapshot kept through a rebuild, once a newer one is whole."""
+    return [(MemoryTier.DISK, layout.kept_file, layout.kept_bytes)] if layout.kept_file else []
+
+
+def kept_unasked(layout: LayoutState, event: RwCommit) -> Released:
+    """A commit: the kept snapshot if it asks for none of its own."""
+    return [] if event.persist else kept_snapshot(layout, event)
 
 
 def one_allocation(layout: LayoutState, event: AllocationFreed) -> Released:

@@ -103,6 +103,7 @@ from .releases import (
     half_restored,
     host_copies,
     kept_snapshot,
+    kept_unasked,
     memory_copies,
     one_allocation,
 )
@@ -640,7 +641,7 @@ RULES: dict[type[Event], Rule] = {
     ),
     RwCommit: Rule(
         Who.WRITER, (Move(RW, COMMITTED),), checks=(_residency_field, _persist_field), action="commit", uses=True,
-        makes_room=True, releases=kept_snapshot, lasting=True, step=steps.rw_commit,
+        makes_room=True, releases=kept_unasked, lasting=True, step=steps.rw_commit,
     ),
     RwAbort: Rule(
         Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=everything, lasting=False,

@@ -135,6 +135,11 @@ class LayoutState:
         return self.disk_bytes > 0
 
     @property
+    def unsaved(self) -> bool:
+        """A commit that asked to persist and is not on disk yet."""
+        return self.committed and self.persist and not self.saved
+
+    @property
     def resident(self) -> bool:
         return self.tier is Tier.GPU
 

@@ -71,7 +71,7 @@ class _StateCollector:
             "failed at least once (gms status says why)", labels=["layout", "failing"],
         )
         for name, layout in state.layouts.items():
-            if layout.persist and layout.committed and not layout.saved:
+            if layout.unsaved:
                 unsaved.add_metric([name, "yes" if layout.save_error else "no"], 1)
             layout_bytes.add_metric([name, "device"], layout.gpu_bytes)
             layout_bytes.add_metric([name, "host"], layout.host_bytes)

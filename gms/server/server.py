@@ -339,8 +339,8 @@ class Server:
 
     def stop(self) -> None:
         """Stop serving (the way out then decides what is released: ``left_as``)."""
-        if self.core is not None and self.core.snapshots is not None:
-            self.core.snapshots.node_stopping = True
+        if self.core is not None:
+            self.core.stopping()
         self._nursery.cancel_scope.cancel()
 
     def _close_backends(self) -> None:

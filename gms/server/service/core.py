@@ -165,6 +165,12 @@ class ServiceCore:
         tasks += [self.snapshots.run] if self.snapshots is not None else []
         return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])
 
+    def stopping(self) -> None:
+        """A planned stop is under way: the sessions it ends let no snapshot file go
+        (a writer's rebuild ends as an abort would, but the node keeps what is on disk)."""
+        if self.snapshots is not None:
+            self.snapshots.node_stopping = True
+
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes
         (snapshots stay: they are what outlives the server)."""

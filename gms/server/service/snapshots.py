@@ -96,7 +96,7 @@ class Snapshots:
         # Snapshots in the folder the log does not name (a cold start refused them), by
         # layout: a writer's grant on that layout supersedes them, and they go.
         self.unlisted: dict[str, list[str]] = {}
-        self.node_stopping = False  # a planned stop: no file goes (Server.stop)
+        self.node_stopping = False  # a planned stop: no file goes (ServiceCore.stopping)
 
     # -- what the ledger and the core tell it -----------------------------------------
 
@@ -292,13 +292,13 @@ class Snapshots:
                 # Whole, of a format another gms writes (a downgrade): left where it is for
                 # a gms that reads it, never renamed away (its save stamp still counts).
                 log.warning("snapshot %s left as it is, not served: %s", snapshot.file, snapshot.error)
-                self._set_aside(snapshot.file, f"left as it is: {snapshot.error}")
+                self._not_served(snapshot.file, f"left as it is: {snapshot.error}")
                 continue
             if snapshot.manifest is None:
                 aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
                 log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
                           snapshot.error, aside)
-                self._set_aside(snapshot.file, f"does not read: {snapshot.error}", aside)
+                self._not_served(snapshot.file, f"does not read: {snapshot.error}", aside)
                 continue
             older = latest.get(snapshot.manifest.name)
             if older is not None:  # a crash came between a newer save and the older one's release
@@ -336,9 +336,9 @@ class Snapshots:
         log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
                     "policy takes it recovers it)", name, why, name)
         self.unlisted.setdefault(name, []).append(file)
-        self._set_aside(file, f"left on disk, not recovered: {why}", layout=name)
+        self._not_served(file, f"left on disk, not recovered: {why}", layout=name)
 
-    def _set_aside(self, file: str, reason: str, aside: str = "", layout: str = "") -> None:
+    def _not_served(self, file: str, reason: str, aside: str = "", layout: str = "") -> None:
         """A snapshot a start does not serve, in the history (``gms history``): its file,
         why, and its layout where its manifest named one."""
         self.ledger.record([SnapshotSetAside(0, file, reason, aside, layout=layout)], by_server=True)
