@@ -22,7 +22,9 @@ from gms.fsm import (
 from gms.fsm.effects import released_memory
 from gms.fsm.events import (
     AllocationCreated,
+    LayoutDeleted,
     LayoutEvicted,
+    LayoutLost,
     LayoutRecovered,
     MetadataPut,
     ResidencySet,
@@ -36,9 +38,10 @@ from gms.fsm.events import (
     SessionClosed,
     SessionOpened,
     SnapshotSaved,
+    SnapshotSetAside,
 )
 from gms.fsm.layout_hash import compute_layout_hash
-from gms.fsm.queries import snapshot_rows, unsaved
+from gms.fsm.queries import reverting, snapshot_rows, unsaved
 from gms.fsm.releases import MemoryTier
 
 MiB = 1 << 20
@@ -242,20 +245,51 @@ def test_the_last_whole_snapshot_is_kept_through_a_rebuild_until_a_newer_one_is_
     assert (after.layout("llama").disk_file, after.layout("llama").kept_file, after.disk_bytes) == (FILE2, "", 6 * MiB)
     again = rebuild(committed, conn=4, commit=False)  # rebuilt again before that save: the last whole one stays
     assert again.layout("llama").kept_file == FILE
-    # Dropped on purpose: a commit asking for no snapshot, an abort, an unpinned eviction of an unsaved commit.
+    # Dropped on purpose: a commit asking for no snapshot, an unpinned eviction of an unsaved commit.
     writer = fold_all([SessionOpened(5, "team", 1000, 1000, 5, "RW", layout="llama"), RwConnect(5, layout="llama")],
                       saved)
     unasked = RwCommit(5, compute_layout_hash([], []), "device", False, layout="llama")
     assert disk_releases(writer, unasked) == [FILE]
     assert fold_all([unasked], writer).disk_bytes == 0
-    assert disk_releases(building, RwAbort(3, layout="llama")) == [FILE]
-    aborted = fold_all([RwAbort(3, layout="llama")], building)
-    assert (aborted.disk_bytes, aborted.tenants["team"].disk_bytes, "llama" in aborted.layouts) == (0, 0, False)
     unpinned = rebuild(saved, persist=True)
     unpinned = fold_all([ResidencySet(0, "unpinned", layout="llama")], unpinned)
     evicted = LayoutEvicted(0, "admin", layout="llama")
     assert FILE in disk_releases(unpinned, evicted)
     assert fold_all([evicted], unpinned).disk_bytes == 0
+
+
+def test_a_rebuild_that_ends_with_no_new_commit_leaves_the_kept_snapshot_to_come_back():
+    """Its writer gone (RW_ABORT) or its commit's memory lost (LAYOUT_LOST): the
+    layout is EMPTY but its kept snapshot stays, charged, for the disk tier to bring
+    back (LAYOUT_RECOVERED of that file: charged once) or to set aside (uncharged)."""
+    events, digest = built()
+    saved = fold_all(started() + events + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    allocations, metadata = snapshot_rows(saved.layout("llama"))
+    back = LayoutRecovered(0, "team", digest, allocations, metadata, 5 * MiB, FILE, "device", layout="llama")
+    lost = LayoutLost(0, "its memory is gone", "", "gpu", layout="llama")
+    for name, ended in [("abort", [RwAbort(3, layout="llama")]), ("lost", [lost])]:
+        building = rebuild(saved, commit=name == "lost")
+        assert disk_releases(building, ended[0]) == [], name
+        left = fold_all(ended, building)
+        check_invariants(left)
+        layout = left.layout("llama")
+        assert (layout.lock_state.value, layout.kept_file, left.disk_bytes, left.tenants["team"].disk_bytes) == (
+            "EMPTY", FILE, 5 * MiB, 5 * MiB), name
+        assert reverting(left) == ["llama"]
+        recovered = fold_all([back], left)
+        check_invariants(recovered)
+        layout = recovered.layout("llama")
+        assert (layout.lock_state.value, layout.tier.value, layout.layout_hash, layout.disk_file, layout.kept_file) == (
+            "COMMITTED", "disk", digest, FILE, ""), name
+        assert (recovered.disk_bytes, recovered.tenants["team"].disk_bytes, reverting(recovered)) == (
+            5 * MiB, 5 * MiB, []), "charged once"
+        gone = fold_all([SnapshotSetAside(0, FILE, "does not read", FILE + ".corrupt", layout="llama")], left)
+        check_invariants(gone)
+        assert ("llama" in gone.layouts, gone.disk_bytes, gone.tenants["team"].disk_bytes) == (False, 0, 0)
+    other = fold_all([SnapshotSetAside(0, FILE2, "does not read", layout="llama")], left)
+    assert other.layout("llama").kept_file == FILE, "another file set aside lets nothing go"
+    deleted = fold_all([LayoutDeleted(0, 0, layout="llama")], rebuild(saved))
+    assert (deleted.disk_bytes, "llama" in deleted.layouts) == (0, False), "an admin's delete: every copy"
 
 
 def test_a_kept_snapshot_stays_its_savers_charge_when_another_tenant_rebuilds():

@@ -685,19 +685,88 @@ def test_a_node_that_dies_in_a_rebuild_comes_back_with_the_last_whole_snapshot_o
     server.stop()
 
 
-def test_a_rebuild_that_ends_without_a_snapshot_lets_the_kept_one_go(tmp_path):
-    """The kept snapshot goes, and its bytes leave the disk budget, when the rebuild is
-    dropped on purpose (its writer aborts) or its commit asks for no snapshot."""
+_WRITER = """
+import sys, time
+from gms import GMSClientMemoryManager, RequestedLockType
+writer = GMSClientMemoryManager(sys.argv[1], layout="weights")
+writer.connect(RequestedLockType.RW)
+writer.create_mapping(size=3 << 20, tag="weights")
+print("building", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["abort", "writer-killed", "gms-restart", "server-killed"])
+def test_a_rebuild_that_ends_with_no_new_commit_brings_the_last_snapshot_back(tmp_path, how):
+    """Issue 60: a writer's grant clears the committed layout but keeps its snapshot;
+    a rebuild that then ends with no new commit (the writer aborts, dies, or the
+    server is replaced under it) dropped that snapshot too: the node held nothing of a
+    layout committed to persist.  Now the layout comes back from it, committed on the
+    disk tier, its readers get version 1 whole, and the file is charged once."""
+    server = serve(tmp_path)
+    v1 = publish(server.socket, sizes=(5 * MiB,))
+    first = saved(server)
+    size = os.path.getsize(first)
+    writer = None
+    if how == "abort":
+        writer = GMSClientMemoryManager(server.socket, layout="weights")
+        writer.connect(RequestedLockType.RW)
+        writer.create_mapping(size=3 * MiB, tag="weights")
+    else:
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, server.socket], stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline().strip() == "building"
+    (listed,) = [json.loads(line) for line in gms_cli("snapshots", "--socket", server.socket, "--json").stdout.splitlines()]
+    assert (listed["disk_bytes"], listed["kept_bytes"]) == (0, size), "gms snapshots: KEPT"
+    old = server.server_pid()
+    if how == "abort":
+        writer.abort()
+    elif how == "writer-killed":
+        writer.kill()
+    else:
+        os.kill(server.pid if how == "gms-restart" else old, signal.SIGHUP if how == "gms-restart" else signal.SIGKILL)
+        wait_until(lambda: state_or_none(server.socket) and state_or_none(server.socket).pid != old, timeout=30,
+                   what=f"the next server\n{server.log}")
+    wait_until(lambda: server.layout().state == "COMMITTED", what=f"the layout back from its snapshot\n{server.log}")
+    row = server.layout()
+    assert (row.tier, row.memory_layout_hash, row.disk_bytes, row.kept_bytes) == ("disk", v1[0], size, 0)
+    assert server.state().disk_used_bytes == size, "the file is charged once"
+    assert os.path.exists(first)
+    kinds = server.kinds()
+    assert kinds.index("LAYOUT_RECOVERED") > kinds.index("RW_ABORT"), kinds
+    granted, layout_hash, contents = read(server.socket)  # an engine asking RW_OR_RO imports version 1
+    assert (granted.value, (layout_hash, contents)) == ("RO", v1)
+    if how != "abort":
+        writer.kill()
+        writer.wait()
+    server = reboot(server, tmp_path)
+    assert read(server.socket)[1:] == v1, "and after a reboot"
+    server.stop()
+
+
+def test_a_kept_snapshot_that_does_not_read_is_set_aside_when_the_rebuild_ends(tmp_path):
+    """The snapshot kept through a rebuild is checked as at a cold start before it comes
+    back: one truncated meanwhile is set aside, said in the history, and uncharged."""
     server = serve(tmp_path)
     publish(server.socket, sizes=(5 * MiB,))
     first = saved(server)
     writer = GMSClientMemoryManager(server.socket, layout="weights")
     writer.connect(RequestedLockType.RW)
-    (listed,) = [json.loads(line) for line in gms_cli("snapshots", "--socket", server.socket, "--json").stdout.splitlines()]
-    assert (listed["disk_bytes"], listed["kept_bytes"]) == (0, os.path.getsize(first)), "gms snapshots: KEPT"
+    os.truncate(first, os.path.getsize(first) // 2)
     writer.abort()
-    wait_until(lambda: not os.path.exists(first), what="the kept snapshot released by the abort")
-    assert server.state().disk_used_bytes == 0 and server.layout().state == "EMPTY"
+    aside = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_SET_ASIDE"], what="set aside")
+    assert (aside[0].fields["file"], aside[0].layout) == (os.path.basename(first), "weights"), aside
+    assert "kept through a rebuild, does not read" in aside[0].fields["reason"], aside
+    assert os.path.exists(first + ".corrupt") and not os.path.exists(first)
+    row = server.layout()
+    assert (row.state, row.kept_bytes, server.state().disk_used_bytes) == ("EMPTY", 0, 0)
+    assert read(server.socket)[0].value == "RW", "nothing to import: the next engine builds it"
+    server.stop()
+
+
+def test_a_commit_that_asks_for_no_snapshot_lets_the_kept_one_go(tmp_path):
+    """The kept snapshot goes, and its bytes leave the disk budget, when the rebuild
+    commits asking for no snapshot (version 1 must never come back over version 2)."""
+    server = serve(tmp_path)
     publish(server.socket, sizes=(5 * MiB,))
     first = saved(server)
     publish(server.socket, sizes=(5 * MiB,), persist=False)

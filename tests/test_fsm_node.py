@@ -391,12 +391,12 @@ def test_every_event_declares_what_it_releases_and_whether_a_restart_keeps_it():
     assert LASTING == {
         "SERVER_STARTED", "SERVER_RESUMED", "STATE_DISCARDED", "RW_CONNECT", "RW_COMMIT", "RESIDENCY_SET",
         "LAYOUT_EVICTED", "RESTORE_FINISHED", "LAYOUT_LOST", "LAYOUT_DELETED", "SNAPSHOT_SAVED", "LAYOUT_RECOVERED", "LAYOUT_SPILLED",
-        "LAYOUT_FELL_TO_DISK",
+        "LAYOUT_FELL_TO_DISK", "SNAPSHOT_SET_ASIDE",
     }
     assert [kind for kind, rule in RULES.items() if rule.owns] == [RwConnect]
     assert {kind.KIND: rule.releases.__name__ for kind, rule in RULES.items() if rule.releases} == {
-        "RW_CONNECT": "cleared", "RW_COMMIT": "kept_unasked", "SNAPSHOT_SAVED": "kept_snapshot", "RW_ABORT": "everything", "ALLOCATION_FREED": "one_allocation",
-        "LAYOUT_EVICTED": "gpu_copy", "RESTORE_ABORTED": "half_restored", "LAYOUT_LOST": "everything", "LAYOUT_DELETED": "everything",
+        "RW_CONNECT": "cleared", "RW_COMMIT": "kept_unasked", "SNAPSHOT_SAVED": "kept_snapshot", "RW_ABORT": "dropped", "ALLOCATION_FREED": "one_allocation",
+        "LAYOUT_EVICTED": "gpu_copy", "RESTORE_ABORTED": "half_restored", "LAYOUT_LOST": "dropped", "LAYOUT_DELETED": "everything",
         "LAYOUT_SPILLED": "host_copies", "LAYOUT_FELL_TO_DISK": "memory_copies",
     }
 

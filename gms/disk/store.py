@@ -136,24 +136,25 @@ class DiskStore:
 
     def scan(self, which: Callable[[str], bool] = lambda file: True) -> list[Found]:
         """Every snapshot in the folder (``which`` of them), in name order, read or refused."""
-        found = []
-        for name in sorted(os.listdir(self._dir_fd)):
-            if not name.endswith(fmt.SUFFIX) or name.startswith(".") or not which(name):
-                continue
-            try:
-                fd = os.open(name, _READ, dir_fd=self._dir_fd)
-            except OSError as exc:
-                found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot open it: {exc}")))
-                continue
-            try:
-                found.append(Found(name, *_read_named(fd, name)))
-            except fmt.SnapshotError as exc:
-                found.append(Found(name, None, error=exc))
-            except OSError as exc:
-                found.append(Found(name, None, error=fmt.CorruptSnapshot(f"cannot read it: {exc}")))
-            finally:
-                os.close(fd)
-        return found
+        return [
+            self.find(name) for name in sorted(os.listdir(self._dir_fd))
+            if name.endswith(fmt.SUFFIX) and not name.startswith(".") and which(name)
+        ]
+
+    def find(self, name: str) -> Found:
+        """One snapshot of the folder, read or refused (one not there: refused)."""
+        try:
+            fd = os.open(name, _READ, dir_fd=self._dir_fd)
+        except OSError as exc:
+            return Found(name, None, error=fmt.CorruptSnapshot(f"cannot open it: {exc}"))
+        try:
+            return Found(name, *_read_named(fd, name))
+        except fmt.SnapshotError as exc:
+            return Found(name, None, error=exc)
+        except OSError as exc:
+            return Found(name, None, error=fmt.CorruptSnapshot(f"cannot read it: {exc}"))
+        finally:
+            os.close(fd)
 
     # -- letting go ------------------------------------------------------------------------
 

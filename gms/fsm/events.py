@@ -279,7 +279,8 @@ class RestoreAborted(Event):
 class LayoutLost(Event):
     """A restarted server found memory of this layout gone (on CUDA: the fd of
     an allocation or host copy no longer imports, as after a GPU reset): the
-    whole layout is dropped, whatever its residency.  Its next user rebuilds it."""
+    whole layout is dropped, whatever its residency.  Its next user rebuilds it
+    (or, a snapshot kept from before this commit, the disk tier brings that back)."""
 
     KIND: ClassVar[str] = "LAYOUT_LOST"
     reason: str
@@ -437,11 +438,12 @@ class SnapshotFailed(Event):
 
 @attrs.frozen
 class SnapshotSetAside(Event):
-    """A start found a snapshot in the disk folder that it does not serve: ``file``
-    was renamed ``aside`` (it does not read: torn, truncated, not a regular file)
-    or left as it is (``aside`` empty: of another format version, or its owner
-    refused by the policy), ``reason`` says why.  ``layout`` names its layout
-    where its manifest read; a torn one names none."""
+    """The disk tier found a snapshot that it does not serve (at a start, or the one
+    kept through a rebuild that ended with no new commit): ``file`` was renamed
+    ``aside`` (it does not read: torn, truncated, not a regular file) or left as it
+    is (``aside`` empty: of another format version, or its owner refused by the
+    policy), ``reason`` says why.  ``layout`` names its layout where known (a torn
+    one found at a start names none); a layout whose kept snapshot it is keeps it no longer."""
 
     KIND: ClassVar[str] = "SNAPSHOT_SET_ASIDE"
     file: str

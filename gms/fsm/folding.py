@@ -18,6 +18,7 @@ from .events import (
     Event,
     HostCopyCreated,
     LayoutEvicted,
+    LayoutDeleted,
     LayoutFellToDisk,
     LayoutLost,
     LayoutRecovered,
@@ -36,6 +37,7 @@ from .events import (
     RwConnect,
     SnapshotFailed,
     SnapshotSaved,
+    SnapshotSetAside,
 )
 from .replace import rebuilt, replace
 from .state import Allocation, LayoutState, MetadataEntry, Residency, Tier
@@ -61,7 +63,7 @@ def rw_connect(state: LayoutState, event: RwConnect) -> LayoutState:
     if state.saved:
         kept = {"kept_file": state.disk_file, "kept_bytes": state.disk_bytes, "kept_owner": state.owner}
     else:
-        kept = {"kept_file": state.kept_file, "kept_bytes": state.kept_bytes, "kept_owner": state.kept_owner}
+        kept = _kept(state)
     return state.fresh(writer=event.conn, **kept)
 
 
@@ -76,8 +78,14 @@ def rw_commit(state: LayoutState, event: RwCommit) -> LayoutState:
     )
 
 
+def _kept(state: LayoutState) -> dict:
+    return {"kept_file": state.kept_file, "kept_bytes": state.kept_bytes, "kept_owner": state.kept_owner}
+
+
 def rw_abort(state: LayoutState, event: RwAbort) -> LayoutState:
-    return state.fresh()
+    """The writer's layout goes; a snapshot kept through its rebuild stays, for the
+    disk tier to bring back (LAYOUT_RECOVERED)."""
+    return state.fresh(**_kept(state))
 
 
 def ro_connect(state: LayoutState, event: RoConnect) -> LayoutState:
@@ -265,7 +273,19 @@ def layout_recovered(state: LayoutState, event: LayoutRecovered) -> LayoutState:
 
 
 def layout_lost(state: LayoutState, event: LayoutLost) -> LayoutState:
+    """Dropped; a snapshot kept from before this commit stays, to be brought back (as rw_abort)."""
+    return state.fresh(**_kept(state))
+
+
+def layout_deleted(state: LayoutState, event: LayoutDeleted) -> LayoutState:
+    """An admin's delete: every copy goes, a kept snapshot too."""
     return state.fresh()
+
+
+def snapshot_set_aside(state: LayoutState, event: SnapshotSetAside) -> LayoutState:
+    """A kept snapshot the disk tier could not bring back (it does not read, or the
+    policy refuses it) is kept no longer: the file was set aside or left unlisted."""
+    return replace(state, **_NOTHING_KEPT) if state.kept_file and state.kept_file == event.file else state
 
 
 def unchanged(state: LayoutState, event: Event) -> LayoutState:

@@ -49,8 +49,8 @@ def layout_problems(state: LayoutState):
         yield "a save error on a layout saved, or not committed to persist"
     if bool(state.kept_file) != (state.kept_bytes > 0) or bool(state.kept_file) != (state.kept_owner is not None):
         yield "a kept snapshot without its file, size or owner"
-    if state.kept_file and (state.saved or not (state.writer is not None or state.committed and state.persist)):
-        yield "a snapshot kept beside a newer one, or with no rebuild or save to wait for"
+    if state.kept_file and (state.saved or state.committed and not state.persist):
+        yield "a snapshot kept beside a newer one, or beside a commit that asks for none"
     if state.tier is Tier.RESTORING and state.restorer is None:
         yield "restoring with no restorer"
     if state.writer is None and not state.committed and (state.allocations or state.metadata):

@@ -196,6 +196,8 @@ def fold(node: NodeState, event: Event) -> NodeState:
         node = rule.node_step(node, event, tick)
         if rule.step is None:
             return node
+    elif layout is None:  # an event that may name a layout and names none: an observation
+        return replace(node, tick=tick)
     return _layout_event(node, event, tick, layout, rule)
 
 

@@ -33,14 +33,17 @@ def _all(layout: LayoutState, *, gpu: bool, host: bool, disk: bool = False) -> R
         out += [(MemoryTier.HOST, i, size) for i, size in layout.host_copies.items()]
     if disk and layout.saved:
         out.append((MemoryTier.DISK, layout.disk_file, layout.disk_bytes))
-    if disk and layout.kept_file:
-        out += kept_snapshot(layout, None)
     return out
 
 
 def everything(layout: LayoutState, event: Event) -> Released:
-    """The layout's memory on every tier, its snapshots too (an abort, a loss or a
-    delete drops it)."""
+    """The layout's memory on every tier, its snapshots too (an admin's delete)."""
+    return _all(layout, gpu=layout.gpu_bytes > 0, host=True, disk=True) + kept_snapshot(layout, event)
+
+
+def dropped(layout: LayoutState, event: Event) -> Released:
+    """The layout's memory on every tier and its own snapshot (an abort, a loss); a
+    snapshot kept through its rebuild stays, to be brought back (gms.fsm.folding.rw_abort)."""
     return _all(layout, gpu=layout.gpu_bytes > 0, host=True, disk=True)
 
 

@@ -98,6 +98,7 @@ from .node_steps import observation, server_resumed, session_closed, session_ope
 from .releases import (
     ReleaseFn,
     cleared,
+    dropped,
     everything,
     gpu_copy,
     half_restored,
@@ -480,7 +481,9 @@ def _recovery_admitted(node, layout: LayoutState, e: LayoutRecovered) -> None:
     within_metadata_bounds(node, recovered, metadata)
     _layout_admitted(node, tenant, e)
     check_snapshot(e)
-    _within_disk_bounds(node, e.owner, e.bytes)
+    # (a snapshot kept through a rebuild, brought back: its bytes are charged already)
+    freed = layout.kept_bytes if e.file == layout.kept_file else 0
+    _within_disk_bounds(node, e.owner, e.bytes, freed if layout.kept_owner == e.owner else 0, freed)
 
 
 def require_host_tier(node) -> None:
@@ -644,7 +647,8 @@ RULES: dict[type[Event], Rule] = {
         makes_room=True, releases=kept_unasked, lasting=True, step=steps.rw_commit,
     ),
     RwAbort: Rule(
-        Who.WRITER, (Move(RW, EMPTY),), action="abort", uses=True, releases=everything, lasting=False,
+        Who.WRITER, (Move(RW, EMPTY, "a snapshot kept through the rebuild stays, to be recovered"),), action="abort",
+        uses=True, releases=dropped, lasting=False,
         step=steps.rw_abort,
     ),
     RoConnect: Rule(
@@ -721,13 +725,13 @@ RULES: dict[type[Event], Rule] = {
     LayoutLost: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "dropped"),),
         (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout"), Move(DISK, GPU, "a fresh layout")),
-        releases=everything, lasting=True, step=steps.layout_lost,
+        releases=dropped, lasting=True, step=steps.layout_lost,
     ),
     # an admin's delete: an idle committed layout goes from every tier, its snapshot too
     LayoutDeleted: Rule(
         Who.ANYONE, (Move(COMMITTED, EMPTY, "deleted"),),
         (Move(GPU, GPU, "a fresh layout"), Move(HOST, GPU, "a fresh layout"), Move(DISK, GPU, "a fresh layout")),
-        action="delete", refusal=NotEvictable, releases=everything, lasting=True, step=steps.layout_lost,
+        action="delete", refusal=NotEvictable, releases=everything, lasting=True, step=steps.layout_deleted,
     ),
     # the disk tier (gms.disk): a snapshot saved after a commit; a layout recovered from one at a cold start
     SnapshotSaved: Rule(
@@ -772,8 +776,9 @@ RULES: dict[type[Event], Rule] = {
     ),
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
     SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, step=steps.snapshot_failed),
-    SnapshotSetAside: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False,
-                           node_step=observation),
+    # (where it names a layout whose kept snapshot it is, that is kept no longer: the file was set aside or left)
+    SnapshotSetAside: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True,
+                           step=steps.snapshot_set_aside),
 }
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event (lasting: the configuration)
 # The kinds whose effect a restart keeps (their rows' ``lasting``, and the start).

@@ -100,8 +100,11 @@ class LayoutState:
     # The last whole snapshot of an earlier commit, kept while a writer rebuilds the
     # layout (RW_CONNECT clears the committed layout, not the one copy on disk): it goes
     # once a newer snapshot is whole (SNAPSHOT_SAVED), at a commit that asks for none, or
-    # when the layout is dropped (an abort, a loss).  A node that dies mid-rebuild comes
-    # back with it or with the newer one.  Charged to ``kept_owner``, whose commit it holds.
+    # at an admin's delete.  A rebuild that ends with no newer commit (its writer gone,
+    # RW_ABORT; the new commit's memory lost, LAYOUT_LOST) leaves the layout EMPTY with it,
+    # and the disk tier brings it back (LAYOUT_RECOVERED; SNAPSHOT_SET_ASIDE where it does
+    # not read); a node that dies mid-rebuild comes back with it or with the newer one.
+    # Charged to ``kept_owner``, whose commit it holds.
     kept_file: str = ""
     kept_bytes: int = 0
     kept_owner: str | None = None
@@ -152,6 +155,7 @@ class LayoutState:
             and self.restorer is None
             and not self.committed
             and not self.allocations
+            and not self.kept_file
         )
 
     def holds_lock(self, conn: int) -> bool:

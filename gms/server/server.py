@@ -242,7 +242,7 @@ class Server:
             recovered = 0
             if core.snapshots is not None:  # a node that starts with nothing finds its snapshots again
                 if start.handed is None:
-                    recovered = await core.snapshots.recover(core.policy.may_write)
+                    recovered = await core.snapshots.recover()
                 else:
                     await core.snapshots.sweep()
             # Counted once the node is taken: adopted memory is counted by its tables,
@@ -339,8 +339,6 @@ class Server:
 
     def stop(self) -> None:
         """Stop serving (the way out then decides what is released: ``left_as``)."""
-        if self.core is not None:
-            self.core.stopping()
         self._nursery.cancel_scope.cancel()
 
     def _close_backends(self) -> None:

@@ -233,6 +233,9 @@ class ServerMachine(RuleBasedStateMachine):
         while True:
             queue = self.waiting.get(layout, [])
             grants = schedule(self.state.layout(layout), queue)
+            if not grants and layout in queries.reverting(self.state):
+                self._revert(layout)  # then its readers are granted
+                continue
             if not grants:
                 return
             for grant in grants:
@@ -243,6 +246,29 @@ class ServerMachine(RuleBasedStateMachine):
                 response, _ = self.conns[grant.conn].recv(timeout=10)
                 assert response.success and response.granted_lock_type == grant.granted.value
                 assert response.restore == (grant.restore and not self.copier), "the copier restores"
+
+    def _revert(self, layout: str) -> None:
+        """A rebuild ended with no new commit and no writer waits: the server brings the
+        layout back from the snapshot kept through it (off the request path: its event is
+        waited for here), or leaves that snapshot on disk where the rules refuse it."""
+        file = self.state.layout(layout).kept_file
+        recovered = self.snapshots[file]
+
+        def found():
+            rows = [e for e in self.server.events(self.expected.last_seq) if e.layout == layout]
+            return next((e for e in rows if e.kind in ("LAYOUT_RECOVERED", "SNAPSHOT_SET_ASIDE")), None)
+
+        row = wait_until(found, timeout=30, what=f"{layout}'s kept snapshot brought back\n{self.server.log}")
+        try:
+            fold_all([recovered], self.state)
+        except Rejection:
+            assert (row.kind, row.fields["file"], row.fields["aside"]) == ("SNAPSHOT_SET_ASIDE", file, ""), row
+            event("a rebuild ended with no new commit: its kept snapshot refused, left on disk")
+            self._record([row_event(row.fields | {"kind": row.kind, "conn": row.conn})])
+            return
+        assert row.kind == "LAYOUT_RECOVERED", row
+        event("a rebuild ended with no new commit: its kept snapshot came back")
+        self._record([recovered])
 
     def _make_room(self, needed: int) -> bool:
         plan = plan_evictions(self.state, needed, self._busy())
@@ -389,9 +415,17 @@ class ServerMachine(RuleBasedStateMachine):
         self._rebuild(data, data.draw(st.sampled_from(_idle_saved(self.state)), label="saved layout"))
 
     def _rebuild(self, data, name: str) -> None:
-        self.handshake(RequestedLockType.RW, name, self.state.layout(name).owner, None)
-        if not self.rebooted and data.draw(st.booleans(), label="the node stops in the middle of it"):
+        owner, writer = self.state.layout(name).owner, self.next_conn
+        self.handshake(RequestedLockType.RW, name, owner, None)
+        then = data.draw(st.sampled_from(["builds on", "the node stops", "the writer leaves"]), label="then")
+        if then == "the node stops" and not self.rebooted:
             self.reboot(data.draw(st.booleans(), label="read"))
+        elif then == "the writer leaves" and self.state.layout(name).writer == writer:
+            if data.draw(st.booleans(), label="a reader waits for its commit"):
+                self.handshake(RequestedLockType.RO, name, owner, None)
+            if data.draw(st.booleans(), label="after an allocation"):
+                self._allocate(writer, 2 * MiB, "weights")
+            self.close_conn(writer)  # RW_ABORT: its snapshot comes back (_revert), then the reader's grant
 
     @precondition(lambda self: self.conns)
     @rule(data=st.data())

@@ -24,7 +24,7 @@ from hypothesis.stateful import rule
 
 from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
-from gms.fsm import LASTING, decide_disconnect
+from gms.fsm import LASTING, decide_disconnect, queries
 from gms.fsm.node import EMPTY_NODE
 from gms.postmortem import row_event
 from gms.store import EventLog, Snapshot
@@ -78,6 +78,8 @@ class KeptServerMachine(ServerMachine):
         self._record([resumed])
         for conn in sorted(self.state.sessions):
             self._record(decide_disconnect(self.state, conn))
+        for name in queries.reverting(self.state):  # a rebuild the crash ended: its kept snapshot comes back
+            self._grant(name)
 
 
 @pytest.mark.parametrize("copier", ["clients", "copier"])

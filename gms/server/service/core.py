@@ -122,7 +122,7 @@ class ServiceCore:
         )
         self.copier = copier if host is not None or disk is not None else None
         if disk is not None:
-            self.snapshots = self.ledger.disk = Snapshots(self.ledger, gpu, disk, self.copier)
+            self.snapshots = self.ledger.disk = Snapshots(self.ledger, gpu, disk, self.copier, policy.may_write)
             if host is not None:
                 host.spill = self.snapshots.spill
         self.durability = self.ledger.durability
@@ -164,12 +164,6 @@ class ServiceCore:
         tasks = [self.copier.run] if self.copier is not None else []
         tasks += [self.snapshots.run] if self.snapshots is not None else []
         return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])
-
-    def stopping(self) -> None:
-        """A planned stop is under way: the sessions it ends let no snapshot file go
-        (a writer's rebuild ends as an abort would, but the node keeps what is on disk)."""
-        if self.snapshots is not None:
-            self.snapshots.node_stopping = True
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes

@@ -24,6 +24,11 @@ restored from one, every snapshot found again when a server starts with nothing.
   rules like a client's layout; one that does not read is set aside
   (``*.corrupt``, the newest ``SET_ASIDE_KEPT`` of them kept for the operator,
   older ones removed), one the policy refuses (its owner gone) stays for a later start.
+* **revert** (:meth:`Snapshots.revert`): a rebuild that ended with no newer
+  commit (its writer gone, or its commit's memory lost) left the layout empty
+  with the snapshot kept through it: that comes back as at a cold start
+  (``LAYOUT_RECOVERED``); one that does not read is set aside, one refused is
+  left on disk (``SNAPSHOT_SET_ASIDE``), and the layout stays empty.
 * **spill** (:meth:`Snapshots.spill`): the host tier is short of room for new
   host copies: saved layouts on it, least recently used first, let their host
   copies go (``LAYOUT_SPILLED``: tier disk), if that makes the room.
@@ -50,13 +55,14 @@ from ...fsm.events import (
     LayoutLost,
     LayoutRecovered,
     RestoreAborted,
+    RwAbort,
     RwCommit,
     RwConnect,
     SnapshotFailed,
     SnapshotSaved,
     SnapshotSetAside,
 )
-from ...fsm.queries import layout_of, snapshot_rows, unsaved
+from ...fsm.queries import layout_of, reverting, snapshot_rows, unsaved
 from ...fsm.state import LayoutState
 from ..edge.netio import PeerGone, wait_or_hangup
 from ..tiers.copier_link import CopierGone, CopierLink, SnapshotCorrupt
@@ -68,6 +74,7 @@ log = logging.getLogger("gms.server.service.snapshots")
 _MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
 SAVE_RETRY_FIRST_S = 1.0  # a failed save is tried again after this, then twice as long each time ...
 SAVE_RETRY_MAX_S = 60.0  # ... up to this
+_MAY_REVERT = (RwAbort, LayoutLost)  # the events that may leave a layout to the snapshot kept through its rebuild
 
 
 @attrs.frozen
@@ -85,8 +92,14 @@ def retry_delay(last: Waiting | None) -> float:
 
 
 class Snapshots:
-    def __init__(self, ledger: Ledger, gpu: Memory, store: DiskStore, link: CopierLink | None) -> None:
+    def __init__(
+        self, ledger: Ledger, gpu: Memory, store: DiskStore, link: CopierLink | None,
+        may_write: Callable[[str, str], bool],
+    ) -> None:
         self.ledger = ledger
+        # ``may_write(owner, layout)``: the policy's word, asked as of a writer before a
+        # snapshot comes back (it names its owner itself: trusted no more than a client).
+        self.may_write = may_write
         self.gpu = gpu
         self.store = store
         self.link = link
@@ -96,15 +109,14 @@ class Snapshots:
         # Snapshots in the folder the log does not name (a cold start refused them), by
         # layout: a writer's grant on that layout supersedes them, and they go.
         self.unlisted: dict[str, list[str]] = {}
-        self.node_stopping = False  # a planned stop: no file goes (ServiceCore.stopping)
 
     # -- what the ledger and the core tell it -----------------------------------------
 
     def notice(self, event) -> None:
-        """Every recorded event: a commit that asks for a snapshot wakes the saver; a
-        writer's grant supersedes the layout's snapshots the log never took (a later
+        """Every recorded event: a commit that asks for a snapshot, or a rebuild that
+        may have ended with none (:meth:`revert`), wakes the saver; a writer's grant supersedes the layout's snapshots the log never took (a later
         cold start must not bring them back over what the writer makes)."""
-        if type(event) is RwCommit and event.persist:
+        if type(event) is RwCommit and event.persist or type(event) in _MAY_REVERT:
             self._wake.set()
         elif type(event) is RwConnect and event.layout in self.unlisted:
             files = self.unlisted.pop(event.layout)
@@ -113,10 +125,6 @@ class Snapshots:
             self.release(files)
 
     def release(self, files: Iterable[str]) -> None:
-        if self.node_stopping:
-            # A stop ends its sessions (a writer mid-rebuild reads as an abort), but the node
-            # keeps its files: the snapshot kept through that rebuild is the next start's.
-            return
         for file in files:
             self.lane.post(self.store.remove, file)
 
@@ -138,6 +146,8 @@ class Snapshots:
         """Save what waits (a failed save when its next try is due), then wait for
         the next commit that asks or the next try (the server's nursery)."""
         while True:
+            for name in reverting(self.ledger.state):
+                await self.revert(name)
             state = self.ledger.state
             pending = {_commit(state.layouts[name]): name for name in unsaved(state)}
             self.waiting = {c: w for c, w in self.waiting.items() if c in pending}  # saved, rewritten or gone
@@ -210,6 +220,43 @@ class Snapshots:
         log.warning("snapshot of %r not saved: %s", name, reason)
         self.ledger.record([SnapshotFailed(0, layout_hash, reason, layout=name)], by_server=True)
 
+    # -- reverting ---------------------------------------------------------------------
+
+    async def revert(self, name: str) -> None:
+        """A rebuild ended with no newer commit (its writer gone, its commit lost): the
+        layout comes back from the snapshot kept through it, checked as at a cold start
+        (``LAYOUT_RECOVERED``); one that does not read is set aside, one the policy
+        refuses is left unlisted (``SNAPSHOT_SET_ASIDE``: kept no longer)."""
+        file = self.ledger.state.layouts[name].kept_file
+        found = await trio.to_thread.run_sync(self.store.find, file)
+        now = self.ledger.state.layouts.get(name)
+        if now is None or now.kept_file != file or name not in reverting(self.ledger.state):
+            return  # a writer came meanwhile (it keeps the snapshot till a newer one is whole)
+        if found.manifest is not None and found.manifest.name != name:
+            found = attrs.evolve(found, manifest=None, error=fmt.CorruptSnapshot(f"it names layout {found.manifest.name!r}"))
+        if found.manifest is None:
+            aside = await trio.to_thread.run_sync(_set_aside_if_there, self.store, file)
+            log.error("the snapshot kept for %r does not read (%s): %s, the layout stays empty", name, found.error,
+                      f"set aside as {aside}" if aside else "gone")
+            self._not_served(file, f"kept through a rebuild, does not read: {found.error}", aside, layout=name)
+            return
+        if self._bring_back(name, found):
+            log.info("layout %r is back from the snapshot kept through its rebuild (%s)", name, file)
+
+    def _bring_back(self, name: str, snapshot: Found) -> bool:
+        """``LAYOUT_RECOVERED`` from a snapshot that reads, if the policy and the rules
+        take it; else it is left on disk, unlisted.  Whether it came back."""
+        manifest = snapshot.manifest
+        if not self.may_write(manifest.owner, name):
+            self._left_on_disk(name, snapshot.file, f"its owner {manifest.owner!r} may not write it under this policy")
+            return False
+        try:
+            self.ledger.record([_recovered(name, snapshot)])
+        except Rejection as exc:
+            self._left_on_disk(name, snapshot.file, exc.message)
+            return False
+        return True
+
     # -- restoring ---------------------------------------------------------------------
 
     async def restore(self, conn: int, until_gone: Callable[[], Awaitable[None]]) -> None:
@@ -279,11 +326,9 @@ class Snapshots:
 
     # -- recovering --------------------------------------------------------------------
 
-    async def recover(self, may_write: Callable[[str, str], bool]) -> int:
+    async def recover(self) -> int:
         """At a cold start: every snapshot in the folder as a committed layout on the
-        disk tier (the latest of each layout's); how many were recovered.
-        ``may_write(owner, layout)``: the policy's word, asked as of a writer (a
-        snapshot names its owner itself: trusted no more than a client)."""
+        disk tier (the latest of each layout's) that its owner may write; how many were recovered."""
         found = await trio.to_thread.run_sync(self.store.scan)
         await trio.to_thread.run_sync(self.store.sweep)
         latest: dict[str, Found] = {}  # layout -> its latest snapshot
@@ -312,20 +357,7 @@ class Snapshots:
                         SET_ASIDE_KEPT, ", ".join(gone))
         recovered = 0
         for name, snapshot in sorted(latest.items()):
-            manifest = snapshot.manifest
-            if not may_write(manifest.owner, name):
-                why = f"its owner {manifest.owner!r} may not write it under this policy"
-                self._left_on_disk(name, snapshot.file, why)
-                continue
-            event = LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
-                                    [list(m) for m in manifest.metadata], snapshot.size, snapshot.file,
-                                    manifest.residency, layout=name)
-            try:
-                self.ledger.record([event])
-            except Rejection as exc:
-                self._left_on_disk(name, snapshot.file, exc.message)
-                continue
-            recovered += 1
+            recovered += self._bring_back(name, snapshot)
         if found:
             log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
         return recovered
@@ -353,6 +385,20 @@ class Snapshots:
         for snapshot in unknown:
             if snapshot.manifest is not None:
                 self.unlisted.setdefault(snapshot.manifest.name, []).append(snapshot.file)
+
+
+def _recovered(name: str, snapshot: Found) -> LayoutRecovered:
+    manifest = snapshot.manifest
+    return LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
+                           [list(m) for m in manifest.metadata], snapshot.size, snapshot.file, manifest.residency,
+                           layout=name)
+
+
+def _set_aside_if_there(store: DiskStore, file: str) -> str:
+    try:
+        return store.set_aside(file)
+    except FileNotFoundError:
+        return ""
 
 
 def _commit(layout: LayoutState) -> tuple[str, str, int]:
