@@ -98,7 +98,7 @@ class Setup:
         self.daemon: subprocess.Popen | None = None
         self.socket = str(self.work / "gms.sock")
         self.sockets = self.work / "ipc"
-        self.results: dict = {}
+        self.results: dict = bench.results.setdefault(name, {})  # in the bench's JSON as it is measured
 
     # -- the daemon ------------------------------------------------------------------------
 
@@ -218,26 +218,37 @@ class Setup:
     # -- the questions ------------------------------------------------------------------------
 
     def run(self) -> dict:
-        r = self.results
+        """Every row, each written to the JSON as soon as it is measured (a lease may end mid-run)."""
+        r, save = self.results, self.bench.save
         idle = self.bench.used()
         r["daemon_start_s"] = self.start_daemon()
         r["daemon_bytes"] = self.bench.used() - idle
+        log(f"{self.name}: daemon serving in {r['daemon_start_s'] or 0:.1f} s, holding {r['daemon_bytes'] / GiB:.2f} GiB")
         r["e1"] = self.start("e1", sleep_mode=self.name == "alone")
         r["memory_1_2_4"] = [self.bench.used() - idle]
+        save()
         r["e2"] = self.start("e2")
         r["memory_1_2_4"].append(self.bench.used() - idle)
+        save()
         for key in ("e3", "e4"):
             self.spawn(key)
         for key in ("e3", "e4"):
             self.engines[key].wait_ready(self.bench.args.ready_timeout)
         r["memory_1_2_4"].append(self.bench.used() - idle)
+        log(f"{self.name}: GPU memory with 1, 2 and 4 engines (the daemon's included): "
+            + ", ".join(f"{b / GiB:.2f}" for b in r["memory_1_2_4"]) + " GiB")
+        save()
         for key in ("e2", "e3", "e4"):
             self.stop(key)
         r["sleep"] = self.sleep_wake("e1", r["e1"]["tokens"])
+        save()
         if self.name != "alone":
             r["daemon_killed"] = self.daemon_killed("e1", r["e1"]["tokens"])
+            save()
         r["engine_restarted"] = self.engine_restarted("e1")
+        save()
         r["other_checkpoint"] = self.start("other", model=self.bench.other)
+        save()
         return r
 
     def sleep_wake(self, key: str, reference: list[int]) -> dict:
@@ -338,6 +349,15 @@ class Bench:
                 return
             before = now
 
+    @property
+    def name(self) -> str:
+        """The results' file name: vllm_daemons_<the GPU's model, e.g. h100>."""
+        tag = re.search(r"\b([A-Z]\d{2,4})\b", self.results["gpu"]["name"])
+        return f"vllm_daemons_{tag.group(1).lower() if tag else 'gpu'}"
+
+    def save(self) -> Path:
+        return write_results(self.args.out, self.name, self.results)
+
     def run(self) -> None:
         for name in self.args.setups:
             setup = Setup(self, name)
@@ -422,9 +442,7 @@ def main() -> int:
     try:
         bench.run()
     finally:
-        tag = re.search(r"\b([A-Z]\d{2,4})\b", bench.results["gpu"]["name"])
-        name = f"vllm_daemons_{tag.group(1).lower() if tag else 'gpu'}"
-        out = write_results(args.out, name, bench.results)
+        name, out = bench.name, bench.save()
         if (bench.work / "engines-tail.log").exists():
             shutil.copy(bench.work / "engines-tail.log", out.parent / f"{name}_engines.log")
         for setup in SETUPS:
