@@ -286,6 +286,11 @@ def test_a_rebuild_that_ends_with_no_new_commit_leaves_the_kept_snapshot_to_come
         gone = fold_all([SnapshotSetAside(0, FILE, "does not read", FILE + ".corrupt", layout="llama")], left)
         check_invariants(gone)
         assert ("llama" in gone.layouts, gone.disk_bytes, gone.tenants["team"].disk_bytes) == (False, 0, 0)
+    discarded = RwAbort(3, True, layout="llama")  # the writer drops it on purpose (AbortRequest.discard)
+    building = rebuild(saved, commit=False)
+    assert disk_releases(building, discarded) == [FILE]
+    gone = fold_all([discarded], building)
+    assert ("llama" in gone.layouts, gone.disk_bytes, reverting(gone)) == (False, 0, [])
     other = fold_all([SnapshotSetAside(0, FILE2, "does not read", layout="llama")], left)
     assert other.layout("llama").kept_file == FILE, "another file set aside lets nothing go"
     deleted = fold_all([LayoutDeleted(0, 0, layout="llama")], rebuild(saved))

@@ -26,7 +26,7 @@ import pytest
 from gms import GMSClientMemoryManager, RequestedLockType
 from gms.client.admin import evict
 from gms.disk import format as fmt
-from gms.errors import GMSServerError
+from gms.errors import GMSServerError, GMSUsageError
 
 from .helpers import ServerProcess, state_or_none, wait_until
 
@@ -763,9 +763,10 @@ def test_a_kept_snapshot_that_does_not_read_is_set_aside_when_the_rebuild_ends(t
     server.stop()
 
 
-def test_a_commit_that_asks_for_no_snapshot_lets_the_kept_one_go(tmp_path):
+def test_a_rebuild_dropped_on_purpose_lets_the_kept_snapshot_go(tmp_path):
     """The kept snapshot goes, and its bytes leave the disk budget, when the rebuild
-    commits asking for no snapshot (version 1 must never come back over version 2)."""
+    commits asking for no snapshot (version 1 must never come back over version 2),
+    or when its writer aborts with ``discard=True`` (a reader may not)."""
     server = serve(tmp_path)
     publish(server.socket, sizes=(5 * MiB,))
     first = saved(server)
@@ -774,6 +775,21 @@ def test_a_commit_that_asks_for_no_snapshot_lets_the_kept_one_go(tmp_path):
     assert server.state().disk_used_bytes == 0
     server = reboot(server, tmp_path)
     assert server.layout().state == "EMPTY", "version 1 never comes back over version 2"
+    publish(server.socket, sizes=(5 * MiB,))
+    first = saved(server)
+    reader = GMSClientMemoryManager(server.socket, layout="weights")
+    reader.connect(RequestedLockType.RO)
+    with pytest.raises(GMSUsageError, match="needs the RW lock"):
+        reader.abort(discard=True)
+    reader.close()
+    writer = GMSClientMemoryManager(server.socket, layout="weights")
+    writer.connect(RequestedLockType.RW)
+    writer.abort(discard=True)
+    wait_until(lambda: not os.path.exists(first), what="the kept snapshot discarded by its writer")
+    assert (server.layout().state, server.state().disk_used_bytes) == ("EMPTY", 0)
+    (aborted,) = [e for e in server.events() if e.kind == "RW_ABORT"]
+    assert aborted.fields["discard"] is True
+    assert "LAYOUT_RECOVERED" not in server.kinds()
     server.stop()
 
 

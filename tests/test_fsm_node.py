@@ -395,7 +395,7 @@ def test_every_event_declares_what_it_releases_and_whether_a_restart_keeps_it():
     }
     assert [kind for kind, rule in RULES.items() if rule.owns] == [RwConnect]
     assert {kind.KIND: rule.releases.__name__ for kind, rule in RULES.items() if rule.releases} == {
-        "RW_CONNECT": "cleared", "RW_COMMIT": "kept_unasked", "SNAPSHOT_SAVED": "kept_snapshot", "RW_ABORT": "dropped", "ALLOCATION_FREED": "one_allocation",
+        "RW_CONNECT": "cleared", "RW_COMMIT": "kept_unasked", "SNAPSHOT_SAVED": "kept_snapshot", "RW_ABORT": "aborted", "ALLOCATION_FREED": "one_allocation",
         "LAYOUT_EVICTED": "gpu_copy", "RESTORE_ABORTED": "half_restored", "LAYOUT_LOST": "dropped", "LAYOUT_DELETED": "everything",
         "LAYOUT_SPILLED": "host_copies", "LAYOUT_FELL_TO_DISK": "memory_copies",
     }

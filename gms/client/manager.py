@@ -307,9 +307,17 @@ class GMSClientMemoryManager:
                 f"of this process is {mine}"
             )
 
-    def abort(self) -> None:
-        """Close the connection (releasing the lock); mappings are kept.  Idempotent."""
+    def abort(self, discard: bool = False) -> None:
+        """Close the connection (releasing the lock); mappings are kept.  Idempotent.
+
+        A writer's layout is dropped; if it was rebuilding a layout saved to the
+        disk tier, that snapshot brings the last version back (as after the
+        writer's death).  ``discard=True`` (a writer only) drops that snapshot
+        too: the last version goes for good."""
         with self._lock:
+            if discard:
+                self._require(GrantedLockType.RW, "abort(discard=True)")
+                self._call(m.AbortRequest(discard=True), m.AbortResponse)
             self._drop()
             self._lost = None
 

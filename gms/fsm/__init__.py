@@ -15,6 +15,7 @@ from . import rules
 from .accounting import admit_allocation, admit_restore, gpu_shortfall, host_room
 from .decide import (
     decide_allocate,
+    decide_abort,
     decide_commit,
     decide_free,
     decide_host_copy,
@@ -127,6 +128,7 @@ __all__ = [
     "check_invariants",
     "compute_layout_hash",
     "decide_allocate",
+    "decide_abort",
     "decide_commit",
     "decide_disconnect",
     "decide_revoke",

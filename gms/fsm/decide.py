@@ -19,6 +19,7 @@ from .events import (
     HostCopyCreated,
     MetadataDeleted,
     MetadataPut,
+    RwAbort,
     RwCommit,
 )
 from .layout_hash import compute_layout_hash
@@ -81,6 +82,12 @@ def decide_commit(
     residency = parse_residency(residency)
     layout_hash = compute_layout_hash(state.allocations.values(), state.metadata.values())
     return [RwCommit(conn, layout_hash, residency.value, bool(persist), layout=state.name)]
+
+
+def decide_abort(state: LayoutState, conn: int, discard: bool) -> list[Event]:
+    """The writer gives up its rebuild; ``discard``: the snapshot kept through it goes too."""
+    require(state, conn, Who.WRITER, "abort")
+    return [RwAbort(conn, bool(discard), layout=state.name)]
 
 
 def decide_host_copy(state: LayoutState, conn: int, allocation_id: str) -> list[Event]:

@@ -147,9 +147,13 @@ class RwCommit(Event):
 
 @attrs.frozen
 class RwAbort(Event):
-    """The writer left without committing: its layout is dropped."""
+    """The writer left without committing: its layout is dropped.  A snapshot kept
+    through its rebuild comes back (the disk tier's LAYOUT_RECOVERED), unless the
+    writer asked to ``discard`` it (AbortRequest): a writer's death and a plain
+    close look alike, and neither may lose the last whole version."""
 
     KIND: ClassVar[str] = "RW_ABORT"
+    discard: bool = False
 
 
 @attrs.frozen

@@ -84,8 +84,8 @@ def _kept(state: LayoutState) -> dict:
 
 def rw_abort(state: LayoutState, event: RwAbort) -> LayoutState:
     """The writer's layout goes; a snapshot kept through its rebuild stays, for the
-    disk tier to bring back (LAYOUT_RECOVERED)."""
-    return state.fresh(**_kept(state))
+    disk tier to bring back (LAYOUT_RECOVERED), unless the writer discards it."""
+    return state.fresh() if event.discard else state.fresh(**_kept(state))
 
 
 def ro_connect(state: LayoutState, event: RoConnect) -> LayoutState:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from .events import AllocationFreed, Event, RwCommit
+from .events import AllocationFreed, Event, RwAbort, RwCommit
 from .folding import restore_source
 from .state import LayoutState, Residency, Tier
 
@@ -42,9 +42,14 @@ def everything(layout: LayoutState, event: Event) -> Released:
 
 
 def dropped(layout: LayoutState, event: Event) -> Released:
-    """The layout's memory on every tier and its own snapshot (an abort, a loss); a
-    snapshot kept through its rebuild stays, to be brought back (gms.fsm.folding.rw_abort)."""
+    """The layout's memory on every tier and its own snapshot (a loss); a snapshot
+    kept through its rebuild stays, to be brought back (gms.fsm.folding.layout_lost)."""
     return _all(layout, gpu=layout.gpu_bytes > 0, host=True, disk=True)
+
+
+def aborted(layout: LayoutState, event: RwAbort) -> Released:
+    """The writer's layout; the snapshot kept through its rebuild only if it discards it."""
+    return dropped(layout, event) + (kept_snapshot(layout, event) if event.discard else [])
 
 
 def cleared(layout: LayoutState, event: Event) -> Released:

@@ -97,6 +97,7 @@ from .layout_hash import compute_layout_hash
 from .node_steps import observation, server_resumed, session_closed, session_opened
 from .releases import (
     ReleaseFn,
+    aborted,
     cleared,
     dropped,
     everything,
@@ -647,8 +648,8 @@ RULES: dict[type[Event], Rule] = {
         makes_room=True, releases=kept_unasked, lasting=True, step=steps.rw_commit,
     ),
     RwAbort: Rule(
-        Who.WRITER, (Move(RW, EMPTY, "a snapshot kept through the rebuild stays, to be recovered"),), action="abort",
-        uses=True, releases=dropped, lasting=False,
+        Who.WRITER, (Move(RW, EMPTY, "a snapshot kept through the rebuild stays, to be recovered, unless discarded"),),
+        action="abort", uses=True, releases=aborted, lasting=False,
         step=steps.rw_abort,
     ),
     RoConnect: Rule(

@@ -151,6 +151,20 @@ class CommitResponse:
 
 
 @attrs.frozen
+class AbortRequest:
+    """The writer gives up its rebuild without committing; the server answers, then
+    closes the connection.  ``discard``: the snapshot kept through the rebuild goes
+    too (a plain close, or a writer's death, brings it back: docs/protocol.md)."""
+
+    discard: bool = False
+
+
+@attrs.frozen
+class AbortResponse:
+    success: bool
+
+
+@attrs.frozen
 class ExportHostCopiesRequest:
     """The host-tier copies of allocations (fds, like exports).  For the writer
     the server creates missing ones; a restorer gets the existing ones."""
@@ -581,6 +595,7 @@ REQUESTS: tuple[type, ...] = (
     ListAllocationsRequest,
     FreeAllocationRequest,
     CommitRequest,
+    AbortRequest,
     ExportHostCopiesRequest,
     ExportHostChunksRequest,
     RestoreDoneRequest,
@@ -608,6 +623,7 @@ RESPONSES: tuple[type, ...] = (
     ListAllocationsResponse,
     FreeAllocationResponse,
     CommitResponse,
+    AbortResponse,
     ExportHostCopiesResponse,
     ExportHostChunksResponse,
     RestoreDoneResponse,

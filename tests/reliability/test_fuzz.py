@@ -421,8 +421,8 @@ def closes(message, response, first: bool) -> bool:
     """Does the server close the connection after this answer (docs/protocol.md)?"""
     if first and isinstance(message, m.ONE_SHOT):
         return True  # probes and admin verbs answer once
-    if isinstance(response, m.CommitResponse) and response.success:
-        return True
+    if isinstance(response, (m.CommitResponse, m.AbortResponse)) and response.success:
+        return True  # a writer's commit or abort ends its session
     return isinstance(response, m.HandshakeResponse) and not response.success
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from ...fsm import (
     LayoutState,
+    decide_abort,
     decide_commit,
     decide_free,
     decide_metadata_delete,
@@ -115,6 +116,10 @@ class Requests:
         # at once) before the response goes out, so the hash comes from the event.
         self.ledger.record([commit])
         return Reply(m.CommitResponse(True, commit.layout_hash), close_after=True)
+
+    def abort(self, conn: int, req: m.AbortRequest) -> Reply:
+        self.ledger.record(decide_abort(self._layout(conn), conn, req.discard))
+        return Reply(m.AbortResponse(True), close_after=True)
 
     def metadata_put(self, conn: int, req: m.MetadataPutRequest) -> Reply:
         layout = self._layout(conn)

@@ -87,6 +87,7 @@ ROUTES: dict[type, Route] = {
     m.GetAllocationRequest: _requests("get_allocation"),
     m.ListAllocationsRequest: _requests("list_allocations"),
     m.FreeAllocationRequest: _requests("free"),
+    m.AbortRequest: _requests("abort"),
     m.MetadataPutRequest: _requests("metadata_put"),
     m.MetadataPutManyRequest: _requests("metadata_put_many"),
     m.MetadataGetRequest: _requests("metadata_get"),
