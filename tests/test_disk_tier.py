@@ -812,6 +812,34 @@ def test_set_aside_snapshots_are_bounded_the_newest_kept(tmp_path):
     server.stop()
 
 
+def test_every_file_in_the_folder_counts_against_the_disk_budget(tmp_path):
+    """Issue 60: set-aside and left-on-disk files were outside --disk-budget (128 MiB on
+    disk against a 100 MiB budget).  They count as loose bytes now; a start or a save
+    that needs their room removes them, set-aside ones first, the oldest first."""
+    server = serve(tmp_path)
+    folder = server.state().disk_dir
+    server.stop()
+    torn = [fmt.file_name("weights", "e" * 64, stamp) for stamp in (1, 2, 3)]
+    for name in torn:  # three unreadable files of 4 MiB: set aside at the next start
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(os.urandom(4 * MiB))
+    server = serve(tmp_path, "--disk-budget", "11MiB")
+    state = server.state()
+    assert state.disk_loose_bytes <= 11 * MiB, "a start keeps the folder under its budget"
+    aside = sorted(n for n in os.listdir(folder) if n.endswith(".corrupt"))
+    assert aside == [torn[1] + ".corrupt", torn[2] + ".corrupt"], "the oldest went first"
+    assert state.disk_loose_bytes == 8 * MiB and "8.0 MiB set aside or left" in gms_cli(
+        "status", "--socket", server.socket).stdout
+    publish(server.socket, sizes=(5 * MiB,))  # 6 MiB aligned, and its manifest: one more set-aside file goes
+    path = saved(server)
+    state = server.state()
+    assert state.disk_used_bytes == os.path.getsize(path)
+    assert state.disk_used_bytes + state.disk_loose_bytes <= 11 * MiB
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".corrupt")) == [torn[2] + ".corrupt"]
+    assert "removed (no layout holds it) to keep the folder under its budget" in server.log
+    server.stop()
+
+
 async def test_a_commit_waiting_to_be_saved_is_in_the_metrics_with_whether_it_failed(tmp_path):
     """gms_layout_unsaved (docs/operations.md): a server with no copier cannot save;
     the commit stands, waits, and says that its save failed."""

@@ -117,7 +117,8 @@ def disk_line(state: m.GetRuntimeStateResponse) -> str:
     if state.disk_budget_bytes == 0:
         return "off (commits cannot persist)"
     free = f", {format_bytes(state.disk_free_bytes)} free on its disk" if state.disk_free_bytes is not None else ""
-    return (f"{format_bytes(state.disk_used_bytes)} in snapshots, "
+    loose = f", {format_bytes(state.disk_loose_bytes)} set aside or left" if state.disk_loose_bytes else ""
+    return (f"{format_bytes(state.disk_used_bytes)} in snapshots{loose}, "
             f"{_budget(state.disk_budget_bytes, 'as the disk allows')}{free}" + (f", {state.disk_dir}" if state.disk_dir else ""))
 
 

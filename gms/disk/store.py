@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 
@@ -69,6 +70,11 @@ class DiskStore:
         self._dir_fd = _folder(directory)
         # The highest save stamp any file in the folder carries (its name says it: no file opened).
         self.highest = max((s for n in os.listdir(self._dir_fd) if (s := fmt.stamp_of(n)) is not None), default=0)
+        # Files in the folder no layout holds (set aside, or left on disk: refused at a
+        # start, of another format), with their sizes: counted against the disk budget
+        # beside the log's snapshots (gms.server.service.snapshots: Snapshots.fit).
+        self._loose: dict[str, int] = {}
+        self._loose_lock = threading.Lock()  # (the store's calls run on worker threads)
 
     def close(self) -> None:
         if self._dir_fd >= 0:
@@ -166,12 +172,48 @@ class DiskStore:
             pass
         except OSError as exc:
             log.warning("snapshot %s was released but could not be removed: %s", file, exc)
+            return
+        with self._loose_lock:
+            self._loose.pop(file, None)
 
     def set_aside(self, file: str) -> str:
         """Rename a snapshot that does not read out of the way (kept for the operator); its new name."""
         aside = file + _ASIDE
         os.rename(file, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        self.leave(aside)
+        with self._loose_lock:
+            self._loose.pop(file, None)
         return aside
+
+    # -- what no layout holds ----------------------------------------------------------------
+
+    def leave(self, file: str) -> None:
+        """``file`` stays in the folder though no layout holds it: counted as loose."""
+        try:
+            size = os.stat(file, dir_fd=self._dir_fd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return
+        with self._loose_lock:
+            self._loose[file] = size
+
+    def find_loose(self, held: Callable[[str], bool]) -> None:
+        """At a start: every snapshot or set-aside file in the folder not ``held`` is loose."""
+        for name in os.listdir(self._dir_fd):
+            if not name.startswith(".") and (name.endswith(fmt.SUFFIX) or name.endswith(fmt.SUFFIX + _ASIDE)) \
+                    and not held(name):
+                self.leave(name)
+
+    @property
+    def loose_bytes(self) -> int:
+        with self._loose_lock:
+            return sum(self._loose.values())
+
+    def first_to_go(self, skip: set[str]) -> str | None:
+        """The loose file to remove first when the budget needs room: set-aside ones
+        before whole ones, the oldest save first (``skip``: not those).  None: no other."""
+        with self._loose_lock:
+            names = [n for n in self._loose if n not in skip]
+        return min(names, key=lambda n: (not n.endswith(_ASIDE), fmt.stamp_of(n) or 0, n), default=None)
 
     def trim_set_aside(self, keep: int = SET_ASIDE_KEPT) -> list[str]:
         """Remove all but the ``keep`` newest set-aside files (by the stamp their names
@@ -180,8 +222,7 @@ class DiskStore:
         aside = [n for n in os.listdir(self._dir_fd) if n.endswith(fmt.SUFFIX + _ASIDE) and not n.startswith(".")]
         aside.sort(key=lambda n: (fmt.stamp_of(n) or 0, n), reverse=True)
         for name in aside[keep:]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self._dir_fd)
+            self.remove(name)
         return aside[keep:]
 
     def sweep(self) -> list[str]:

@@ -40,6 +40,10 @@ class _StateCollector:
                                       state.gpu_bytes),
             "gms_host_used_bytes": ("Layout bytes in the host tier", state.host_bytes),
             "gms_disk_used_bytes": ("Bytes of snapshots on the disk tier", state.disk_bytes),
+            "gms_disk_loose_bytes": (
+                "Bytes of files in the disk tier's folder no layout holds (set aside, left on disk): in its budget too",
+                core.snapshots.store.loose_bytes if core.snapshots is not None else None,
+            ),
             "gms_sessions": ("Handshaken connections", len(state.sessions)),
             "gms_events_logged": ("Last event sequence number", core.log.last_seq),
         }

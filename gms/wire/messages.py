@@ -447,6 +447,7 @@ class GetRuntimeStateResponse:
     # holds), the snapshots it keeps, its folder and what that disk has free.
     disk_budget_bytes: int | None = 0
     disk_used_bytes: int = 0
+    disk_loose_bytes: int = 0  # files in its folder no layout holds (set aside, left on disk): in the budget too
     disk_dir: str = ""
     disk_free_bytes: int | None = None
 

@@ -163,6 +163,7 @@ class Probes:
             host_used_bytes=state.host_bytes,
             disk_budget_bytes=state.disk_budget_bytes,
             disk_used_bytes=state.disk_bytes,
+            disk_loose_bytes=self.disk.loose_bytes if self.disk is not None else 0,
             disk_dir=self.disk.directory if self.disk is not None else "",
             disk_free_bytes=disk_free,
             device_free_bytes=info.free_bytes,

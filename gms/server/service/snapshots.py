@@ -174,6 +174,7 @@ class Snapshots:
         widest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=_MAX_CRC) for e in extents))
         bound = manifest.data_bytes + len(await trio.to_thread.run_sync(fmt.encode, widest, manifest.data_bytes))
         started = time.perf_counter()
+        await self.fit(bound - layout.kept_bytes)  # (the snapshot kept through its rebuild goes with it)
         try:
             self.ledger.fold([SnapshotSaved(0, layout_hash, bound, file, layout=name)])  # the budget, the quota
             if self.link is None or not await self.link.usable():
@@ -360,11 +361,13 @@ class Snapshots:
             recovered += self._bring_back(name, snapshot)
         if found:
             log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
+        await self._found_loose()
         return recovered
 
     def _left_on_disk(self, name: str, file: str, why: str) -> None:
         """A snapshot this start does not recover: kept for a start whose policy takes
         it, until a writer of its layout supersedes it."""
+        self.store.leave(file)
         log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
                     "policy takes it recovers it)", name, why, name)
         self.unlisted.setdefault(name, []).append(file)
@@ -380,11 +383,43 @@ class Snapshots:
         snapshots the log does not name (a cold start refused them) are found again,
         for a writer of their layout to supersede."""
         await trio.to_thread.run_sync(self.store.sweep)
-        named = {file for layout in self.ledger.state.layouts.values() for file in (layout.disk_file, layout.kept_file)}
+        named = _held(self.ledger.state)
         unknown = await trio.to_thread.run_sync(self.store.scan, lambda file: file not in named)
         for snapshot in unknown:
             if snapshot.manifest is not None:
                 self.unlisted.setdefault(snapshot.manifest.name, []).append(snapshot.file)
+        await self._found_loose()
+
+    # -- the folder's other files --------------------------------------------------------
+
+    async def _found_loose(self) -> None:
+        """At a start: the files no layout holds count against the budget; past it, they go."""
+        held = _held(self.ledger.state)
+        await trio.to_thread.run_sync(self.store.find_loose, held.__contains__)
+        await self.fit(0)
+
+    async def fit(self, needed: int) -> None:
+        """Room for ``needed`` more bytes of snapshots under the disk budget: the log's
+        snapshots and the loose files (set aside, left on disk) count together, and
+        loose ones go (set-aside first, the oldest first) while the budget is short."""
+        budget, tried = self.ledger.state.disk_budget_bytes, set()
+        while budget is not None and (file := self.store.first_to_go(tried)) is not None:
+            tried.add(file)  # (one that will not go is tried once)
+            loose = self.store.loose_bytes
+            if self.ledger.state.disk_bytes + loose + needed <= budget:
+                return
+            log.warning("disk tier: %s removed (no layout holds it) to keep the folder under its budget of %d bytes "
+                        "(%d in snapshots, %d loose, %d asked)", file, budget, self.ledger.state.disk_bytes, loose,
+                        max(needed, 0))
+            await trio.to_thread.run_sync(self.store.remove, file)
+            for files in self.unlisted.values():
+                if file in files:
+                    files.remove(file)
+
+
+def _held(state) -> set[str]:
+    """The files the log's layouts hold: their snapshots and those kept through a rebuild."""
+    return {file for layout in state.layouts.values() for file in (layout.disk_file, layout.kept_file) if file}
 
 
 def _recovered(name: str, snapshot: Found) -> LayoutRecovered:
