@@ -114,8 +114,9 @@ class Snapshots:
 
     def notice(self, event) -> None:
         """Every recorded event: a commit that asks for a snapshot, or a rebuild that
-        may have ended with none (:meth:`revert`), wakes the saver; a writer's grant supersedes the layout's snapshots the log never took (a later
-        cold start must not bring them back over what the writer makes)."""
+        may have ended with none (:meth:`revert`), wakes the saver; a writer's grant
+        supersedes the layout's snapshots the log never took (a later cold start must
+        not bring them back over what the writer makes)."""
         if type(event) is RwCommit and event.persist or type(event) in _MAY_REVERT:
             self._wake.set()
         elif type(event) is RwConnect and event.layout in self.unlisted:
@@ -228,6 +229,8 @@ class Snapshots:
         layout comes back from the snapshot kept through it, checked as at a cold start
         (``LAYOUT_RECOVERED``); one that does not read is set aside, one the policy
         refuses is left unlisted (``SNAPSHOT_SET_ASIDE``: kept no longer)."""
+        if name not in reverting(self.ledger.state):
+            return  # (an earlier revert's awaits: a writer came, or it went)
         file = self.ledger.state.layouts[name].kept_file
         found = await trio.to_thread.run_sync(self.store.find, file)
         now = self.ledger.state.layouts.get(name)
