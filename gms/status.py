@@ -47,6 +47,7 @@ def layout_rows(
                 disk_bytes=layout.disk_bytes,
                 kept_bytes=layout.kept_bytes,
                 save_error=layout.save_error,
+                unserved=layout.unserved,
                 persist=layout.persist,
             )
         )

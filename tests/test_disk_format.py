@@ -285,7 +285,11 @@ def test_a_rebuild_that_ends_with_no_new_commit_leaves_the_kept_snapshot_to_come
             5 * MiB, 5 * MiB, []), "charged once"
         gone = fold_all([SnapshotSetAside(0, FILE, "does not read", FILE + ".corrupt", layout="llama")], left)
         check_invariants(gone)
-        assert ("llama" in gone.layouts, gone.disk_bytes, gone.tenants["team"].disk_bytes) == (False, 0, 0)
+        assert (gone.layout("llama").unserved, gone.disk_bytes, gone.tenants["team"].disk_bytes) == (
+            "does not read", 0, 0), "uncharged; its readers are told why"
+        again = fold_all([SessionOpened(9, "team", 1000, 1000, 9, "RW", layout="llama"),
+                          RwConnect(9, layout="llama")], gone)
+        assert again.layout("llama").unserved == "", "a writer clears it"
     discarded = RwAbort(3, True, layout="llama")  # the writer drops it on purpose (AbortRequest.discard)
     building = rebuild(saved, commit=False)
     assert disk_releases(building, discarded) == [FILE]

@@ -26,7 +26,7 @@ import pytest
 from gms import GMSClientMemoryManager, RequestedLockType
 from gms.client.admin import evict
 from gms.disk import format as fmt
-from gms.errors import GMSServerError, GMSUsageError
+from gms.errors import GMSServerError, GMSUsageError, LockTimeoutError
 
 from .helpers import ServerProcess, state_or_none, wait_until
 
@@ -759,7 +759,13 @@ def test_a_kept_snapshot_that_does_not_read_is_set_aside_when_the_rebuild_ends(t
     assert os.path.exists(first + ".corrupt") and not os.path.exists(first)
     row = server.layout()
     assert (row.state, row.kept_bytes, server.state().disk_used_bytes) == ("EMPTY", 0, 0)
+    assert row.unserved.startswith("kept through a rebuild, does not read"), row
+    assert "not served: kept through a rebuild" in gms_cli("status", "--socket", server.socket).stdout
+    reader = GMSClientMemoryManager(server.socket, layout="weights")  # a reader waits for a writer, and is told why
+    with pytest.raises(LockTimeoutError, match="its last snapshot was not served, kept through a rebuild"):
+        reader.connect(RequestedLockType.RO, timeout_ms=200)
     assert read(server.socket)[0].value == "RW", "nothing to import: the next engine builds it"
+    assert server.layout().unserved == "", "a writer clears it"
     server.stop()
 
 

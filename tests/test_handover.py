@@ -444,11 +444,13 @@ def test_the_image_carries_every_field_of_the_state():
     body = codec._body_v4(rich_image())["node"]
     derived = {"keys_by_allocation"}  # rebuilt from the metadata on reading
     assert {f.name for f in attrs.fields(NodeState)} == set(body), "NodeState vs the image's node"
-    # version 5: a "kept" row and a "save_error", each only where a layout has one
-    kept = {"kept_file", "kept_bytes", "kept_owner", "save_error"}
+    # version 5: a "kept" row, a "save_error" and "unserved", each only where a layout has one
+    kept = {"kept_file", "kept_bytes", "kept_owner", "save_error", "unserved"}
     rows = {row["name"]: row for row in body["layouts"]}
     assert {f.name for f in attrs.fields(LayoutState)} - derived - kept == set(rows["weights"])
     assert set(rows["rebuilt"]) == set(rows["weights"]) | {"kept"}
+    unserved = LayoutState("torn", unserved="does not read: its manifest is torn")
+    assert codec._read_layout_v1(codec.layout_head(unserved) | {"allocations": [], "metadata": []}) == unserved
     assert [f.name for f in attrs.fields(TenantState)] == [
         "name", "quota_bytes", "used_bytes", "sessions", "metadata_quota", "metadata_bytes", "max_layouts",
         "layout_refs", "disk_quota", "disk_bytes",

@@ -106,6 +106,8 @@ def _over(t: m.TenantStatus) -> str:
 
 
 def _saved(row: m.LayoutStatus) -> str:
+    if row.unserved:
+        return f"not served: {row.unserved}"
     if row.disk_bytes:
         return format_bytes(row.disk_bytes)
     if not (row.persist and row.committed):

@@ -276,9 +276,11 @@ class GMSClientMemoryManager:
             response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle,
                                          first_word=FIRST_WORD_S)
             if not response.success:
+                why = (f" (nothing comes from disk: its last snapshot was not served, {response.unserved}; "
+                       "a writer builds it)") if response.unserved else ""
                 raise LockTimeoutError(
                     f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "
-                    f"not granted in {timeout_ms} ms"
+                    f"not granted in {timeout_ms} ms{why}"
                 )
             if response.max_frame_bytes > 0:
                 transport.max_request_bytes = response.max_frame_bytes

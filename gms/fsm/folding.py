@@ -283,9 +283,14 @@ def layout_deleted(state: LayoutState, event: LayoutDeleted) -> LayoutState:
 
 
 def snapshot_set_aside(state: LayoutState, event: SnapshotSetAside) -> LayoutState:
-    """A kept snapshot the disk tier could not bring back (it does not read, or the
-    policy refuses it) is kept no longer: the file was set aside or left unlisted."""
-    return replace(state, **_NOTHING_KEPT) if state.kept_file and state.kept_file == event.file else state
+    """The layout's snapshot was not served (it does not read, or the policy refuses
+    it): an empty layout says why to its readers; one kept through a rebuild is kept
+    no longer (the file was set aside or left unlisted)."""
+    if state.kept_file and state.kept_file == event.file:
+        return replace(state, unserved=event.reason, **_NOTHING_KEPT)
+    if state.committed or state.writer is not None or state.kept_file:
+        return state  # (a layout served from another snapshot, or being built)
+    return replace(state, unserved=event.reason)
 
 
 def unchanged(state: LayoutState, event: Event) -> LayoutState:

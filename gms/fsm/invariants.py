@@ -51,6 +51,8 @@ def layout_problems(state: LayoutState):
         yield "a kept snapshot without its file, size or owner"
     if state.kept_file and (state.saved or state.committed and not state.persist):
         yield "a snapshot kept beside a newer one, or beside a commit that asks for none"
+    if state.unserved and (state.committed or state.writer is not None or state.kept_file):
+        yield "a snapshot said not served beside a commit, a writer or a kept snapshot"
     if state.tier is Tier.RESTORING and state.restorer is None:
         yield "restoring with no restorer"
     if state.writer is None and not state.committed and (state.allocations or state.metadata):

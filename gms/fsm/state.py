@@ -109,6 +109,9 @@ class LayoutState:
     kept_bytes: int = 0
     kept_owner: str | None = None
     save_error: str = ""  # why this commit's snapshot is not saved yet (its last SNAPSHOT_FAILED); "": none failed
+    # Why this EMPTY layout's last snapshot was not served (SNAPSHOT_SET_ASIDE naming it:
+    # set aside, or refused): its readers are told while they wait; a writer clears it.
+    unserved: str = ""
     last_use: int = 0  # the node's tick when a lock on it was last taken or released
     loads: int = 0  # commits
     restores: int = 0
@@ -156,6 +159,7 @@ class LayoutState:
             and not self.committed
             and not self.allocations
             and not self.kept_file
+            and not self.unserved
         )
 
     def holds_lock(self, conn: int) -> bool:

@@ -198,6 +198,8 @@ def layout_head(layout: LayoutState) -> dict:
         head["kept"] = [layout.kept_file, layout.kept_bytes, layout.kept_owner]
     if layout.save_error:  # (version 5: why its save waits; only where one failed)
         head["save_error"] = layout.save_error
+    if layout.unserved:  # (version 5: why its snapshot was not served; only where one was not)
+        head["unserved"] = layout.unserved
     return head
 
 
@@ -280,6 +282,7 @@ def _read_layout_v1(d: dict) -> LayoutState:
         disk_file=d.get("disk_file", ""),
         **_read_kept(d.get("kept")),
         save_error=d.get("save_error", ""),
+        unserved=d.get("unserved", ""),
         last_use=d["last_use"],
         loads=d["loads"],
         restores=d["restores"],

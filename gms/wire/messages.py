@@ -51,6 +51,9 @@ class HandshakeResponse:
     # The largest frame body this server reads (0: unknown, assume 16 MiB): the
     # client refuses a bigger request before sending it.
     max_frame_bytes: int = 0
+    # A wait that timed out on an empty layout whose last snapshot was not served
+    # (set aside, or refused): why, so the reader knows nothing will come from disk.
+    unserved: str = ""
 
 
 # -- allocations --------------------------------------------------------------
@@ -360,6 +363,7 @@ class LayoutStatus:
     persist: bool = False  # committed to persist: a snapshot is saved (or is being)
     kept_bytes: int = 0  # an earlier commit's snapshot, kept until this commit's is whole (issue 60)
     save_error: str = ""  # why this commit's snapshot is not saved yet ("": saved, saving, or none asked)
+    unserved: str = ""  # why its last snapshot was not served (set aside, or refused): its readers wait for a writer
 
     @classmethod
     def empty(cls, name: str) -> LayoutStatus:

@@ -120,4 +120,5 @@ def response(s, grant: Grant | None, restored: bool = False) -> m.HandshakeRespo
         tenant=session.tenant if session else "",
         restore=grant is not None and grant.restore and not restored,
         max_frame_bytes=s.config.max_frame_bytes,
+        unserved=layout.unserved if layout and grant is None else "",
     )

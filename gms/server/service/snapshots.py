@@ -374,11 +374,15 @@ class Snapshots:
         log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
                     "policy takes it recovers it)", name, why, name)
         self.unlisted.setdefault(name, []).append(file)
-        self._not_served(file, f"left on disk, not recovered: {why}", layout=name)
+        self._not_served(file, f"layout {name!r} left on disk, not recovered: {why}", layout=name)
 
     def _not_served(self, file: str, reason: str, aside: str = "", layout: str = "") -> None:
-        """A snapshot a start does not serve, in the history (``gms history``): its file,
-        why, and its layout where its manifest named one."""
+        """A snapshot not served, in the history (``gms history``): its file, why, and its
+        layout where known, which then says why to its readers (LayoutState.unserved) if
+        the node has room for one more layout (at the bound, the event names none)."""
+        state = self.ledger.state
+        if layout and layout not in state.layouts and len(state.layouts) >= state.limits.max_layouts:
+            layout = ""
         self.ledger.record([SnapshotSetAside(0, file, reason, aside, layout=layout)], by_server=True)
 
     async def sweep(self) -> None:
