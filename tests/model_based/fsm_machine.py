@@ -68,6 +68,7 @@ from gms.fsm.events import (
     ServerStarted,
     SessionClosed,
     SnapshotSaved,
+    SnapshotSetAside,
 )
 from gms.fsm.folding import layout_recovered
 from gms.fsm.state import LayoutState
@@ -672,6 +673,46 @@ class FsmMachine(RuleBasedStateMachine):
                 ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
                 ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
 
+    @precondition(lambda self: any(
+        ref.disk and ref.committed and ref.writer is None and not ref.readers and ref.restorer is None
+        for ref in self.refs.values()))
+    @rule(data=st.data())
+    def rebuild(self, data):
+        """Its owner writes a saved layout again (the snapshot is kept till a newer one
+        is whole, or comes back if the rebuild ends with none: issue 60)."""
+        layout = data.draw(st.sampled_from(sorted(
+            n for n, r in self.refs.items()
+            if r.disk and r.committed and r.writer is None and not r.readers and r.restorer is None)))
+        self.handshake(layout, RequestedLockType.RW, self.refs[layout].owner, None, False)
+
+    @precondition(lambda self: any(r.kept and not r.committed and r.writer is None for r in self.refs.values()))
+    @rule(data=st.data(), reads=st.booleans())
+    def rebuild_ended(self, data, reads):
+        """A rebuild ended with no new commit: the disk tier brings the layout back from
+        the snapshot kept through it (LAYOUT_RECOVERED, checked as at a cold start), or
+        sets it aside where it does not read (``reads``) or the rules refuse it."""
+        layout = data.draw(st.sampled_from(sorted(
+            n for n, r in self.refs.items() if r.kept and not r.committed and r.writer is None)))
+        ref = self.refs[layout]
+        file = self.log.state.layout(layout).kept_file
+        assert queries.reverting(self.log.state) and layout in queries.reverting(self.log.state)
+        event = self.snapshots[file]
+        expected = self._recovery_refusal(layout_recovered(LayoutState(layout), event), ref) if reads else "UNREAD"
+        code, _ = rejection_code(lambda: self._append([event])) if expected != "UNREAD" else ("UNREAD", None)
+        assert code == expected, (layout, code, expected)
+        if code is None:
+            ref.committed, ref.layout_hash, ref.owner = True, event.layout_hash, event.owner
+            ref.allocs = {a[0]: tuple(a[1:]) for a in event.allocations}
+            ref.meta = {m[0]: tuple(m[1:]) for m in event.metadata}
+            ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
+            ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
+            ref.kept, ref.kept_owner = 0, None
+            self._pump(layout)
+            return
+        self._append([SnapshotSetAside(0, file, "does not read", file + ".corrupt" if not reads else "",
+                                       layout=layout)])
+        ref.kept, ref.kept_owner, ref.unserved = 0, None, "does not read"
+
     @precondition(lambda self: any(self.refs[n].tier == "disk" and self.refs[n].restorer is None for n in LAYOUTS))
     @rule(data=st.data(), lock=st.sampled_from([RequestedLockType.RO, RequestedLockType.RW_OR_RO]))
     def engine_after_reboot(self, data, lock):
@@ -684,10 +725,14 @@ class FsmMachine(RuleBasedStateMachine):
             if self.refs[layout].restorer is not None:
                 self.restore(data)
 
-    def _recovery_refusal(self, layout) -> str | None:
+    def _recovery_refusal(self, layout, reverting: ReferenceModel | None = None) -> str | None:
         """Restated from docs/operations.md: a recovered layout is charged as if its
-        owner had built it again (bytes, metadata, layouts), and its snapshot too."""
+        owner had built it again (bytes, metadata, layouts), and its snapshot too
+        (``reverting``: a layout coming back from the snapshot kept through its
+        rebuild, already charged for that file, and already counted as a layout)."""
         owner = layout.owner
+        freed = reverting.kept if reverting is not None else 0
+        owner_freed = freed if reverting is not None and reverting.kept_owner == owner else 0
         owned = [r for r in self.refs.values() if r.owner == owner]
         quota = self.quotas[owner]
         if quota is not None and sum(r.bytes() for r in owned) + layout.held_bytes > quota:
@@ -699,9 +744,9 @@ class FsmMachine(RuleBasedStateMachine):
             (meta_quota is not None and self._metadata_used(owner) + meta > meta_quota)
             or self._metadata_used() + meta > LIMITS.max_metadata_bytes
             or (most is not None and len(owned) + 1 > most)
-            or sum(not r.vacant() for r in self.refs.values()) >= LIMITS.max_layouts
-            or (disk_quota is not None and sum(r.disk for r in owned) + layout.disk_bytes > disk_quota)
-            or sum(r.disk for r in self.refs.values()) + layout.disk_bytes > DISK_BUDGET
+            or sum(not r.vacant() for r in self.refs.values()) - (reverting is not None) >= LIMITS.max_layouts
+            or (disk_quota is not None and self._disk_used(owner) - owner_freed + layout.disk_bytes > disk_quota)
+            or self._disk_used() - freed + layout.disk_bytes > DISK_BUDGET
         )
         return "LIMIT_EXCEEDED" if over else None
 
@@ -763,6 +808,7 @@ class FsmMachine(RuleBasedStateMachine):
                 ref.residency, ref.tier, ref.host, ref.owner,
             )
             assert (layout.persist, layout.disk_bytes, layout.kept_bytes) == (ref.persist, ref.disk, ref.kept)
+            assert layout.unserved == ref.unserved
         for name, tenant in state.tenants.items():  # a total over its bound never grew (the fold's hold)
             now = (tenant.used_bytes, tenant.metadata_bytes, tenant.layouts)
             bounds = (tenant.quota_bytes, tenant.metadata_quota, tenant.max_layouts)

@@ -60,6 +60,7 @@ class ReferenceModel:
     disk: int = 0  # its snapshot's bytes (0: none)
     kept: int = 0  # an earlier commit's snapshot kept through a rebuild until the new one is saved (issue 60)
     kept_owner: str | None = None  # charged for it
+    unserved: str = ""  # why its last snapshot was not served (set aside): an empty layout says so till a writer
 
     # -- lock table -------------------------------------------------------
 
@@ -80,7 +81,8 @@ class ReferenceModel:
         return sum(self.allocs[i][1] for i in self.host)
 
     def vacant(self) -> bool:
-        return self.writer is None and not self.readers and self.restorer is None and not self.committed
+        return (self.writer is None and not self.readers and self.restorer is None and not self.committed
+                and not self.kept and not self.unserved)
 
     def _clear_layout(self) -> None:
         self.allocs.clear()
@@ -95,6 +97,7 @@ class ReferenceModel:
         self.persist = False
         self.disk = 0
         self.kept, self.kept_owner = 0, None
+        self.unserved = ""
 
     def _may_grant(self, position: int) -> str | None:
         conn, wanted = self.queue[position]
@@ -141,7 +144,9 @@ class ReferenceModel:
         self.queue = [(c, w) for c, w in self.queue if c != conn]
         if conn == self.writer:
             self.writer = None
+            kept = (self.kept, self.kept_owner)  # (a snapshot kept through the rebuild stays, to come back)
             self._clear_layout()
+            self.kept, self.kept_owner = kept
             self.last_use = clock()
             return "RW_ABORT"
         if conn in self.readers:

@@ -109,7 +109,8 @@ class KilledAnywhereMachine(FsmMachine):
             layout = after.layout(name)
             # a rebuild the restart ends leaves the snapshot kept through it, to come back (Snapshots.revert)
             assert layout.kept_file == (state.layout(name).kept_file if not ref.committed or layout.persist else "")
-            assert (name in after.layouts) == (ref.committed or bool(layout.kept_file))
+            assert (name in after.layouts) == (ref.committed or bool(layout.kept_file or layout.unserved))
+            assert layout.unserved == (ref.unserved if not ref.committed else "")
             assert layout.lock_state.value == ref.state_name() == ("COMMITTED" if ref.committed else "EMPTY")
             assert {k: (a.size, a.aligned_size, a.tag, a.layout_slot) for k, a in layout.allocations.items()} == (
                 ref.allocs if ref.committed else {}
