@@ -47,6 +47,8 @@ PLANTED_BUGS = {
         RestoreAborted, lambda s, e: attrs.evolve(s, restorer=None, tier=Tier.GPU),
     ),
     "a-snapshot-saved-is-forgotten": (SnapshotSaved, lambda s, e: s),
+    # issue 60: a rebuild that ends with no new commit must leave the kept snapshot to come back
+    "an-abort-drops-the-kept-snapshot": (RwAbort, lambda s, e: s.fresh()),
     "a-recovered-layout-forgets-its-snapshot": (
         LayoutRecovered, lambda s, e: attrs.evolve(folding.layout_recovered(s, e), disk_bytes=0, disk_file=""),
     ),
