@@ -177,9 +177,13 @@ class DiskStore:
             self._loose.pop(file, None)
 
     def set_aside(self, file: str) -> str:
-        """Rename a snapshot that does not read out of the way (kept for the operator); its new name."""
+        """Rename a snapshot that does not read out of the way (kept for the operator); its
+        new name ("": it is not there)."""
         aside = file + _ASIDE
-        os.rename(file, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        try:
+            os.rename(file, aside, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return ""
         self.leave(aside)
         with self._loose_lock:
             self._loose.pop(file, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .errors import InvariantViolation, NotConnected, StateViolation
 from .rules import Who, allocation_of, require
-from .state import Allocation, LayoutState, LockState, MetadataEntry, Tier
+from .state import Allocation, LayoutState, MetadataEntry, Tier
 
 
 def layout_of(node, conn: int) -> LayoutState:
@@ -114,9 +114,8 @@ def unsaved(node) -> list[str]:
 
 
 def reverting(node) -> list[str]:
-    """Layouts a rebuild left EMPTY with the snapshot kept from before it (its
-    writer gone, its new commit lost): the disk tier brings each back."""
-    return sorted(name for name, layout in node.layouts.items() if layout.kept_file and layout.lock_state is LockState.EMPTY)
+    """The layouts that await a revert (LayoutState.awaits_revert), by name."""
+    return sorted(name for name, layout in node.layouts.items() if layout.awaits_revert)
 
 
 def snapshot_rows(layout: LayoutState) -> tuple[list[list], list[list]]:

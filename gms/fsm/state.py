@@ -146,6 +146,12 @@ class LayoutState:
         return self.committed and self.persist and not self.saved
 
     @property
+    def awaits_revert(self) -> bool:
+        """A rebuild left it EMPTY with the snapshot kept from before (its writer gone,
+        its new commit lost): the disk tier brings that back."""
+        return bool(self.kept_file) and lock_state(self) is LockState.EMPTY
+
+    @property
     def resident(self) -> bool:
         return self.tier is Tier.GPU
 

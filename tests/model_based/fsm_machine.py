@@ -666,12 +666,7 @@ class FsmMachine(RuleBasedStateMachine):
             code, _ = rejection_code(lambda: self._append([event]))
             assert code == expected, (name, code, expected)
             if code is None:
-                ref = self.refs[name]
-                ref.committed, ref.layout_hash, ref.owner = True, event.layout_hash, event.owner
-                ref.allocs = {a[0]: tuple(a[1:]) for a in event.allocations}
-                ref.meta = {m[0]: tuple(m[1:]) for m in event.metadata}
-                ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
-                ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
+                _recovered_into(self.refs[name], event)
 
     @precondition(lambda self: any(
         ref.disk and ref.committed and ref.writer is None and not ref.readers and ref.restorer is None
@@ -701,12 +696,7 @@ class FsmMachine(RuleBasedStateMachine):
         code, _ = rejection_code(lambda: self._append([event])) if expected != "UNREAD" else ("UNREAD", None)
         assert code == expected, (layout, code, expected)
         if code is None:
-            ref.committed, ref.layout_hash, ref.owner = True, event.layout_hash, event.owner
-            ref.allocs = {a[0]: tuple(a[1:]) for a in event.allocations}
-            ref.meta = {m[0]: tuple(m[1:]) for m in event.metadata}
-            ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
-            ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
-            ref.kept, ref.kept_owner = 0, None
+            _recovered_into(ref, event)
             self._pump(layout)
             return
         self._append([SnapshotSetAside(0, file, "does not read", file + ".corrupt" if not reads else "",
@@ -829,3 +819,13 @@ class FsmMachine(RuleBasedStateMachine):
             disk = self._disk_used(tenant)
             assert state.tenants[tenant].disk_bytes == disk and (quota is None or disk <= quota)
         assert set(state.sessions) == set(self.sessions)
+
+
+def _recovered_into(ref: ReferenceModel, event: LayoutRecovered) -> None:
+    """The reference model of a layout ``LAYOUT_RECOVERED`` brought back: committed, on disk."""
+    ref.committed, ref.layout_hash, ref.owner = True, event.layout_hash, event.owner
+    ref.allocs = {a[0]: tuple(a[1:]) for a in event.allocations}
+    ref.meta = {m[0]: tuple(m[1:]) for m in event.metadata}
+    ref.next_slot = 1 + max((a[4] for a in event.allocations), default=-1)
+    ref.residency, ref.tier, ref.persist, ref.disk = event.residency, "disk", True, event.bytes
+    ref.kept, ref.kept_owner, ref.unserved = 0, None, ""

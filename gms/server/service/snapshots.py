@@ -117,9 +117,10 @@ class Snapshots:
         may have ended with none (:meth:`revert`), wakes the saver; a writer's grant
         supersedes the layout's snapshots the log never took (a later cold start must
         not bring them back over what the writer makes)."""
-        if type(event) is RwCommit and event.persist or type(event) in _MAY_REVERT:
+        kind = type(event)
+        if kind is RwCommit and event.persist or kind in _MAY_REVERT and _awaits_revert(self.ledger.state, event.layout):
             self._wake.set()
-        elif type(event) is RwConnect and event.layout in self.unlisted:
+        elif kind is RwConnect and event.layout in self.unlisted:
             files = self.unlisted.pop(event.layout)
             log.info("snapshots of %r that the log never took are superseded by its writer: %s", event.layout,
                      ", ".join(files))
@@ -229,17 +230,16 @@ class Snapshots:
         layout comes back from the snapshot kept through it, checked as at a cold start
         (``LAYOUT_RECOVERED``); one that does not read is set aside, one the policy
         refuses is left unlisted (``SNAPSHOT_SET_ASIDE``: kept no longer)."""
-        if name not in reverting(self.ledger.state):
+        if not _awaits_revert(self.ledger.state, name):
             return  # (an earlier revert's awaits: a writer came, or it went)
         file = self.ledger.state.layouts[name].kept_file
         found = await trio.to_thread.run_sync(self.store.find, file)
-        now = self.ledger.state.layouts.get(name)
-        if now is None or now.kept_file != file or name not in reverting(self.ledger.state):
+        if not _awaits_revert(self.ledger.state, name) or self.ledger.state.layouts[name].kept_file != file:
             return  # a writer came meanwhile (it keeps the snapshot till a newer one is whole)
         if found.manifest is not None and found.manifest.name != name:
             found = attrs.evolve(found, manifest=None, error=fmt.CorruptSnapshot(f"it names layout {found.manifest.name!r}"))
         if found.manifest is None:
-            aside = await trio.to_thread.run_sync(_set_aside_if_there, self.store, file)
+            aside = await trio.to_thread.run_sync(self.store.set_aside, file)
             log.error("the snapshot kept for %r does not read (%s): %s, the layout stays empty", name, found.error,
                       f"set aside as {aside}" if aside else "gone")
             self._not_served(file, f"kept through a rebuild, does not read: {found.error}", aside, layout=name)
@@ -410,11 +410,10 @@ class Snapshots:
         snapshots and the loose files (set aside, left on disk) count together, and
         loose ones go (set-aside first, the oldest first) while the budget is short."""
         budget, tried = self.ledger.state.disk_budget_bytes, set()
-        while budget is not None and (file := self.store.first_to_go(tried)) is not None:
+        while budget is not None and self.ledger.state.disk_bytes + (loose := self.store.loose_bytes) + needed > budget:
+            if (file := self.store.first_to_go(tried)) is None:
+                return  # (the fold's bounds refuse what still does not fit)
             tried.add(file)  # (one that will not go is tried once)
-            loose = self.store.loose_bytes
-            if self.ledger.state.disk_bytes + loose + needed <= budget:
-                return
             log.warning("disk tier: %s removed (no layout holds it) to keep the folder under its budget of %d bytes "
                         "(%d in snapshots, %d loose, %d asked)", file, budget, self.ledger.state.disk_bytes, loose,
                         max(needed, 0))
@@ -436,11 +435,9 @@ def _recovered(name: str, snapshot: Found) -> LayoutRecovered:
                            layout=name)
 
 
-def _set_aside_if_there(store: DiskStore, file: str) -> str:
-    try:
-        return store.set_aside(file)
-    except FileNotFoundError:
-        return ""
+def _awaits_revert(state, name: str) -> bool:
+    layout = state.layouts.get(name) if name else None
+    return layout is not None and layout.awaits_revert
 
 
 def _commit(layout: LayoutState) -> tuple[str, str, int]:
