@@ -24,6 +24,8 @@ has another (``gms.server.restart.succession``).
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import logging
 import os
@@ -415,7 +417,10 @@ class KeeperLink:
                 await trio.sleep(0.001)
             else:
                 with trio.move_on_after(BEHIND_WARNING_S) as waited:
-                    await trio.lowlevel.wait_writable(self.sock)
+                    try:
+                        await trio.lowlevel.wait_writable(self.sock)
+                    except trio.ClosedResourceError:  # the keeper went away meanwhile (_gone)
+                        continue
                 if waited.cancelled_caught and not self._warned:
                     self._warned = True
                     log.warning(
@@ -486,8 +491,8 @@ class KeeperLink:
                 if not data and not fds:
                     raise frames.ChannelClosed("the keeper closed the channel")
                 reader.feed(data, fds)
-        except (OSError, frames.FrameError) as exc:
-            if self.sock is sock:
+        except (OSError, frames.FrameError, trio.ClosedResourceError) as exc:
+            if self.sock is sock:  # (ClosedResourceError: _gone closed it already)
                 self._gone(exc)
             return None
         finally:
@@ -504,6 +509,11 @@ class KeeperLink:
         self.stream.gone()
         self.behind_since, self._warned = None, False
         if self.sock is not None:
+            # Tasks parked on the socket (watch, _send) are told before its fd number is
+            # freed: else the next connection accepted under that number finds Trio still
+            # waiting on it for them (BusyResourceError, and the server stopped).
+            with contextlib.suppress(RuntimeError):  # (outside Trio, at the end: nobody waits)
+                trio.lowlevel.notify_closing(self.sock)
             self.sock.close()
             self.sock = None
         self._moved()
