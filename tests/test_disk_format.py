@@ -56,6 +56,21 @@ def manifest(**changes) -> fmt.Manifest:
     return attrs.evolve(base, **changes)
 
 
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 5 * 1024 + 3, 3 * MiB + 17])
+def test_the_checksum_is_zlibs_crc32_so_either_reads_the_others_files(size):
+    """gms.checksum is zlib-ng's crc32 (a dependency: a bare install that lacks it falls back
+    to the slower standard library's, and this says so); the same polynomial as zlib's."""
+    import os
+
+    from gms import checksum
+
+    data = os.urandom(size)
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(data, 0x1234) == zlib.crc32(data, 0x1234)
+    assert checksum.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+    assert checksum.IMPLEMENTATION == "zlib-ng", "zlib-ng is a dependency: pip install -e . brings it"
+
 def test_extents_tile_each_allocation_in_chunks_at_aligned_offsets():
     extents = fmt.plan([5 * MiB, 4096, 3 * MiB], 2 * MiB)
     assert [(e.allocation, e.offset, e.file_offset, e.size) for e in extents] == [

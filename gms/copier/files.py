@@ -13,7 +13,7 @@ is read into it and written from it directly (no staging).  Transfers are
 ``O_DIRECT`` where the file system takes it and the extent is aligned (the
 file is reopened so: the server's own descriptor stays buffered), so a
 restore reads the disk, not the page cache, and a save does not fill it.
-``pread``, ``pwrite``, ``zlib.crc32`` and the copies release the GIL.
+``pread``, ``pwrite``, the crc32 (``gms.checksum``) and the copies release the GIL.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import contextlib
 import ctypes
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from ..checksum import crc32
 from ..files import pwrite_all
 from . import messages as msg
 from .engine import Engine, Mapped
@@ -88,7 +88,7 @@ class FileCopier:
             address = self._buffer(size).va
             self.engine.copy_now(address, va, size, to_host=True)
         data = view(address, size)
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         pwrite_all(_fd_for(direct, fd, address, size, at), data, at)
         each()
         return crc
@@ -97,7 +97,7 @@ class FileCopier:
         address = va if self.engine.host_addressable else self._buffer(size).va
         data = view(address, size)
         _pread_all(_fd_for(direct, fd, address, size, at), data, at)
-        got = zlib.crc32(data)
+        got = crc32(data)
         if got != crc:
             raise Corrupt(f"the {size} bytes at {at} do not match their checksum ({got:08x}, saved {crc:08x})")
         if address != va:

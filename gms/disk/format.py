@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 
 import attrs
 import msgpack
+
+from ..checksum import crc32
 
 MAGIC = b"gms-snap"
 VERSION = 1  # what this code writes
@@ -145,7 +146,7 @@ def encode(manifest: Manifest, at: int) -> bytes:
         },
         use_bin_type=True,
     )
-    return body + TRAILER.pack(MAGIC, manifest.version, 0, at, len(body), zlib.crc32(body))
+    return body + TRAILER.pack(MAGIC, manifest.version, 0, at, len(body), crc32(body))
 
 
 def read_trailer(tail: bytes, file_size: int) -> tuple[int, int, int, int]:
@@ -166,7 +167,7 @@ def decode(body: bytes, version: int, crc: int, data_end: int | None = None) -> 
     """The manifest; CorruptSnapshot for anything but a well-formed one.  ``data_end``:
     where the file's data region ends (the manifest's offset), which the
     allocations' sizes must fill exactly."""
-    if zlib.crc32(body) != crc:
+    if crc32(body) != crc:
         raise CorruptSnapshot("the manifest does not match its checksum")
     try:
         raw = msgpack.unpackb(body, raw=False, strict_map_key=True)

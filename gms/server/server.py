@@ -263,6 +263,11 @@ class Server:
                     nursery.start_soon(succession.watch_keeper, self)
                 if start.handed is not None and start.handed.mode == "take-over":
                     succession.spawn_handed(self, start.handed)
+                if recovered and core.copier is not None:
+                    # A node that comes back with snapshots serves restores next, and each waits
+                    # for the copier: ready once it is (its start was a quarter of a 1 GiB restore
+                    # on 2 cores; docs/performance.md).  Clients that connect meanwhile queue.
+                    await core.copier.usable()
                 if recovered and self.config.restore_at_start:  # before anyone is served: gms.server.service.warm_start
                     await warm_start.restore_recovered(core)
                 logger.info(
