@@ -13,13 +13,14 @@ import pytest
 from gms.disk import format as fmt
 from gms.fsm import (
     InvalidArgument,
+    NotEvictable,
     Rejection,
     StaleLayout,
     StateViolation,
     check_invariants,
     fold_all,
 )
-from gms.fsm.effects import released_memory
+from gms.fsm.effects import may_make_room, released_memory
 from gms.fsm.events import (
     AllocationCreated,
     LayoutDeleted,
@@ -37,12 +38,14 @@ from gms.fsm.events import (
     ServerStarted,
     SessionClosed,
     SessionOpened,
+    SnapshotFailed,
     SnapshotSaved,
     SnapshotSetAside,
 )
 from gms.fsm.layout_hash import compute_layout_hash
 from gms.fsm.queries import reverting, snapshot_rows, unsaved
 from gms.fsm.releases import MemoryTier
+from gms.fsm.state import Tier
 
 MiB = 1 << 20
 FILE = "ab" * 12 + "-" + "0" * 15 + "1.gsnap"
@@ -260,17 +263,35 @@ def test_the_last_whole_snapshot_is_kept_through_a_rebuild_until_a_newer_one_is_
     assert (after.layout("llama").disk_file, after.layout("llama").kept_file, after.disk_bytes) == (FILE2, "", 6 * MiB)
     again = rebuild(committed, conn=4, commit=False)  # rebuilt again before that save: the last whole one stays
     assert again.layout("llama").kept_file == FILE
-    # Dropped on purpose: a commit asking for no snapshot, an unpinned eviction of an unsaved commit.
+    # Dropped on purpose: a commit asking for no snapshot.
     writer = fold_all([SessionOpened(5, "team", 1000, 1000, 5, "RW", layout="llama"), RwConnect(5, layout="llama")],
                       saved)
     unasked = RwCommit(5, compute_layout_hash([], []), "device", False, layout="llama")
     assert disk_releases(writer, unasked) == [FILE]
     assert fold_all([unasked], writer).disk_bytes == 0
-    unpinned = rebuild(saved, persist=True)
-    unpinned = fold_all([ResidencySet(0, "unpinned", layout="llama")], unpinned)
+
+
+def test_an_unpinned_commit_to_persist_leaves_the_gpu_for_its_snapshot_not_for_nothing():
+    """Evicting it before its save lands would lose the commit its writer was told
+    persists (and the snapshot kept from before with it): refused while the save may
+    land, evictable to disk once it has; a save that failed lets it go as an
+    unpinned layout (dropped, with the kept snapshot: never the older bytes back)."""
+    events, digest = built()
+    saved = fold_all(started() + events + [SnapshotSaved(0, digest, 5 * MiB, FILE, layout="llama")])
+    unpinned = fold_all([ResidencySet(0, "unpinned", layout="llama")], rebuild(saved, persist=True))
     evicted = LayoutEvicted(0, "admin", layout="llama")
-    assert FILE in disk_releases(unpinned, evicted)
-    assert fold_all([evicted], unpinned).disk_bytes == 0
+    with pytest.raises(NotEvictable, match="being saved"):
+        fold_all([evicted], unpinned)
+    assert may_make_room(SnapshotSaved(0, digest, 6 * MiB, FILE2, layout="llama"))
+    on_disk = fold_all([SnapshotSaved(0, digest, 6 * MiB, FILE2, layout="llama"), evicted], unpinned)
+    layout = on_disk.layout("llama")
+    assert (layout.tier, layout.disk_file, layout.kept_file, layout.committed) == (Tier.DISK, FILE2, "", True)
+    failed = SnapshotFailed(0, unpinned.layout("llama").layout_hash, "no space left on device", layout="llama")
+    assert may_make_room(failed)
+    gave_up = fold_all([failed], unpinned)
+    assert FILE in disk_releases(gave_up, evicted)
+    dropped = fold_all([evicted], gave_up)
+    assert (dropped.disk_bytes, dropped.layout("llama").committed) == (0, False)
 
 
 def test_a_rebuild_that_ends_with_no_new_commit_leaves_the_kept_snapshot_to_come_back():

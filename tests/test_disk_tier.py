@@ -307,6 +307,36 @@ def test_a_copier_killed_in_the_middle_of_a_save_leaves_the_commit_and_the_save_
     server.stop()
 
 
+def test_an_unpinned_commit_to_persist_is_evicted_for_its_snapshot_only_once_that_is_saved(tmp_path):
+    """Another layout needs its room under --gpu-budget while its save is half done (the
+    copier stopped after one of two extents): the allocation waits and the commit stays;
+    once the copier goes on and the save lands, it leaves the GPU for its snapshot and
+    the allocation gets the room.  Evicted before, the commit its writer was told
+    persists would have been lost."""
+    server = serve(tmp_path, "--gpu-budget", "64MiB", env={"GMS_COPIER_STOP_AFTER": "save:1"})
+    layout_hash, contents = publish(server.socket, sizes=(40 * MiB,), residency="unpinned")
+    copier = wait_until(lambda: server.state().copier_pid, what="the copier")
+    wait_until(lambda: open(f"/proc/{copier}/stat").read().rsplit(")", 1)[1].split()[0] == "T",
+               what="the copier stopped half way through the save")
+    import threading
+
+    other = threading.Thread(target=publish, args=(server.socket, "other", (40 * MiB,)))
+    other.start()
+    other.join(1.5)
+    assert other.is_alive(), "the allocation waits for room"
+    row = server.layout()
+    assert (row.state, row.tier, row.memory_layout_hash, row.disk_bytes) == ("COMMITTED", "device", layout_hash, 0)
+    os.kill(copier, signal.SIGCONT)
+    other.join(30)
+    assert not other.is_alive()
+    row = server.layout()
+    assert (row.state, row.tier, row.memory_layout_hash) == ("COMMITTED", "disk", layout_hash) and row.disk_bytes
+    assert server.layout("other").state == "COMMITTED"
+    kinds = server.kinds()
+    assert kinds.index("SNAPSHOT_SAVED") < kinds.index("LAYOUT_EVICTED"), kinds
+    server.stop()
+
+
 def test_a_kill_in_the_middle_of_a_restore_loses_nothing(tmp_path):
     server = serve(tmp_path)
     layout_hash, contents = publish(server.socket, sizes=(40 * MiB,))

@@ -162,7 +162,7 @@ class Rule:
     needs_layout: bool = True  # False: node events that may name no layout
     # What it does beyond its fold step, for the shell and the LRU order:
     uses: bool = False  # the layout counts as used after it (the eviction order)
-    makes_room: bool = False  # an idle layout may have become evictable (a lock let go, a residency set)
+    makes_room: bool = False  # an idle layout may have become evictable (a lock let go, a residency set, a save ended)
     owns: bool = False  # the writer's tenant becomes the layout's owner (charged for it)
     # Declared by every row (no default): the memory it releases, read from the
     # layout before it (a function of gms.fsm.releases; None: none), and whether
@@ -532,6 +532,14 @@ def _not_pinned(node, layout: LayoutState, e: LayoutEvicted) -> None:
         raise NotEvictable(f"cannot evict layout {layout.name!r}: it is pinned to the device (residency device)")
 
 
+def _saved_first(node, layout: LayoutState, e: LayoutEvicted) -> None:
+    """A commit asked to persist leaves the GPU for its snapshot, not for nothing: while
+    its save may still land it stays (a failed one lets it go, as an unpinned layout)."""
+    if layout.unsaved and not layout.save_error and steps.restore_source(layout) is not Tier.HOST:
+        raise NotEvictable(f"cannot evict layout {layout.name!r} yet: it was committed to persist and its "
+                           "snapshot is being saved (evictable to disk once it is)")
+
+
 def _restore_admitted(node, layout: LayoutState, e: RestoreLoading) -> None:
     fits_budget_ever(node, layout, layout.held_bytes)
 
@@ -702,7 +710,7 @@ RULES: dict[type[Event], Rule] = {
         (Move(COMMITTED, COMMITTED, "system: kept in the host tier"), Move(COMMITTED, EMPTY, "unpinned: dropped")),
         (Move(GPU, HOST, "system"), Move(GPU, DISK, "saved, no host copy: kept in its snapshot"),
          Move(GPU, GPU, "unpinned: a fresh layout")),
-        (_not_pinned,), action="evict", refusal=NotEvictable, releases=gpu_copy, lasting=True,
+        (_not_pinned, _saved_first), action="evict", refusal=NotEvictable, releases=gpu_copy, lasting=True,
         step=steps.layout_evicted,
     ),
     RestoreClaimed: Rule(
@@ -737,7 +745,7 @@ RULES: dict[type[Event], Rule] = {
     # the disk tier (gms.disk): a snapshot saved after a commit; a layout recovered from one at a cold start
     SnapshotSaved: Rule(
         Who.ANYONE, stays(COMMITTED, RO), stays(GPU, HOST, RESTORING), (_snapshot_admitted,), action="save",
-        releases=kept_snapshot, lasting=True, step=steps.snapshot_saved,
+        makes_room=True, releases=kept_snapshot, lasting=True, step=steps.snapshot_saved,
     ),
     # ... unless its snapshot holds it: then it goes on, on the disk tier
     LayoutFellToDisk: Rule(
@@ -776,7 +784,8 @@ RULES: dict[type[Event], Rule] = {
         Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=False, node_step=observation,
     ),
     StateDiscarded: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True, node_step=observation),
-    SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, releases=None, lasting=False, step=steps.snapshot_failed),
+    SnapshotFailed: Rule(Who.ANYONE, ANY_LOCK, makes_room=True, releases=None, lasting=False,
+                         step=steps.snapshot_failed),
     # (where it names a layout whose kept snapshot it is, that is kept no longer: the file was set aside or left)
     SnapshotSetAside: Rule(Who.ANYONE, ANY_LOCK, needs_layout=False, releases=None, lasting=True,
                            step=steps.snapshot_set_aside),

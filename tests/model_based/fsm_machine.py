@@ -67,6 +67,7 @@ from gms.fsm.events import (
     ServerResumed,
     ServerStarted,
     SessionClosed,
+    SnapshotFailed,
     SnapshotSaved,
     SnapshotSetAside,
 )
@@ -644,6 +645,16 @@ class FsmMachine(RuleBasedStateMachine):
             allocations, metadata = queries.snapshot_rows(self.log.state.layout(layout))
             self.snapshots[event.file] = LayoutRecovered(
                 0, ref.owner, ref.layout_hash, allocations, metadata, size, event.file, ref.residency, layout=layout)
+
+    @rule(layout=st.sampled_from(LAYOUTS), other=st.booleans())
+    def save_fails(self, layout, other):
+        """The saver's SNAPSHOT_FAILED (a full disk): of the layout's commit, or of another
+        (a save that ended after a newer commit, which it does not touch)."""
+        state = self.log.state.layout(layout)
+        layout_hash = "0" * 64 if other or state.layout_hash is None else state.layout_hash
+        self._append([SnapshotFailed(0, layout_hash, "no space left on device", layout=layout)])
+        self.refs[layout].save_fails(layout_hash)
+        assert bool(self.log.state.layout(layout).save_error) == self.refs[layout].save_failed
 
     def _disk_used(self, tenant: str | None = None) -> int:
         """Bytes of snapshots on disk (``tenant``'s: those charged to it), kept ones too."""

@@ -61,6 +61,7 @@ class ReferenceModel:
     kept: int = 0  # an earlier commit's snapshot kept through a rebuild until the new one is saved (issue 60)
     kept_owner: str | None = None  # charged for it
     unserved: str = ""  # why its last snapshot was not served (set aside): an empty layout says so till a writer
+    save_failed: bool = False  # its commit's save failed (SNAPSHOT_FAILED): an unpinned one may go unsaved
 
     # -- lock table -------------------------------------------------------
 
@@ -98,6 +99,7 @@ class ReferenceModel:
         self.disk = 0
         self.kept, self.kept_owner = 0, None
         self.unserved = ""
+        self.save_failed = False
 
     def _may_grant(self, position: int) -> str | None:
         conn, wanted = self.queue[position]
@@ -166,6 +168,8 @@ class ReferenceModel:
             return "NOT_EVICTABLE"
         if self.residency == "device" or self.tier != "device" or self.readers or self.restorer is not None:
             return "NOT_EVICTABLE"
+        if self.persist and not self.disk and not self.save_failed and self.restore_source() != "host":
+            return "NOT_EVICTABLE"  # it leaves for its snapshot, once that is saved
         return None
 
     def evict(self) -> str | None:
@@ -218,7 +222,13 @@ class ReferenceModel:
             return "LIMIT_EXCEEDED"
         self.disk = size
         self.kept, self.kept_owner = 0, None
+        self.save_failed = False
         return None
+
+    def save_fails(self, layout_hash: str | None) -> None:
+        """SNAPSHOT_FAILED of ``layout_hash``: only this commit's, only while it waits."""
+        if self.committed and self.persist and not self.disk and layout_hash == self.layout_hash:
+            self.save_failed = True
 
     def pin(self, residency: str) -> str | None:
         if not self.committed or self.writer is not None or self.tier != "device":
@@ -304,6 +314,7 @@ class ReferenceModel:
             self.committed = True
             self.residency = residency
             self.persist = persist
+            self.save_failed = False
             if not persist:  # a commit asking for no snapshot lets the kept one go
                 self.kept, self.kept_owner = 0, None
             self.layout_hash = reference_hash(self.allocs, self.meta)
