@@ -18,6 +18,7 @@
 #   gms_gpu: gms's own restart, take-over, disk tier and copier tests on CUDA (alone: they count memory);
 #      before vLLM's install it runs on the image's torch, with gms's wheels on PYTHONPATH;
 #   model_based: the model-based machines on CUDA;
+#   disk_tier_cuda: bench/disk_tier.py on CUDA (save and restore against the disk's floors);
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
 #   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines.
@@ -35,6 +36,7 @@ run_step() {
     gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_copier_process.py \
       tests/test_copier.py tests/test_takeover.py tests/test_restart.py ;;
     model_based) step "$1" $PYTEST tests/model_based ;;
+    disk_tier_cuda) step "$1" python3 bench/disk_tier.py --backend cuda --size "${DISK_SIZE:-4GiB}" --repeats 2 --dir /var/tmp ;;
     vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
     vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;
