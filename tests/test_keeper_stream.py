@@ -93,6 +93,22 @@ def test_what_tells_of_no_lasting_change_waits_for_soon_and_a_lasting_change_goe
     assert not stream.behind() and not stream.soon
 
 
+def test_an_abort_that_discards_the_kept_snapshot_is_lasting_and_one_that_does_not_is_not():
+    """A writer's ``abort(discard=True)`` lets the snapshot kept through its rebuild go; a
+    crash that lost it would have the next server bring that snapshot back (the writer's
+    session ends with a plain RW_ABORT): its answer waits for the keeper to hold it."""
+    from gms.fsm import is_lasting
+    from gms.fsm.events import RwAbort
+
+    assert is_lasting(RwAbort(1, discard=True, layout="w")) and not is_lasting(RwAbort(1, layout="w"))
+    for discard, waits in ((False, False), (True, True)):
+        stream, log, kernel = attached()
+        kernel.take()
+        log.extend(writer(1, "w"))
+        record(stream, log, [RwAbort(1, discard=discard, layout="w")])
+        assert stream.behind(["w"]) is waits, discard
+
+
 def test_an_answer_waits_until_the_kernel_took_its_layout_s_last_lasting_change():
     stream, log, kernel = attached()
     kernel.take()

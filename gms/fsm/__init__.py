@@ -73,7 +73,7 @@ from .residency import (
     why_not_evictable,
 )
 from .resume import decide_resume, held_memory
-from .rules import LASTING, RULES, Rule, Who, fold_layout, parse_residency
+from .rules import LASTING, RULES, Rule, Who, fold_layout, is_lasting, parse_residency
 from .sessions import decide_disconnect, decide_revoke, decide_session, holders, opening, validate_layout_name
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
@@ -154,6 +154,7 @@ __all__ = [
     "held_memory",
     "holders",
     "host_room",
+    "is_lasting",
     "layout_problems",
     "lock_state",
     "may_make_room",

@@ -61,6 +61,8 @@ def _does(rule: Rule) -> str:
     steps = [f"`{step.__name__}` on the {where}" for step, where in ((rule.node_step, "node"), (rule.step, "layout"))
              if step is not None]
     flags = [text for flag, text in _FLAGS.items() if getattr(rule, flag)]
+    if rule.lasting_when is not None:
+        flags.append(f"**kept by a restart** where `{rule.lasting_when.__name__}`")
     if rule.releases is not None:
         flags.insert(2, f"releases `{rule.releases.__name__}`")
     return " then ".join(steps) + "".join(f"; {text}" for text in flags)

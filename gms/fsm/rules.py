@@ -173,6 +173,8 @@ class Rule:
     # lock, unfinished build or restore half done).
     releases: ReleaseFn | None = attrs.field(kw_only=True)
     lasting: bool = attrs.field(kw_only=True)
+    # A row not lasting whose some events are (``is_lasting``): e.g. an abort that discards.
+    lasting_when: Callable[[Event], bool] | None = attrs.field(default=None, kw_only=True)
     # What it does: its fold step on the node, on the layout it names, or both (the node's first).
     step: LayoutStep | None = None  # on the layout it names (the node settles the bytes)
     node_step: NodeStep | None = None  # on the node (the server's resume, sessions)
@@ -540,6 +542,11 @@ def _saved_first(node, layout: LayoutState, e: LayoutEvicted) -> None:
                            "snapshot is being saved (evictable to disk once it is)")
 
 
+def discards(e: RwAbort) -> bool:
+    """An abort that lets the kept snapshot go: a restart must not bring it back."""
+    return e.discard
+
+
 def _restore_admitted(node, layout: LayoutState, e: RestoreLoading) -> None:
     fits_budget_ever(node, layout, layout.held_bytes)
 
@@ -657,7 +664,7 @@ RULES: dict[type[Event], Rule] = {
     ),
     RwAbort: Rule(
         Who.WRITER, (Move(RW, EMPTY, "a snapshot kept through the rebuild stays, to be recovered, unless discarded"),),
-        action="abort", uses=True, releases=aborted, lasting=False,
+        action="abort", uses=True, releases=aborted, lasting=False, lasting_when=discards,
         step=steps.rw_abort,
     ),
     RoConnect: Rule(
@@ -793,6 +800,15 @@ RULES: dict[type[Event], Rule] = {
 NODE_ONLY = (ServerStarted,)  # no layout, no rule: the fold's first event (lasting: the configuration)
 # The kinds whose effect a restart keeps (their rows' ``lasting``, and the start).
 LASTING = frozenset({ServerStarted.KIND} | {kind.KIND for kind, rule in RULES.items() if rule.lasting})
+_LASTING_WHEN = {kind.KIND: rule.lasting_when for kind, rule in RULES.items() if rule.lasting_when is not None}
+
+
+def is_lasting(event: Event) -> bool:
+    """Must a restart keep what ``event`` did (its answer waits for the keeper to hold it)?"""
+    if event.KIND in LASTING:
+        return True
+    when = _LASTING_WHEN.get(event.KIND)
+    return when is not None and when(event)
 
 
 def kinds(flag: str) -> frozenset[type[Event]]:

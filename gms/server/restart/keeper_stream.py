@@ -21,7 +21,7 @@ the memory they released is let go; ``RELEASE`` memory let go; ``PART`` and
 
 Ordering and waiting.  Frames are queued, then *handed on* (to the out
 queue, in order) at the end of a write: at once if one of them tells of a
-lasting change (``gms.fsm.LASTING``) or many wait, else a moment later
+lasting change (``gms.fsm.is_lasting``) or many wait, else a moment later
 (``soon``: the shell flushes within ``SOON_S``, so one system call carries
 many requests' events).  An answer that tells of a lasting change of a
 layout waits until the kernel took the frame with that layout's last such
@@ -36,7 +36,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from ...fsm import LASTING
+from ...fsm import is_lasting
 from ...handover import frames
 from ...handover.image import StateImage, encode_entries, encode_image
 from ...handover.journal import KeptBase, PartWriter
@@ -197,7 +197,7 @@ class KeeperStream:
         if self.phase not in _LIVE:
             return False
         blob = encode_entries(entries)
-        lasting = frozenset(entry.event.layout for entry in entries if entry.event.KIND in LASTING)
+        lasting = frozenset(entry.event.layout for entry in entries if is_lasting(entry.event))
         # The numbers beside the opaque batch: a keeper keeps it as history by them (gms.keeper.store).
         body = {"entries": blob, "span": [entries[0].seq, entries[-1].seq, len(entries)]} if entries else {"entries": blob}
         self._queue(Say.EVENTS, body, lasting=lasting)
