@@ -82,7 +82,7 @@ case "${1:-}" in
     grep -hE "passed|failed|error" "$RUNS"/test_*.log 2>/dev/null | tail -5
     ;;
   collect)
-    tar -C "$RUNS" -czf "${OUT:-.}/vllm-lease.tgz" . && ls -l "${OUT:-.}/vllm-lease.tgz"
+    tar -C "$RUNS" --exclude=./tree -czf "${OUT:-.}/$(basename "$RUNS").tgz" . && ls -l "${OUT:-.}/$(basename "$RUNS").tgz"
     ;;
   *) echo "usage: $0 start|wait [S]|collect" >&2; exit 2 ;;
 esac
