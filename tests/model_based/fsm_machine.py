@@ -347,7 +347,9 @@ class FsmMachine(RuleBasedStateMachine):
     def disconnect(self, data, older):
         """A close, a crash, a dropped connection, a timed-out waiter or a revoke
         (a reader's in one event; ``older``: in the two an older server recorded)."""
-        conn = data.draw(st.sampled_from(sorted(self.sessions)), label="conn")
+        self._disconnect(data.draw(st.sampled_from(sorted(self.sessions)), label="conn"), older)
+
+    def _disconnect(self, conn, older=False):
         layout = self.sessions[conn][0]
         self.waiting[layout] = [w for w in self.waiting[layout] if w[0] != conn]
         events = decide_disconnect(self.log.state, conn)
@@ -682,14 +684,18 @@ class FsmMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(
         ref.disk and ref.committed and ref.writer is None and not ref.readers and ref.restorer is None
         for ref in self.refs.values()))
-    @rule(data=st.data())
-    def rebuild(self, data):
+    @rule(data=st.data(), leaves=st.booleans())
+    def rebuild(self, data, leaves):
         """Its owner writes a saved layout again (the snapshot is kept till a newer one
-        is whole, or comes back if the rebuild ends with none: issue 60)."""
+        is whole, or comes back if the rebuild ends with none: issue 60); the writer
+        may leave at once (``leaves``: its RW_ABORT keeps the snapshot to come back)."""
         layout = data.draw(st.sampled_from(sorted(
             n for n, r in self.refs.items()
             if r.disk and r.committed and r.writer is None and not r.readers and r.restorer is None)))
+        conn = self.next_conn
         self.handshake(layout, RequestedLockType.RW, self.refs[layout].owner, None, False)
+        if leaves and self.refs[layout].writer == conn:
+            self._disconnect(conn)
 
     @precondition(lambda self: any(r.kept and not r.committed and r.writer is None for r in self.refs.values()))
     @rule(data=st.data(), reads=st.booleans())
