@@ -7,7 +7,9 @@
 #   bash scripts/gpu-sglang-install.sh .wheels/sglang-part3     # joins, checks sha256, installs
 #
 # The parts are made here by scripts/gpu_vllm_wheels.py (split) from the set that
-# scripts/gpu-sglang-wheels.txt names; the store is $GMS_VLLM_STORE (default below).
+# scripts/gpu-sglang-wheels.txt names (0.5.17: sglang-partK), or --lock
+# scripts/gpu-sglang0523-wheels.txt (0.5.23 on torch 2.14.1: sglang0523-partK, 20 parts);
+# the store is $GMS_VLLM_STORE (default below; a part of the other set starts it over).
 # Exit 0 when installed and a served Llama's modules import, 3 while parts are missing.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

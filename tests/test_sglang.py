@@ -6,6 +6,7 @@ The real engine runs in tests/test_sglang_gpu.py."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import pkgutil
@@ -109,6 +110,39 @@ def test_a_scheduler_knows_its_gpu_on_either_generation_of_sglang_s_api(monkeypa
     monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
     hooks.note_scheduler(None, args, "ports")
     assert process.active().device == 7
+
+
+def test_a_rank_s_parallel_place_is_read_on_either_generation_of_sglang_s_api(monkeypatch):
+    """0.5.23 no longer exports ``get_tensor_model_parallel_rank`` and the like from
+    ``sglang.srt.distributed`` (the loader failed to import there): the rank's place is
+    read from the runtime context where SGLang has one, from those getters before it."""
+    import sys
+    import types
+
+    from gms.integrations.sglang import generations
+
+    pipeline = SimpleNamespace(rank_in_group=0, world_size=1)
+    for name in ("sglang", "sglang.srt", "sglang.srt.distributed"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    older = types.ModuleType("sglang.srt.distributed.parallel_state")
+    older.get_tensor_model_parallel_rank = lambda: 1
+    older.get_tensor_model_parallel_world_size = lambda: 2
+    older.get_pp_group = lambda: pipeline
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed.parallel_state", older)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", None)  # (an import of it fails)
+    assert generations.parallel_place() == ((1, 2), pipeline)
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.get_parallel = lambda: SimpleNamespace(tp_rank=3, tp_size=4, pp_group=pipeline)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    assert generations.parallel_place() == ((3, 4), pipeline)
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed (pip install 'gms[sglang]')")
+def test_every_module_of_the_plugin_imports_with_the_sglang_installed():
+    import gms.integrations.sglang as plugin
+
+    for module in pkgutil.iter_modules(plugin.__path__):
+        importlib.import_module(f"gms.integrations.sglang.{module.name}")
 
 
 def test_a_wrong_key_fails_at_start_up():

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from . import gate, health, process
+from . import gate, generations, health, process
 from .process import LOAD_FORMAT
 
 
@@ -50,14 +50,8 @@ def note_scheduler(self, *args, **kwargs) -> None:
     GPU in the process's runtime context (0.5.23: ``get_device().gpu_id``, read
     from the wheel; not yet run on a GPU: docs/sglang.md)."""
     server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
-    gpu_id = kwargs["gpu_id"] if "gpu_id" in kwargs else (args[2] if len(args) > 2 else _context_gpu())
+    gpu_id = kwargs["gpu_id"] if "gpu_id" in kwargs else (args[2] if len(args) > 2 else generations.context_gpu())
     process.activate(server_args, int(gpu_id))
-
-
-def _context_gpu() -> int:
-    from sglang.srt.runtime_context import get_device  # (SGLang 0.5.23's runtime context)
-
-    return get_device().gpu_id
 
 
 def memory_saver(original, *args, **kwargs) -> Any:

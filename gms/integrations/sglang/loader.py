@@ -32,11 +32,6 @@ import torch
 from sglang.srt.configs.device_config import DeviceConfig
 from sglang.srt.configs.load_config import LoadConfig
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
-from sglang.srt.distributed.parallel_state import get_pp_group
 from sglang.srt.model_loader import loader as sglang_loader
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from torch import nn
@@ -46,6 +41,7 @@ from ..common import config as gms_config
 from ..common import names, weights
 from ..common.errors import MissingWorkerError, UnsupportedModelError
 from ..common.memory import WEIGHTS, EngineMemory, install, installed
+from . import generations
 from .process import LOAD_FORMAT, active
 
 log = logging.getLogger("sglang.gms")  # see LOGGER in __init__.py
@@ -137,5 +133,4 @@ def model_identity(model_config: ModelConfig) -> names.ModelIdentity:
     architectures = getattr(model_config.hf_config, "architectures", None) or ["unknown"]
     return weights.identity(ENGINE, sglang.__version__, model_config.model_path, model_config.revision,
                             model_config.dtype, architectures[0],
-                            (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
-                            get_pp_group())
+                            *generations.parallel_place())
