@@ -21,7 +21,9 @@
 #   disk_tier_cuda: bench/disk_tier.py on CUDA (save and restore against the disk's floors);
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
-#   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines.
+#   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines;
+#   test_sglang_gpu, sglang_gms: SGLang's (installed by scripts/gpu-sglang-install.sh instead):
+#      its GPU tests, and bench/sglang_gms.py (share, release and resume, restart, failover).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 RUNS=${RUNS:-/var/tmp/gms-vllm-lease}
@@ -40,6 +42,8 @@ run_step() {
     vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
     vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;
+    test_sglang_gpu) step "$1" $PYTEST tests/test_sglang_gpu.py ;;
+    sglang_gms) step "$1" python3 bench/sglang_gms.py --shape "${SHAPE:-llama-2b}" ;;
     *) echo "unknown step $1" >> "$RUNS/progress" ;;
   esac
 }
