@@ -2,9 +2,10 @@
 for (heartbeats to a client that asked), a restore of an evicted layout made
 for the reader asked to (from the host tier, or from disk), and the answer.
 
-Each function takes the session it serves (``gms.server.service.session``):
-its connection, what it waits on (``Session.waits``, sans I/O: what a take-over
-hands over) and its way of seeing its client go (``Session.until_gone``).
+Each function takes the session it serves, as much of it as ``Served`` says
+(``gms.server.service.served``): its connection, what it waits on (``waits``,
+sans I/O: what a take-over hands over) and its way of seeing its client go
+(``until_gone``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from ..edge.admission import FdsExhausted
 from ..edge.netio import PeerGone, wait_or_hangup
 from ..edge.reply import Reply, error_reply
 from .placement import OutOfMemoryTimeout
+from .served import Served
 
 MIN_HEARTBEAT_MS = 100  # a client asking for more is told this often at most
 
 
-async def handshake(s, request: m.HandshakeRequest) -> Reply:
+async def handshake(s: Served, request: m.HandshakeRequest) -> Reply:
     waits = s.waits
     requested = s.core.handshake(s.conn, request, s.peer, s.on_grant, s.alive)
     if waits.grant is not None:  # at once: nobody was ahead
@@ -38,16 +40,16 @@ async def handshake(s, request: m.HandshakeRequest) -> Reply:
     return await wait_for_lock(s)
 
 
-async def wait_for_lock(s) -> Reply:
+async def wait_for_lock(s: Served) -> Reply:
     """Until the lock is granted, the wait times out, or the client hangs up."""
     waits = s.waits
     wait = waits.lock
     request, requested = wait.request, wait.requested
     if waits.grant is None:
         hung_up = False
-        s.grant_event = trio.Event()
+        granted = s.expect_grant()
         with trio.move_on_at(wait.deadline), s.quiesce.interruptible():
-            hung_up = await wait_or_hangup(lambda: _until_granted(s), s.until_gone)
+            hung_up = await wait_or_hangup(lambda: _until_granted(s, granted), s.until_gone)
         if waits.grant is None:
             waits.lock_ended()
             s.core.cancel_lock_request(s.conn)
@@ -60,23 +62,23 @@ async def wait_for_lock(s) -> Reply:
     return await after_grant(s, request, waits.grant)
 
 
-async def _until_granted(s) -> None:
+async def _until_granted(s: Served, granted: trio.Event) -> None:
     """Wait for the grant, saying so now and then to a client that asked
     (``heartbeat_ms``): it then tells a wait from a server that hangs."""
     heartbeat_ms = getattr(s.waits.lock.request, "heartbeat_ms", None)
     if not heartbeat_ms:
-        await s.grant_event.wait()
+        await granted.wait()
         return
     every = max(heartbeat_ms, MIN_HEARTBEAT_MS) / 1000
     while True:
         with trio.move_on_after(every):
-            await s.grant_event.wait()
+            await granted.wait()
             return
         waited = int((trio.current_time() - s.waits.lock.asked_at) * 1000)
         s.channel.send_if_idle(encode(m.LockWaiting(waited)))
 
 
-async def after_grant(s, request: m.HandshakeRequest, grant: Grant) -> Reply:
+async def after_grant(s: Served, request: m.HandshakeRequest, grant: Grant) -> Reply:
     """The grant made: a restorer's memory and copy first, then the answer."""
     core = s.core
     restored = False  # by the copier: then the reader is granted a plain RO
@@ -103,7 +105,7 @@ async def after_grant(s, request: m.HandshakeRequest, grant: Grant) -> Reply:
     return Reply(response(s, grant, restored))
 
 
-def response(s, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
+def response(s: Served, grant: Grant | None, restored: bool = False) -> m.HandshakeResponse:
     state = s.core.state
     session = state.sessions.get(s.conn)
     layout = state.layout(session.layout) if session else None

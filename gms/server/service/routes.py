@@ -22,6 +22,7 @@ from ...wire import messages as m
 from ..edge.reply import Reply
 from . import handshake
 from .requests import Requests
+from .served import Served
 
 
 class TakeOverAsked(Exception):
@@ -33,11 +34,11 @@ class TakeOverAsked(Exception):
 
 @attrs.frozen
 class Route:
-    answer: Callable  # (session, request) -> Reply, or (waits) an awaitable of one
+    answer: Callable  # (Served, request) -> Reply, or (waits) an awaitable of one
     waits: bool = False
     admin: bool = False
     describes: bool = False
-    only_if: Callable[[object], bool] | None = None  # (the session)
+    only_if: Callable[[Served], bool] | None = None
 
 
 def _requests(name: str) -> Route:
@@ -46,7 +47,7 @@ def _requests(name: str) -> Route:
     return Route(lambda s, request: method(s.core.requests, s.conn, request))
 
 
-async def _allocate(s, request: m.AllocateRequest) -> Reply:
+async def _allocate(s: Served, request: m.AllocateRequest) -> Reply:
     placement = s.core.placement
     with s.waiting_for(Waiting.ALLOCATE), s.metrics.allocate_seconds.time():
         response = await placement.with_memory(
@@ -56,27 +57,27 @@ async def _allocate(s, request: m.AllocateRequest) -> Reply:
     return Reply(response)
 
 
-async def _commit(s, request: m.CommitRequest) -> Reply:
+async def _commit(s: Served, request: m.CommitRequest) -> Reply:
     if s.core.transfers is not None:  # the copier fills the host copies a residency needs
         return await s.core.transfers.commit(s.conn, request)
     return s.core.requests.commit(s.conn, request)
 
 
-async def _host_copies(s, request: m.ExportHostCopiesRequest) -> Reply:
+async def _host_copies(s: Served, request: m.ExportHostCopiesRequest) -> Reply:
     return await s.core.host_tier.export_copies(s.conn, request.allocation_ids)
 
 
-async def _runtime_state(s, request: m.GetRuntimeStateRequest) -> Reply:
+async def _runtime_state(s: Served, request: m.GetRuntimeStateRequest) -> Reply:
     probes = s.core.probes
     return Reply(await probes.runtime_state(probes.view_for(s.peer)))
 
 
-def _history(s, request: m.GetEventHistoryRequest) -> Reply:
+def _history(s: Served, request: m.GetEventHistoryRequest) -> Reply:
     probes = s.core.probes
     return Reply(probes.history(request.since_seq, request.limit, request.layout, probes.view_for(s.peer)))
 
 
-def _take_over(s, request: m.TakeOverRequest) -> Reply:
+def _take_over(s: Served, request: m.TakeOverRequest) -> Reply:
     raise TakeOverAsked(request)
 
 

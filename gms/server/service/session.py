@@ -328,6 +328,11 @@ class Session:
                 await trio.sleep(delay)  # a uid that keeps asking past its limits (gms.server.edge.tarpit)
             return error_reply(rejection)
 
+    def expect_grant(self) -> trio.Event:
+        """What a handshake that has to wait for its lock waits on (set by :meth:`on_grant`)."""
+        self.grant_event = trio.Event()
+        return self.grant_event
+
     def on_grant(self, grant: Grant) -> None:
         """The ledger granted this session's lock (maybe while a take-over paused it)."""
         self.waits.granted(grant)
