@@ -86,14 +86,20 @@ def preload_argv(model: str, socket_dir: str, health_port: int, *, max_model_len
 
 
 class Setup:
-    """One way of running engines: its daemon (none for alone), engines and figures."""
+    """One way of running engines: its daemon (none for alone), engines and figures.
+    (bench/sglang_daemons.py asks SGLang the same questions: what differs is a class attribute
+    or a method there.)"""
+
+    PORTS = PORTS
+    HOW = HOW
+    PROMPT = PROMPT
 
     def __init__(self, bench: Bench, name: str) -> None:
         self.bench, self.name = bench, name
         self.work = bench.work / name
         self.work.mkdir()
-        self.health_port = PORTS[name] + 19
-        self.ports = itertools.count(PORTS[name] + 1)  # never one a stopped engine had (TIME_WAIT)
+        self.health_port = self.PORTS[name] + 19
+        self.ports = itertools.count(self.PORTS[name] + 1)  # never one a stopped engine had (TIME_WAIT)
         self.engines: dict[str, Engine] = {}
         self.daemon: subprocess.Popen | None = None
         self.socket = str(self.work / "gms.sock")
@@ -191,21 +197,24 @@ class Setup:
     def spawn(self, key: str, **kw) -> Engine:
         argv = self.argv(**kw)
         port = int(argv[argv.index("--port") + 1])
-        engine = Engine(argv, serve_env(self.bench.cache), self.work / f"{key}.log", port)
+        engine = self.engine(argv, self.work / f"{key}.log", port)
         self.engines[key] = engine
         return engine
+
+    def engine(self, argv: list[str], log_path: Path, port: int) -> Engine:
+        return Engine(argv, serve_env(self.bench.cache), log_path, port)
 
     def start(self, key: str, **kw) -> dict:
         """Start engine ``key`` alone on what the GPU holds now: its figures and first answer."""
         before = self.bench.used()
         engine = self.spawn(key, **kw)
         ready_s = engine.wait_ready(self.bench.args.ready_timeout)
-        first = engine.complete(PROMPT, TOKENS)
+        first = engine.complete(self.PROMPT, TOKENS)
         text = engine.log()
-        how = next((what for pattern, what in HOW if pattern.search(text)), "disk")
+        how = next((what for pattern, what in self.HOW if pattern.search(text)), "disk")
         out = {"spawn_to_ready_s": ready_s, "weights_from": how, "tokens": first["token_ids"],
                "gpu_memory_added_bytes": self.bench.used() - before, **engine.load_line()}
-        log(f"{self.name}/{key}: ready in {ready_s:.1f} s, weights from {how}, load {out.get('vllm_load_s')} s, "
+        log(f"{self.name}/{key}: ready in {ready_s:.1f} s, weights from {how}, load {out.get(self.bench.LOAD_KEY)} s, "
             f"+{out['gpu_memory_added_bytes'] / GiB:.2f} GiB")
         return out
 
@@ -260,7 +269,7 @@ class Setup:
             wake_s = engine.wake()
         except httpx.HTTPError as e:
             return {"supported": False, "answer": _answer(e)}
-        after = engine.complete(PROMPT, TOKENS)["token_ids"]
+        after = engine.complete(self.PROMPT, TOKENS)["token_ids"]
         out = {"supported": True, "sleep_s": sleep_s, "wake_s": wake_s, "released_bytes": before - asleep,
                "tokens_equal_after_wake": after == reference}
         log(f"{self.name}/{key}: sleep {sleep_s * 1e3:.0f} ms, wake {wake_s * 1e3:.0f} ms, "
@@ -272,7 +281,7 @@ class Setup:
         used = self.bench.used()
         back_s = self.kill_daemon()
         try:
-            answer = engine.complete(PROMPT, TOKENS)["token_ids"]
+            answer = engine.complete(self.PROMPT, TOKENS)["token_ids"]
             out = {"engine_answers": True, "tokens_equal": answer == reference}
         except httpx.HTTPError as e:
             out = {"engine_answers": False, "error": _answer(e)}
@@ -303,17 +312,22 @@ def _answer(e: httpx.HTTPError) -> str:
 
 
 class Bench:
+    SETUP = Setup
+    PREFIX = "vllm_daemons"  # the results' file name, before the GPU's
+    PACKAGES = ("vllm", "torch", "gms", "transformers")
+    LOAD_KEY = "vllm_load_s"  # the engine's own weight-load figure (Engine.load_line)
+
     def __init__(self, args) -> None:
         self.args = args
-        self.work = Path(tempfile.mkdtemp(prefix="gms-vllm-daemons-", dir=args.work_root))
+        self.work = Path(tempfile.mkdtemp(prefix=f"gms-{self.PREFIX.replace('_', '-')}-", dir=args.work_root))
         self.nvml = Nvml()
         self.cache = args.cache_root
         self.kv_bytes = int(args.kv_gib * GiB)
         self.model = self._made(Path(args.model), 0)
         self.other = self._made(Path(args.model + "-seed1"), 1)
-        self.results: dict = {"gpu": gpu(), "versions": versions("vllm", "torch", "gms", "transformers"),
+        self.results: dict = {"gpu": gpu(), "versions": versions(*self.PACKAGES),
                               "kv_cache_bytes": self.kv_bytes, "eager": args.eager, "shape": args.shape,
-                              "prompt": PROMPT, "completion_tokens": TOKENS}
+                              "prompt": self.SETUP.PROMPT, "completion_tokens": TOKENS}
 
     def _made(self, folder: Path, seed: int) -> str:
         if not (folder / "config.json").exists():
@@ -351,16 +365,16 @@ class Bench:
 
     @property
     def name(self) -> str:
-        """The results' file name: vllm_daemons_<the GPU's model, e.g. h100>."""
+        """The results' file name: <PREFIX>_<the GPU's model, e.g. h100>."""
         tag = re.search(r"\b([A-Z]\d{2,4})\b", self.results["gpu"]["name"])
-        return f"vllm_daemons_{tag.group(1).lower() if tag else 'gpu'}"
+        return f"{self.PREFIX}_{tag.group(1).lower() if tag else 'gpu'}"
 
     def save(self) -> Path:
         return write_results(self.args.out, self.name, self.results)
 
     def run(self) -> None:
         for name in self.args.setups:
-            setup = Setup(self, name)
+            setup = self.SETUP(self, name)
             try:
                 self.results[name] = setup.run()
             except Exception as e:  # noqa: BLE001 - the next setup still runs; the failure is recorded
@@ -376,7 +390,8 @@ class Bench:
                 other["tokens_are_its_own"] = other["tokens"] == own
 
 
-def rows(r: dict) -> list[tuple]:
+def rows(r: dict, setups: tuple[str, ...] = SETUPS, engine: str = "vLLM", load_key: str = "vllm_load_s",
+         verbs: tuple[str, str] = ("/sleep", "/wake_up")) -> list[tuple]:
     def gib(v) -> str:
         return f"{v / GiB:.2f}"
 
@@ -387,13 +402,13 @@ def rows(r: dict) -> list[tuple]:
         ("daemon: start to serving, s", lambda x: f"{x['daemon_start_s']:.1f}" if x["daemon_start_s"] else "—"),
         ("first engine: spawn to ready, s", lambda x: f"{x['e1']['spawn_to_ready_s']:.1f}"),
         ("second engine: spawn to ready, s", lambda x: f"{x['e2']['spawn_to_ready_s']:.1f}"),
-        ("second engine: weight load (vLLM's line), s", lambda x: f"{x['e2']['vllm_load_s']:.2f}"),
+        (f"second engine: weight load ({engine}'s line), s", lambda x: f"{x['e2'][load_key]:.2f}"),
         ("second engine: weights from", lambda x: x["e2"]["weights_from"]),
         ("GPU memory, 1 engine (daemon included), GiB", lambda x: gib(x["memory_1_2_4"][0])),
         ("GPU memory, 2 engines, GiB", lambda x: gib(x["memory_1_2_4"][1])),
         ("GPU memory, 4 engines, GiB", lambda x: gib(x["memory_1_2_4"][2])),
-        ("/sleep, s", sleep),
-        ("/wake_up, s", lambda x: f"{x['sleep']['wake_s']:.3f}"),
+        (f"{verbs[0]}, s", sleep),
+        (f"{verbs[1]}, s", lambda x: f"{x['sleep']['wake_s']:.3f}"),
         ("GPU memory a sleep releases, GiB", lambda x: gib(x["sleep"]["released_bytes"])),
         ("same tokens after the wake", lambda x: str(x["sleep"]["tokens_equal_after_wake"])),
         ("daemon SIGKILLed: the serving engine answers, same tokens",
@@ -417,7 +432,7 @@ def rows(r: dict) -> list[tuple]:
         except (KeyError, TypeError):
             return "—"
 
-    return [(what, *(cell(name, fn) for name in SETUPS)) for what, fn in table]
+    return [(what, *(cell(name, fn) for name in setups)) for what, fn in table]
 
 
 def main() -> int:

@@ -22,8 +22,9 @@
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
 #   vllm_failover: bench/vllm.py --parts failover --eager: `gms failover` over two engines;
-#   test_sglang_gpu, sglang_gms: SGLang's (installed by scripts/gpu-sglang-install.sh instead):
-#      its GPU tests, and bench/sglang_gms.py (share, release and resume, restart, failover).
+#   test_sglang_gpu, sglang_gms, sglang_daemons: SGLang's (installed by scripts/gpu-sglang-install.sh
+#      instead): its GPU tests, bench/sglang_gms.py (share, release and resume, restart, failover),
+#      bench/sglang_daemons.py (against SGLang's own weight cache daemon).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 RUNS=${RUNS:-/var/tmp/gms-vllm-lease}
@@ -44,6 +45,7 @@ run_step() {
     vllm_failover) step "$1" python3 bench/vllm.py --parts failover --eager --repeats 2 --shape "${SHAPE:-llama-2b}" ;;
     test_sglang_gpu) step "$1" $PYTEST tests/test_sglang_gpu.py ;;
     sglang_gms) step "$1" python3 bench/sglang_gms.py --shape "${SHAPE:-llama-2b}" ;;
+    sglang_daemons) step "$1" python3 bench/sglang_daemons.py --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     *) echo "unknown step $1" >> "$RUNS/progress" ;;
   esac
 }
