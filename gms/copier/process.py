@@ -370,11 +370,18 @@ class Copier:
             if self._stopping.is_set():
                 msg.close_fds(fds)
                 continue
-            self._send(self._copy_file(job, fds))
+            device: list[Mapped] = []
+            try:
+                self._send(self._copy_file(job, fds, device))
+            finally:
+                # After the answer: letting a restored GiB's mapping go took 73 ms on 2 cores, which
+                # the reader waited for (the memory stays the server's; only this view of it goes).
+                for mapped in device:
+                    self.engine.unmap(mapped)
 
-    def _copy_file(self, job: msg.FileCopy, fds: list[int]) -> msg.Done:
+    def _copy_file(self, job: msg.FileCopy, fds: list[int], device: list[Mapped]) -> msg.Done:
+        """The copy; ``device`` gets the allocations' mappings, for the caller to let go."""
         *device_fds, file_fd = fds
-        device: list[Mapped] = []
         consumed = 0
         kind = "save" if job.to_file else "load"
         started = time.perf_counter()
@@ -400,8 +407,6 @@ class Copier:
         finally:
             msg.close_fds(device_fds[consumed:])
             os.close(file_fd)
-            for mapped in device:
-                self.engine.unmap(mapped)
         moved = sum(job.size)
         log.info("%s %d: %.1f MiB in %d extents, %.2f GiB/s", kind, job.job, moved / 2**20, len(job.size),
                  moved / 2**30 / max(time.perf_counter() - started, 1e-9))
