@@ -94,7 +94,7 @@ class FileCopy:
 @attrs.frozen
 class Ready:
     pid: int
-    engine: str  # what moves the bytes, for the server's log
+    engine: str  # what moves the bytes and checks them (its crc32's maker), for the server's log
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from .. import checksum
 from . import files
 from . import messages as msg
 from .engine import Engine, Mapped
@@ -103,7 +104,7 @@ class Copier:
         workers.append(disk)
         for worker in [*workers, mapper, unmapper]:
             worker.start()
-        self._send(msg.Ready(os.getpid(), self.engine.name))
+        self._send(msg.Ready(os.getpid(), f"{self.engine.name}, crc32 {checksum.IMPLEMENTATION}"))
         try:
             while not self._stopping.is_set():
                 got = msg.receive(self.sock)
