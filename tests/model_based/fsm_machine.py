@@ -681,6 +681,18 @@ class FsmMachine(RuleBasedStateMachine):
             if code is None:
                 _recovered_into(self.refs[name], event)
 
+    @precondition(lambda self: any(ref.readers and ref.writer is None for ref in self.refs.values()))
+    @rule(data=st.data())
+    def another_reader_comes_and_one_leaves(self, data):
+        """A second reader of a layout read now, then one of them leaves: the other reads on
+        (the lock stays RO with the reader left)."""
+        layout = data.draw(st.sampled_from(sorted(n for n, r in self.refs.items() if r.readers and r.writer is None)))
+        conn = self.next_conn
+        self.handshake(layout, RequestedLockType.RO, self.refs[layout].owner, None, False)
+        readers = sorted(self.refs[layout].readers)
+        if conn in readers and len(readers) > 1:
+            self._disconnect(data.draw(st.sampled_from(readers), label="leaves"))
+
     @precondition(lambda self: any(
         ref.disk and ref.committed and ref.writer is None and not ref.readers and ref.restorer is None
         for ref in self.refs.values()))
