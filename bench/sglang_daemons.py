@@ -28,18 +28,16 @@ Written against SGLang 0.5.23's source; not yet run on a GPU (issue 62).
 
 from __future__ import annotations
 
-import argparse
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import ClassVar
 
-from _common import add_out, log, print_table, wait_for
+from _common import wait_for
 from sglang_engines import SGLangEngine, serve_argv, serve_env
-from vllm_daemons import Bench, Setup, rows
+from vllm_daemons import Bench, Setup, parsed, parser
 
 SETUPS = ("alone", "weight_cache", "gms")
 DAEMON = [sys.executable, "-m", "sglang.srt.weight_cache.daemon"]
@@ -115,6 +113,9 @@ class SGLangBench(Bench):
     PREFIX = "sglang_daemons"
     PACKAGES = ("sglang", "torch", "gms", "transformers")
     LOAD_KEY = "sglang_load_s"
+    SETUPS = SETUPS
+    ENGINE, VERBS = "SGLang", ("/release_memory_occupation", "/resume_memory_occupation")
+    TITLE = "gms against SGLang's own weight cache"
 
     def __init__(self, args) -> None:
         args.kv_gib, args.eager = 0.0, False  # (the KV pool is --max-total-tokens; graphs as the GPU tests run)
@@ -122,36 +123,13 @@ class SGLangBench(Bench):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_out(p)
-    p.add_argument("--model", default="/var/tmp/gms-vllm-model", help="made there unless it holds a model")
-    p.add_argument("--shape", default="llama-2b")
-    p.add_argument("--setups", default=",".join(SETUPS), type=lambda v: v.split(","),
-                   help="which, in order (alone first: its answer on the other checkpoint is the reference)")
+    p = parser(__doc__, SETUPS)
     p.add_argument("--max-total-tokens", type=int, default=8192, help="each engine's KV pool, in tokens")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static (its start gate)")
     p.add_argument("--ready-timeout", type=float, default=900)
-    p.add_argument("--work-root", default=None, help="where the run's folder goes (default: the temp dir)")
-    args = p.parse_args()
-    if not set(args.setups) <= set(SETUPS):
-        p.error(f"--setups: some of {SETUPS}")
+    args = parsed(p, SETUPS)
     args.cache_root = None
-    bench = SGLangBench(args)
-    log(f"{bench.results['gpu']}, {bench.results['versions']}, work {bench.work}")
-    try:
-        bench.run()
-    finally:
-        name, out = bench.name, bench.save()
-        if (bench.work / "engines-tail.log").exists():
-            shutil.copy(bench.work / "engines-tail.log", out.parent / f"{name}_engines.log")
-        for setup in SETUPS:
-            if (bench.work / setup / "daemon.log").exists():
-                shutil.copy(bench.work / setup / "daemon.log", out.parent / f"{name}_{setup}_daemon.log")
-        shutil.rmtree(bench.work, ignore_errors=True)
-    print_table(f"gms against SGLang's own weight cache ({bench.results['gpu']['name']}, SGLang "
-                f"{bench.results['versions'].get('sglang')})",
-                rows(bench.results, SETUPS, "SGLang", SGLangBench.LOAD_KEY,
-                     ("/release_memory_occupation", "/resume_memory_occupation")), ("figure", *SETUPS))
+    SGLangBench(args).run_and_report()
     return 0
 
 

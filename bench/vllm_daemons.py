@@ -316,6 +316,9 @@ class Bench:
     PREFIX = "vllm_daemons"  # the results' file name, before the GPU's
     PACKAGES = ("vllm", "torch", "gms", "transformers")
     LOAD_KEY = "vllm_load_s"  # the engine's own weight-load figure (Engine.load_line)
+    SETUPS = SETUPS
+    ENGINE, VERBS = "vLLM", ("/sleep", "/wake_up")  # (the table's words)
+    TITLE = "gms against vLLM's own weight daemon"
 
     def __init__(self, args) -> None:
         self.args = args
@@ -389,9 +392,26 @@ class Bench:
             if other and own:
                 other["tokens_are_its_own"] = other["tokens"] == own
 
+    def run_and_report(self) -> None:
+        """Every setup; then the JSON, the engines' log tails and each daemon's log under
+        ``--out``, the work folder removed, and the table."""
+        log(f"{self.results['gpu']}, {self.results['versions']}, work {self.work}")
+        try:
+            self.run()
+        finally:
+            name, out = self.name, self.save()
+            if (self.work / "engines-tail.log").exists():
+                shutil.copy(self.work / "engines-tail.log", out.parent / f"{name}_engines.log")
+            for setup in self.SETUPS:
+                if (self.work / setup / "daemon.log").exists():
+                    shutil.copy(self.work / setup / "daemon.log", out.parent / f"{name}_{setup}_daemon.log")
+            shutil.rmtree(self.work, ignore_errors=True)
+        package = self.PACKAGES[0]
+        print_table(f"{self.TITLE} ({self.results['gpu']['name']}, {self.ENGINE} {self.results['versions'].get(package)})",
+                    rows(self.results, self.SETUPS, self.ENGINE, self.LOAD_KEY, self.VERBS), ("figure", *self.SETUPS))
 
-def rows(r: dict, setups: tuple[str, ...] = SETUPS, engine: str = "vLLM", load_key: str = "vllm_load_s",
-         verbs: tuple[str, str] = ("/sleep", "/wake_up")) -> list[tuple]:
+
+def rows(r: dict, setups: tuple[str, ...], engine: str, load_key: str, verbs: tuple[str, str]) -> list[tuple]:
     def gib(v) -> str:
         return f"{v / GiB:.2f}"
 
@@ -435,37 +455,34 @@ def rows(r: dict, setups: tuple[str, ...] = SETUPS, engine: str = "vLLM", load_k
     return [(what, *(cell(name, fn) for name in setups)) for what, fn in table]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str, setups: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The arguments every side-by-side takes (bench/sglang_daemons.py's too)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_out(p)
     p.add_argument("--model", default="/var/tmp/gms-vllm-model", help="made there unless it holds a model")
     p.add_argument("--shape", default="llama-2b")
-    p.add_argument("--setups", default=",".join(SETUPS), type=lambda v: v.split(","),
+    p.add_argument("--setups", default=",".join(setups), type=lambda v: v.split(","),
                    help="which, in order (alone first: its answer on the other checkpoint is the reference)")
+    p.add_argument("--work-root", default=None, help="where the run's folder goes (default: the temp dir)")
+    return p
+
+
+def parsed(p: argparse.ArgumentParser, setups: tuple[str, ...]) -> argparse.Namespace:
+    args = p.parse_args()
+    if not set(args.setups) <= set(setups):
+        p.error(f"--setups: some of {setups}")
+    return args
+
+
+def main() -> int:
+    p = parser(__doc__, SETUPS)
     p.add_argument("--kv-gib", type=float, default=1.0, help="KV cache per engine (--kv-cache-memory-bytes)")
     p.add_argument("--gpu-utilization", type=float, default=0.08, help="vLLM's start gate only (the KV is fixed)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--eager", action="store_true", help="--enforce-eager everywhere (no compile, no graphs)")
     p.add_argument("--ready-timeout", type=float, default=600)
-    p.add_argument("--work-root", default=None, help="where the run's folder goes (default: the temp dir)")
     p.add_argument("--cache-root", default="/var/tmp/gms-vllm-cache", help="VLLM_CACHE_ROOT (compile cache)")
-    args = p.parse_args()
-    if not set(args.setups) <= set(SETUPS):
-        p.error(f"--setups: some of {SETUPS}")
-    bench = Bench(args)
-    log(f"{bench.results['gpu']}, {bench.results['versions']}, work {bench.work}")
-    try:
-        bench.run()
-    finally:
-        name, out = bench.name, bench.save()
-        if (bench.work / "engines-tail.log").exists():
-            shutil.copy(bench.work / "engines-tail.log", out.parent / f"{name}_engines.log")
-        for setup in SETUPS:
-            if (bench.work / setup / "daemon.log").exists():
-                shutil.copy(bench.work / setup / "daemon.log", out.parent / f"{name}_{setup}_daemon.log")
-        shutil.rmtree(bench.work, ignore_errors=True)
-    print_table(f"gms against vLLM's own weight daemon ({bench.results['gpu']['name']}, vLLM "
-                f"{bench.results['versions']['vllm']})", rows(bench.results), ("figure", *SETUPS))
+    Bench(parsed(p, SETUPS)).run_and_report()
     return 0
 
 
