@@ -104,3 +104,26 @@ def test_the_keeper_imports_nothing_of_the_server_nor_of_the_core():
                 todo.append(found)
     assert not {n for n in reached if n.startswith(("gms.server", "gms.fsm", "gms.store"))}, sorted(
         n for n in reached if n.startswith(("gms.server", "gms.fsm", "gms.store")))
+
+
+def test_routes_and_the_handshake_use_only_what_served_names_and_the_session_has_it():
+    """Issue 64's typed seam, checked without a type checker: every ``s.<name>`` the route
+    table and the handshake read is a member of ``Served``, none is assigned there, and
+    the session has each (a class member, or set in its ``__init__``)."""
+    from gms.server.service.served import Served
+    from gms.server.service.session import Session
+
+    members = set(Served.__annotations__) | {n for n in vars(Served) if not n.startswith("_")}
+    service = GMS / "server" / "service"
+    for name in ("routes.py", "handshake.py"):
+        tree = ast.parse((service / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "s":
+                assert node.attr in members, f"{name} uses s.{node.attr}, which Served does not name"
+                assert not isinstance(node.ctx, ast.Store), f"{name} sets s.{node.attr} on the session"
+    init = next(n for n in ast.walk(ast.parse((service / "session.py").read_text()))
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
+    missing = {m for m in members if not hasattr(Session, m) and m not in assigned}
+    assert not missing, f"Served names what the session lacks: {sorted(missing)}"

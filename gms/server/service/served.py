@@ -2,8 +2,8 @@
 
 ``gms.server.service.handshake`` and ``gms.server.service.routes`` are handed
 the session (``gms.server.service.session.Session``) that runs the request; this
-is all of it they may touch, so the two-way dependency shows in one place and a
-type checker holds them to it.  Nothing here is set by them: a wait for the
+is all of it they may touch, so the two-way dependency shows in one place (no type
+checker runs in CI to hold them to it). Nothing here is set by them: a wait for the
 lock asks the session for its event (``expect_grant``).
 """
 
