@@ -33,8 +33,8 @@ def make(folder: str, count: int) -> None:
     """``count`` snapshots, as a server saves them."""
     from gms.disk import format as fmt
     from gms.disk.store import DiskStore
-    from gms.files import pwrite_all
     from gms.fsm import Allocation, MetadataEntry, compute_layout_hash
+    from gms.system.files import pwrite_all
 
     store = DiskStore(folder)
     try:

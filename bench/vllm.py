@@ -108,7 +108,7 @@ class Bench:
             where = ["--socket", self.sockets[0]]
         else:  # a server per GPU, each on its default socket in a folder of the run's
             from gms.cuda.vmm import device_uuid  # the driver's word, no context made
-            from gms.paths import socket_path_in
+            from gms.system.paths import socket_path_in
 
             folder = self.work / "sockets"
             folder.mkdir(mode=0o700)

@@ -48,7 +48,7 @@ import gms.torch
 import gms.cuda.vmm  # modules are loaded before the clock, as for safetensors
 from gms import GMSClientMemoryManager
 # Making the manager is process setup, like CUDA's: it grows the fd table
-# (9 to 18 ms on the H100 VM, gms/fds.py), timed apart as manager_s.
+# (9 to 18 ms on the H100 VM, gms/system/fds.py), timed apart as manager_s.
 t = time.perf_counter()
 mgr = GMSClientMemoryManager(sys.argv[1], device=0)
 manager_s = time.perf_counter() - t

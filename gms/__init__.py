@@ -34,7 +34,7 @@ from .errors import (
     UntrustedServerError,
 )
 from .fsm import GrantedLockType, RequestedLockType, Residency
-from .paths import socket_path
+from .system.paths import socket_path
 
 __version__ = "0.1.0"
 

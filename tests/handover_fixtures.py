@@ -180,7 +180,7 @@ def saved_journal(folder, entries: list, cut: int) -> str:
 
 def replay_saved(folder, entries: list, cut: int):
     """:func:`saved_journal`, read back as `gms replay` does."""
-    from gms.postmortem import replay_rows
+    from gms.operator.postmortem import replay_rows
 
     with open(saved_journal(folder, entries, cut)) as lines:
         return replay_rows(lines)

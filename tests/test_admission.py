@@ -18,11 +18,11 @@ import trio
 
 from gms.cuda.host import HostBackend
 from gms.fsm import OverLimit
-from gms.peer import Peer
-from gms.policy import OPEN_POLICY, parse_policy
+from gms.operator.policy import OPEN_POLICY, parse_policy
 from gms.server import Server, ServerConfig
 from gms.server.edge.admission import Admission, FdBudget, FdsExhausted, refusal_frame
 from gms.server.edge.ratelimit import RateLimit
+from gms.system.peer import Peer
 from gms.wire import FrameDecoder, decode, encode
 from gms.wire import messages as m
 from gms.wire.connection import PRE_SESSION_MAX_FRAME_BYTES

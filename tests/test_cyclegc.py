@@ -1,4 +1,4 @@
-"""The server's collector policy (gms.cyclegc), on CPython's real collector."""
+"""The server's collector policy (gms.system.cyclegc), on CPython's real collector."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from gms.cyclegc import FrozenHeap
+from gms.system.cyclegc import FrozenHeap
 
 
 class Node:

@@ -130,7 +130,8 @@ def test_a_persisted_layout_outlives_every_gms_process_and_comes_back_whole(tmp_
     assert server.layout("scratch").state == "EMPTY", "only what was committed to persist outlives the node"
     granted, again, got = read(server.socket)  # an engine asking RW_OR_RO: it imports instead of loading
     assert (granted.value, again) == ("RO", layout_hash) and got == contents
-    kinds = server.kinds()
+    # (a probe whose first request a loaded machine delayed past its deadline is dropped: not this story)
+    kinds = [kind for kind in server.kinds() if kind != "CONNECTION_DROPPED"]
     assert kinds[:4] == ["LAYOUT_RECOVERED", "RESTORE_CLAIMED", "RESTORE_LOADING", "RESTORE_FINISHED"], kinds
     assert (server.layout().tier, server.layout().restores) == ("device", 1)
     assert read(server.socket, lock=RequestedLockType.RO)[2] == contents, "a second reader imports what is there"

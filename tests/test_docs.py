@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gms import paths
+from gms.system import paths
 
 from .helpers import wait_until
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gms.fds import _table, reserve_fd_slots
+from gms.system.fds import _table, reserve_fd_slots
 
 pytestmark = pytest.mark.skipif(_table() is None, reason="needs /proc/self/status")
 

@@ -31,7 +31,7 @@ from gms.fsm.events import (
     ServerStarted,
     SessionOpened,
 )
-from gms.policy import OPEN_POLICY, parse_policy
+from gms.operator.policy import OPEN_POLICY, parse_policy
 
 from .fsm_events import committed, opened
 
@@ -271,7 +271,7 @@ uids = [2]
     [('metadata_quota = "lots"', "metadata_quota: not a byte count"), ("max_layouts = -1", "non-negative")],
 )
 def test_the_policy_refuses_bad_limits_naming_the_line(line, message):
-    from gms.policy import PolicyError
+    from gms.operator.policy import PolicyError
 
     with pytest.raises(PolicyError, match=message) as caught:
         parse_policy(f'[[tenant]]\nname = "a"\nuids = [1]\n{line}\n', "p.toml")

@@ -467,7 +467,7 @@ def test_the_image_carries_every_field_of_the_state():
 def test_a_tenant_sees_only_its_own_quotas_in_server_resumed():
     """As in SERVER_STARTED (issue 21's history filter): a new server's
     configuration names every tenant's quotas; a tenant is shown its own."""
-    from gms.policy import Policy, TenantPolicy
+    from gms.operator.policy import Policy, TenantPolicy
     from gms.server.service.probes import View
     from gms.store import LogEntry
 

@@ -1,4 +1,4 @@
-"""A server process takes big buffers from its heap (gms/heap.py), in a process of its own."""
+"""A server process takes big buffers from its heap (gms/system/heap.py), in a process of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 PROBE = r"""
 import ctypes, sys
-from gms.heap import keep_big_blocks
+from gms.system.heap import keep_big_blocks
 if sys.argv[1] == "kept":
     assert keep_big_blocks()
 def in_heap(buffer):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gms import launch
+from gms.system import launch
 
 from .helpers import kill_tree, state_or_none, wait_until
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from gms import paths
 from gms.cuda import resolve_backend
+from gms.system import paths
 
 UUID = "GPU-7b2830dd-3a98-dffe-f0be-c470a89bb1be"
 

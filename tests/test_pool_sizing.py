@@ -6,9 +6,9 @@ import os
 
 from gms.cuda.host import HostBackend
 from gms.fsm.state import KV_CACHE
-from gms.peer import Peer
 from gms.server.service.core import open_core
 from gms.server.tiers.pool_sizing import SLICE, PoolSizing
+from gms.system.peer import Peer
 from gms.wire import messages as m
 
 CHUNK = HostBackend().granularity  # a chunk of the backend's granule: 2-granule allocations hold two

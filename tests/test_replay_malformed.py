@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from gms.fsm import InvariantViolation
-from gms.postmortem import LogFileError, replay_rows
+from gms.operator.postmortem import LogFileError, replay_rows
 
 from .handover_fixtures import rich_log, saved_journal
 

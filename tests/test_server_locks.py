@@ -122,7 +122,7 @@ def test_a_reader_granted_from_the_queue_shows_as_the_seed_s_events_too(server):
     opened = [r for r in rows if r["kind"] == "SESSION_OPENED" and r["conn"] == from_queue["conn"]]
     assert len(opened) == 1 and opened[0]["seq"] < from_queue["seq"]
     # Each row folds back to the event the log holds (gms replay of a saved history).
-    from gms.postmortem import event_row, row_event
+    from gms.operator.postmortem import event_row, row_event
 
     for row in rows:
         event = row_event({k: (v.hex() if isinstance(v, bytes) else v) for k, v in row.items()})

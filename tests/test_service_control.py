@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from gms import GMSClientMemoryManager, RequestedLockType
-from gms.procs import gone
+from gms.system.procs import gone
 
 from .helpers import MiB, ServerProcess, wait_until
 
@@ -178,8 +178,8 @@ def test_gms_stop_from_another_installation_names_the_service_and_asks_for_its_s
     every layout with it.  On the default socket, `gms stop` and `gms restart`
     act only on a service that runs from their own Python; another is named, and
     stopped only when its socket is given."""
-    from gms import paths
     from gms.cli import main
+    from gms.system import paths
 
     monkeypatch.setenv("GMS_SOCKET_DIR", str(tmp_path))
     path = paths.socket_path(0, "host")

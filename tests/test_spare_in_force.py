@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import gms
-from gms.procs import gone
+from gms.system.procs import gone
 from gms.wire import messages as m
 
 from .helpers import MiB, RawConn, ServerProcess, connect_as, wait_until

@@ -230,7 +230,7 @@ NOT_PASSED_ON = {"--help", "--devices", "--device", "--socket", "--keeper-fd"}  
 
 def test_every_option_of_serve_reaches_each_device_s_server():
     from gms.cli import build_parser
-    from gms.supervisor import child_argv
+    from gms.operator.supervisor import child_argv
 
     parser = build_parser()
     serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]  # argparse has no public walk

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from gms import sdnotify
 from gms.keeper.systemd import fdname, key_of, read_journal
+from gms.system import sdnotify
 from gms.wire import messages as m
 
 from .fake_systemd import FakeSystemd

@@ -486,7 +486,7 @@ def test_a_node_of_ten_thousand_allocations_is_taken_over_under_the_machine_s_li
     limit to the hard one and needs the allocations' fds and one frame's more."""
     import resource
 
-    from gms.fds import handover_need
+    from gms.system.fds import handover_need
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < handover_need(10_001) + 256:
         pytest.skip("this machine's hard open-files limit is below what 10,000 allocations need")
@@ -546,7 +546,8 @@ def test_a_tail_is_the_events_since_the_base_or_the_whole_image_where_the_log_dr
     from gms.server.restart.takeover import handed_image, tail_body
     from gms.store import EventLog
 
-    from .fsm_events import started, writer as writing
+    from .fsm_events import started
+    from .fsm_events import writer as writing
 
     log = EventLog(retain=retain, chunk_size=4)
     for event in [started(), *writing(1, "kv")]:

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from gms import GMSClientMemoryManager, RequestedLockType, UntrustedServerError, paths
+from gms import GMSClientMemoryManager, RequestedLockType, UntrustedServerError
 from gms.errors import GMSConnectionError
 from gms.handover import frames
 from gms.handover.image import decode_image, encode_image
+from gms.system import paths
 from gms.wire import encode
 from gms.wire import messages as m
 
@@ -289,7 +290,7 @@ def test_the_ready_file_is_never_written_through_a_planted_link(tmp_path, open_f
 
 
 def test_files_the_daemon_writes_follow_no_link_and_keep_their_mode(tmp_path, open_folder):
-    from gms import files
+    from gms.system import files
 
     victim = tmp_path / "victim"
     victim.write_text("untouched\n")

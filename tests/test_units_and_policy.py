@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gms.policy import OPEN_POLICY, PolicyError, parse_policy
+from gms.operator.policy import OPEN_POLICY, PolicyError, parse_policy
 from gms.units import format_bytes, parse_budget, parse_bytes
 
 

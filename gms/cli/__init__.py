@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from ..launch import drop_unsafe_import_paths
+from ..system.launch import drop_unsafe_import_paths
 from . import admin, control, failover, inspect, keeper, ray, serve
 
 

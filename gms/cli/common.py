@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import paths
-
+from ..system import paths
 
 BACKEND_HELP = "the memory: cuda (a GPU's), host (host memory standing in for one), auto (cuda where a GPU is; default)"
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -22,8 +22,8 @@ import stat
 import sys
 import time
 
-from .. import procs
 from ..errors import GMSError
+from ..system import procs
 from .common import client_error, positive_seconds, socket_of, target_args
 
 DEFAULT_WAIT_S = 60.0

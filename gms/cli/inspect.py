@@ -256,7 +256,7 @@ def cmd_snapshots(args: argparse.Namespace) -> int:
 
 def cmd_history(args: argparse.Namespace) -> int:
     from ..client.probes import get_event_history, iter_event_history
-    from ..postmortem import event_row
+    from ..operator.postmortem import event_row
 
     path = socket_of(args)
     try:
@@ -284,7 +284,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from ..fsm import InvariantViolation
-    from ..postmortem import LogFileError, replay_rows
+    from ..operator.postmortem import LogFileError, replay_rows
 
     try:
         stream = sys.stdin if args.log == "-" else open(args.log, encoding="utf-8")

@@ -32,8 +32,8 @@ def cmd_keeper(args: argparse.Namespace) -> int:
     )
     import trio
 
-    from ..heap import return_big_blocks
     from ..keeper.run import keep_listening
+    from ..system.heap import return_big_blocks
     from .serve import _raise_fd_limit
 
     # It holds an fd for every fd its servers' memory tables hold: as many as they may.

@@ -9,11 +9,11 @@ import sys
 import traceback
 from functools import partial
 
-from .. import paths
-from ..cyclegc import install as install_frozen_heap
-from ..fds import reserve_fd_slots
-from ..heap import keep_big_blocks, return_big_blocks
-from ..launch import python_argv, safe_import_path
+from ..system import paths
+from ..system.cyclegc import install as install_frozen_heap
+from ..system.fds import reserve_fd_slots
+from ..system.heap import keep_big_blocks, return_big_blocks
+from ..system.launch import python_argv, safe_import_path
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from .common import BACKEND_HELP, byte_count, log_level_arg, pool_size
 
@@ -30,7 +30,7 @@ def _positive_float(text: str) -> float:
 
 
 def register(sub) -> None:
-    # No abbreviations: ``--devices`` hands its children the words it was given (gms.supervisor).
+    # No abbreviations: ``--devices`` hands its children the words it was given (gms.operator.supervisor).
     serve = sub.add_parser("serve", help="run the per-GPU memory server", allow_abbrev=False)
     serve.add_argument("--socket", help="socket path (default: derived from --device)")
     serve.add_argument("--device", type=int, default=0, help="the device this server owns (default 0)")
@@ -180,7 +180,7 @@ def register(sub) -> None:
 def server_config(args: argparse.Namespace):
     """The server's configuration; raises ValueError (a bad path or option) or PolicyError."""
     from ..fsm import Limits
-    from ..policy import OPEN_POLICY, load_policy
+    from ..operator.policy import OPEN_POLICY, load_policy
     from ..server import ServerConfig
 
     limits = Limits(
@@ -280,13 +280,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    from ..policy import PolicyError
+    from ..operator.policy import PolicyError
 
     _warn_unsafe_paths(args)
     try:
         config = None if args.devices else server_config(args)
         if args.devices and args.policy:
-            from ..policy import load_policy
+            from ..operator.policy import load_policy
 
             load_policy(args.policy)  # refuse a bad policy before starting any child
     except PolicyError as exc:
@@ -297,14 +297,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     _raise_fd_limit()
     if args.devices:
-        from ..supervisor import supervise
+        from ..operator.supervisor import supervise
 
         return supervise(args)
     if not (args.no_keeper or args.keeper_fd is not None or args.keeper_socket):
-        return_big_blocks()  # this process is the keeper (gms.heap)
+        return_big_blocks()  # this process is the keeper (gms.system.heap)
         return _keep(args)
     keep_big_blocks()
-    install_frozen_heap()  # full collections walk what is new, not the whole log (gms.cyclegc)
+    install_frozen_heap()  # full collections walk what is new, not the whole log (gms.system.cyclegc)
     reserve_fd_slots(2 * MAX_FDS_PER_MESSAGE)  # an export dups up to 253 fds at once
 
     import trio

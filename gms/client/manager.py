@@ -44,8 +44,8 @@ from ..errors import (
     SessionEndedError,
     StaleMemoryLayoutError,
 )
-from ..fds import reserve_fd_slots
 from ..fsm import GrantedLockType, RequestedLockType
+from ..system.fds import reserve_fd_slots
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from . import tiering
@@ -177,7 +177,7 @@ class GMSClientMemoryManager:
         self._unmapped = False
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
         # A batch of exports arrives as up to 253 fds at once: make room for them
-        # now, not in the middle of an import (see gms/fds.py).
+        # now, not in the middle of an import (see gms/system/fds.py).
         reserve_fd_slots(MAX_FDS_PER_MESSAGE)
         # Loading the CUDA bindings costs 15-23 ms once per process: pay it here,
         # at start-up, not inside the first connect() a user times.

@@ -45,8 +45,15 @@ from ..errors import (
     StaleMemoryLayoutError,
     UntrustedServerError,
 )
-from ..peer import SERVER_UIDS_ENV, UntrustedPeer, require_peer, trusted_server_uids
-from ..wire import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, ProtocolError, UnknownMessageType, decode, encode
+from ..system.peer import SERVER_UIDS_ENV, UntrustedPeer, require_peer, trusted_server_uids
+from ..wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FrameDecoder,
+    ProtocolError,
+    UnknownMessageType,
+    decode,
+    encode,
+)
 from ..wire import messages as m
 from ..wire.codec import HEADER
 from ..wire.messages import MAX_FDS_PER_MESSAGE

@@ -14,7 +14,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..launch import drop_unsafe_import_paths
+    from ..system.launch import drop_unsafe_import_paths
 
     drop_unsafe_import_paths()  # (the server starts it with -P: nothing of the working folder is on it)
     parser = argparse.ArgumentParser(prog="python -m gms.copier", description=__doc__.splitlines()[0])

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from ..checksum import crc32
-from ..files import pwrite_all
+from ..system.files import pwrite_all
 from . import messages as msg
 from .engine import Engine, Mapped
 

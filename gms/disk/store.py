@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ..files import pwrite_all
+from ..system.files import pwrite_all
 from . import format as fmt
 
 log = logging.getLogger("gms.disk")

@@ -33,12 +33,12 @@ import stat
 import attrs
 import trio
 
-from .. import sdnotify
 from ..handover import frames
 from ..handover.words import Leaving, Say
-from ..paths import clear_stale_socket, make_socket_dir
-from ..peer import UntrustedPeer, own_uids, peer_of, require_peer
-from ..procs import stopped
+from ..system import sdnotify
+from ..system.paths import clear_stale_socket, make_socket_dir
+from ..system.peer import UntrustedPeer, own_uids, peer_of, require_peer
+from ..system.procs import stopped
 from .conversation import Outcome, converse, describe, recv, send
 from .spare import SPARE_AFTER_S, SPARE_WAIT_S, Spare, spawn
 from .store import Store

@@ -16,8 +16,8 @@ import trio
 
 from ..handover import frames
 from ..handover.words import Say
-from ..launch import child_env
-from ..procs import stopped
+from ..system.launch import child_env
+from ..system.procs import stopped
 from .conversation import describe, recv, send
 
 log = logging.getLogger("gms.keeper")

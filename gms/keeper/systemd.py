@@ -29,7 +29,7 @@ import struct
 
 import msgpack
 
-from .. import sdnotify
+from ..system import sdnotify
 from .store import LISTENER, Store
 
 log = logging.getLogger("gms.keeper")

@@ -3,8 +3,8 @@ reading what it lends, and opening a session bound to a byte limit."""
 
 from __future__ import annotations
 
-from .. import paths
 from ..client import GMSClientMemoryManager, get_runtime_state
+from ..system import paths
 
 
 def server_socket(device: int, backend: str, directory: str | None = None) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import attrs
 
-from .. import paths
 from ..errors import GMSError
+from ..system import paths
 from . import _core
 from .errors import NodeResourcesError
 from .names import host_gpu, resource_name

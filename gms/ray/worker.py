@@ -15,9 +15,9 @@ import os
 
 import attrs
 
-from .. import paths
 from ..client import GMSClientMemoryManager
 from ..fsm import RequestedLockType
+from ..system import paths
 from . import _core
 from .errors import WorkerBindingError
 from .names import gpu_of, host_gpu, parse_gpu, resource_name

@@ -1,6 +1,6 @@
 """The Trio server: a thin shell around gms.fsm and gms.store."""
 
-from ..paths import SocketPathError
+from ..system.paths import SocketPathError
 from .config import ServerConfig
 from .server import Server, run_server
 from .service.core import ServiceCore

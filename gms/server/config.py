@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from ..fsm import Limits
-from ..policy import OPEN_POLICY, Policy
+from ..operator.policy import OPEN_POLICY, Policy
 from ..wire import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_STOCK_BYTES = 64 << 20
@@ -27,7 +27,7 @@ class ServerConfig:
     host_chunk_bytes: int = 64 << 20  # the pool's unit
     # The disk tier (gms.disk): snapshots of layouts committed to persist, found again at a cold start.
     disk_tier: bool = True
-    disk_dir: str | None = None  # None: gms.paths.disk_dir (beside the state, kept across reboots)
+    disk_dir: str | None = None  # None: gms.system.paths.disk_dir (beside the state, kept across reboots)
     disk_budget: str | None = None  # bytes of snapshots; None: what the disk holds
     restore_at_start: bool = False  # a cold start restores what it recovered onto the GPU before serving
     policy: Policy = OPEN_POLICY

@@ -21,14 +21,14 @@ import socket
 import attrs
 import trio
 
-from .. import paths
 from ..cuda import MemoryBackend, open_backend, open_host_tier
 from ..disk.store import DiskStore
 from ..fsm import host_room
 from ..handover.words import Leaving
-from ..paths import clear_stale_socket, make_socket_dir
-from ..peer import Peer
 from ..store import EventLog
+from ..system import paths
+from ..system.paths import clear_stale_socket, make_socket_dir
+from ..system.peer import Peer
 from ..units import parse_budget
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
 from .edge import ratelimit

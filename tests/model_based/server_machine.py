@@ -69,16 +69,16 @@ from gms.fsm import (
     check_invariants,
     decide_allocate,
     decide_commit,
-    decide_disconnect,
     decide_delete,
+    decide_disconnect,
     decide_evict,
-    decide_resume,
     decide_free,
     decide_host_copy,
     decide_metadata_delete,
     decide_metadata_put,
     decide_restore_finished,
     decide_restore_loading,
+    decide_resume,
     decide_session,
     fold,
     fold_all,
@@ -97,7 +97,7 @@ from gms.fsm.events import (
     SessionClosed,
     SessionRefused,
 )
-from gms.postmortem import row_event
+from gms.operator.postmortem import row_event
 from gms.store import EventLog
 from gms.wire import messages as m
 

@@ -26,7 +26,7 @@ from gms.client.probes import get_runtime_state
 from gms.errors import GMSError
 from gms.fsm import LASTING, decide_disconnect, queries
 from gms.fsm.node import EMPTY_NODE
-from gms.postmortem import row_event
+from gms.operator.postmortem import row_event
 from gms.store import EventLog, Snapshot
 from gms.store.log import after_loss
 

@@ -214,13 +214,13 @@ JUSTIFIED = {
     ("torch/allocator.py", "subprocess.run"): "compiles the C shim gms ships, with the system compiler",
     ("torch/allocator.py", "ctypes.CDLL"): "loads that shim, built from gms's own source",
     ("failover/sets.py", "trio.lowlevel.open_process"): "starts the engine commands the operator configured",
-    ("supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
+    ("operator/supervisor.py", "trio.lowlevel.open_process"): "gms serve --devices: one `python -m gms serve` per GPU",
     ("keeper/spare.py", "trio.lowlevel.open_process"): "gms serve: the keeper starts `python -m gms serve` with its own words (the next server, or a spare)",
     ("server/tiers/copier_link.py", "trio.lowlevel.open_process"): "the server's copier: `python -m gms.copier`, on a socketpair",
     ("server/restart/startup.py", "subprocess.Popen"): "a server whose keeper died: `python -m gms keeper --adopt-fd` "
     "with the server's own words",
     ("cuda/host.py", "ctypes.CDLL"): "libc, for mmap/munmap at fixed addresses",
-    ("heap.py", "ctypes.CDLL"): "libc (the process itself), for mallopt",
+    ("system/heap.py", "ctypes.CDLL"): "libc (the process itself), for mallopt",
     ("cuda/vmm.py", "ctypes.CDLL"): "libnvidia-ml, for device memory figures",
 }
 

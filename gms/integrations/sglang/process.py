@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ...paths import socket_path
+from ...system.paths import socket_path
 from ..common import config as gms_config
 from ..common.config import EngineConfig
 from ..common.parent import exit_with_parent

@@ -45,7 +45,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm.v1.worker.utils import request_memory
 
 from ... import torch as gms_torch
-from ...paths import socket_path
+from ...system.paths import socket_path
 from ..common import config as gms_config
 from ..common import names, weights
 from ..common.errors import MissingWorkerError

@@ -38,8 +38,8 @@ import attrs
 import trio
 
 from ...fsm import OverLimit
-from ...peer import Peer, peer_of
-from ...policy import Policy
+from ...operator.policy import Policy
+from ...system.peer import Peer, peer_of
 from ...wire import encode
 from ...wire import messages as m
 from .reply import error_reply

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ...peer import Peer, peer_of
+from ...system.peer import Peer, peer_of
 
 _RECV_BYTES = 16 * 1024
 _BIG_RECV_BYTES = 256 * 1024  # at most, for the rest of a frame known to be big

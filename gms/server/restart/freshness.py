@@ -16,8 +16,8 @@ import logging
 
 import attrs
 
-from ...launch import code_stamp
-from ...policy import load_policy
+from ...operator.policy import load_policy
+from ...system.launch import code_stamp
 from ..config import ServerConfig
 
 log = logging.getLogger("gms.server.restart")

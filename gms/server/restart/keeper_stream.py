@@ -48,7 +48,7 @@ BACKLOG_BYTES = 8 << 20  # past this, or past ...
 TAIL_BOUND_BYTES = 4 * MIN_TAIL_BYTES  # ... this much of events since the keeper's base, a request that added
 SMALL_BYTES = 64 << 10  # ... more than this to the keeper's stream waits for the keeper to catch up
 _COUNTED_BYTES = 16 << 10  # batches of events counted against their connection (smaller ones never wait)
-TRIM_AFTER_BYTES = 64 << 20  # the heap's free pages given back after this many bytes of frames (gms.heap)
+TRIM_AFTER_BYTES = 64 << 20  # the heap's free pages given back after this many bytes of frames (gms.system.heap)
 STEP_BYTES = 1 << 20  # a base's encoding lets others run after about this much
 SOON_FRAMES = 64  # past this many queued frames, a flush hands them on at once
 

@@ -25,7 +25,6 @@ has another (``gms.server.restart.succession``).
 from __future__ import annotations
 
 import contextlib
-
 import errno
 import logging
 import os
@@ -41,9 +40,9 @@ from ...handover import frames
 from ...handover.image import STATE_VERSION, StateImage, encode_entries
 from ...handover.journal import KeptBase
 from ...handover.words import Leaving, Mode, Say
-from ...heap import give_back_free_memory
-from ...peer import peer_of
 from ...store import LogEntry
+from ...system.heap import give_back_free_memory
+from ...system.peer import peer_of
 from .keeper_stream import (
     BACKLOG_BYTES,
     MIN_TAIL_BYTES,
@@ -439,7 +438,7 @@ class KeeperLink:
         self._moved()  # a client held back by a long tail may go on
         if self.stream.since_trim >= TRIM_AFTER_BYTES:  # (a trim stalls the loop ~0.1 ms per MiB it returns)
             self.stream.since_trim = 0
-            give_back_free_memory()  # what the events and parts since the last trim left behind (gms.heap)
+            give_back_free_memory()  # what the events and parts since the last trim left behind (gms.system.heap)
 
     def drain(self, timeout: float) -> bool:
         """Blocking (at the end, outside Trio): send everything queued within

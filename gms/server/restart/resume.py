@@ -31,9 +31,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from ... import files
 from ...cuda import DeviceInfo, align_up
-from ...cyclegc import paused
 from ...fsm import (
     InvariantViolation,
     MemoryTier,
@@ -52,9 +50,11 @@ from ...handover.image import (
     encode_image,
 )
 from ...handover.journal import KeptBase, decode_kept, decode_parts
-from ...postmortem import event_row
+from ...operator.postmortem import event_row
 from ...store import EventLog, Snapshot
 from ...store.prior import Prior, batches
+from ...system import files
+from ...system.cyclegc import paused
 from ..service.core import ServiceCore
 from ..tiers.host_memory import parse_chunk_name
 from .mirror import memory_key, split_key
@@ -141,7 +141,7 @@ def save_journal(
     name = f"gms-unreplayable-{label}-{stamp}-{os.getpid()}.jsonl"
     path = os.path.join(folder, name)
     # Every tenant's metadata is in it: readable by the daemon's user alone, and
-    # never written through a link planted in the folder (gms.files).
+    # never written through a link planted in the folder (gms.system.files).
     with files.write_new(folder, name, 0o600) as out:
         out.write(json.dumps({"kind": "GMS_JOURNAL", "reason": reason}) + "\n")
         if base is not None:

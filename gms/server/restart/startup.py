@@ -26,11 +26,11 @@ import attrs
 
 from ...cuda import DeviceInfo
 from ...handover.words import Mode
-from ...launch import child_env, python_argv, without_options
-from ...paths import device_id
-from ...peer import own_uids, require_peer
-from ...policy import PolicyError
+from ...operator.policy import PolicyError
 from ...store import EventLog, Snapshot
+from ...system.launch import child_env, python_argv, without_options
+from ...system.paths import device_id
+from ...system.peer import own_uids, require_peer
 from ..config import ServerConfig
 from .freshness import Started, in_force
 from .mirror import KeeperLink

@@ -22,11 +22,11 @@ import sys
 import attrs
 import trio
 
-from ... import files
 from ...fsm.events import StateDiscarded
 from ...handover.image import StateImage
 from ...handover.words import Leaving, Say
-from ...peer import peer_of
+from ...system import files
+from ...system.peer import peer_of
 from ...wire.connection import PRE_SESSION_MAX_FRAME_BYTES, ServerConnection
 from ..config import ServerConfig
 from ..edge.netio import Channel
@@ -263,7 +263,7 @@ def ready_file(path: str | None, ready: bool) -> None:
     folder, name = os.path.split(os.path.abspath(path))
     try:
         if ready:
-            with files.write_new(folder, name, 0o644) as out:  # (no link followed: gms.files)
+            with files.write_new(folder, name, 0o644) as out:  # (no link followed: gms.system.files)
                 out.write(f"{os.getpid()}\n")
         else:
             files.remove(folder, name)

@@ -51,8 +51,6 @@ import stat
 import attrs
 import trio
 
-from ...cyclegc import paused
-from ...fds import fd_room, handover_need
 from ...fsm import EMPTY_NODE, check_invariants, fold_all
 from ...handover import frames
 from ...handover.image import (
@@ -70,8 +68,10 @@ from ...handover.image import (
     encode_image,
 )
 from ...handover.words import Leaving
-from ...peer import UntrustedPeer, own_uids, require_peer
 from ...store import EventLog
+from ...system.cyclegc import paused
+from ...system.fds import fd_room, handover_need
+from ...system.peer import UntrustedPeer, own_uids, require_peer
 from ...wire import FrameDecoder, ProtocolError, decode, encode
 from ...wire import messages as m
 from ..edge.netio import Channel

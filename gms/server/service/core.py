@@ -47,9 +47,9 @@ from ...fsm import (
 from ...fsm.events import Event, ServerStarted, SessionRefused
 from ...fsm.queries import layout_of
 from ...fsm.rules import check_lock_type
-from ...peer import Peer
-from ...policy import OPEN_POLICY, Policy
+from ...operator.policy import OPEN_POLICY, Policy
 from ...store import EventLog
+from ...system.peer import Peer
 from ...wire import messages as m
 from ..edge.inflight import InFlight
 from ..edge.reply import Reply

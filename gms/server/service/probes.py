@@ -29,10 +29,10 @@ from ...fsm.events import (
     SessionRefused,
     kind_columns,
 )
-from ...peer import Peer
-from ...policy import Policy, TenantPolicy
-from ...status import layout_rows, tenant_rows
+from ...operator.policy import Policy, TenantPolicy
+from ...operator.status import layout_rows, tenant_rows
 from ...store import LogEntry
+from ...system.peer import Peer
 from ...wire import messages as m
 from ..tiers.memory import Memory
 from .ledger import Ledger

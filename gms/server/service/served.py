@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from ...fsm import Grant
     from ...handover.words import Waiting
-    from ...peer import Peer
+    from ...system.peer import Peer
     from ...wire import messages as m
     from ..config import ServerConfig
     from ..edge.netio import Channel

@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ...copier import messages as msg
-from ...launch import child_env, python_argv
+from ...system.launch import child_env, python_argv
 
 log = logging.getLogger("gms.server.copier")
 

@@ -8,7 +8,7 @@ owner can create a file in, so nobody else can put a socket of their own
 where a client looks (the temp folder, the default before, let any local
 user bind the path first and serve clients its own "weights"); and a client
 talks only to a server run by root, its own uid or one it names
-(``gms.peer.trusted_server_uids``).  ``<device-id>`` is the GPU's UUID for
+(``gms.system.peer.trusted_server_uids``).  ``<device-id>`` is the GPU's UUID for
 the CUDA backend (stable when ``CUDA_VISIBLE_DEVICES`` renumbers devices) or
 ``host-<N>`` for the host backend.  A client that is not root finds the
 server it started itself first (its own socket, in its own folder), then
@@ -54,10 +54,10 @@ def socket_dir(*, serving: bool = False) -> str:
 
 def device_id(device: int, backend: str = "auto") -> str:
     """The GPU UUID when the CUDA backend serves ``device``, else ``host-<device>``."""
-    from .cuda import resolve_backend
+    from ..cuda import resolve_backend
 
     if resolve_backend(backend, device) == "cuda":
-        from .cuda.vmm import device_uuid
+        from ..cuda.vmm import device_uuid
 
         return device_uuid(device)
     return f"host-{device}"

@@ -32,8 +32,8 @@ import tomllib
 
 import attrs
 
-from .fsm import DEFAULT_TENANT
-from .units import parse_bytes
+from ..fsm import DEFAULT_TENANT
+from ..units import parse_bytes
 
 _TENANT_KEYS = {
     "name", "uids", "gids", "quota", "metadata_quota", "max_layouts", "read", "write", "admin", "disk_quota", "persist",

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from .fsm import (
+from ..fsm import (
     EMPTY_NODE,
     EVENT_TYPES,
     Event,
@@ -33,10 +33,10 @@ from .fsm import (
     fold,
     shown_kind,
 )
-from .fsm.events import ServerStarted, kind_columns
+from ..fsm.events import ServerStarted, kind_columns
+from ..store.log import restart_gap
+from ..wire import messages as m
 from .status import layout_rows, tenant_rows
-from .store.log import restart_gap
-from .wire import messages as m
 
 
 class LogFileError(ValueError):
@@ -170,7 +170,7 @@ class Replayed:
 
 def _image_row(row: dict):
     """The state a saved journal starts from, and its sequence number."""
-    from .handover.image import ImageError, decode_image
+    from ..handover.image import ImageError, decode_image
 
     try:
         image = decode_image(bytes.fromhex(row["image"]))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .fsm import NodeState
-from .wire import messages as m
+from ..fsm import NodeState
+from ..wire import messages as m
 
 
 def layout_rows(

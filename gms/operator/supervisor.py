@@ -22,11 +22,11 @@ import signal
 
 import trio
 
-from .cuda import cuda_device_count
-from .keeper.conversation import SUPERVISOR_ENV
-from .launch import child_env, python_argv, without_options
+from ..cuda import cuda_device_count
+from ..keeper.conversation import SUPERVISOR_ENV
+from ..system.launch import child_env, python_argv, without_options
 
-log = logging.getLogger("gms.supervisor")
+log = logging.getLogger("gms.operator.supervisor")
 STOP_GRACE_S = 30
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
