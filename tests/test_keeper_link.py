@@ -62,8 +62,12 @@ async def test_events_of_no_lasting_change_follow_within_soon_s_and_a_lasting_on
                 _recorded(log, link, batch)
         assert _read_all(keepers, keeper) == []
         assert link.behind() and not link.behind(["w"]), "nothing lasting waits: no answer is held up"
-        await trio.sleep(mirror.SOON_S * 3)
+        await trio.sleep(mirror.SOON_S)
         got = _read_all(keepers, keeper)
+        with trio.move_on_after(10):  # soon after SOON_S, however busy the machine (a speed is a benchmark's)
+            while len(_kinds(got)) < 8:
+                await trio.sleep(mirror.SOON_S / 4)
+                got += _read_all(keepers, keeper)
         assert _kinds(got) == ["SESSION_OPENED", "RO_CONNECT", "RO_DISCONNECT", "SESSION_CLOSED"] * 2
         assert len(got) == 4 and not link.behind()  # four frames, one system call's worth
         # A writer's grant over the layout is lasting: it goes at once, with what waited before it.

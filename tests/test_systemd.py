@@ -104,7 +104,7 @@ def test_names_for_fds_passed_to_this_process():
     import subprocess
 
     script = (
-        "import os; from gms import sdnotify; fds = sdnotify.listen_fds(); "
+        "import os; from gms.system import sdnotify; fds = sdnotify.listen_fds(); "
         "print(fds, os.get_inheritable(3), 'LISTEN_FDS' in os.environ)"
     )
     out = subprocess.run(
