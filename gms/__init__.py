@@ -30,6 +30,7 @@ from .errors import (
     ResponseTimeoutError,
     ServerGoneError,
     SessionEndedError,
+    SnapshotNotServedError,
     StaleMemoryLayoutError,
     UntrustedServerError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "ResponseTimeoutError",
     "ServerGoneError",
     "SessionEndedError",
+    "SnapshotNotServedError",
     "StaleMemoryLayoutError",
     "UntrustedServerError",
     "get_event_history",

@@ -141,6 +141,16 @@ class LockTimeoutError(GMSError, TimeoutError):
     """The lock was not granted in time: the one non-fatal connection failure."""
 
 
+class SnapshotNotServedError(LockTimeoutError):
+    """A read lock on a layout left empty because its last snapshot was not served
+    (set aside, or refused: ``reason``), which no writer is building: answered at
+    once, since nothing would grant it.  A writer (RW, RW_OR_RO) builds it."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class StaleMemoryLayoutError(GMSError):
     """The committed layout changed (or is gone) since this client mapped it:
     re-import.  Raised by ``remap_all_vas``, by ``connect(RO)`` of a manager

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -26,7 +27,7 @@ import pytest
 from gms import GMSClientMemoryManager, RequestedLockType
 from gms.client.admin import evict
 from gms.disk import format as fmt
-from gms.errors import GMSServerError, GMSUsageError, LockTimeoutError
+from gms.errors import GMSServerError, GMSUsageError, LockTimeoutError, SnapshotNotServedError
 
 from .helpers import ServerProcess, state_or_none, wait_until
 
@@ -568,6 +569,9 @@ def test_a_snapshot_the_log_never_took_is_superseded_by_the_next_writer_of_its_l
     assert server.layout().state == "EMPTY" and "left on disk" in server.log
     (left,) = [e for e in server.events() if e.kind == "SNAPSHOT_SET_ASIDE"]
     assert left.layout == "weights" and "may not write" in left.fields["reason"], left
+    with pytest.raises(SnapshotNotServedError) as told:  # its reader is told at once, not kept waiting for ever
+        GMSClientMemoryManager(server.socket, layout="weights").connect(RequestedLockType.RO)
+    assert told.value.reason == left.fields["reason"], told.value
     old = server.server_pid()
     os.kill(server.pid, signal.SIGHUP)  # a restart between: the next server finds the file again
     wait_until(lambda: (s := state_or_none(server.socket)) is not None and s.pid != old, what="the next server")
@@ -788,14 +792,29 @@ def test_a_rebuild_that_ends_with_no_new_commit_brings_the_last_snapshot_back(tm
 
 def test_a_kept_snapshot_that_does_not_read_is_set_aside_when_the_rebuild_ends(tmp_path):
     """The snapshot kept through a rebuild is checked as at a cold start before it comes
-    back: one truncated meanwhile is set aside, said in the history, and uncharged."""
+    back: one truncated meanwhile is set aside, said in the history, and uncharged; the
+    readers waiting for the rebuild's commit are told at once, and so is the next one."""
     server = serve(tmp_path)
     publish(server.socket, sizes=(5 * MiB,))
     first = saved(server)
     writer = GMSClientMemoryManager(server.socket, layout="weights")
     writer.connect(RequestedLockType.RW)
     os.truncate(first, os.path.getsize(first) // 2)
+    told = []
+
+    def queued_reader() -> None:  # waits for the rebuild's commit, no timeout of its own
+        try:
+            GMSClientMemoryManager(server.socket, layout="weights").connect(RequestedLockType.RO)
+        except SnapshotNotServedError as exc:
+            told.append(exc.reason)
+
+    waiting = threading.Thread(target=queued_reader)
+    waiting.start()
+    wait_until(lambda: server.layout().waiting_readers > 0, what=f"the reader queued\n{server.log}")
     writer.abort()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive(), "a reader nothing will grant is not kept waiting"
+    assert len(told) == 1 and told[0].startswith("kept through a rebuild, does not read"), told
     aside = wait_until(lambda: [e for e in server.events() if e.kind == "SNAPSHOT_SET_ASIDE"], what="set aside")
     assert (aside[0].fields["file"], aside[0].layout) == (os.path.basename(first), "weights"), aside
     assert "kept through a rebuild, does not read" in aside[0].fields["reason"], aside
@@ -804,9 +823,13 @@ def test_a_kept_snapshot_that_does_not_read_is_set_aside_when_the_rebuild_ends(t
     assert (row.state, row.kept_bytes, server.state().disk_used_bytes) == ("EMPTY", 0, 0)
     assert row.unserved.startswith("kept through a rebuild, does not read"), row
     assert "not served: kept through a rebuild" in gms_cli("status", "--socket", server.socket).stdout
-    reader = GMSClientMemoryManager(server.socket, layout="weights")  # a reader waits for a writer, and is told why
-    with pytest.raises(LockTimeoutError, match="its last snapshot was not served, kept through a rebuild"):
-        reader.connect(RequestedLockType.RO, timeout_ms=200)
+    reader = GMSClientMemoryManager(server.socket, layout="weights")  # told at once why nothing comes
+    started = time.monotonic()
+    with pytest.raises(SnapshotNotServedError, match="its last snapshot was not served, kept through a rebuild"):
+        reader.connect(RequestedLockType.RO)
+    assert time.monotonic() - started < 10, "answered, not kept till a timeout"
+    timeouts = [e for e in server.events() if e.kind == "LOCK_TIMEOUT"]
+    assert [e.fields["unserved"][:33] for e in timeouts] == ["kept through a rebuild, does not "] * 2, timeouts
     assert read(server.socket)[0].value == "RW", "nothing to import: the next engine builds it"
     assert server.layout().unserved == "", "a writer clears it"
     server.stop()

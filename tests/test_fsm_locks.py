@@ -18,6 +18,7 @@ from gms.fsm import (
     fold_layout,
     resolve_rw_or_ro,
     schedule,
+    turned_away,
 )
 from gms.fsm.events import (
     LayoutEvicted,
@@ -186,6 +187,18 @@ def test_a_writer_may_replace_an_evicted_layout():
     assert grant.granted is GrantedLockType.RW
     state = fold([grant.event], evicted())
     assert state.tier.value == "device" and not state.host_copies and not state.committed
+
+
+def test_readers_of_a_layout_whose_snapshot_was_not_served_are_turned_away_unless_a_writer_builds_it():
+    unserved = attrs.evolve(EMPTY, unserved="does not read: its manifest is torn")
+    assert schedule(unserved, [(5, RO), (6, RO)]) == [], "nothing grants them"
+    assert turned_away(unserved, [(5, RO), (6, RO)]) == [5, 6]
+    assert turned_away(EMPTY, [(5, RO)]) == [], "an empty layout a writer has yet to build: readers wait"
+    for waiting in ([(5, RO), (6, RW)], [(5, RO), (6, AUTO)]):  # a writer comes: they wait for its commit
+        assert turned_away(unserved, waiting) == [], waiting
+        assert schedule(unserved, waiting)[0].granted is GrantedLockType.RW
+    building = fold([RwConnect(9, layout="w")], unserved)
+    assert building.unserved == "" and turned_away(building, [(5, RO)]) == [], "a writer clears it"
 
 
 def test_host_copies_are_read_by_the_writer_and_the_restorer_only_where_they_exist():

@@ -80,3 +80,14 @@ def test_every_request_type_has_one_route():
     assert {t for t, r in ROUTES.items() if r.waits} >= {m.HandshakeRequest, m.AllocateRequest, m.CommitRequest}
     raised = subprocess.run(["grep", "-rn", "raise UnknownRequest", "gms"], capture_output=True, text=True).stdout
     assert [line.split(":")[0] for line in raised.splitlines()] == ["gms/server/service/session.py"], raised
+
+def test_a_lock_nothing_will_grant_is_turned_away_and_a_granted_one_never_is():
+    waits = Waits()
+    waits.ask_lock(m.HandshakeRequest("RO", None, "w"), RequestedLockType.RO, math.inf, 0.0)
+    waits.turn_away()
+    assert waits.turned_away and waits.grant is None
+    assert waits.lock_ended().requested is RequestedLockType.RO
+    granted = Waits()
+    granted.granted(Grant(1, GrantedLockType.RO, RoConnect(1, layout="w")))
+    with pytest.raises(StateError, match="turned away"):
+        granted.turn_away()

@@ -42,6 +42,7 @@ from ..errors import (
     ResponseTimeoutError,
     ServerGoneError,
     SessionEndedError,
+    SnapshotNotServedError,
     StaleMemoryLayoutError,
 )
 from ..fsm import GrantedLockType, RequestedLockType
@@ -228,7 +229,9 @@ class GMSClientMemoryManager:
 
         ``limit_bytes`` narrows this session's byte limit below its tenant's
         quota (allocating past it raises QuotaExceededError).  On timeout
-        raises LockTimeoutError and stays reusable; the answer itself must
+        raises LockTimeoutError and stays reusable (SnapshotNotServedError, one
+        of them, at once: a reader of a layout whose last snapshot was not
+        served, which no writer builds); the answer itself must
         come within ``timeout_ms`` plus ``call_timeout_s``, and without
         ``timeout_ms`` the server must say at least every ``call_timeout_s``
         that the lock is still waited for (else ResponseTimeoutError: a
@@ -276,12 +279,12 @@ class GMSClientMemoryManager:
             response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle,
                                          first_word=FIRST_WORD_S)
             if not response.success:
-                why = (f" (nothing comes from disk: its last snapshot was not served, {response.unserved}; "
-                       "a writer builds it)") if response.unserved else ""
-                raise LockTimeoutError(
-                    f"{lock.value} lock on layout {self.layout!r} at {self.socket_path} "
-                    f"not granted in {timeout_ms} ms{why}"
-                )
+                asked = f"{lock.value} lock on layout {self.layout!r} at {self.socket_path}"
+                if response.unserved:
+                    raise SnapshotNotServedError(
+                        f"{asked} not granted: nothing comes from disk (its last snapshot was not served, "
+                        f"{response.unserved}) and no writer builds it", response.unserved)
+                raise LockTimeoutError(f"{asked} not granted in {timeout_ms} ms")
             if response.max_frame_bytes > 0:
                 transport.max_request_bytes = response.max_frame_bytes
             self._attach_mapper(response)

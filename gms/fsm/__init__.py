@@ -58,6 +58,7 @@ from .locks import (
     grant_for,
     resolve_rw_or_ro,
     schedule,
+    turned_away,
 )
 from .node import DEFAULT_TENANT, EMPTY_NODE, NodeState, SessionInfo, TenantState, fold, fold_all
 from .residency import (
@@ -166,6 +167,7 @@ __all__ = [
     "resolve_rw_or_ro",
     "rules",
     "schedule",
+    "turned_away",
     "shown_kind",
     "validate_layout_name",
     "why_not_evictable",

@@ -359,11 +359,14 @@ class AllocationOomGaveUp(Event):
 
 @attrs.frozen
 class LockTimeout(Event):
-    """A handshake waited ``timeout_ms`` for ``lock_type`` and was refused."""
+    """A handshake waited ``timeout_ms`` for ``lock_type`` and was refused; or, with
+    ``unserved``, was answered before it: a reader of a layout left empty because its
+    last snapshot was not served (why), which no writer builds (``gms.fsm.turned_away``)."""
 
     KIND: ClassVar[str] = "LOCK_TIMEOUT"
     lock_type: str
     timeout_ms: int
+    unserved: str = ""
 
 
 @attrs.frozen

@@ -6,7 +6,9 @@ queue per layout, and whenever a layout's state may have changed asks
 reader is admitted while an ``RW`` request waits, so a stream of readers
 cannot starve a writer.  A reader that arrives at an evicted layout is granted
 the restore instead (``RESTORE_CLAIMED``): it brings the layout back from the
-host tier or the disk while the readers behind it wait.
+host tier or the disk while the readers behind it wait.  A reader of a layout
+that is empty because its last snapshot was not served is not kept waiting
+(:func:`turned_away`): nothing will come from disk, and no writer is there.
 """
 
 from __future__ import annotations
@@ -108,3 +110,16 @@ def schedule(state: LayoutState, waiting: Sequence[tuple[int, RequestedLockType]
         if granted is GrantedLockType.RW:
             break
     return grants
+
+
+def turned_away(state: LayoutState, waiting: Sequence[tuple[int, RequestedLockType]]) -> list[int]:
+    """Which of a layout's waiting readers to answer now, ungranted: the layout is
+    empty because its last snapshot was not served (``unserved``: set aside, or
+    refused) and no writer holds it or waits to build it, so nothing would ever
+    grant them.  A writer (RW, or RW_OR_RO, which builds an empty layout) keeps
+    them waiting for its commit."""
+    if not state.unserved or state.writer is not None:
+        return []
+    if any(requested is not RequestedLockType.RO for _, requested in waiting):
+        return []
+    return [conn for conn, _ in waiting]

@@ -55,9 +55,11 @@ from gms.fsm import (
     plan_evictions,
     queries,
     schedule,
+    turned_away,
 )
 from gms.fsm.events import (
     LayoutRecovered,
+    LockTimeout,
     ReaderJoined,
     ReaderLeft,
     RestoreClaimed,
@@ -217,12 +219,18 @@ class FsmMachine(RuleBasedStateMachine):
         return self.sessions[conn][0] if conn in self.sessions else "a"
 
     def _pump(self, layout: str) -> None:
-        grants = schedule(self.log.state.layout(layout), self.waiting[layout])
+        """Grant what can be granted, and answer the readers nothing will grant (their
+        handshakes end: LOCK_TIMEOUT saying why, as the shell records it)."""
+        state = self.log.state.layout(layout)
+        grants = schedule(state, self.waiting[layout])
+        away = turned_away(state, self.waiting[layout])
         self._append([g.event for g in grants])
-        granted = {g.conn for g in grants}
-        self.waiting[layout] = [w for w in self.waiting[layout] if w[0] not in granted]
+        ended = {g.conn for g in grants} | set(away)
+        self.waiting[layout] = [w for w in self.waiting[layout] if w[0] not in ended]
         got = [(g.conn, "RESTORE" if g.restore else g.granted.value) for g in grants]
         assert got == self.refs[layout].pump(self._tick, lambda c: self.sessions[c][1])
+        assert away == self.refs[layout].turn_away(), (layout, away)
+        self._append([LockTimeout(conn, "RO", 0, state.unserved, layout=layout) for conn in away])
 
     def _pick_conn(self, data, role: str = "any") -> int:
         """``any`` also picks connections that hold no lock (0 never handshakes)."""
@@ -731,6 +739,7 @@ class FsmMachine(RuleBasedStateMachine):
         self._append([SnapshotSetAside(0, file, "does not read", file + ".corrupt" if not reads else "",
                                        layout=layout)])
         ref.kept, ref.kept_owner, ref.unserved = 0, None, "does not read"
+        self._pump(layout)  # (the ledger asks again of a layout an event touched: its readers are told)
 
     @precondition(lambda self: any(self.refs[n].tier == "disk" and self.refs[n].restorer is None for n in LAYOUTS))
     @rule(data=st.data(), lock=st.sampled_from([RequestedLockType.RO, RequestedLockType.RW_OR_RO]))

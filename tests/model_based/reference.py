@@ -141,6 +141,15 @@ class ReferenceModel:
             else:
                 return granted
 
+    def turn_away(self) -> list[int]:
+        """The waiting readers answered ungranted (docs/protocol.md, the handshake): the
+        layout is empty since its last snapshot was not served, and no writer holds it
+        or waits to build it.  Leaves the queue."""
+        if not self.unserved or self.writer is not None or any(w != "RO" for _, w in self.queue):
+            return []
+        away, self.queue = [c for c, _ in self.queue], []
+        return away
+
     def disconnect(self, conn: int, clock) -> str | None:
         """Returns the lock event the seed names for this disconnect."""
         self.queue = [(c, w) for c, w in self.queue if c != conn]

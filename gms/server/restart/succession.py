@@ -183,7 +183,8 @@ def spawn(server, images, order) -> None:
             session = sessions.get(conn)
             if session is None or session.waits.lock is None:
                 continue
-            server.core.queues.add(layout, conn, Waiter(session.waits.lock.requested, session.on_grant, session.alive))
+            waiter = Waiter(session.waits.lock.requested, session.on_grant, session.alive, session.turned_away)
+            server.core.queues.add(layout, conn, waiter)
     for layout, _ in order:
         server.core.ledger.grant(layout)
     for conn, session in sessions.items():

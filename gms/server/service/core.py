@@ -200,6 +200,7 @@ class ServiceCore:
         peer: Peer,
         on_grant: GrantCallback,
         alive: Callable[[], bool] = lambda: True,
+        turned_away: Callable[[], None] | None = None,
     ) -> RequestedLockType:
         """Open the session (or record its refusal) and ask for its lock; returns
         the lock asked for.  A handshake nobody is queued ahead of, on a layout
@@ -207,11 +208,13 @@ class ServiceCore:
         one batch (a read lock and its session in one event, READER_JOINED):
         its client is the one being answered.  Else it is queued, and
         ``on_grant`` runs when it is granted; ``alive`` is asked before a grant
-        (False drops the waiter instead)."""
-        return self.open_session(conn, self._decide_session(conn, request, peer), on_grant, alive)
+        (False drops the waiter instead); ``turned_away`` runs instead when
+        nothing will grant it (``gms.fsm.turned_away``; at once, or later)."""
+        return self.open_session(conn, self._decide_session(conn, request, peer), on_grant, alive, turned_away)
 
     def open_session(
         self, conn: int, opened: Event, on_grant: GrantCallback, alive: Callable[[], bool] = lambda: True,
+        turned_away: Callable[[], None] | None = None,
     ) -> RequestedLockType:
         """Record the decided SESSION_OPENED and ask for its lock (as :meth:`handshake`
         says); the server's own sessions come in here too (``warm_start``)."""
@@ -225,7 +228,7 @@ class ServiceCore:
         if grant is not None:
             on_grant(grant)
         else:
-            self.queues.add(layout, conn, Waiter(requested, on_grant, alive))
+            self.queues.add(layout, conn, Waiter(requested, on_grant, alive, turned_away))
             self.ledger.grant(layout)
         return requested
 

@@ -31,7 +31,7 @@ MIN_HEARTBEAT_MS = 100  # a client asking for more is told this often at most
 
 async def handshake(s: Served, request: m.HandshakeRequest) -> Reply:
     waits = s.waits
-    requested = s.core.handshake(s.conn, request, s.peer, s.on_grant, s.alive)
+    requested = s.core.handshake(s.conn, request, s.peer, s.on_grant, s.alive, s.turned_away)
     if waits.grant is not None:  # at once: nobody was ahead
         s.metrics.lock_waited(requested.value, 0.0)
         return await after_grant(s, request, waits.grant)
@@ -41,22 +41,25 @@ async def handshake(s: Served, request: m.HandshakeRequest) -> Reply:
 
 
 async def wait_for_lock(s: Served) -> Reply:
-    """Until the lock is granted, the wait times out, or the client hangs up."""
+    """Until the lock is granted, the wait times out, nothing will grant it (its
+    layout's snapshot not served, no writer: answered at once), or the client hangs up."""
     waits = s.waits
     wait = waits.lock
     request, requested = wait.request, wait.requested
-    if waits.grant is None:
-        hung_up = False
+    hung_up = False
+    if waits.grant is None and not waits.turned_away:
         granted = s.expect_grant()
         with trio.move_on_at(wait.deadline), s.quiesce.interruptible():
             hung_up = await wait_or_hangup(lambda: _until_granted(s, granted), s.until_gone)
-        if waits.grant is None:
-            waits.lock_ended()
-            s.core.cancel_lock_request(s.conn)
-            if hung_up:
-                raise PeerGone("hung up while waiting for the lock")
-            s.core.ledger.record([LockTimeout(s.conn, requested.value, request.timeout_ms or 0, layout=request.layout)])
-            return Reply(response(s, None))
+    if waits.grant is None:
+        waits.lock_ended()
+        s.core.cancel_lock_request(s.conn)
+        if hung_up:
+            raise PeerGone("hung up while waiting for the lock")
+        unserved = s.core.state.layout(request.layout).unserved if waits.turned_away else ""
+        s.core.ledger.record([LockTimeout(s.conn, requested.value, request.timeout_ms or 0, unserved,
+                                          layout=request.layout)])
+        return Reply(response(s, None))
     waits.lock_ended()
     s.metrics.lock_waited(requested.value, trio.current_time() - wait.asked_at)
     return await after_grant(s, request, waits.grant)

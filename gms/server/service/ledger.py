@@ -147,9 +147,12 @@ class Ledger:
     def _grant(self, layout: str) -> bool:
         """Record the grants ``layout`` can make now; True if they may have made room."""
         room = False
-        for grant, waiter in self.queues.take_grants(self.state.layout(layout)):
+        grants, away = self.queues.take_grants(self.state.layout(layout))
+        for grant, waiter in grants:
             room = self._released(self._append([grant.event], by_server=True)) or room
             waiter.on_grant(grant)
+        for waiter in away:
+            waiter.turned_away()  # its task answers and records why
         return room
 
     def _append(self, events: Iterable[Event] | Folded, by_server: bool) -> Folded:

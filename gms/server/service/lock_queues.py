@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ...fsm import Grant, LayoutState, RequestedLockType, schedule
+from ...fsm import Grant, LayoutState, RequestedLockType, schedule, turned_away
 
 GrantCallback = Callable[[Grant], None]
 
@@ -26,6 +26,9 @@ class Waiter:
     requested: RequestedLockType
     on_grant: GrantCallback
     alive: Callable[[], bool] = lambda: True
+    # How to answer it ungranted when nothing will grant it (gms.fsm.turned_away);
+    # None: it waits whatever comes (the server's own sessions).
+    turned_away: Callable[[], None] | None = None
 
 
 class LockQueues:
@@ -47,23 +50,25 @@ class LockQueues:
         self._refresh(layout)
         return True
 
-    def take_grants(self, layout: LayoutState) -> list[tuple[Grant, Waiter]]:
-        """The waiters ``layout`` can take now, in order, removed from the queue."""
+    def take_grants(self, layout: LayoutState) -> tuple[list[tuple[Grant, Waiter]], list[Waiter]]:
+        """The waiters ``layout`` can take now, in order, and those nothing will ever
+        grant (answered ungranted), all removed from the queue."""
         queue = self._queues.get(layout.name)
         if not queue:
-            return []
+            return [], []
         # A client that died while queued may not have been noticed by its task
         # yet (its hang-up is read after this release, or hides behind a
         # request it pipelined): the kernel knows, so ask before granting.
         # Its task sees the hang-up and unwinds the session.
         for conn in [conn for conn, waiter in queue.items() if not waiter.alive()]:
             del queue[conn]
-        grants = schedule(layout, [(conn, waiter.requested) for conn, waiter in queue.items()])
-        taken = [(grant, queue.pop(grant.conn)) for grant in grants]
+        waiting = [(conn, waiter.requested) for conn, waiter in queue.items()]
+        taken = [(grant, queue.pop(grant.conn)) for grant in schedule(layout, waiting)]
+        away = [queue.pop(conn) for conn in turned_away(layout, waiting) if queue[conn].turned_away is not None]
         if not queue:
             del self._queues[layout.name]
         self._refresh(layout.name)
-        return taken
+        return taken, away
 
     def order(self) -> list[tuple[str, list[int]]]:
         """Every layout's waiting connections, in arrival order (for a hand-over)."""

@@ -339,6 +339,12 @@ class Session:
         if self.grant_event is not None:
             self.grant_event.set()
 
+    def turned_away(self) -> None:
+        """Nothing will grant this session's lock (``gms.fsm.turned_away``): its handshake is answered."""
+        self.waits.turn_away()
+        if self.grant_event is not None:
+            self.grant_event.set()
+
     def alive(self) -> bool:
         return not self.channel.hung_up()
 

@@ -46,6 +46,7 @@ class Waits:
     grant: Grant | None = None  # the lock granted (also while the server paused for a take-over)
     memory: Waiting | None = None  # RESTORE or ALLOCATE, while it waits for memory
     pending: Waiting | None = None  # handed over waiting: to finish before anything else
+    turned_away: bool = False  # nothing will grant the lock (gms.fsm.turned_away): answered ungranted
 
     # -- a handshake ---------------------------------------------------------------------
 
@@ -59,6 +60,11 @@ class Waits:
 
     def granted(self, grant: Grant) -> None:
         self.grant = grant
+
+    def turn_away(self) -> None:
+        if self.grant is not None:
+            raise StateError("a granted lock turned away")
+        self.turned_away = True
 
     def lock_ended(self) -> LockWait:
         """Granted, timed out or given up: the wait is over (the grant, if any, stays)."""
