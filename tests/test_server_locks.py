@@ -221,7 +221,7 @@ def test_lock_timeout_fails_the_handshake_and_closes(server):
     assert 0.2 <= waited < 5
     assert late.closed_by_peer()
     timeouts = [e for e in server.events() if e.kind == "LOCK_TIMEOUT"]
-    assert timeouts and timeouts[0].fields == {"layout": "weights", "lock_type": "RW", "timeout_ms": 250}
+    assert timeouts and timeouts[0].fields == {"layout": "weights", "lock_type": "RW", "timeout_ms": 250, "unserved": ""}
     assert server.layout().state == "RW", "the holder is untouched"
 
 
