@@ -6,7 +6,7 @@ import os
 
 from gms.cuda.host import HostBackend
 from gms.fsm.state import KV_CACHE
-from gms.server.service.core import open_core
+from gms.server.assembly import open_core
 from gms.server.tiers.pool_sizing import SLICE, PoolSizing
 from gms.system.peer import Peer
 from gms.wire import messages as m

@@ -18,18 +18,15 @@ import os
 import signal
 import socket
 
-import attrs
 import trio
 
 from ..cuda import MemoryBackend, open_backend, open_host_tier
-from ..disk.store import DiskStore
 from ..fsm import host_room
 from ..handover.words import Leaving
 from ..store import EventLog
-from ..system import paths
 from ..system.paths import clear_stale_socket, make_socket_dir
 from ..system.peer import Peer
-from ..units import parse_budget
+from .assembly import Node, assemble
 from .config import DEFAULT_STOCK_BYTES, ServerConfig
 from .edge import ratelimit
 from .edge.admission import LISTEN_BACKLOG, Admission, FdBudget, Ticket, open_admission
@@ -45,12 +42,9 @@ from .service import warm_start
 from .service.core import ServiceCore
 from .service.quiesce import Quiesce
 from .service.session import Session, is_cancellation
-from .tiers.copier_link import CopierLink
-from .tiers.host_memory import HostMemory
 from .tiers.lanes import Lane
 from .tiers.memory import Memory
 from .tiers.memory_signal import MemorySignal
-from .tiers.pool_sizing import PoolSizing
 
 logger = logging.getLogger("gms.server")
 
@@ -81,14 +75,6 @@ def _remove_if_ours(path: str, inode: int) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def effective_limits(config: ServerConfig, total_bytes: int | None):
-    """Cap single allocations at the device's size unless configured."""
-    limits = config.limits
-    if limits.max_allocation_bytes is None and total_bytes is not None:
-        limits = attrs.evolve(limits, max_allocation_bytes=total_bytes)
-    return limits
 
 
 class Server:
@@ -144,48 +130,9 @@ class Server:
         return Memory(self.backend, Lane("gpu"), stock, observer=self.link, fds=self.fds)
 
     async def _open_core(self, gpu: Memory, log: EventLog | None = None) -> ServiceCore:
-        config = self.config
-        host = copier = disk = None
-        if config.disk_tier:
-            folder = config.disk_dir or paths.disk_dir(config.socket_path, config.state_dir)
-            disk = await trio.to_thread.run_sync(DiskStore, folder)  # FolderRefused: the server does not start
-        if config.copier and (self.host_tier is not None or disk is not None):
-            level = logging.getLevelName(logger.getEffectiveLevel()).lower()
-            copier = CopierLink(self.backend.name, config.device, log_level=level)
-        if self.host_tier is not None:
-            auto = config.host_pool_bytes is None
-            host = HostMemory(
-                Memory(self.host_tier, Lane("host")), link=copier,
-                pool_bytes=config.host_pool_bytes or 0, chunk_bytes=config.host_chunk_bytes, observer=self.link,
-                fds=self.fds, room=self._host_room, sizing=PoolSizing(self._node) if auto else None,
-            )
-        device = await gpu.device_info()  # on the lane, like every call into a backend
-        capacity = device.total_bytes
-        if log is None:
-            bounds = {"retain": config.event_log_retain, "max_bytes": config.event_log_bytes}
-            log = EventLog(**bounds)
-        self.core = ServiceCore(
-            gpu,
-            host,
-            device=device,
-            signal=self.signal,
-            on_event=self.metrics.observe,
-            policy=config.policy,
-            limits=effective_limits(config, capacity),
-            log=log,
-            budget_bytes=None if config.gpu_budget is None else parse_budget(config.gpu_budget, capacity),
-            host_budget_bytes=None if config.host_budget is None else parse_budget(config.host_budget, None),
-            history_max_events=config.history_max_events,
-            history_max_bytes=config.history_max_bytes,
-            server_uid=os.getuid(),
-            alloc_retry_interval=config.alloc_retry_interval,
-            alloc_retry_timeout=config.alloc_retry_timeout,
-            copier=copier,
-            scan_cache_bytes=config.scan_cache_bytes,
-            keeper=self.link,
-            disk=disk,
-            disk_budget_bytes=None if config.disk_budget is None else parse_budget(config.disk_budget, None),
-        )
+        node = Node(gpu, self.host_tier, self.signal, self.fds, self.link, on_event=self.metrics.observe,
+                    state=self._node, host_room=self._host_room)
+        self.core = await assemble(self.config, node, log)
         self.metrics.watch(self.core)
         return self.core
 
@@ -305,7 +252,7 @@ class Server:
                     for tier in core.ledger.tiers.values():
                         tier.lane.stop()
                     if core.snapshots is not None:
-                        core.snapshots.lane.stop()
+                        core.snapshots.files.stop()
                 if link is not None and self.left_as is not Leaving.CRASHED:  # (a take-over told it already)
                     link.stopping(self.left_as)
             if link is not None:

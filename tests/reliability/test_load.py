@@ -26,7 +26,7 @@ import pytest
 from gms import GMSClientMemoryManager
 from gms.cuda.host import HostBackend
 from gms.fsm import RequestedLockType, check_invariants
-from gms.server.service.core import open_core
+from gms.server.assembly import open_core
 from gms.store import EventLog
 from gms.system.peer import Peer
 from gms.wire import messages as m

@@ -13,21 +13,22 @@ Every change of state goes through one write path, :class:`Ledger`
   restore from one, recovery at a cold start);
 * ``probes``: runtime state and history.
 
-This class keeps what is left: sessions (who may open one, waiting for the
-lock, what a disconnect releases) and the admin verbs.  The Trio shell
+The rooms are built, in the order they need each other, by
+``gms.server.assembly`` and handed in whole (:class:`Rooms`).  This class
+keeps what is left: sessions (who may open one, waiting for the lock, what a
+disconnect releases) and the admin verbs.  The Trio shell
 (``gms.server.service.session``) owns sockets and time and calls in here.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
-from ...cuda import DeviceInfo, MemoryBackend
-from ...disk.store import DiskStore
+import attrs
+
+from ...cuda import DeviceInfo
 from ...fsm import (
-    Limits,
     MemoryTier,
     NodeState,
     PermissionDenied,
@@ -39,7 +40,6 @@ from ...fsm import (
     decide_restore_finished,
     decide_revoke,
     decide_session,
-    host_room,
     opening,
     schedule,
     validate_layout_name,
@@ -47,8 +47,6 @@ from ...fsm import (
 from ...fsm.events import Event, ServerStarted, SessionRefused
 from ...fsm.queries import layout_of
 from ...fsm.rules import check_lock_type
-from ...operator.policy import OPEN_POLICY, Policy
-from ...store import EventLog
 from ...system.peer import Peer
 from ...wire import messages as m
 from ..edge.inflight import InFlight
@@ -56,105 +54,62 @@ from ..edge.reply import Reply
 from ..edge.tarpit import Tarpit
 from ..tiers.copier_link import CopierLink
 from ..tiers.host_memory import HostMemory
-from ..tiers.lanes import Lane
 from ..tiers.memory import Memory
-from ..tiers.memory_signal import MemorySignal
-from .durability import IN_MEMORY
 from .host_tier import HostTier
 from .ledger import Ledger
-from .lock_queues import GrantCallback, LockQueues, Waiter
+from .lock_queues import GrantCallback, Waiter
 from .placement import Placement
 from .probes import Probes
-from .requests import DEFAULT_SCAN_CACHE_BYTES, Requests
+from .requests import Requests
+from .settings import Settings
 from .snapshots import Snapshots
 from .transfers import Transfers
 
 _LOCK_TYPES = {lock.value: lock for lock in RequestedLockType}  # a lookup, not the enum's call
 
 
+@attrs.frozen
+class Rooms:
+    """What a core is made of, built in dependency order by ``gms.server.assembly``."""
+
+    ledger: Ledger
+    gpu: Memory
+    host: HostMemory | None
+    copier: CopierLink | None  # the copier's supervisor, where a host or disk tier needs one
+    snapshots: Snapshots | None  # the disk tier (None: none)
+    requests: Requests
+    placement: Placement
+    host_tier: HostTier
+    transfers: Transfers | None
+    probes: Probes
+    keeper: object = None  # the server's keeper link (gms.server.restart.mirror), None without one
+
+
 class ServiceCore:
-    def __init__(
-        self,
-        gpu: Memory,
-        host: HostMemory | Memory | None,
-        *,
-        device: DeviceInfo,
-        signal: MemorySignal,
-        on_event: Callable[[Event], None] = lambda event: None,
-        policy: Policy = OPEN_POLICY,
-        limits: Limits = Limits(),
-        log: EventLog | None = None,
-        budget_bytes: int | None = None,
-        host_budget_bytes: int | None = None,
-        history_max_events: int = 10_000,
-        history_max_bytes: int = 8 << 20,
-        server_uid: int,
-        alloc_retry_interval: float = 0.05,
-        alloc_retry_timeout: float | None = None,
-        copier: CopierLink | None = None,
-        scan_cache_bytes: int = DEFAULT_SCAN_CACHE_BYTES,
-        keeper=None,
-        disk: DiskStore | None = None,
-        disk_budget_bytes: int | None = None,
-    ) -> None:
-        """``keeper``: the server's keeper link (``gms.server.restart.mirror``): where
-        what the ledger stores becomes durable, shown by the probes and the metrics.
-        ``disk``: the disk tier's folder (None: no disk tier)."""
-        if host is not None and not isinstance(host, HostMemory):
-            # exact host copies, no copier: clients copy
-            host = HostMemory(host, fds=host.fds, room=lambda: host_room(self.ledger.state))
+    def __init__(self, rooms: Rooms, *, device: DeviceInfo, settings: Settings) -> None:
         self.device = device
-        self.policy = policy
-        self.server_uid = server_uid
-        self.queues = LockQueues()
-        tiers = {MemoryTier.GPU: gpu} | ({MemoryTier.HOST: host} if host is not None else {})
-        self.snapshots: Snapshots | None = None
-        if disk is not None:
-            observe = on_event
-
-            def on_event(event: Event) -> None:  # (a commit that asks for a snapshot wakes the saver)
-                observe(event)
-                self.snapshots.notice(event)
-
-        self.ledger = Ledger(
-            log if log is not None else EventLog(), tiers, self.queues, on_event=on_event, on_released=signal.released,
-            durability=keeper if keeper is not None else IN_MEMORY,
-        )
-        self.copier = copier if host is not None or disk is not None else None
-        if disk is not None:
-            self.snapshots = self.ledger.disk = Snapshots(self.ledger, gpu, disk, self.copier, policy.may_write)
-            if host is not None:
-                host.spill = self.snapshots.spill
-        self.durability = self.ledger.durability
+        self.policy = settings.policy
+        self.server_uid = settings.server_uid
+        self.ledger = rooms.ledger
+        self.queues = rooms.ledger.queues
+        self.durability = rooms.ledger.durability
+        self.log = rooms.ledger.log  # read here; the ledger alone writes it
+        self.copier = rooms.copier
+        self.snapshots = rooms.snapshots
+        self.requests = rooms.requests
+        self.placement = rooms.placement
+        self.host_tier = rooms.host_tier
+        self.transfers = rooms.transfers
+        self.probes = rooms.probes
+        self.keeper = rooms.keeper
         # What this server runs with: the log's first event, or (a log handed
         # over from another server) what SERVER_RESUMED carries (gms.server.restart.resume).
-        self.started_event = ServerStarted(
-            0, device.total_bytes, budget_bytes, host_budget_bytes if host is not None else 0,
-            policy.quotas(), limits.as_dict(), backend=gpu.name, device=device.device,
-            device_uuid=device.uuid, layout="",
-            tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
-            disk_budget_bytes=disk_budget_bytes if disk is not None else 0,
-        )
-        self.log = self.ledger.log  # read here; the ledger alone writes it
+        self.started_event = started_event(rooms, device, settings)
         if not self.ledger.state.started:
             self.ledger.record([self.started_event], by_server=True)
-        self.requests = Requests(
-            self.ledger, gpu, scan_cache_bytes, persists=lambda tenant: disk is not None and policy.persists(tenant),
-        )
-        self.placement = Placement(
-            self.ledger, gpu, signal, retry_interval=alloc_retry_interval, retry_timeout=alloc_retry_timeout
-        )
-        self.host_tier = HostTier(self.ledger, host)
-        self.transfers = None if self.copier is None or host is None else Transfers(
-            self.ledger, gpu, host, self.copier, self.requests)
-        self.keeper = keeper
-        self.probes = Probes(
-            self.ledger, gpu, host, policy, server_uid,
-            history_max_events=history_max_events, history_max_bytes=history_max_bytes, keeper=keeper, disk=disk,
-        )
         self._next_conn = 1
         self._revoke_hooks: dict[int, Callable[[], None]] = {}
-        self.fds = gpu.fds  # the server's FdBudget (gms.server.edge.admission), the tables' too
+        self.fds = rooms.gpu.fds  # the server's FdBudget (gms.server.edge.admission), the tables' too
         self.inflight = InFlight()  # big frames in flight, per uid (gms.server.edge.inflight)
         self.tarpit = Tarpit(time.monotonic)  # refusals of a uid that keeps asking, answered late
 
@@ -327,14 +282,13 @@ class ServiceCore:
         return len(victims)
 
 
-async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, **options) -> ServiceCore:
-    """A core over these backends, each with its lane (inside Trio); the device is asked on its lane."""
-    gpu_memory = Memory(gpu, Lane("gpu"), options.pop("stock_bytes", 0))
-    return ServiceCore(
-        gpu_memory,
-        Memory(host, Lane("host")) if host is not None else None,
-        device=await gpu_memory.device_info(),
-        signal=options.pop("signal", None) or MemorySignal(),
-        server_uid=options.pop("server_uid", os.getuid()),
-        **options,
+def started_event(rooms: Rooms, device: DeviceInfo, settings: Settings) -> ServerStarted:
+    """The node's first event: its device, budgets, limits and every tenant's quotas."""
+    policy, limits = settings.policy, settings.limits
+    return ServerStarted(
+        0, device.total_bytes, settings.budget_bytes, settings.host_budget_bytes if rooms.host is not None else 0,
+        policy.quotas(), limits.as_dict(), backend=rooms.gpu.name, device=device.device,
+        device_uuid=device.uuid, layout="",
+        tenant_limits=policy.tenant_limits(limits.tenant_metadata_quota, limits.tenant_max_layouts),
+        disk_budget_bytes=settings.disk_budget_bytes if rooms.snapshots is not None else 0,
     )

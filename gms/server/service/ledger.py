@@ -27,6 +27,7 @@ from ...fsm import (
 )
 from ...fsm.events import Event
 from ...store import EventLog, Folded
+from ..tiers.disk_files import NO_FILES, DiskFiles, NoFiles
 from ..tiers.memory import Memory
 from .durability import IN_MEMORY, Durability
 from .lock_queues import LockQueues
@@ -49,14 +50,23 @@ class Ledger:
         on_event: Callable[[Event], None],
         on_released: Callable[[], None],
         durability: Durability = IN_MEMORY,
+        files: DiskFiles | NoFiles = NO_FILES,
     ) -> None:
+        """``tiers``: the memory tables, each told what a batch releases; ``files``: the
+        disk tier's (released snapshots; NO_FILES: none kept here); ``on_event``: told of
+        every stored event, with whoever :meth:`observe` adds."""
         self.log = log
         self.durability = durability
         self.tiers = tiers
+        self.files = files
         self.queues = queues
-        self._on_event = on_event
+        self._observers = [on_event]
         self._on_released = on_released
-        self.disk = None  # where snapshots go when released (gms.server.service.snapshots); None: no disk tier
+
+    def observe(self, observer: Callable[[Event], None]) -> None:
+        """Tell ``observer`` of every event stored from now on, after those told before it
+        (the saver: a commit that asks for a snapshot wakes it)."""
+        self._observers.append(observer)
 
     @property
     def state(self) -> NodeState:
@@ -171,7 +181,8 @@ class Ledger:
         entries = log.store(folded)
         self.durability.logged(entries)
         for entry in entries:
-            self._on_event(entry.event)
+            for observer in self._observers:
+                observer(entry.event)
         return folded
 
     def _released(self, folded: Folded) -> bool:
@@ -179,9 +190,5 @@ class Ledger:
         memory or may have made an idle layout evictable (room)."""
         released, room = batch_effects(folded.befores, folded.events)
         for tier, allocation_ids in released.items():
-            if tier is MemoryTier.DISK:
-                if self.disk is not None:  # (a server without a disk tier leaves the files for one with it)
-                    self.disk.release(allocation_ids)
-                continue
-            self.tiers[tier].release(allocation_ids)
+            (self.files if tier is MemoryTier.DISK else self.tiers[tier]).release(allocation_ids)
         return room

@@ -34,7 +34,7 @@ restored from one, every snapshot found again when a server starts with nothing.
   copies go (``LAYOUT_SPILLED``: tier disk), if that makes the room.
 
 Files are released as the ledger says (``MemoryTier.DISK``: a layout cleared,
-dropped or lost), on the disk lane.
+dropped or lost), on the disk lane (``gms.server.tiers.disk_files``, made before the ledger).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from ...disk import format as fmt
-from ...disk.store import SET_ASIDE_KEPT, DiskStore, Found
+from ...disk.store import SET_ASIDE_KEPT, Found
 from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished, decide_spill, plan_spills
 from ...fsm.events import (
     LayoutLost,
@@ -66,7 +66,7 @@ from ...fsm.queries import layout_of, reverting, snapshot_rows, unsaved
 from ...fsm.state import LayoutState
 from ..edge.netio import PeerGone, wait_or_hangup
 from ..tiers.copier_link import CopierGone, CopierLink, SnapshotCorrupt
-from ..tiers.lanes import Lane
+from ..tiers.disk_files import DiskFiles
 from ..tiers.memory import Memory
 from .ledger import Ledger
 
@@ -93,7 +93,7 @@ def retry_delay(last: Waiting | None) -> float:
 
 class Snapshots:
     def __init__(
-        self, ledger: Ledger, gpu: Memory, store: DiskStore, link: CopierLink | None,
+        self, ledger: Ledger, gpu: Memory, files: DiskFiles, link: CopierLink | None,
         may_write: Callable[[str, str], bool],
     ) -> None:
         self.ledger = ledger
@@ -101,9 +101,9 @@ class Snapshots:
         # snapshot comes back (it names its owner itself: trusted no more than a client).
         self.may_write = may_write
         self.gpu = gpu
-        self.store = store
+        self.files = files  # what the ledger releases goes there too
+        self.store = files.store
         self.link = link
-        self.lane = Lane("disk")  # unlinks, off the loop
         self._wake = trio.Event()
         self.waiting: dict[tuple[str, str, int], Waiting] = {}  # commits (layout, hash, count) whose save failed
         # Snapshots in the folder the log does not name (a cold start refused them), by
@@ -124,11 +124,7 @@ class Snapshots:
             files = self.unlisted.pop(event.layout)
             log.info("snapshots of %r that the log never took are superseded by its writer: %s", event.layout,
                      ", ".join(files))
-            self.release(files)
-
-    def release(self, files: Iterable[str]) -> None:
-        for file in files:
-            self.lane.post(self.store.remove, file)
+            self.files.release(files)
 
     def spill(self, needed: int) -> bool:
         """Make ``needed`` bytes of host tier room by spilling saved layouts to
@@ -139,8 +135,7 @@ class Snapshots:
         return bool(plan)
 
     async def aclose(self) -> None:
-        self.lane.stop()
-        self.store.close()
+        self.files.close()
 
     # -- saving ------------------------------------------------------------------------
 
@@ -197,13 +192,13 @@ class Snapshots:
         # Decided again after the awaits: a layout rewritten, dropped or saved meanwhile gets none.
         now = self.ledger.state.layouts.get(name)
         if now is None or _commit(now) != commit:
-            self.release([file])
+            self.files.release([file])
             log.info("snapshot of %r not kept: the layout changed while it was saved", name)
             return False
         try:
             self.ledger.record([SnapshotSaved(0, layout_hash, size, file, layout=name)])
         except Rejection as exc:
-            self.release([file])
+            self.files.release([file])
             return self._failed(name, layout_hash, commit, _why(exc))
         took = time.perf_counter() - started
         log.info("snapshot of %r saved: %.1f MiB in %.2f s (%.2f GiB/s)", name, size / 2**20, took,
@@ -352,9 +347,9 @@ class Snapshots:
             older = latest.get(snapshot.manifest.name)
             if older is not None:  # a crash came between a newer save and the older one's release
                 if older.manifest.saved_ns > snapshot.manifest.saved_ns:
-                    self.release([snapshot.file])
+                    self.files.release([snapshot.file])
                     continue
-                self.release([older.file])
+                self.files.release([older.file])
             latest[snapshot.manifest.name] = snapshot
         if gone := await trio.to_thread.run_sync(self.store.trim_set_aside):
             log.warning("disk tier: %d older set-aside snapshots removed (the newest %d are kept): %s", len(gone),

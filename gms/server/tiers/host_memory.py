@@ -129,7 +129,7 @@ class HostMemory:
         self.fds = fds  # the server's (gms.server.edge.admission): each chunk holds an fd
         # Asked for room the budget lacks before a request is refused (the disk
         # tier's spill, gms.server.service.snapshots): bytes -> whether it freed any.
-        self.spill: Callable[[int], bool] | None = None
+        self._spill: Callable[[int], bool] | None = None
         if link is not None:
             link.live_chunks = self._live_chunks
 
@@ -199,12 +199,17 @@ class HostMemory:
         may still be unmapping a discarded chunk of the same allocation)."""
         return f"{allocation_id}.{next(self._ids)}"
 
+    def spill_to(self, spill: Callable[[int], bool]) -> None:
+        """Where room the host budget lacks is asked for before a request is refused:
+        the disk tier, made after this table (the assembly, ``gms.server.assembly``)."""
+        self._spill = spill
+
     def spill_for(self, more: int) -> None:
         """Before host copies of ``more`` bytes are decided: spill saved layouts
         for what the recorded copies leave short (the rules count those alone)."""
         room = self.room()
-        if self.spill is not None and room is not None and more > room:
-            self.spill(more - room)
+        if self._spill is not None and room is not None and more > room:
+            self._spill(more - room)
 
     async def _make_room(self, more: int) -> None:
         """Give pool chunks back until ``more`` bytes fit the host budget (a chunk the
@@ -214,7 +219,7 @@ class HostMemory:
                 self._drop([self._pool.pop()])
             if self._fits(more):
                 return
-            if self.spill is not None and self.spill(self._in_flight() + more - (self.room() or 0)):
+            if self._spill is not None and self._spill(self._in_flight() + more - (self.room() or 0)):
                 continue  # host copies recorded gone: the room is the state's
             if not self._making:
                 raise HostBudgetExceeded(
