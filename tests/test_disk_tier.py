@@ -515,7 +515,7 @@ def test_every_restart_keeps_the_disk_tier_and_every_setting(tmp_path, path):
         os.kill(server.pid, signal.SIGHUP)  # what `gms restart` sends the keeper
     else:
         os.kill(old, signal.SIGTERM if path == "sigterm-server" else signal.SIGKILL)
-    wait_until(lambda: state_or_none(server.socket) and state_or_none(server.socket).pid != old, timeout=30,
+    wait_until(lambda: (s := state_or_none(server.socket)) is not None and s.pid != old, timeout=30,
                what=f"the next server\n{server.log}")
     assert _node(server.state()) == before, "a restart is the same node"
     assert server.layout().memory_layout_hash == layout_hash
@@ -771,7 +771,7 @@ def test_a_rebuild_that_ends_with_no_new_commit_brings_the_last_snapshot_back(tm
         writer.kill()
     else:
         os.kill(server.pid if how == "gms-restart" else old, signal.SIGHUP if how == "gms-restart" else signal.SIGKILL)
-        wait_until(lambda: state_or_none(server.socket) and state_or_none(server.socket).pid != old, timeout=30,
+        wait_until(lambda: (s := state_or_none(server.socket)) is not None and s.pid != old, timeout=30,
                    what=f"the next server\n{server.log}")
     wait_until(lambda: server.layout().state == "COMMITTED", what=f"the layout back from its snapshot\n{server.log}")
     row = server.layout()

@@ -167,8 +167,8 @@ __all__ = [
     "resolve_rw_or_ro",
     "rules",
     "schedule",
-    "turned_away",
     "shown_kind",
+    "turned_away",
     "validate_layout_name",
     "why_not_evictable",
 ]

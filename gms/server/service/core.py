@@ -29,7 +29,6 @@ import attrs
 
 from ...cuda import DeviceInfo
 from ...fsm import (
-    MemoryTier,
     NodeState,
     PermissionDenied,
     RequestedLockType,
@@ -94,6 +93,7 @@ class ServiceCore:
         self.queues = rooms.ledger.queues
         self.durability = rooms.ledger.durability
         self.log = rooms.ledger.log  # read here; the ledger alone writes it
+        self.host = rooms.host  # the host tier's table (None: none)
         self.copier = rooms.copier
         self.snapshots = rooms.snapshots
         self.requests = rooms.requests
@@ -115,7 +115,7 @@ class ServiceCore:
 
     def background(self) -> list:
         """Tasks for the server's nursery: the copier's supervisor, the host pool's refill, the saver."""
-        host = self.ledger.tiers.get(MemoryTier.HOST)
+        host = self.host
         tasks = [self.copier.run] if self.copier is not None else []
         tasks += [self.snapshots.run] if self.snapshots is not None else []
         return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])

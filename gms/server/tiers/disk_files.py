@@ -1,7 +1,7 @@
 """The disk tier's files as the write path lets them go: what a released snapshot
 becomes (an unlink on the disk's lane, off the loop).  Made before the ledger, which
-hands it what each batch releases (``MemoryTier.DISK``), as it hands the memory
-tables theirs; the saver and the restorer (``gms.server.service.snapshots``) use
+hands it the snapshots each batch releases, as it hands the memory tables
+theirs; the saver and the restorer (``gms.server.service.snapshots``) use
 the same folder and lane.  A node without a disk tier has :data:`NO_FILES`: the
 files stay for a server that keeps one."""
 
