@@ -83,6 +83,10 @@ class GMSMemorySaver:
                    **kwargs) -> Iterator[None]:
         """A capture whose private memory is gms memory (``pool`` is SGLang's shared
         graph pool: every graph here shares this saver's one pool instead)."""
+        # SGLang 0.5.23 asks its saver for a host copy of graph memory (torch's graph
+        # takes no such word): gms keeps none, as for a region.
+        if kwargs.pop("enable_cpu_backup", False):
+            log.warning("gms: the %s region keeps no host copy (enable_cpu_backup is ignored)", tag)
         mgr = _scratch(current(MISSING), tag)
         if self._graph_pool is None:
             self._graph_pool = gms_torch.memory_pool(mgr)
