@@ -14,8 +14,8 @@ step; decisions only propose events.
 from . import rules
 from .accounting import admit_allocation, admit_restore, gpu_shortfall, host_room
 from .decide import (
-    decide_allocate,
     decide_abort,
+    decide_allocate,
     decide_commit,
     decide_free,
     decide_host_copy,
@@ -75,7 +75,14 @@ from .residency import (
 )
 from .resume import decide_resume, held_memory
 from .rules import LASTING, RULES, Rule, Who, fold_layout, is_lasting, parse_residency
-from .sessions import decide_disconnect, decide_revoke, decide_session, holders, opening, validate_layout_name
+from .sessions import (
+    decide_disconnect,
+    decide_revoke,
+    decide_session,
+    holders,
+    opening,
+    validate_layout_name,
+)
 from .state import Allocation, LayoutState, LockState, MetadataEntry, Residency, Tier, lock_state
 
 __all__ = [

@@ -20,7 +20,7 @@ import attrs
 
 from .events import Event, RestoreClaimed, RoConnect, RwConnect
 from .rules import fold_layout, lock_event_allowed
-from .state import LayoutState, Tier
+from .state import LayoutState
 
 
 class RequestedLockType(str, enum.Enum):
@@ -71,7 +71,7 @@ def grant_for(
 def lock_event(state: LayoutState, conn: int, granted: GrantedLockType) -> Event:
     if granted is GrantedLockType.RW:
         return RwConnect(conn, layout=state.name)
-    if state.tier is Tier.HOST or state.tier is Tier.DISK:
+    if state.evicted:
         return RestoreClaimed(conn, layout=state.name)
     return RoConnect(conn, layout=state.name)
 

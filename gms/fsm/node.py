@@ -47,7 +47,6 @@ from .state import (
     NodeState,
     SessionInfo,
     TenantState,
-    Tier,
     charged_metadata,
 )
 
@@ -121,7 +120,7 @@ def _settle(
     if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
         raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
     if after.tier is before.tier:  # (most steps: the GPU's share moves with the held bytes)
-        gpu_bytes = node.gpu_bytes + (held if after.tier is Tier.GPU or after.tier is Tier.RESTORING else 0)
+        gpu_bytes = node.gpu_bytes + (0 if after.evicted else held)
     else:
         gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
     host_bytes = node.host_bytes - before.host_bytes + after.host_bytes

@@ -22,7 +22,7 @@ def layout_of(node, conn: int) -> LayoutState:
 
 def require_view(state: LayoutState, conn: int, action: str) -> None:
     if conn in state.readers:  # the common case, asked first
-        if not (state.committed and state.tier is Tier.GPU):
+        if not (state.committed and state.resident):
             raise InvariantViolation(f"reader {conn} sees a layout that is not committed and resident")
     elif conn != state.writer and conn != state.restorer:
         require(state, conn, Who.HOLDER, action)  # raises why
@@ -108,7 +108,7 @@ def unsaved(node) -> list[str]:
     are on the GPU to save from, least recently used first (the disk tier's queue)."""
     waiting = [
         layout for layout in node.layouts.values()
-        if layout.unsaved and layout.tier is Tier.GPU
+        if layout.unsaved and layout.resident
     ]
     return [layout.name for layout in sorted(waiting, key=lambda layout: (layout.last_use, layout.name))]
 

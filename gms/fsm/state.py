@@ -128,7 +128,17 @@ class LayoutState:
     @property
     def gpu_bytes(self) -> int:
         """Bytes this layout holds on the GPU now."""
-        return self.held_bytes if self.tier is not Tier.HOST and self.tier is not Tier.DISK else 0
+        return 0 if self.evicted else self.held_bytes
+
+    @property
+    def evicted(self) -> bool:
+        """Its bytes are off the GPU, in a host copy or a snapshot: its next reader restores it."""
+        return self.tier is Tier.HOST or self.tier is Tier.DISK
+
+    @property
+    def recovered(self) -> bool:
+        """Committed, and only its snapshot holds it (a node that started from its disk)."""
+        return self.committed and self.tier is Tier.DISK
 
     @property
     def disk_held(self) -> int:

@@ -37,12 +37,13 @@ from .service.settings import Settings
 from .service.snapshots import Snapshots
 from .service.transfers import Transfers
 from .tiers.copier_link import CopierLink
-from .tiers.disk_files import NO_FILES, DiskFiles
+from .tiers.disk_files import DiskFiles
 from .tiers.host_memory import HostMemory
 from .tiers.lanes import Lane
 from .tiers.memory import Memory
 from .tiers.memory_signal import MemorySignal
 from .tiers.pool_sizing import PoolSizing
+from .tiers.table import tier_table
 
 logger = logging.getLogger("gms.server")
 
@@ -123,10 +124,11 @@ def build_core(node: Node, host: HostMemory | None, copier: CopierLink | None, f
                log: EventLog, device, settings: Settings) -> ServiceCore:
     """The write path, then the rooms over it, then the core (constructors only)."""
     gpu, policy = node.gpu, settings.policy
-    tiers = {MemoryTier.GPU: gpu} | ({MemoryTier.HOST: host} if host is not None else {})
+    present = {MemoryTier.GPU: gpu, MemoryTier.HOST: host, MemoryTier.DISK: files}
     ledger = Ledger(
-        log, tiers, LockQueues(), on_event=node.on_event, on_released=node.signal.released,
-        durability=node.keeper if node.keeper is not None else IN_MEMORY, files=files or NO_FILES,
+        log, tier_table({tier: store for tier, store in present.items() if store is not None}), LockQueues(),
+        on_event=node.on_event, on_released=node.signal.released,
+        durability=node.keeper if node.keeper is not None else IN_MEMORY,
     )
     snapshots = None
     if files is not None:

@@ -201,7 +201,7 @@ class Server:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for tier in core.ledger.tiers.values():
-                    nursery.start_soon(tier.lane.watch)  # a failed release stops the server
+                    nursery.start_soon(tier.watch)  # a failed release stops the server
                 for task in core.background():  # the copier, the host pool: never fatal
                     nursery.start_soon(task)
                 nursery.start_soon(ratelimit.flush_every, self.log_limit)
@@ -250,9 +250,7 @@ class Server:
                 listener.close()  # another process holds the socket: nothing is released
                 if core is not None:
                     for tier in core.ledger.tiers.values():
-                        tier.lane.stop()
-                    if core.snapshots is not None:
-                        core.snapshots.files.stop()
+                        tier.stop()
                 if link is not None and self.left_as is not Leaving.CRASHED:  # (a take-over told it already)
                     link.stopping(self.left_as)
             if link is not None:

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from ...cuda import DeviceInfo, align_up
+from ...cuda import DeviceInfo
 from ...fsm import (
     InvariantViolation,
     MemoryTier,
@@ -57,7 +57,8 @@ from ...system import files
 from ...system.cyclegc import paused
 from ..service.core import ServiceCore
 from ..tiers.host_memory import parse_chunk_name
-from .mirror import memory_key, split_key
+from ..tiers.table import Kept
+from .mirror import split_key
 
 # Restarts and take-overs are rare and each line matters: not under "gms.server",
 # whose repeated lines are rate-limited (gms.server.edge.ratelimit).
@@ -183,65 +184,46 @@ def check_compatible(server: ServerInfo, device: DeviceInfo) -> None:
 
 
 async def adopt_memory(core: ServiceCore, handed: Handed) -> list[tuple[str, str, str]]:
-    """Hold every fd the state names (checked by its tier's backend); close the
-    others.  A host copy may come in several chunks, each named by where it
-    lies in the copy (``gms.server.tiers.host_memory.chunk_name``).  Returns (tier,
-    allocation id, why) for each allocation lost."""
-    fds = dict(handed.fds)
-    chunks = _host_chunks(fds)
-    tiers = core.ledger.tiers
-    lost: list[tuple[str, str, str]] = []
-    gpu: list[tuple[str, int, int]] = []
-    host: list[tuple[str, int, list[tuple[int, int, int]]]] = []
-    for (tier, allocation_id), size in held_memory(handed.log.state).items():
-        if tier == MemoryTier.GPU.value:
-            fd = fds.pop(memory_key(tier, allocation_id), None)
-            found = [] if fd is None else [(None, None, fd)]
-        else:
-            found = chunks.pop(allocation_id, [])
-        memory = tiers.get(_tier(tier))
-        if not found or memory is None:
-            lost.append((tier, allocation_id, "no fd was kept for it" if not found else f"no {tier} tier here"))
-            for _, _, fd in found:
-                os.close(fd)
-            if memory is not None:  # (its release, when its layout goes, finds nothing held)
-                memory.mark_lost([allocation_id])
-            continue
-        aligned = align_up(size, memory.granularity)
-        if tier == MemoryTier.GPU.value:
-            gpu.append((allocation_id, found[0][2], aligned))
-        else:
-            parts = [(0, aligned, fd) if offset is None else (offset, length, fd) for offset, length, fd in found]
-            host.append((allocation_id, aligned, parts))
+    """Hold every fd the state names, each by its tier (``gms.server.tiers.table``:
+    checked by its backend; a tier this node lacks loses it); close the others.
+    Returns (tier, allocation id, why) for each allocation lost."""
+    kept, unnamed = kept_by_tier(handed.fds, held_memory(handed.log.state))
     # Made, but no event names it: the server died in between (or it is not memory).
-    for key, fd in [*fds.items(), *((f"host:{i}", fd) for i, parts in chunks.items() for _, _, fd in parts)]:
+    for key, fd in unnamed:
         log.info("closing %s: no event of the handed state names it", key)
         os.close(fd)
-    if gpu:
-        lost += [("gpu", i, why) for i, why in await tiers[MemoryTier.GPU].adopt(gpu)]
-    if host:
-        lost += [("host", i, why) for i, why in await tiers[MemoryTier.HOST].adopt_copies(host)]
+    lost: list[tuple[str, str, str]] = []
+    for tier, items in kept.items():
+        store = core.ledger.tiers[tier]
+        missing = [one.allocation_id for one in items if not one.parts]
+        store.mark_lost(missing)  # (its release, when its layout goes, finds nothing held)
+        lost += [(tier.value, i, "no fd was kept for it") for i in missing]
+        lost += [(tier.value, i, why) for i, why in await store.adopt([one for one in items if one.parts])]
     return lost
 
 
-def _host_chunks(fds: dict) -> dict[str, list[tuple[int | None, int | None, int]]]:
-    """The host copies' chunks among ``fds`` (taken out of it), by allocation:
-    (offset, size, fd), offset and size None for a copy in one chunk."""
-    chunks: dict[str, list[tuple[int | None, int | None, int]]] = {}
-    for key in list(fds):
+def kept_by_tier(fds: dict[str, int], held: dict[tuple[str, str], int]) -> tuple[
+        dict[MemoryTier, list[Kept]], list[tuple[str, int]]]:
+    """The handed ``fds`` (``memory_key`` names) as what each tier held, by the
+    state's ``held`` memory (an allocation with no fd: no parts); and the (key, fd)
+    no event names.  A copy may come in several chunks, each named by where it
+    lies in the copy (``gms.server.tiers.host_memory.chunk_name``)."""
+    parts: dict[tuple[str, str], list[tuple[int | None, int | None, int]]] = {}
+    unnamed: list[tuple[str, int]] = []
+    for key, fd in fds.items():
         tier, name = split_key(key)
-        if tier != MemoryTier.HOST.value:
-            continue
         try:
             allocation_id, offset, size = parse_chunk_name(name)
         except ValueError:
-            continue  # not a name this server gives: closed as unnamed
-        chunks.setdefault(allocation_id, []).append((offset, size, fds.pop(key)))
-    return chunks
-
-
-def _tier(name: str) -> MemoryTier:
-    return MemoryTier(name)
+            allocation_id = None  # not a name this server gives: closed as unnamed
+        if (tier, allocation_id) in held:
+            parts.setdefault((tier, allocation_id), []).append((offset, size, fd))
+        else:
+            unnamed.append((key, fd))
+    kept: dict[MemoryTier, list[Kept]] = {}
+    for (tier, allocation_id), size in held.items():
+        kept.setdefault(MemoryTier(tier), []).append(Kept(allocation_id, size, tuple(parts.get((tier, allocation_id), ()))))
+    return kept, unnamed
 
 
 def resumed_event(core: ServiceCore, handed: Handed) -> ServerResumed:

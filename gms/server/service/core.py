@@ -125,8 +125,6 @@ class ServiceCore:
         (snapshots stay: they are what outlives the server)."""
         for tier in self.ledger.tiers.values():
             await tier.close()
-        if self.snapshots is not None:
-            await self.snapshots.aclose()
 
     @property
     def state(self) -> NodeState:

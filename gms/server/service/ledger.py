@@ -27,8 +27,7 @@ from ...fsm import (
 )
 from ...fsm.events import Event
 from ...store import EventLog, Folded
-from ..tiers.disk_files import NO_FILES, DiskFiles, NoFiles
-from ..tiers.memory import Memory
+from ..tiers.table import TierStore
 from .durability import IN_MEMORY, Durability
 from .lock_queues import LockQueues
 
@@ -44,21 +43,19 @@ class Ledger:
     def __init__(
         self,
         log: EventLog,
-        tiers: dict[MemoryTier, Memory],
+        tiers: dict[MemoryTier, TierStore],
         queues: LockQueues,
         *,
         on_event: Callable[[Event], None],
         on_released: Callable[[], None],
         durability: Durability = IN_MEMORY,
-        files: DiskFiles | NoFiles = NO_FILES,
     ) -> None:
-        """``tiers``: the memory tables, each told what a batch releases; ``files``: the
-        disk tier's (released snapshots; NO_FILES: none kept here); ``on_event``: told of
-        every stored event, with whoever :meth:`observe` adds."""
+        """``tiers``: every tier (``gms.server.tiers.table.tier_table``), each told what a
+        batch releases; ``on_event``: told of every stored event, with whoever
+        :meth:`observe` adds."""
         self.log = log
         self.durability = durability
         self.tiers = tiers
-        self.files = files
         self.queues = queues
         self._observers = [on_event]
         self._on_released = on_released
@@ -190,5 +187,5 @@ class Ledger:
         memory or may have made an idle layout evictable (room)."""
         released, room = batch_effects(folded.befores, folded.events)
         for tier, allocation_ids in released.items():
-            (self.files if tier is MemoryTier.DISK else self.tiers[tier]).release(allocation_ids)
+            self.tiers[tier].release(allocation_ids)
         return room

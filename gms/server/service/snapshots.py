@@ -33,8 +33,8 @@ restored from one, every snapshot found again when a server starts with nothing.
   host copies: saved layouts on it, least recently used first, let their host
   copies go (``LAYOUT_SPILLED``: tier disk), if that makes the room.
 
-Files are released as the ledger says (``MemoryTier.DISK``: a layout cleared,
-dropped or lost), on the disk lane (``gms.server.tiers.disk_files``, made before the ledger).
+Files are released as the ledger says (the disk tier's rows: a layout cleared,
+dropped or lost), on the disk lane (``gms.server.tiers.disk_files``, in the tier table).
 """
 
 from __future__ import annotations
@@ -133,9 +133,6 @@ class Snapshots:
         for name in plan or ():
             self.ledger.record(decide_spill(self.ledger.state, 0, name, "host budget"), by_server=True)
         return bool(plan)
-
-    async def aclose(self) -> None:
-        self.files.close()
 
     # -- saving ------------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ class Transfers:
 
         def adopt(chunks: dict[str, list[str]]) -> None:
             for allocation in missing:
-                self.host.adopt(allocation.allocation_id, chunks.pop(allocation.allocation_id))
+                self.host.keep_copy(allocation.allocation_id, chunks.pop(allocation.allocation_id))
                 adopted.append(allocation.allocation_id)
 
         def undo(chunks: dict[str, list[str]]) -> None:

@@ -30,7 +30,6 @@ from ...fsm import (
     Rejection,
     RequestedLockType,
     SnapshotUnreadable,
-    Tier,
     decide_session,
     gpu_shortfall,
 )
@@ -44,7 +43,7 @@ async def restore_recovered(core: ServiceCore) -> list[str]:
     """Restore every layout on the disk tier that fits, by name; the names restored."""
     state = core.state
     restored = []
-    for name in sorted(n for n, layout in state.layouts.items() if layout.tier is Tier.DISK and layout.committed):
+    for name in sorted(n for n, layout in state.layouts.items() if layout.recovered):
         if await restore_one(core, name):
             restored.append(name)
     return restored

@@ -1,9 +1,9 @@
 """The disk tier's files as the write path lets them go: what a released snapshot
 becomes (an unlink on the disk's lane, off the loop).  Made before the ledger, which
 hands it the snapshots each batch releases, as it hands the memory tables
-theirs; the saver and the restorer (``gms.server.service.snapshots``) use
-the same folder and lane.  A node without a disk tier has :data:`NO_FILES`: the
-files stay for a server that keeps one."""
+theirs (``gms.server.tiers.table``); the saver and the restorer
+(``gms.server.service.snapshots``) use the same folder and lane.  A node without a
+disk tier has the table's ``Absent`` one: the files stay for a server that keeps one."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from collections.abc import Iterable
 
 from ...disk.store import DiskStore
 from .lanes import Lane
+from .table import Kept
 
 
 class DiskFiles:
+    name = "disk"
+
     def __init__(self, store: DiskStore) -> None:
         self.store = store
         self.lane = Lane("disk")  # unlinks, off the loop (one that fails is left and said: never fatal)
@@ -22,19 +25,28 @@ class DiskFiles:
         for file in files:
             self.lane.post(self.store.remove, file)
 
+    async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
+        """No fd is a snapshot: a new server finds the files in the folder (gms.server.service.warm_start)."""
+        for one in kept:
+            one.close()
+        return [(one.allocation_id, "a snapshot is a file in the folder, not an fd") for one in kept]
+
+    def mark_lost(self, files: Iterable[str]) -> None:
+        """A file that is gone is found gone by its reader (the restore's check)."""
+
+    def held_fds(self) -> list[tuple[str, int]]:
+        return []
+
+    def fd_count(self) -> int:
+        return 0
+
+    async def watch(self) -> None:
+        await self.lane.watch()
+
     def stop(self) -> None:
         self.lane.stop()
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop the lane and close the folder; the snapshots stay (they outlive the server)."""
         self.lane.stop()
         self.store.close()
-
-
-class NoFiles:
-    """No disk tier here."""
-
-    def release(self, files: Iterable[str]) -> None:
-        """A server without a disk tier leaves the files for one with it."""
-
-
-NO_FILES = NoFiles()

@@ -58,6 +58,7 @@ from ..edge.admission import FdBudget
 from .copier_link import CopierLink
 from .memory import Memory
 from .pool_sizing import POLL_S, PoolSizing
+from .table import Kept
 
 log = logging.getLogger("gms.server.host")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -263,7 +264,7 @@ class HostMemory:
         self._wake.set()
         return taken
 
-    def adopt(self, allocation_id: str, chunk_ids: list[str]) -> None:
+    def keep_copy(self, allocation_id: str, chunk_ids: list[str]) -> None:
         """Reserved chunks become the allocation's host copy (just before it is recorded)."""
         for chunk in chunk_ids:
             del self._reserved[chunk]
@@ -283,7 +284,7 @@ class HostMemory:
         Raises OutOfMemory (the host is full) or HostBudgetExceeded."""
         await self.make(items)  # the chunk of an exact copy is named after its allocation
         for allocation_id, _ in items:
-            self.adopt(allocation_id, [allocation_id])
+            self.keep_copy(allocation_id, [allocation_id])
 
     def release(self, allocation_ids: Iterable[str]) -> None:
         """The host copies went (the ledger recorded it): release their chunks."""
@@ -357,19 +358,19 @@ class HostMemory:
 
     # -- a node taken over (gms.server.restart.resume) -------------------------------------------
 
-    async def adopt_copies(self, items: list[tuple[str, int, list[tuple[int, int, int]]]]) -> list[tuple[str, str]]:
-        """Host copies another server made, each (allocation id, its aligned size,
-        [(offset, size, fd)] of its chunks): every chunk checked on the lane and
-        held from now on, the copier told of each (now, or when it starts).  A
-        copy whose chunks do not make it up, or one of whose chunks is no longer
-        its memory, is lost whole (its fds closed, its other chunks released);
-        returns (allocation id, why) for each."""
+    async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
+        """Host copies another server made, each in the chunks :func:`chunk_name`
+        names: every chunk checked on the lane and held from now on, the copier
+        told of each (now, or when it starts).  A copy whose chunks do not make it
+        up, or one of whose chunks is no longer its memory, is lost whole (its fds
+        closed, its other chunks released); returns (allocation id, why) for each."""
         lost: list[tuple[str, str]] = []
-        wanted: list[tuple[str, int, int]] = []  # (chunk id, fd, size)
+        wanted: list[Kept] = []  # one per chunk, named by its chunk id
         copies: dict[str, list[str]] = {}
         owner: dict[str, str] = {}
-        for allocation_id, total, parts in items:
-            parts = sorted(parts)
+        for one in kept:
+            allocation_id, total = one.allocation_id, align_up(one.size, self.granularity)
+            parts = sorted((0, total, fd) if offset is None else (offset, size, fd) for offset, size, fd in one.parts)
             offsets = [offset for offset, _, _ in parts]
             ends = [offset + size for offset, size, _ in parts]
             if offsets[:1] != [0] or offsets[1:] != ends[:-1] or ends[-1] != total:
@@ -380,11 +381,11 @@ class HostMemory:
             ids = copies[allocation_id] = []
             for _, size, fd in parts:
                 chunk = self.chunk_id(allocation_id)
-                wanted.append((chunk, fd, size))
+                wanted.append(Kept(chunk, size, ((0, size, fd),)))
                 owner[chunk] = allocation_id
                 ids.append(chunk)
         failed = dict(await self.chunks.adopt(wanted)) if wanted else {}
-        sizes = {chunk: size for chunk, _, size in wanted}
+        sizes = {one.allocation_id: one.size for one in wanted}
         why_lost = {}
         for chunk, why in failed.items():
             why_lost.setdefault(owner[chunk], why)
@@ -462,6 +463,12 @@ class HostMemory:
 
     async def device_info(self):
         return await self.chunks.device_info()
+
+    async def watch(self) -> None:
+        await self.chunks.watch()
+
+    def stop(self) -> None:
+        self.chunks.stop()
 
     async def close(self) -> None:
         await self.chunks.close()

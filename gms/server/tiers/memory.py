@@ -18,10 +18,19 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ...cuda import DeviceInfo, Held, MemoryBackend, MemoryLost, NoFileDescriptors, OutOfMemory
+from ...cuda import (
+    DeviceInfo,
+    Held,
+    MemoryBackend,
+    MemoryLost,
+    NoFileDescriptors,
+    OutOfMemory,
+    align_up,
+)
 from ...fsm.errors import Rejection
 from ..edge.admission import FdBudget, FdsExhausted
 from .lanes import Lane
+from .table import Kept
 
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 _ON_LOOP_MAX = 8  # allocations made or released at once on the loop (backend.loop_bytes in all)
@@ -192,10 +201,19 @@ class Memory:
                     pass
         return None
 
-    async def adopt(self, items: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
-        """Memory another server made, by (id, fd, aligned size), checked on the lane
-        and held here from now on; returns (id, why) for each found lost."""
-        adopted, lost = await self.lane.call(_adopt_all, self.backend, items)
+    async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
+        """Memory another server made, each in one part, checked on the lane and held
+        here from now on; returns (id, why) for each found lost."""
+        items, lost = [], []
+        for one in kept:
+            if len(one.parts) != 1:
+                one.close()
+                lost.append((one.allocation_id, f"its memory came in {len(one.parts)} parts, not one"))
+            else:
+                _, size, fd = one.parts[0]  # (a part's own size as given; a whole one's, aligned here)
+                items.append((one.allocation_id, fd, size if size is not None else align_up(one.size, self.granularity)))
+        adopted, failed = await self.lane.call(_adopt_all, self.backend, items) if items else ([], [])
+        lost += failed
         for allocation_id, held in adopted:
             self._held[allocation_id] = held
             self._bytes += held.size
@@ -323,6 +341,13 @@ class Memory:
 
     async def device_info(self) -> DeviceInfo:
         return await self.lane.call(self.backend.device_info)
+
+    async def watch(self) -> None:
+        await self.lane.watch()
+
+    def stop(self) -> None:
+        """Stop the lane, releasing nothing (another server holds it all now)."""
+        self.lane.stop()
 
     async def close(self) -> None:
         """Release everything, wait for the lane to finish, stop it."""
