@@ -366,5 +366,5 @@ async def test_copies_through_the_copier_give_back_the_fds_they_lend(tmp_path):
         assert (granted.success, granted.restore) == (True, False), "restored by the copier"
         await until(lambda: server.core.fds.lent == 0, "every fd lent to the copier given back")
         host = server.core.host_tier.host
-        assert host.fd_count() == len(host.held_fds()) + len(host._pool), "a chunk, an fd"
+        assert host.fd_count() == len(host.held_fds()) + host.book.pooled, "a chunk, an fd"
         nursery.cancel_scope.cancel()

@@ -56,7 +56,7 @@ from ...store.prior import Prior, batches
 from ...system import files
 from ...system.cyclegc import paused
 from ..service.core import ServiceCore
-from ..tiers.host_memory import parse_chunk_name
+from ..tiers.chunk_book import parse_chunk_name
 from ..tiers.table import Kept
 from .mirror import split_key
 
@@ -207,7 +207,7 @@ def kept_by_tier(fds: dict[str, int], held: dict[tuple[str, str], int]) -> tuple
     """The handed ``fds`` (``memory_key`` names) as what each tier held, by the
     state's ``held`` memory (an allocation with no fd: no parts); and the (key, fd)
     no event names.  A copy may come in several chunks, each named by where it
-    lies in the copy (``gms.server.tiers.host_memory.chunk_name``)."""
+    lies in the copy (``gms.server.tiers.chunk_book.chunk_name``)."""
     parts: dict[tuple[str, str], list[tuple[int | None, int | None, int]]] = {}
     unnamed: list[tuple[str, int]] = []
     for key, fd in fds.items():

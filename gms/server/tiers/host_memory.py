@@ -26,14 +26,16 @@ chunks back before making others.  A chunk is never reused once released: a
 client that was given its fd (a restorer without a copier) could still map it.
 
 The table of chunks is a :class:`~gms.server.tiers.memory.Memory` keyed by chunk id
-(on the loop; its backend on the lane); this keeps which chunks hold which
-allocation's copy, in order.
+(on the loop; its backend on the lane); which chunk is in which phase (pinned for
+the pool, pooled, reserved for work in flight, part of a copy) and every byte
+count is the book's (:class:`~gms.server.tiers.chunk_book.ChunkBook`, sans I/O);
+this class is the shell that makes, maps and drops what the book says.
 
 Restarts and take-overs (``gms.server.restart.mirror``, ``gms.server.restart.resume``): the
 chunks of every host copy are state's memory, so the keeper is told of each
 as the copy is made (before the event that records it) and let go, and a
 take-over hands them on.  Each goes under a name that says what it is to
-its copy (:func:`chunk_name`): the allocation's id for a copy of one chunk,
+its copy (``chunk_book.chunk_name``): the allocation's id for a copy of one chunk,
 ``<id>/<offset>/<size>`` for each of several (the log knows only a copy's
 total), so a new server can put a copy back together, in order, whatever
 chunk size it runs with.  The pool and the chunks reserved for a transfer in
@@ -55,6 +57,7 @@ import trio
 from ...cuda import OutOfMemory, align_up
 from ...fsm import HostBudgetExceeded, StateViolation
 from ..edge.admission import FdBudget
+from .chunk_book import ChunkBook, Phase
 from .copier_link import CopierLink
 from .memory import Memory
 from .pool_sizing import POLL_S, PoolSizing
@@ -62,23 +65,6 @@ from .table import Kept
 
 log = logging.getLogger("gms.server.host")
 DEFAULT_CHUNK_BYTES = 64 << 20
-
-
-def chunk_name(allocation_id: str, offset: int, size: int, whole: bool) -> str:
-    """What a host copy's chunk is called outside this table (the keeper's key,
-    a take-over's): the allocation's id for a copy in one chunk (as host copies
-    always were), ``<id>/<offset>/<size>`` for one of several."""
-    return allocation_id if whole else f"{allocation_id}/{offset}/{size}"
-
-
-def parse_chunk_name(name: str) -> tuple[str, int | None, int | None]:
-    """(allocation id, offset, size) of a :func:`chunk_name`; (id, None, None) for a
-    whole copy.  Raises ValueError for a name that is neither."""
-    allocation_id, _, rest = name.partition("/")
-    if not rest:
-        return allocation_id, None, None
-    offset, size = rest.split("/")
-    return allocation_id, int(offset), int(size)
 
 
 class HostMemory:
@@ -103,18 +89,13 @@ class HostMemory:
         self.granularity = chunks.granularity
         self.link = link
         self.chunk_bytes = align_up(max(chunk_bytes, 1), self.granularity)
+        self.book = ChunkBook(self.chunk_bytes)
         # Without a copier, pool chunks would only wait: nothing fills them.
         self.sizing = sizing if link is not None else None
         self._fixed = pool_bytes - pool_bytes % self.chunk_bytes if link is not None and sizing is None else 0
         # Room the host budget leaves beyond the recorded host copies (None:
         # unbounded): asked of the state, which the service owns (fsm.host_room).
         self.room = room
-        self._copies: dict[str, tuple[str, ...]] = {}  # allocation id -> its chunks, in order
-        self._copy_bytes = 0
-        self._size: dict[str, int] = {}  # every chunk held -> its size
-        self._pool: list[str] = []
-        self._reserved: dict[str, int] = {}  # chunks made or taken for work in flight
-        self._making = 0  # pool bytes being pinned now
         self._wanted = 0  # bytes a request waits to have room for: the pool yields to it
         self._ids = itertools.count(1)
         self._wake = trio.Event()
@@ -122,7 +103,6 @@ class HostMemory:
         self._copying = 0  # transfers under way: the pool waits for none (below)
         self._quiet = trio.Event()
         self._pool_warned = False
-        self._lost: set[str] = set()  # copies a resumed server found lost: nothing to release
         # Told of every host copy's chunks as the copy is made or let go (the
         # keeper link, where there is one): ``held("host", [(name, fd)])``,
         # ``released("host", [name])``.  The pool's chunks are not told.
@@ -137,39 +117,28 @@ class HostMemory:
     # -- what the table holds -------------------------------------------------------
 
     def holds(self, allocation_id: str) -> bool:
-        return allocation_id in self._copies
+        return self.book.holds(allocation_id)
 
     def live(self) -> tuple[int, int]:
         """(count, bytes) of host copies (the pool apart)."""
-        return len(self._copies), self._copy_bytes
+        return self.book.copies()
 
     def fd_count(self) -> int:
-        """Fds held: one per chunk (of the copies, the pool and work in flight)."""
-        return len(self._size)
-
-    def named_chunks(self, allocation_id: str) -> list[tuple[str, str]]:
-        """(name, chunk id) of each chunk of an allocation's host copy (see chunk_name)."""
-        chunks = self._copies[allocation_id]
-        whole = len(chunks) == 1
-        named, offset = [], 0
-        for chunk in chunks:
-            size = self._size[chunk]
-            named.append((chunk_name(allocation_id, offset, size, whole), chunk))
-            offset += size
-        return named
+        """Fds held: one per chunk made (of the copies, the pool and work in flight)."""
+        return len(self.book.made())
 
     def held_fds(self) -> list[tuple[str, int]]:
         """(name, fd) of every host copy's chunks: what the keeper keeps and a
         take-over hands on (the fds stay open here)."""
         return [
             (name, self.chunks.fd_of(chunk))
-            for allocation_id in self._copies
-            for name, chunk in self.named_chunks(allocation_id)
+            for allocation_id in self.book.copy_ids()
+            for name, chunk in self.book.named_chunks(allocation_id)
         ]
 
     @property
     def pool_bytes(self) -> int:
-        return len(self._pool) * self.chunk_bytes
+        return self.book.bytes_in(Phase.POOLED)
 
     @property
     def keeps_pool(self) -> bool:
@@ -181,19 +150,12 @@ class HostMemory:
 
     def chunks_of(self, allocation_id: str) -> list[tuple[str, int]]:
         """(chunk id, size) of an allocation's host copy, in order."""
-        return [(chunk, self._size[chunk]) for chunk in self._copies[allocation_id]]
-
-    def _in_flight(self) -> int:
-        return self.pool_bytes + sum(self._reserved.values()) + self._making
+        return self.book.chunks_of(allocation_id)
 
     def _fits(self, more: int) -> bool:
-        room = self.room()
-        return room is None or self._in_flight() + more <= room
+        return self.book.fits(more, self.room())
 
     # -- making chunks -------------------------------------------------------------
-
-    def _pool_id(self) -> str:
-        return f"pool-{next(self._ids)}"
 
     def chunk_id(self, allocation_id: str) -> str:
         """A new id for a chunk of an allocation's copy, never used before (the copier
@@ -216,16 +178,16 @@ class HostMemory:
         """Give pool chunks back until ``more`` bytes fit the host budget (a chunk the
         pool is pinning now is waited for, then given back); else refuse."""
         while True:
-            while not self._fits(more) and self._pool:
-                self._drop([self._pool.pop()])
+            while not self._fits(more) and self.book.pooled:
+                self._drop([self.book.pop_pool()])
             if self._fits(more):
                 return
-            if self._spill is not None and self._spill(self._in_flight() + more - (self.room() or 0)):
+            if self._spill is not None and self._spill(self.book.in_flight + more - (self.room() or 0)):
                 continue  # host copies recorded gone: the room is the state's
-            if not self._making:
+            if not self.book.bytes_in(Phase.MAKING):
                 raise HostBudgetExceeded(
                     f"host tier full: no room for {more} more bytes under the host budget "
-                    f"({self._in_flight()} bytes in flight beyond the host copies)"
+                    f"({self.book.in_flight} bytes in flight beyond the host copies)"
                 )
             self._wanted += more  # the pool makes no more chunks meanwhile
             try:
@@ -235,49 +197,40 @@ class HostMemory:
 
     async def make(self, chunks: list[tuple[str, int]]) -> list[str]:
         """New chunks (id, size) on the lane, all or none, mapped by the copier,
-        reserved for the caller, who ``adopt``s or ``discard``s them.  Ids name
-        the allocation they are for (memfd names show them): never reused."""
+        reserved for the caller, who keeps (``keep_copy``) or ``discard``s them.  Ids
+        name the allocation they are for (memfd names show them): never reused."""
         if not chunks:
             return []
-        ids, sizes = [c for c, _ in chunks], [s for _, s in chunks]
+        ids = [chunk for chunk, _ in chunks]
         if self.fds is not None:
             self.fds.check_memory(len(chunks))  # each chunk holds an fd: refused at once past the bound
-        await self._make_room(sum(sizes))
-        for chunk, size in chunks:
-            self._reserved[chunk] = size  # counted against the budget while made
+        await self._make_room(sum(size for _, size in chunks))
+        self.book.new(chunks)  # counted against the budget while made
         try:
             await self.chunks.create(list(chunks))
         except BaseException:
-            for chunk in ids:
-                del self._reserved[chunk]
+            self.book.not_created(ids)
             raise
-        self._size.update(zip(ids, sizes))
+        self.book.created(ids)
         self._to_copier(ids)
         return ids
 
     def take_pool(self, count: int) -> list[str]:
         """Up to ``count`` pool chunks, reserved for the caller (no wait: made already)."""
-        taken = self._pool[:count]
-        del self._pool[:count]
-        for chunk in taken:
-            self._reserved[chunk] = self._size[chunk]
+        taken = self.book.take_pool(count)
         self._wake.set()
         return taken
 
     def keep_copy(self, allocation_id: str, chunk_ids: list[str]) -> None:
         """Reserved chunks become the allocation's host copy (just before it is recorded)."""
-        for chunk in chunk_ids:
-            del self._reserved[chunk]
-        self._copies[allocation_id] = tuple(chunk_ids)
-        self._copy_bytes += sum(self._size[chunk] for chunk in chunk_ids)
+        self.book.keep_copy(allocation_id, chunk_ids)
         if self.observer is not None:  # before the event that records the copy (the caller's)
-            named = self.named_chunks(allocation_id)
+            named = self.book.named_chunks(allocation_id)
             self.observer.held(self.lane.name, [(name, self.chunks.fd_of(chunk)) for name, chunk in named])
 
     def discard(self, chunk_ids: Iterable[str]) -> None:
         """Reserved chunks nobody will use: released (never back to the pool: see above)."""
-        gone = [chunk for chunk in chunk_ids if self._reserved.pop(chunk, None) is not None]
-        self._drop(gone)
+        self._drop(self.book.discard(chunk_ids))
 
     async def create(self, items: list[tuple[str, int]]) -> None:
         """One exact chunk per (allocation id, size): a writer's own host copies.
@@ -288,26 +241,15 @@ class HostMemory:
 
     def release(self, allocation_ids: Iterable[str]) -> None:
         """The host copies went (the ledger recorded it): release their chunks."""
-        gone: list[str] = []
-        names: list[str] = []
-        for allocation_id in allocation_ids:
-            if allocation_id in self._lost:  # never held here (a resumed server found it lost)
-                self._lost.discard(allocation_id)
-                continue
-            if self.observer is not None:
-                names += [name for name, _ in self.named_chunks(allocation_id)]
-            chunks = self._copies.pop(allocation_id)
-            self._copy_bytes -= sum(self._size[chunk] for chunk in chunks)
-            gone += chunks
+        gone, names = self.book.release(allocation_ids)
         self._drop(gone)
-        if names:  # after the event that released them (the ledger's)
+        if names and self.observer is not None:  # after the event that released them (the ledger's)
             self.observer.released(self.lane.name, names)
 
     def _drop(self, chunk_ids: list[str]) -> None:
+        """Chunks the book let go: their memory released, the copier's mapping too."""
         if not chunk_ids:
             return
-        for chunk in chunk_ids:
-            del self._size[chunk]
         self.chunks.release(chunk_ids)
         if self.link is not None:
             self.link.unmap(chunk_ids)
@@ -316,12 +258,12 @@ class HostMemory:
     def _to_copier(self, chunk_ids: list[str]) -> None:
         if self.link is not None:
             fds = self.chunks.export_many(chunk_ids)
-            self.link.map([(chunk, fd, self._size[chunk]) for chunk, fd in zip(chunk_ids, fds)])
+            self.link.map([(chunk, fd, self.book.size(chunk)) for chunk, fd in zip(chunk_ids, fds)])
 
     def _live_chunks(self) -> list[tuple[str, int, int]]:
         """Every chunk held, for a copier that starts: (id, a new fd, size)."""
-        ids = list(self._size)
-        return list(zip(ids, self.chunks.export_many(ids), [self._size[c] for c in ids]))
+        ids = self.book.made()
+        return list(zip(ids, self.chunks.export_many(ids), [self.book.size(c) for c in ids]))
 
     # -- exports (clients) ------------------------------------------------------------
 
@@ -335,13 +277,13 @@ class HostMemory:
         """One fd per host copy: only for copies of one chunk (today's protocol)."""
         chunks = []
         for allocation_id in allocation_ids:
-            held = self._copies[allocation_id]
+            held = self.book.chunks_of(allocation_id)
             if len(held) != 1:
                 raise StateViolation(
                     f"the host copy of {allocation_id!r} is held in {len(held)} chunks: "
                     "ask ExportHostChunksRequest for them"
                 )
-            chunks.append(held[0])
+            chunks.append(held[0][0])
         return self._export_lent(chunks)
 
     def export_chunks(self, chunk_ids: list[str]) -> list[int]:
@@ -359,7 +301,7 @@ class HostMemory:
     # -- a node taken over (gms.server.restart.resume) -------------------------------------------
 
     async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
-        """Host copies another server made, each in the chunks :func:`chunk_name`
+        """Host copies another server made, each in the chunks ``chunk_book.chunk_name``
         names: every chunk checked on the lane and held from now on, the copier
         told of each (now, or when it starts).  A copy whose chunks do not make it
         up, or one of whose chunks is no longer its memory, is lost whole (its fds
@@ -395,9 +337,7 @@ class HostMemory:
                 self.chunks.release([chunk for chunk in ids if chunk not in failed])
                 lost.append((allocation_id, why_lost[allocation_id]))
                 continue
-            self._size.update((chunk, sizes[chunk]) for chunk in ids)
-            self._copies[allocation_id] = tuple(ids)
-            self._copy_bytes += sum(sizes[chunk] for chunk in ids)
+            self.book.adopt_copy(allocation_id, [(chunk, sizes[chunk]) for chunk in ids])
             adopted += ids
         self.mark_lost(allocation_id for allocation_id, _ in lost)
         self._to_copier(adopted)
@@ -405,7 +345,7 @@ class HostMemory:
 
     def mark_lost(self, allocation_ids: Iterable[str]) -> None:
         """Copies that did not come over: their release finds nothing to release."""
-        self._lost.update(allocation_ids)
+        self.book.mark_lost(allocation_ids)
 
     # -- the pool -----------------------------------------------------------------------
 
@@ -436,27 +376,30 @@ class HostMemory:
             self._wake = trio.Event()
             while self._copying:  # a publish may be taking chunks: decided once it is done
                 await self._quiet.wait()
-            while self._pool and self.pool_bytes > self.pool_target():
-                self._drop([self._pool.pop()])
-            while self.pool_bytes + self._making < self.pool_target() and self._fits(self.chunk_bytes + self._wanted):
+            while self.book.pooled and self.pool_bytes > self.pool_target():
+                self._drop([self.book.pop_pool()])
+            book = self.book
+            while book.pooled * self.chunk_bytes + book.bytes_in(Phase.MAKING) < self.pool_target() and \
+                    self._fits(self.chunk_bytes + self._wanted):
                 if self._copying:
                     await self._quiet.wait()
                     continue  # decided again: the world changed meanwhile
-                chunk = self._pool_id()
-                self._making += self.chunk_bytes
+                chunk = f"pool-{next(self._ids)}"
+                book.making(chunk)
                 try:
                     await self.chunks.create([(chunk, self.chunk_bytes)])
-                except OutOfMemory as exc:
+                except BaseException as exc:
+                    book.not_made(chunk)
+                    if not isinstance(exc, OutOfMemory):
+                        raise
                     if not self._pool_warned:
                         log.warning("host pool: the host has no more memory to pin (%s); trying again later", exc)
                         self._pool_warned = True
                     break
                 finally:
-                    self._making -= self.chunk_bytes
                     self._pinned.set()
                     self._pinned = trio.Event()
-                self._size[chunk] = self.chunk_bytes
-                self._pool.append(chunk)
+                book.pooled_in(chunk)
                 self._to_copier([chunk])
 
     # -- the rest of a tier's surface --------------------------------------------------

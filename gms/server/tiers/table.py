@@ -37,7 +37,7 @@ from ...fsm import MemoryTier
 class Kept:
     """One allocation another server held on a tier: its size as the log says, and
     the fds of its parts as (offset, size, fd); offset and size None for one part
-    that is the whole (gms.server.tiers.host_memory.chunk_name)."""
+    that is the whole (gms.server.tiers.chunk_book.chunk_name)."""
 
     allocation_id: str
     size: int
