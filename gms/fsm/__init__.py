@@ -22,6 +22,7 @@ from .decide import (
     decide_metadata_delete,
     decide_metadata_put,
     decide_metadata_put_many,
+    may_commit,
 )
 from .effects import MemoryTier, Release, batch_effects, may_make_room, released_memory
 from .errors import (
@@ -165,6 +166,7 @@ __all__ = [
     "is_lasting",
     "layout_problems",
     "lock_state",
+    "may_commit",
     "may_make_room",
     "opening",
     "parse_residency",

@@ -72,14 +72,20 @@ def decide_metadata_delete(state: LayoutState, conn: int, key: str) -> list[Even
     return []
 
 
+def may_commit(state: LayoutState, conn: int, residency: Residency | str) -> Residency:
+    """The writer's, with a residency there is: the residency; else refused.  What a
+    commit that must wait first (for its host copies) is refused by before it waits."""
+    require(state, conn, Who.WRITER, "commit")
+    return parse_residency(residency)
+
+
 def decide_commit(
     state: LayoutState, conn: int, residency: Residency | str = Residency.DEVICE, persist: bool = False,
 ) -> list[Event]:
     """Publish, with the layout's hash.  Only the writer's commit is worth hashing;
     dangling metadata cannot be produced by legal events, so finding one is a
     broken invariant (the server stops), not a rejection."""
-    require(state, conn, Who.WRITER, "commit")
-    residency = parse_residency(residency)
+    residency = may_commit(state, conn, residency)
     layout_hash = compute_layout_hash(state.allocations.values(), state.metadata.values())
     return [RwCommit(conn, layout_hash, residency.value, bool(persist), layout=state.name)]
 

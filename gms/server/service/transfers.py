@@ -45,6 +45,7 @@ from ...fsm import (
     decide_commit,
     decide_host_copy,
     decide_restore_finished,
+    may_commit,
 )
 from ...fsm.queries import layout_of
 from ...fsm.state import Allocation
@@ -81,7 +82,7 @@ class Transfers:
         if request.residency != "system":
             return self.requests.commit(conn, request)
         persist = self.requests.persist(conn, request)
-        decide_commit(layout, conn, request.residency, persist)  # the writer's, a known residency: else refused here
+        may_commit(layout, conn, request.residency)  # refused before the copier works; decided once, after it
         missing = self._missing(conn)
         if not missing:
             return self.requests.commit(conn, request)
