@@ -2,9 +2,11 @@
 disk tier's folder, the log, the one write path and the rooms that answer requests,
 through their constructors, in the order they need each other.  A cold start, a
 restart and a take-over all build here (``Server.serve``), from the configuration
-whole.  Two links go back up the order, each said where it is made: the saver
-hears every event the ledger stores (``Ledger.observe``), and the host table asks
-the disk tier for room (``HostMemory.spill_to``): both are made before the saver.
+whole.  Three links go back up the order, each said where it is made: the saver
+hears every event the ledger stores (``Ledger.observe``), the host table asks
+the disk tier for room (``HostMemory.spill_to``), both made before the saver, and
+a copier that starts maps the host table's chunks (``CopierLink.remap_with``), made
+before the table.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ async def assemble(config: ServerConfig, node: Node, log: EventLog | None = None
             pool_bytes=config.host_pool_bytes or 0, chunk_bytes=config.host_chunk_bytes, observer=node.keeper,
             fds=node.fds, room=node.host_room, sizing=PoolSizing(node.state) if auto else None,
         )
+        if copier is not None:
+            copier.remap_with(host.live_chunks)  # a copier that starts maps the chunks first
     device = await node.gpu.device_info()  # on the lane, like every call into a backend
     settings = settings_for(config, device.total_bytes, os.getuid())
     if log is None:

@@ -97,12 +97,17 @@ class CopierLink:
         self.engine = ""
         self.restarts = 0
         self.ready_timeout = ready_timeout
-        self.live_chunks: LiveChunks = list  # set by the host tier: what a new copier must map
+        self._live_chunks: LiveChunks = list  # what a new copier must map first (remap_with)
         self._settled = trio.Event()  # set when a start succeeded or failed
         self._outbox: trio.MemorySendChannel | None = None
         self._jobs: dict[int, _Job] = {}
         self._next_job = 1
         self._process: trio.Process | None = None
+
+    def remap_with(self, live_chunks: LiveChunks) -> None:
+        """What every copier that starts maps before its first copy: the host tier's
+        chunks, made after this link (the assembly, ``gms.server.assembly``)."""
+        self._live_chunks = live_chunks
 
     # -- what the loop asks ---------------------------------------------------------
 
@@ -242,7 +247,7 @@ class CopierLink:
         why = "its link closed"
         try:
             self._outbox = outbox
-            chunks = self.live_chunks()  # before any copy: the queue keeps the order
+            chunks = self._live_chunks()  # before any copy: the queue keeps the order
             if chunks:
                 self.map(chunks)
             async with trio.open_nursery() as nursery:

@@ -111,8 +111,6 @@ class HostMemory:
         # Asked for room the budget lacks before a request is refused (the disk
         # tier's spill, gms.server.service.snapshots): bytes -> whether it freed any.
         self._spill: Callable[[int], bool] | None = None
-        if link is not None:
-            link.live_chunks = self._live_chunks
 
     # -- what the table holds -------------------------------------------------------
 
@@ -260,7 +258,7 @@ class HostMemory:
             fds = self.chunks.export_many(chunk_ids)
             self.link.map([(chunk, fd, self.book.size(chunk)) for chunk, fd in zip(chunk_ids, fds)])
 
-    def _live_chunks(self) -> list[tuple[str, int, int]]:
+    def live_chunks(self) -> list[tuple[str, int, int]]:
         """Every chunk held, for a copier that starts: (id, a new fd, size)."""
         ids = self.book.made()
         return list(zip(ids, self.chunks.export_many(ids), [self.book.size(c) for c in ids]))
