@@ -2,9 +2,10 @@
 
 zlib-ng's where it is installed (a dependency of gms): it folds with carry-less
 multiplies, 0.034 s a GiB on one thread against the standard library's 0.27 s on
-the 2-core host (bench/restore_costs.py, docs/results/restore_costs_2core_1gib_session27.json),
-where a restore had spent about as long checksumming as reading (docs/performance.md).  The polynomial is the same, so a file saved with either is
-checked by the other.  The standard library's is the fallback where zlib-ng is not
+the 2-core host (bench/restore_costs.py,
+docs/results/restore_costs_2core_1gib_session27.json), where a restore had spent
+about as long checksumming as reading (docs/performance.md).  The polynomial is
+the same, so a file saved with either is checked by the other.  The standard library's is the fallback where zlib-ng is not
 installed (a GPU image with gms on PYTHONPATH): slower, never different.
 """
 

@@ -43,6 +43,13 @@ TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
 MISSING = "--load-format gms: the gms loader has not run in this process (docs/sglang.md)"
 
 
+
+def _no_host_copy(tag: str, asked: bool) -> None:
+    """A scratch region is remade, never copied back: a host copy asked of it is said, ignored."""
+    if asked:
+        log.warning("gms: the %s region keeps no host copy (enable_cpu_backup is ignored)", tag)
+
+
 class GMSMemorySaver:
     """The methods and property SGLang's ``TorchMemorySaverAdapter`` has."""
 
@@ -69,8 +76,8 @@ class GMSMemorySaver:
     @contextlib.contextmanager
     def region(self, tag: str, enable_cpu_backup: bool = False) -> Iterator[None]:
         _known(tag)
-        if enable_cpu_backup and tag != WEIGHTS:
-            log.warning("gms: the %s region keeps no host copy (enable_cpu_backup is ignored)", tag)
+        if tag != WEIGHTS:
+            _no_host_copy(tag, enable_cpu_backup)
         if tag == WEIGHTS:  # the loader places them (loader.py)
             yield
             return
@@ -85,8 +92,7 @@ class GMSMemorySaver:
         graph pool: every graph here shares this saver's one pool instead)."""
         # SGLang 0.5.23 asks its saver for a host copy of graph memory (torch's graph
         # takes no such word): gms keeps none, as for a region.
-        if kwargs.pop("enable_cpu_backup", False):
-            log.warning("gms: the %s region keeps no host copy (enable_cpu_backup is ignored)", tag)
+        _no_host_copy(tag, kwargs.pop("enable_cpu_backup", False))
         mgr = _scratch(current(MISSING), tag)
         if self._graph_pool is None:
             self._graph_pool = gms_torch.memory_pool(mgr)

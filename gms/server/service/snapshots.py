@@ -102,7 +102,6 @@ class Snapshots:
         self.may_write = may_write
         self.gpu = gpu
         self.files = files  # what the ledger releases goes there too
-        self.store = files.store
         self.link = link
         self._wake = trio.Event()
         self.waiting: dict[tuple[str, str, int], Waiting] = {}  # commits (layout, hash, count) whose save failed
@@ -133,6 +132,11 @@ class Snapshots:
         for name in plan or ():
             self.ledger.record(decide_spill(self.ledger.state, 0, name, "host budget"), by_server=True)
         return bool(plan)
+
+    @property
+    def store(self):
+        """The folder (the disk tier's files hold it)."""
+        return self.files.store
 
     # -- saving ------------------------------------------------------------------------
 
