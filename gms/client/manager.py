@@ -24,25 +24,15 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 
-import attrs
-
-from ..cuda import Mapper, align_up, open_mapper, preload_mapper
+from ..cuda import Mapper, align_up, preload_mapper
 from ..errors import (
-    BuildLostError,
-    GMSConnectionError,
     GMSError,
     GMSProtocolError,
     GMSServerError,
     GMSUsageError,
-    LockTimeoutError,
-    ResponseTimeoutError,
-    ServerGoneError,
-    SessionEndedError,
-    SnapshotNotServedError,
     StaleMemoryLayoutError,
 )
 from ..fsm import GrantedLockType, RequestedLockType
@@ -50,93 +40,21 @@ from ..system.fds import reserve_fd_slots
 from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from . import tiering
-from .transport import RpcTransport, _close_all
+from .link import ServerLink
+from .resources import HandleInfo, Mapping, Reservation, Resources, handle_info
+from .transport import _close_all
 
 log = logging.getLogger("gms.client")
 
-HandleInfo = m.GetAllocationResponse
-
 DEFAULT_CALL_TIMEOUT_S = 60.0
-HEARTBEAT_MS = 1000  # asked of a server while a handshake waits for its lock
-# A live server answers a handshake, or says it waits (a heartbeat), within a
-# heartbeat: ten of them without a word is a server that accepted and hangs.
-FIRST_WORD_S = 10 * HEARTBEAT_MS / 1000
 DEFAULT_RECONNECT_TIMEOUT_S = 30.0
-# Requests that may wait for memory on the server (its --alloc-retry-timeout
-# decides how long): bounded by ``memory_timeout_s``, not ``call_timeout_s``.
-_MEMORY_WAITS = (m.AllocateRequest, m.ExportHostCopiesRequest)
-_FIRST_PAUSE_S = 0.01  # riding through: the first retry, doubling up to _MAX_PAUSE_S
-_MAX_PAUSE_S = 0.5
-_RIDE_REPLY_MARGIN_S = 1.0  # past the reconnect deadline, for the handshake's answer
-_DEFAULT = object()
+__all__ = ["GMSClientMemoryManager", "HandleInfo", "Mapping"]
 
 
-@attrs.frozen
-class _Lost:
-    """A connection the server ended: the lock it held, and how it ended
-    (ServerGoneError: the server went away; SessionEndedError: on purpose)."""
-
-    lock: GrantedLockType
-    error: GMSConnectionError
-
-
-@attrs.define
-class Mapping:
-    """An address range and the allocation it holds (or held, while unmapped)."""
-
-    va: int
-    size: int  # the allocation's aligned size
-    allocation_id: str
-    alloc_size: int
-    tag: str
-    layout_slot: int
-    reservation: int  # base address of the reservation it lies in
-    handle: object = None
-    mapped: bool = False
-
-
-@attrs.define
-class Reservation:
-    """Reserved address space; one for a batch of mappings made together, so
-    their access is granted in one call.  Freed when its last mapping goes."""
-
-    va: int
-    size: int
-    members: int = 0
-
-
-class _Resources:
-    """Everything that must be released, reachable without the manager (for GC)."""
-
-    def __init__(self) -> None:
-        self.transport: RpcTransport | None = None
-        self.mapper: Mapper | None = None
-        self.mappings: dict[int, Mapping] = {}
-        self.reservations: dict[int, Reservation] = {}
-
-    def unmap(self, mappings) -> None:
-        live = [mp for mp in mappings if mp.mapped]
-        if live:
-            self.mapper.unmap_many([(mp.va, mp.size, mp.handle) for mp in live])
-        for mp in live:
-            mp.mapped, mp.handle = False, None
-
-    def release(self) -> None:
-        if self.mapper is not None:
-            self.unmap(self.mappings.values())
-            for reservation in self.reservations.values():
-                self.mapper.free(reservation.va, reservation.size)
-        self.mappings.clear()
-        self.reservations.clear()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-
-
-def _info(response) -> HandleInfo:
-    return HandleInfo(
-        response.allocation_id, response.size, response.aligned_size, response.tag, response.layout_slot
-    )
+def _on_link(name: str, doc: str) -> property:
+    """An attribute of the manager kept by its connection (``gms.client.link``)."""
+    return property(lambda self: getattr(self._link, name), lambda self, value: setattr(self._link, name, value),
+                    doc=doc)
 
 
 class GMSClientMemoryManager:
@@ -161,22 +79,13 @@ class GMSClientMemoryManager:
         server keeps trying (``memory_timeout_s``, default None), and a lock
         wait (``connect``).  ``reconnect_timeout_s``: how long a reader whose
         server went away keeps trying to take its lock back (0: never)."""
-        self.socket_path = socket_path
-        self.device = device
-        self.layout = layout
-        self.call_timeout_s = call_timeout_s
-        self.memory_timeout_s = memory_timeout_s
-        self.reconnect_timeout_s = reconnect_timeout_s
-        self.reconnects = 0  # rides through a server restart so far
         self._lock = threading.RLock()
-        self._res = _Resources()
-        self._granted: GrantedLockType | None = None
-        self._lost: _Lost | None = None  # the connection the server ended, until connect/abort/close
-        self._backend: str | None = None
+        self._res = Resources()
+        self._link = ServerLink(self._res, socket_path, device=device, layout=layout, call_timeout_s=call_timeout_s,
+                                memory_timeout_s=memory_timeout_s, reconnect_timeout_s=reconnect_timeout_s)
         self._layout_hash: str | None = None  # of the layout the mappings came from
-        self._server_hash = ""  # the committed hash the last handshake saw
         self._unmapped = False
-        self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+        self._finalizer = weakref.finalize(self, Resources.release, self._res)
         # A batch of exports arrives as up to 253 fds at once: make room for them
         # now, not in the middle of an import (see gms/system/fds.py).
         reserve_fd_slots(MAX_FDS_PER_MESSAGE)
@@ -186,16 +95,23 @@ class GMSClientMemoryManager:
 
     # -- properties -------------------------------------------------------------
 
+    socket_path = _on_link("socket_path", "The server's socket.")
+    device = _on_link("device", "This process's device the server's is checked against.")
+    layout = _on_link("layout", "The layout this manager locks and maps.")
+    call_timeout_s = _on_link("call_timeout_s", "The deadline of every reply (None: none).")
+    memory_timeout_s = _on_link("memory_timeout_s", "The deadline of a reply that may wait for memory.")
+    reconnect_timeout_s = _on_link("reconnect_timeout_s", "How long a reader rides through (0: never).")
+    reconnects = _on_link("reconnects", "Rides through a server restart so far.")
+
     @property
     def granted_lock_type(self) -> GrantedLockType | None:
-        return self._granted if self.is_connected else None
+        return self._link.granted if self.is_connected else None
 
     @property
     def is_connected(self) -> bool:
         """True while the connection is up; the kernel is asked, so a server that
         died (or revoked the lock) while the manager was idle shows at once."""
-        transport = self._res.transport
-        return transport is not None and not transport.hung_up()
+        return self._link.connected
 
     @property
     def is_unmapped(self) -> bool:
@@ -209,11 +125,15 @@ class GMSClientMemoryManager:
 
     @property
     def backend(self) -> str | None:
-        return self._backend
+        return self._link.backend
 
     @property
     def mappings(self) -> list[Mapping]:
         return sorted(self._res.mappings.values(), key=lambda mapping: mapping.va)
+
+    @property
+    def _mapper(self) -> Mapper:
+        return self._link.mapper
 
     # -- Tier 1: connection -----------------------------------------------------------
 
@@ -243,7 +163,7 @@ class GMSClientMemoryManager:
         is restored here first, if this reader is the one asked to.
         """
         with self._lock:
-            self._settle()
+            self._link.settle()
             if self._res.transport is not None:
                 raise GMSUsageError("already connected; abort() or close() first")
             if layout is not None and layout != self.layout:
@@ -253,64 +173,11 @@ class GMSClientMemoryManager:
                     )
                 self.layout = layout
             lock = RequestedLockType(lock_type)
-            self._lost = None
+            self._link.lost = None
             reply = None
             if timeout_ms is not None and self.call_timeout_s is not None:
                 reply = timeout_ms / 1000 + self.call_timeout_s
-            self._open(lock, timeout_ms, reply, limit_bytes=limit_bytes)
-
-    def _open(
-        self,
-        lock: RequestedLockType,
-        timeout_ms: int | None,
-        reply_timeout: float | None,
-        *,
-        limit_bytes: int | None = None,
-        expect_hash: str = "",
-    ) -> None:
-        connect_timeout = 10.0 if reply_timeout is None else min(10.0, reply_timeout)
-        transport = RpcTransport(self.socket_path, connect_timeout=connect_timeout, timeout=self.call_timeout_s)
-        try:
-            # A lock may take as long as it takes; a server that says nothing for
-            # call_timeout_s (one that accepted and hangs, or a squatter) does not.
-            idle = self.call_timeout_s
-            heartbeat = None if idle is None else max(100, min(HEARTBEAT_MS, int(idle * 1000 / 4)))
-            request = m.HandshakeRequest(lock.value, timeout_ms, self.layout, limit_bytes, expect_hash, heartbeat)
-            response, _ = transport.call(request, m.HandshakeResponse, reply_timeout, idle=idle,
-                                         first_word=FIRST_WORD_S)
-            if not response.success:
-                asked = f"{lock.value} lock on layout {self.layout!r} at {self.socket_path}"
-                if response.unserved:
-                    raise SnapshotNotServedError(
-                        f"{asked} not granted: nothing comes from disk (its last snapshot was not served, "
-                        f"{response.unserved}) and no writer builds it", response.unserved)
-                raise LockTimeoutError(f"{asked} not granted in {timeout_ms} ms")
-            if response.max_frame_bytes > 0:
-                transport.max_request_bytes = response.max_frame_bytes
-            self._attach_mapper(response)
-            if response.restore:
-                tiering.restore(transport.call, self._res.mapper)
-        except BaseException:
-            transport.close()
-            raise
-        self._res.transport = transport
-        self._granted = GrantedLockType(response.granted_lock_type)
-        self._server_hash = response.memory_layout_hash
-
-    def _attach_mapper(self, response: m.HandshakeResponse) -> None:
-        if self._backend is None:
-            self._res.mapper = open_mapper(response.backend, self.device)
-            self._backend = response.backend
-        elif self._backend != response.backend:
-            raise GMSUsageError(
-                f"server now runs the {response.backend} backend; this manager maps {self._backend}"
-            )
-        mine = getattr(self._res.mapper, "device_uuid", None)
-        if response.device_uuid and mine and mine != response.device_uuid:
-            raise GMSUsageError(
-                f"the server manages {response.device_uuid}, but device {self.device} "
-                f"of this process is {mine}"
-            )
+            self._link.open(lock, timeout_ms, reply, limit_bytes=limit_bytes)
 
     def abort(self, discard: bool = False) -> None:
         """Close the connection (releasing the lock); mappings are kept.  Idempotent.
@@ -321,10 +188,10 @@ class GMSClientMemoryManager:
         too: the last version goes for good."""
         with self._lock:
             if discard:
-                self._require(GrantedLockType.RW, "abort(discard=True)")
-                self._call(m.AbortRequest(discard=True), m.AbortResponse)
-            self._drop()
-            self._lost = None
+                self._link.require(GrantedLockType.RW, "abort(discard=True)")
+                self._link.call(m.AbortRequest(discard=True), m.AbortResponse)
+            self._link.drop()
+            self._link.lost = None
 
     def ensure_connected(self, timeout_s: float | None = None) -> bool:
         """Make sure the lock this manager held is held now: nothing to do while
@@ -334,188 +201,25 @@ class GMSClientMemoryManager:
         LockRevokedError, BuildLostError, or GMSUsageError if the manager was
         never connected or disconnected itself (commit, abort)."""
         with self._lock:
-            self._settle()
+            self._link.settle()
             if self._res.transport is not None:
                 return False
-            self._resume("ensure_connected", timeout_s)
+            self._link.resume("ensure_connected", timeout_s)
             return True
-
-    # -- the connection's life (under self._lock) ---------------------------------
-
-    def _drop(self) -> None:
-        """Forget the connection, closing it: the manager's own doing."""
-        transport, self._res.transport = self._res.transport, None
-        if transport is not None:
-            transport.close()
-        self._granted = None
-
-    def _lose(self, error: GMSConnectionError) -> None:
-        """The server ended the connection: forget it, remember why and what lock it held."""
-        granted = self._granted
-        self._drop()
-        if granted is not None:
-            self._lost = _Lost(granted, error)
-
-    def _settle(self) -> None:
-        """Notice a connection the server ended while the manager was idle."""
-        transport = self._res.transport
-        if transport is not None and transport.hung_up():
-            self._lose(transport.ended())
-
-    def _resume(self, action: str, timeout_s: float | None = None) -> None:
-        """No connection: ride a reader through its server's restart, or raise
-        why there is none."""
-        lost = self._lost
-        if lost is None:
-            raise GMSUsageError(f"{action} needs a connection: call connect() first")
-        error = lost.error
-        if isinstance(error, SessionEndedError):
-            raise type(error)(error.reason, f"{error} (earlier; connect() again)")
-        if lost.lock is GrantedLockType.RW:
-            raise BuildLostError(
-                f"the gms server at {self.socket_path} went away while this writer built layout "
-                f"{self.layout!r}: the build is gone ({error}); connect(RW) to build again"
-            ) from error
-        budget = self.reconnect_timeout_s if timeout_s is None else timeout_s
-        if budget <= 0:
-            raise ServerGoneError(f"{error} (riding through is off: reconnect_timeout_s=0)") from error
-        self._ride_through(budget)
-
-    def _ride_through(self, budget: float) -> None:
-        """Take the reader's lock back from whatever server answers on the socket,
-        on the very layout it held (``expect_hash``), retrying with backoff
-        until ``budget`` seconds pass.  The mappings are never touched: their
-        memory lives as long as they are mapped, whatever the server does."""
-        expect = self._server_hash
-        started = time.monotonic()
-        deadline = started + budget
-        pause = _FIRST_PAUSE_S
-        last: Exception = self._lost.error
-        log.warning(
-            "gms server at %s went away (%s): taking the RO lock on %r (hash %s) back, for up to %.1f s",
-            self.socket_path, last, self.layout, expect[:12], budget,
-        )
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ServerGoneError(
-                    f"the gms server at {self.socket_path} went away and no server gave the RO lock on "
-                    f"layout {self.layout!r} back within {budget} s (last: {last})"
-                ) from last
-            try:
-                self._open(
-                    RequestedLockType.RO, max(1, int(left * 1000)), left + _RIDE_REPLY_MARGIN_S,
-                    expect_hash=expect,
-                )
-                self._rebind_mappings()
-                break
-            except (LockTimeoutError, ResponseTimeoutError):
-                self._drop()
-                raise  # a server is there but did not grant in time: the next call tries again
-            except GMSConnectionError as exc:
-                self._drop()
-                if isinstance(exc, SessionEndedError):
-                    self._lost = None
-                    raise
-                last = exc  # no server yet, or it went away again
-            except BaseException:
-                self._drop()
-                self._lost = None  # stale, refused, or a bug: nothing left to take back
-                raise
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, _MAX_PAUSE_S)
-        self._lost = None
-        self.reconnects += 1
-        log.warning(
-            "rode through to the gms server at %s in %.2f s: RO on %r, same layout",
-            self.socket_path, time.monotonic() - started, self.layout,
-        )
-
-    def _rebind_mappings(self) -> None:
-        """A server that rebuilt the same layout (same hash) may have given its
-        allocations new ids: find each mapping's by slot, size and tag."""
-        if self._res.mappings:
-            response, _ = self._res.transport.call(m.ListAllocationsRequest(), m.ListAllocationsResponse)
-            self._match_by_shape(list(self._res.mappings.values()), [_info(a) for a in response.allocations])
-
-    @staticmethod
-    def _match_by_shape(mappings: list[Mapping], allocations: list[HandleInfo]) -> None:
-        by_shape = {(a.layout_slot, a.size, a.tag): a for a in allocations}
-        for mapping in mappings:
-            found = by_shape.get((mapping.layout_slot, mapping.alloc_size, mapping.tag))
-            if found is None or found.aligned_size != mapping.size:
-                raise StaleMemoryLayoutError(
-                    f"no allocation of slot {mapping.layout_slot}, {mapping.alloc_size} bytes, "
-                    f"tag {mapping.tag!r} in the committed layout"
-                )
-        for mapping in mappings:
-            mapping.allocation_id = by_shape[(mapping.layout_slot, mapping.alloc_size, mapping.tag)].allocation_id
-
-    def _transport(self, action: str) -> RpcTransport:
-        if self._res.transport is None:
-            self._resume(action)
-        return self._res.transport
-
-    def _call(self, request: object, expect: type, timeout=_DEFAULT):
-        if timeout is _DEFAULT:
-            timeout = self.memory_timeout_s if isinstance(request, _MEMORY_WAITS) else self.call_timeout_s
-        action = type(request).__name__
-        transport = self._transport(action)
-        try:
-            return transport.call(request, expect, timeout)
-        except GMSError as exc:
-            self._after_failure(transport, exc)
-            lost = self._lost
-            if not (isinstance(exc, ServerGoneError) and lost is not None):
-                raise
-            if lost.lock is GrantedLockType.RW and isinstance(request, m.CommitRequest):
-                self._lost = None
-                raise BuildLostError(
-                    f"the gms server at {self.socket_path} went away during commit: whether layout "
-                    f"{self.layout!r} was published is unknown (gms status shows it)"
-                ) from exc
-        # The server went away under this manager: ride through (a reader) or
-        # raise why not, then ask once more.
-        transport = self._transport(action)
-        try:
-            return transport.call(request, expect, timeout)
-        except GMSError as exc:
-            self._after_failure(transport, exc)
-            raise
-
-    def _after_failure(self, transport: RpcTransport, exc: GMSError) -> None:
-        """A call that failed may have closed its transport: say whose doing it was."""
-        if not transport.closed or self._res.transport is not transport:
-            return
-        if isinstance(exc, ServerGoneError | SessionEndedError):
-            self._lose(exc)
-        else:
-            self._drop()  # a deadline passed, or an unreadable frame: ours to end
-
-    def _require(self, lock: GrantedLockType, action: str) -> None:
-        self._transport(action)
-        if lock is GrantedLockType.RW and self._granted is not GrantedLockType.RW:
-            raise GMSUsageError(f"{action} needs the RW lock; this manager holds {self._granted.value}")
-
-    @property
-    def _mapper(self) -> Mapper:
-        if self._res.mapper is None:
-            raise GMSUsageError("no backend yet: connect() once before mapping")
-        return self._res.mapper
 
     # -- Tier 1: handles (server side) -----------------------------------------------------
 
     def allocate_handle(self, size: int, tag: str = "default") -> tuple[str, int]:
         """Create memory on the server (RW); returns (allocation_id, layout_slot)."""
         with self._lock:
-            self._require(GrantedLockType.RW, "allocate_handle")
-            response, _ = self._call(m.AllocateRequest(size, tag), m.AllocateResponse)
+            self._link.require(GrantedLockType.RW, "allocate_handle")
+            response, _ = self._link.call(m.AllocateRequest(size, tag), m.AllocateResponse)
             return response.allocation_id, response.layout_slot
 
     def export_handle(self, allocation_id: str) -> int:
         """A new fd for the allocation; the caller owns (and closes) it."""
         with self._lock:
-            response, fds = self._call(m.ExportAllocationRequest(allocation_id), m.ExportAllocationResponse)
+            response, fds = self._link.call(m.ExportAllocationRequest(allocation_id), m.ExportAllocationResponse)
             return self._single_fd(fds)
 
     @staticmethod
@@ -532,11 +236,11 @@ class GMSClientMemoryManager:
             try:
                 for start in range(0, len(allocation_ids), MAX_FDS_PER_MESSAGE):
                     batch = list(allocation_ids[start : start + MAX_FDS_PER_MESSAGE])
-                    response, fds = self._call(m.ExportAllocationsRequest(batch), m.ExportAllocationsResponse)
+                    response, fds = self._link.call(m.ExportAllocationsRequest(batch), m.ExportAllocationsResponse)
                     if len(fds) != len(response.allocations):
                         _close_all(fds)
                         raise GMSError(f"expected {len(response.allocations)} fds, got {len(fds)}")
-                    out.extend(zip((_info(a) for a in response.allocations), fds))
+                    out.extend(zip((handle_info(a) for a in response.allocations), fds))
             except BaseException:
                 _close_all([fd for _, fd in out])
                 raise
@@ -544,17 +248,17 @@ class GMSClientMemoryManager:
 
     def get_handle_info(self, allocation_id: str) -> HandleInfo:
         with self._lock:
-            return self._call(m.GetAllocationRequest(allocation_id), m.GetAllocationResponse)[0]
+            return self._link.call(m.GetAllocationRequest(allocation_id), m.GetAllocationResponse)[0]
 
     def free_handle(self, allocation_id: str) -> bool:
         with self._lock:
-            self._require(GrantedLockType.RW, "free_handle")
-            return self._call(m.FreeAllocationRequest(allocation_id), m.FreeAllocationResponse)[0].success
+            self._link.require(GrantedLockType.RW, "free_handle")
+            return self._link.call(m.FreeAllocationRequest(allocation_id), m.FreeAllocationResponse)[0].success
 
     def list_handles(self, tag: str | None = None) -> list[HandleInfo]:
         with self._lock:
-            response, _ = self._call(m.ListAllocationsRequest(tag), m.ListAllocationsResponse)
-            return [_info(a) for a in response.allocations]
+            response, _ = self._link.call(m.ListAllocationsRequest(tag), m.ListAllocationsResponse)
+            return [handle_info(a) for a in response.allocations]
 
     def get_memory_layout_hash(self) -> str:
         """Connected: the server's committed hash of this layout ("" while a writer
@@ -562,9 +266,9 @@ class GMSClientMemoryManager:
         mappings belong to (after ``commit()``, the one it published), "" when
         none; no round trip."""
         with self._lock:
-            if self._res.transport is None and self._lost is None:
+            if self._res.transport is None and self._link.lost is None:
                 return self._layout_hash or ""
-            return self._call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
+            return self._link.call(m.GetStateHashRequest(), m.GetStateHashResponse)[0].memory_layout_hash
 
     def commit(self, residency: str | None = None, persist: bool | None = None) -> bool:
         """Publish: synchronize, unmap every local mapping, then commit.
@@ -584,12 +288,12 @@ class GMSClientMemoryManager:
         the local unmap there is no in-process recovery: a failure raises.
         """
         with self._lock:
-            self._require(GrantedLockType.RW, "commit")
+            self._link.require(GrantedLockType.RW, "commit")
             self._unmap_all()  # synchronizes first: the server's copier reads what was written
             if residency == "system":
                 response = self._commit_system(persist)
             else:
-                response, _ = self._call(m.CommitRequest(residency, persist), m.CommitResponse)
+                response, _ = self._link.call(m.CommitRequest(residency, persist), m.CommitResponse)
             self._layout_hash = response.memory_layout_hash
             self.abort()  # the server closes a committed writer's connection
             return response.success
@@ -599,12 +303,12 @@ class GMSClientMemoryManager:
         # then takes time, so memory_timeout_s bounds the answer, as for allocations).
         request = m.CommitRequest("system", persist)
         try:
-            return self._call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
+            return self._link.call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
         except GMSServerError as exc:
             if exc.code != "HOST_COPY_MISSING":
                 raise
-        tiering.fill_host_copies(self._call, self._mapper, {})  # no copier: copy from here
-        return self._call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
+        tiering.fill_host_copies(self._link.call, self._mapper, {})  # no copier: copy from here
+        return self._link.call(request, m.CommitResponse, timeout=self.memory_timeout_s)[0]
 
     # -- Tier 1: address space (local) ----------------------------------------------------
 
@@ -622,7 +326,7 @@ class GMSClientMemoryManager:
             if reservation is None or reservation.members or reservation.size < size:
                 raise GMSUsageError(f"no free reservation of {size} bytes at {va:#x}")
             info = self.get_handle_info(allocation_id)
-            writable = self._granted is GrantedLockType.RW
+            writable = self._link.granted is GrantedLockType.RW
             handle = self._mapper.map(fd, va, reservation.size, writable)
             reservation.members = 1
             self._res.mappings[va] = Mapping(
@@ -668,29 +372,29 @@ class GMSClientMemoryManager:
     def metadata_put(self, key: str, allocation_id: str, offset_bytes: int, value: bytes) -> bool:
         with self._lock:
             request = m.MetadataPutRequest(key, allocation_id, offset_bytes, bytes(value))
-            return self._call(request, m.MetadataPutResponse)[0].success
+            return self._link.call(request, m.MetadataPutResponse)[0].success
 
     def metadata_put_many(self, entries: Iterable[tuple[str, str, int, bytes]]) -> int:
         """Put many entries in one round trip, all or none; returns how many."""
         with self._lock:
             infos = [m.MetadataEntryInfo(k, a, o, bytes(v)) for k, a, o, v in entries]
-            return self._call(m.MetadataPutManyRequest(infos), m.MetadataPutManyResponse)[0].count
+            return self._link.call(m.MetadataPutManyRequest(infos), m.MetadataPutManyResponse)[0].count
 
     def metadata_get(self, key: str) -> tuple[str, int, bytes] | None:
         with self._lock:
-            response, _ = self._call(m.MetadataGetRequest(key), m.MetadataGetResponse)
+            response, _ = self._link.call(m.MetadataGetRequest(key), m.MetadataGetResponse)
             if not response.found:
                 return None
             return response.allocation_id, response.offset_bytes, response.value
 
     def metadata_list(self, prefix: str = "") -> list[str]:
         with self._lock:
-            return self._call(m.MetadataListRequest(prefix), m.MetadataListResponse)[0].keys
+            return self._link.call(m.MetadataListRequest(prefix), m.MetadataListResponse)[0].keys
 
     def metadata_scan(self, prefix: str = "") -> dict[str, tuple[str, int, bytes]]:
         """Every entry under ``prefix`` in one round trip (sorted by key)."""
         with self._lock:
-            response, _ = self._call(m.MetadataScanRequest(prefix), m.MetadataScanResponse)
+            response, _ = self._link.call(m.MetadataScanRequest(prefix), m.MetadataScanResponse)
             try:
                 return {key: (alloc, offset, value) for key, alloc, offset, value in response.rows()}
             except ValueError as exc:
@@ -698,7 +402,7 @@ class GMSClientMemoryManager:
 
     def metadata_delete(self, key: str) -> bool:
         with self._lock:
-            return self._call(m.MetadataDeleteRequest(key), m.MetadataDeleteResponse)[0].deleted
+            return self._link.call(m.MetadataDeleteRequest(key), m.MetadataDeleteResponse)[0].deleted
 
     # -- Tier 2 -------------------------------------------------------------------------
 
@@ -718,7 +422,7 @@ class GMSClientMemoryManager:
         once for all of them.
         """
         with self._lock:
-            writable = self._granted is GrantedLockType.RW
+            writable = self._link.granted is GrantedLockType.RW
             exported = self.export_handles(allocation_ids)
             if not exported:
                 return []
@@ -744,7 +448,7 @@ class GMSClientMemoryManager:
     def _note_layout(self, writable: bool) -> None:
         # A reader's mappings belong to the committed layout the server has now;
         # a writer's belong to a layout with no hash until it commits.
-        self._layout_hash = None if writable else self._server_hash
+        self._layout_hash = None if writable else self._link.server_hash
         self._unmapped = False
 
     def destroy_mapping(self, va: int) -> None:
@@ -776,17 +480,17 @@ class GMSClientMemoryManager:
             if not pending:
                 self._unmapped = False
                 return
-            self._transport("remap_all_vas")  # a reader whose server went away rides through here
-            writable = self._granted is GrantedLockType.RW
+            self._link.transport("remap_all_vas")  # a reader whose server went away rides through here
+            writable = self._link.granted is GrantedLockType.RW
             if not writable:
                 # What the handshake saw is current: nothing commits while we hold RO.
-                current = self._server_hash
+                current = self._link.server_hash
                 if not current or current != self._layout_hash:
                     raise StaleMemoryLayoutError(
                         f"layout changed since mapping (saved {self._layout_hash or 'none'}, "
                         f"server {current or 'none'}): re-import"
                     )
-                self._match_by_shape(pending, self.list_handles())
+                self._link.match_by_shape(pending, self.list_handles())
             exported = self.export_handles([mp.allocation_id for mp in pending])
             items = [(fd, mp.va, mp.size) for mp, (_, fd) in zip(pending, exported)]
             handles = self._mapper.map_many(items, writable)  # consumes the fds
@@ -802,7 +506,7 @@ class GMSClientMemoryManager:
         them to the old addresses for ``remap_all_vas`` to map.
         """
         with self._lock:
-            self._require(GrantedLockType.RW, "reallocate_all_handles")
+            self._link.require(GrantedLockType.RW, "reallocate_all_handles")
             chosen = sorted(
                 (mp for mp in self._res.mappings.values() if mp.tag == tag),
                 key=lambda mp: mp.layout_slot,
@@ -810,7 +514,7 @@ class GMSClientMemoryManager:
             if any(mp.mapped for mp in chosen):
                 raise GMSUsageError("unmap_all_vas() before reallocating: mappings are live")
             for mapping in chosen:
-                response, _ = self._call(m.AllocateRequest(mapping.alloc_size, tag), m.AllocateResponse)
+                response, _ = self._link.call(m.AllocateRequest(mapping.alloc_size, tag), m.AllocateResponse)
                 if response.aligned_size != mapping.size:
                     raise GMSError(
                         f"server aligned {mapping.alloc_size} bytes to {response.aligned_size}, "
@@ -838,8 +542,8 @@ class GMSClientMemoryManager:
             if self._res.mapper is not None and self._res.mappings:
                 self._res.mapper.synchronize()
             self._res.release()
-            self._granted = None
-            self._lost = None
+            self._link.granted = None
+            self._link.lost = None
             self._unmapped = False
 
     def __enter__(self) -> GMSClientMemoryManager:
@@ -849,7 +553,7 @@ class GMSClientMemoryManager:
         self.close()
 
     def __repr__(self) -> str:
-        lock = self._granted.value if self._granted else "disconnected"
+        lock = self._link.granted.value if self._link.granted else "disconnected"
         return (
             f"<GMSClientMemoryManager {self.socket_path} layout {self.layout!r} {lock}, "
             f"{len(self._res.mappings)} mappings>"

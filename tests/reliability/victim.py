@@ -76,7 +76,7 @@ def verify(mgr) -> int:
 def mgr_scan(mgr):
     from gms.wire import messages as m
 
-    response, _ = mgr._call(m.MetadataScanRequest(""), m.MetadataScanResponse)
+    response, _ = mgr._link.call(m.MetadataScanRequest(""), m.MetadataScanResponse)
     return list(response.rows())
 
 
@@ -167,7 +167,7 @@ def fill_half(mgr, ids: list[str]) -> None:
     made the host copies, half of the first is filled."""
     from gms.wire import messages as m
 
-    response, fds = mgr._call(m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse)
+    response, fds = mgr._link.call(m.ExportHostCopiesRequest(ids), m.ExportHostCopiesResponse)
     mapper = mgr._mapper
     live = {mp.allocation_id: mp.va for mp in mgr.mappings}
     info = response.allocations[0]
