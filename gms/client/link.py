@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import attrs
 
@@ -30,9 +31,10 @@ from ..errors import (
 )
 from ..fsm import GrantedLockType, RequestedLockType
 from ..wire import messages as m
+from ..wire.messages import MAX_FDS_PER_MESSAGE
 from . import tiering
 from .resources import HandleInfo, Mapping, Resources, handle_info
-from .transport import RpcTransport
+from .transport import RpcTransport, _close_all
 
 log = logging.getLogger("gms.client")
 
@@ -83,6 +85,14 @@ class ServerLink:
         manager was idle shows at once."""
         transport = self.res.transport
         return transport is not None and not transport.hung_up()
+
+    def connect(self, lock: RequestedLockType, timeout_ms: int | None, limit_bytes: int | None) -> None:
+        """A new connection, on the manager's word: what the server ended before is forgotten."""
+        self.lost = None
+        reply = None
+        if timeout_ms is not None and self.call_timeout_s is not None:
+            reply = timeout_ms / 1000 + self.call_timeout_s
+        self.open(lock, timeout_ms, reply, limit_bytes=limit_bytes)
 
     def open(
         self,
@@ -293,8 +303,22 @@ class ServerLink:
         if lock is GrantedLockType.RW and self.granted is not GrantedLockType.RW:
             raise GMSUsageError(f"{action} needs the RW lock; this manager holds {self.granted.value}")
 
+    def export_many(self, allocation_ids: Sequence[str]) -> list[tuple[HandleInfo, int]]:
+        """Many exports in few round trips (at most 253 fds each); the caller closes the fds."""
+        out: list[tuple[HandleInfo, int]] = []
+        try:
+            for start in range(0, len(allocation_ids), MAX_FDS_PER_MESSAGE):
+                batch = list(allocation_ids[start : start + MAX_FDS_PER_MESSAGE])
+                response, fds = self.call(m.ExportAllocationsRequest(batch), m.ExportAllocationsResponse)
+                if len(fds) != len(response.allocations):
+                    _close_all(fds)
+                    raise GMSError(f"expected {len(response.allocations)} fds, got {len(fds)}")
+                out.extend(zip((handle_info(a) for a in response.allocations), fds))
+        except BaseException:
+            _close_all([fd for _, fd in out])
+            raise
+        return out
+
     @property
     def mapper(self) -> Mapper:
-        if self.res.mapper is None:
-            raise GMSUsageError("no backend yet: connect() once before mapping")
-        return self.res.mapper
+        return self.res.need_mapper()

@@ -21,16 +21,14 @@ server (BuildLostError); a revoked session stays ended (LockRevokedError).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from ..cuda import Mapper, align_up, preload_mapper
+from ..cuda import Mapper, preload_mapper
 from ..errors import (
     GMSError,
-    GMSProtocolError,
     GMSServerError,
     GMSUsageError,
     StaleMemoryLayoutError,
@@ -41,7 +39,8 @@ from ..wire import messages as m
 from ..wire.messages import MAX_FDS_PER_MESSAGE
 from . import tiering
 from .link import ServerLink
-from .resources import HandleInfo, Mapping, Reservation, Resources, handle_info
+from .metadata import MetadataCalls
+from .resources import HandleInfo, Mapping, Resources, handle_info
 from .transport import _close_all
 
 log = logging.getLogger("gms.client")
@@ -57,7 +56,7 @@ def _on_link(name: str, doc: str) -> property:
                     doc=doc)
 
 
-class GMSClientMemoryManager:
+class GMSClientMemoryManager(MetadataCalls):
     """Client of one GMS server.
 
     Thread-safe: every public method holds one lock for its whole run, so a
@@ -172,12 +171,7 @@ class GMSClientMemoryManager:
                         f"this manager maps layout {self.layout!r}; use another manager for {layout!r}"
                     )
                 self.layout = layout
-            lock = RequestedLockType(lock_type)
-            self._link.lost = None
-            reply = None
-            if timeout_ms is not None and self.call_timeout_s is not None:
-                reply = timeout_ms / 1000 + self.call_timeout_s
-            self._link.open(lock, timeout_ms, reply, limit_bytes=limit_bytes)
+            self._link.connect(RequestedLockType(lock_type), timeout_ms, limit_bytes)
 
     def abort(self, discard: bool = False) -> None:
         """Close the connection (releasing the lock); mappings are kept.  Idempotent.
@@ -232,19 +226,7 @@ class GMSClientMemoryManager:
     def export_handles(self, allocation_ids: Sequence[str]) -> list[tuple[HandleInfo, int]]:
         """Many exports in few round trips (at most 253 fds each); caller closes the fds."""
         with self._lock:
-            out: list[tuple[HandleInfo, int]] = []
-            try:
-                for start in range(0, len(allocation_ids), MAX_FDS_PER_MESSAGE):
-                    batch = list(allocation_ids[start : start + MAX_FDS_PER_MESSAGE])
-                    response, fds = self._link.call(m.ExportAllocationsRequest(batch), m.ExportAllocationsResponse)
-                    if len(fds) != len(response.allocations):
-                        _close_all(fds)
-                        raise GMSError(f"expected {len(response.allocations)} fds, got {len(fds)}")
-                    out.extend(zip((handle_info(a) for a in response.allocations), fds))
-            except BaseException:
-                _close_all([fd for _, fd in out])
-                raise
-            return out
+            return self._link.export_many(allocation_ids)
 
     def get_handle_info(self, allocation_id: str) -> HandleInfo:
         with self._lock:
@@ -314,95 +296,27 @@ class GMSClientMemoryManager:
 
     def reserve_va(self, size: int) -> int:
         with self._lock:
-            size = align_up(size, self._mapper.granularity)
-            va = self._mapper.reserve(size)
-            self._res.reservations[va] = Reservation(va, size)
-            return va
+            return self._res.reserve(size)
 
     def map_va(self, fd: int, va: int, size: int, allocation_id: str, tag: str) -> object:
         """Map ``fd`` (consumed) at a reserved ``va``; returns the mapper's handle."""
         with self._lock:
-            reservation = self._res.reservations.get(va)
-            if reservation is None or reservation.members or reservation.size < size:
-                raise GMSUsageError(f"no free reservation of {size} bytes at {va:#x}")
             info = self.get_handle_info(allocation_id)
             writable = self._link.granted is GrantedLockType.RW
-            handle = self._mapper.map(fd, va, reservation.size, writable)
-            reservation.members = 1
-            self._res.mappings[va] = Mapping(
-                va, reservation.size, allocation_id, info.size, tag, info.layout_slot, va, handle, True
-            )
+            handle = self._res.map_at(fd, va, size, info, tag, writable)
             self._note_layout(writable)
             return handle
 
     def unmap_va(self, va: int) -> None:
         """Unmap and release the memory at ``va``; the reservation stays."""
         with self._lock:
-            mapping = self._mapping(va)
-            if mapping.mapped:
-                self._mapper.synchronize()
-                self._res.unmap([mapping])
+            self._res.unmap_at(va)
 
     def free_va(self, va: int) -> None:
         """Forget the mapping at ``va`` (unmapping it) and give its reservation back
         once nothing else lies in it; or free an unused reservation."""
         with self._lock:
-            mapping = self._res.mappings.get(va)
-            if mapping is not None:
-                self.unmap_va(va)
-                del self._res.mappings[va]
-                reservation = self._res.reservations[mapping.reservation]
-                reservation.members -= 1
-            else:
-                reservation = self._res.reservations.get(va)
-                if reservation is None or reservation.members:
-                    raise GMSUsageError(f"no mapping or unused reservation at {va:#x}")
-            if reservation.members == 0:
-                del self._res.reservations[reservation.va]
-                self._mapper.free(reservation.va, reservation.size)
-
-    def _mapping(self, va: int) -> Mapping:
-        try:
-            return self._res.mappings[va]
-        except KeyError:
-            raise GMSUsageError(f"no mapping at {va:#x}") from None
-
-    # -- Tier 1: metadata ----------------------------------------------------------------
-
-    def metadata_put(self, key: str, allocation_id: str, offset_bytes: int, value: bytes) -> bool:
-        with self._lock:
-            request = m.MetadataPutRequest(key, allocation_id, offset_bytes, bytes(value))
-            return self._link.call(request, m.MetadataPutResponse)[0].success
-
-    def metadata_put_many(self, entries: Iterable[tuple[str, str, int, bytes]]) -> int:
-        """Put many entries in one round trip, all or none; returns how many."""
-        with self._lock:
-            infos = [m.MetadataEntryInfo(k, a, o, bytes(v)) for k, a, o, v in entries]
-            return self._link.call(m.MetadataPutManyRequest(infos), m.MetadataPutManyResponse)[0].count
-
-    def metadata_get(self, key: str) -> tuple[str, int, bytes] | None:
-        with self._lock:
-            response, _ = self._link.call(m.MetadataGetRequest(key), m.MetadataGetResponse)
-            if not response.found:
-                return None
-            return response.allocation_id, response.offset_bytes, response.value
-
-    def metadata_list(self, prefix: str = "") -> list[str]:
-        with self._lock:
-            return self._link.call(m.MetadataListRequest(prefix), m.MetadataListResponse)[0].keys
-
-    def metadata_scan(self, prefix: str = "") -> dict[str, tuple[str, int, bytes]]:
-        """Every entry under ``prefix`` in one round trip (sorted by key)."""
-        with self._lock:
-            response, _ = self._link.call(m.MetadataScanRequest(prefix), m.MetadataScanResponse)
-            try:
-                return {key: (alloc, offset, value) for key, alloc, offset, value in response.rows()}
-            except ValueError as exc:
-                raise GMSProtocolError(str(exc)) from exc
-
-    def metadata_delete(self, key: str) -> bool:
-        with self._lock:
-            return self._link.call(m.MetadataDeleteRequest(key), m.MetadataDeleteResponse)[0].deleted
+            self._res.free_at(va)
 
     # -- Tier 2 -------------------------------------------------------------------------
 
@@ -426,22 +340,7 @@ class GMSClientMemoryManager:
             exported = self.export_handles(allocation_ids)
             if not exported:
                 return []
-            infos = [info for info, _ in exported]
-            try:
-                total = sum(info.aligned_size for info in infos)
-                base = self._mapper.reserve(total)
-                self._res.reservations[base] = Reservation(base, total, len(infos))
-                vas = list(itertools.accumulate((i.aligned_size for i in infos[:-1]), initial=base))
-                items = [(fd, va, info.aligned_size) for (info, fd), va in zip(exported, vas)]
-                exported = []  # map_many consumes every fd, whatever happens
-                handles = self._mapper.map_many(items, writable)
-            finally:
-                _close_all([fd for _, fd in exported])
-            for info, va, handle in zip(infos, vas, handles):
-                self._res.mappings[va] = Mapping(
-                    va, info.aligned_size, info.allocation_id, info.size, info.tag,
-                    info.layout_slot, base, handle, True,
-                )
+            vas = self._res.map_together(exported, writable)
             self._note_layout(writable)
             return vas
 
@@ -461,11 +360,10 @@ class GMSClientMemoryManager:
             self._unmap_all()
 
     def _unmap_all(self) -> None:
-        if self._res.mapper is None:
-            return
-        self._res.mapper.synchronize()
-        self._res.unmap(self._res.mappings.values())
-        self._unmapped = True
+        if self._res.mapper is not None:
+            self._res.mapper.synchronize()
+            self._res.unmap(self._res.mappings.values())
+            self._unmapped = True
 
     def remap_all_vas(self) -> None:
         """Map the current layout back at the preserved addresses.
@@ -491,11 +389,7 @@ class GMSClientMemoryManager:
                         f"server {current or 'none'}): re-import"
                     )
                 self._link.match_by_shape(pending, self.list_handles())
-            exported = self.export_handles([mp.allocation_id for mp in pending])
-            items = [(fd, mp.va, mp.size) for mp, (_, fd) in zip(pending, exported)]
-            handles = self._mapper.map_many(items, writable)  # consumes the fds
-            for mapping, handle in zip(pending, handles):
-                mapping.handle, mapping.mapped = handle, True
+            self._res.map_again(pending, self.export_handles([mp.allocation_id for mp in pending]), writable)
             self._unmapped = False
 
     def reallocate_all_handles(self, tag: str = "default") -> None:
