@@ -3,7 +3,8 @@
 What is sent, in what order, and what an answer waits for is the stream's
 (``gms.server.restart.keeper_stream``, sans I/O: its docstring is the
 protocol).  :class:`KeeperLink` owns the socket: it says hello and reads the
-keeper's hand-back (:meth:`KeeperLink.hello`, blocking, before serving),
+keeper's hand-back (:meth:`KeeperLink.hello`, blocking, before serving:
+``gms.server.restart.handback``),
 sends what the stream hands on as the kernel takes it (never blocking the
 loop: :meth:`KeeperLink.run`, a task of the server's), makes a base when one
 falls due, a little at a time, reads what the keeper says (``RELEASED``,
@@ -33,16 +34,15 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 
-import attrs
 import trio
 
 from ...handover import frames
-from ...handover.image import STATE_VERSION, StateImage, encode_entries
+from ...handover.image import StateImage, encode_entries
 from ...handover.journal import KeptBase
-from ...handover.words import Leaving, Mode, Say
+from ...handover.words import Leaving, Say
 from ...store import LogEntry
 from ...system.heap import give_back_free_memory
-from ...system.peer import peer_of
+from .handback import LISTENER, Handback, KeeperGone, receive_handback
 from .keeper_stream import (
     BACKLOG_BYTES,
     MIN_TAIL_BYTES,
@@ -61,7 +61,6 @@ log = logging.getLogger("gms.server.restart")
 SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 BEHIND_WARNING_S = 1.0  # a keeper that read nothing for this long is said to be behind, once
 DRAIN_S = 5.0  # at a server's end, the longest wait for its keeper to take what is queued
-LISTENER = "listener"
 PARTS = "parts"  # the feature a keeper names in its hand-back when it keeps its base in parts
 _SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # What tells of no lasting change (a session, a lock, an allocation of a build, a
@@ -79,54 +78,6 @@ __all__ = [
     "BACKLOG_BYTES", "DRAIN_S", "LISTENER", "MIN_TAIL_BYTES", "SOON_S", "TAIL_BOUND_BYTES", "Handback",
     "KeeperGone", "KeeperLink", "memory_key", "split_key",
 ]
-
-
-@attrs.frozen
-class Handback:
-    """What the keeper handed a new server.
-
-    ``mode``: ``fresh`` (an empty node, on ``listener`` if the keeper holds one,
-    else the server binds or takes over), ``resume`` (the last server died:
-    ``base`` and ``tails`` are its journal, ``fds`` its memory), ``retired``
-    (this keeper's server was taken over by another: serve nothing).
-    ``base`` is an image (bytes) or, from a keeper that keeps parts, a dict of them."""
-
-    mode: Mode
-    listener: int | None = None
-    base: bytes | dict | None = None
-    tails: tuple[bytes, ...] = ()
-    fds: dict = attrs.field(factory=dict)  # key -> fd
-    old_pid: int = 0
-    reason: str = ""
-    provisional: int | None = None  # the journal is a take-over's, not committed: the old server's pid
-    failed_resumes: int = 0  # servers that died resuming this journal before serving
-    features: frozenset = frozenset()
-    whole: bool = False  # the last server left the journal whole (a planned restart): no numbering gap
-    history: tuple = ()  # (first, last, count, blob) batches before the base: shown, not folded (gms.store.prior)
-
-
-def _mode(word) -> Mode:
-    try:
-        return Mode(word)
-    except ValueError:
-        raise KeeperGone(f"the keeper handed back in a mode this server does not know: {word!r}") from None
-
-
-def _keeper_pids(sock: socket.socket, body: dict) -> tuple[int, int]:
-    """(keeper, service) pids as the keeper named them, where the kernel bears
-    them out: the socket's peer is that keeper (or this process, which made the
-    channel for a keeper it started).  A keeper seen from another pid namespace
-    (another container) names pids that mean nothing here: (0, 0)."""
-    keeper, service = (v if type(v) is int and v > 0 else 0 for v in (body.get("keeper_pid"), body.get("service_pid")))
-    try:
-        seen = peer_of(sock).pid
-    except OSError:
-        seen = 0
-    return (keeper, service) if seen in (keeper, os.getpid()) and keeper else (0, 0)
-
-
-class KeeperGone(Exception):
-    """The keeper channel broke."""
 
 
 HISTORY_BATCH = 4096  # entries a history row holds
@@ -189,51 +140,11 @@ class KeeperLink:
     def hello(self, device: str, *, timeout: float | None = 60.0) -> Handback:
         """Say who we are (and for which device: a keeper may keep for several);
         read the keeper's hand-back (blocking: before serving, or in a thread)."""
-        sock = self.sock
-        sock.settimeout(timeout)
-        try:
-            frames.send_frame(sock, Say.HELLO, {"pid": os.getpid(), "device": device, "version": STATE_VERSION})
-            reader = frames.FrameReader()
-            head = frames.recv_frame(sock, reader)
-            if head.kind == Say.STANDBY:  # a spare: the node comes when the server before it is gone
-                log.info("pid %d standing by for the keeper's node (the server serving it is alive)", os.getpid())
-                sock.settimeout(None)
-                head = frames.recv_frame(sock, reader)
-                sock.settimeout(timeout)
-                self.stood_by = True
-            if head.kind != Say.HANDBACK:
-                head.close_fds()
-                raise KeeperGone(f"the keeper answered {head.kind!r}, not a hand-back")
-            fds: dict[str, int] = {}
-            listener = None
-            while True:
-                frame = frames.recv_frame(sock, reader)
-                if frame.kind == Say.END:
-                    break
-                if frame.kind != Say.FDS or len(frame.body.get("keys", ())) != len(frame.fds):
-                    frame.close_fds()
-                    raise KeeperGone(f"the keeper sent {frame.kind!r} inside a hand-back")
-                for key, fd in zip(frame.body["keys"], frame.fds):
-                    if key == LISTENER:
-                        listener = fd
-                    else:
-                        fds[key] = fd
-            if self.stood_by:  # a spare says it is alive and has the node (else the keeper starts another)
-                frames.send_frame(sock, Say.TAKING, {})
-        except (OSError, frames.FrameError) as exc:
-            raise KeeperGone(f"the keeper channel broke during the hand-back: {exc}") from exc
-        finally:
-            sock.settimeout(None)  # blocking: sends pass MSG_DONTWAIT, reads too
-        body = head.body
-        features = frozenset(body.get("features", ()))
-        self.stream.opened(PARTS in features, set(fds) | ({LISTENER} if listener is not None else set()))
-        self.keeper_pid, self.service_pid = _keeper_pids(sock, body)
-        return Handback(
-            mode=_mode(body.get("mode")), listener=listener, base=body.get("base"), tails=tuple(body.get("tails", ())),
-            fds=fds, old_pid=body.get("old_pid", 0), reason=body.get("reason", ""),
-            provisional=body.get("provisional"), failed_resumes=body.get("failed_resumes", 0),
-            features=features, whole=bool(body.get("whole")), history=tuple(body.get("history", ())),
-        )
+        received = receive_handback(self.sock, device, timeout)
+        self.stood_by = received.stood_by
+        self.stream.opened(PARTS in received.handback.features, received.keys)
+        self.keeper_pid, self.service_pid = received.keeper_pid, received.service_pid
+        return received.handback
 
     def attach(
         self,
