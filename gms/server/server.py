@@ -189,9 +189,9 @@ class Server:
             recovered = 0
             if core.snapshots is not None:  # a node that starts with nothing finds its snapshots again
                 if start.handed is None:
-                    recovered = await core.snapshots.recover()
+                    recovered = await core.snapshots.folder.recover()
                 else:
-                    await core.snapshots.sweep()
+                    await core.snapshots.folder.sweep()
             # Counted once the node is taken: adopted memory is counted by its tables,
             # the handed clients' sockets by their sessions' tickets (succession.spawn).
             self.admission = open_admission(self.fds, self.config, core.server_uid,

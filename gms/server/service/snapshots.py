@@ -49,18 +49,15 @@ import attrs
 import trio
 
 from ...disk import format as fmt
-from ...disk.store import SET_ASIDE_KEPT, Found
 from ...fsm import Rejection, SnapshotUnreadable, decide_restore_finished, decide_spill, plan_spills
 from ...fsm.events import (
     LayoutLost,
-    LayoutRecovered,
     RestoreAborted,
     RwAbort,
     RwCommit,
     RwConnect,
     SnapshotFailed,
     SnapshotSaved,
-    SnapshotSetAside,
 )
 from ...fsm.queries import layout_of, reverting, snapshot_rows, unsaved
 from ...fsm.state import LayoutState
@@ -69,6 +66,7 @@ from ..tiers.copier_link import CopierGone, CopierLink, SnapshotCorrupt
 from ..tiers.disk_files import DiskFiles
 from ..tiers.memory import Memory
 from .ledger import Ledger
+from .snapshot_folder import SnapshotFolder
 
 log = logging.getLogger("gms.server.service.snapshots")
 _MAX_CRC = 0xFFFFFFFF  # a manifest's size is bounded by one with every checksum at its widest
@@ -105,9 +103,7 @@ class Snapshots:
         self.link = link
         self._wake = trio.Event()
         self.waiting: dict[tuple[str, str, int], Waiting] = {}  # commits (layout, hash, count) whose save failed
-        # Snapshots in the folder the log does not name (a cold start refused them), by
-        # layout: a writer's grant on that layout supersedes them, and they go.
-        self.unlisted: dict[str, list[str]] = {}
+        self.folder = SnapshotFolder(ledger, files, may_write)  # what it holds beyond what the log names
 
     # -- what the ledger and the core tell it -----------------------------------------
 
@@ -119,11 +115,8 @@ class Snapshots:
         kind = type(event)
         if kind is RwCommit and event.persist or kind in _MAY_REVERT and _awaits_revert(self.ledger.state, event.layout):
             self._wake.set()
-        elif kind is RwConnect and event.layout in self.unlisted:
-            files = self.unlisted.pop(event.layout)
-            log.info("snapshots of %r that the log never took are superseded by its writer: %s", event.layout,
-                     ", ".join(files))
-            self.files.release(files)
+        elif kind is RwConnect:
+            self.folder.superseded(event.layout)
 
     def spill(self, needed: int) -> bool:
         """Make ``needed`` bytes of host tier room by spilling saved layouts to
@@ -172,7 +165,7 @@ class Snapshots:
         widest = attrs.evolve(manifest, extents=tuple(attrs.evolve(e, crc=_MAX_CRC) for e in extents))
         bound = manifest.data_bytes + len(await trio.to_thread.run_sync(fmt.encode, widest, manifest.data_bytes))
         started = time.perf_counter()
-        await self.fit(bound - layout.kept_bytes)  # (the snapshot kept through its rebuild goes with it)
+        await self.folder.fit(bound - layout.kept_bytes)  # (the snapshot kept through its rebuild goes with it)
         try:
             self.ledger.fold([SnapshotSaved(0, layout_hash, bound, file, layout=name)])  # the budget, the quota
             if self.link is None or not await self.link.usable():
@@ -238,24 +231,10 @@ class Snapshots:
             aside = await trio.to_thread.run_sync(self.store.set_aside, file)
             log.error("the snapshot kept for %r does not read (%s): %s, the layout stays empty", name, found.error,
                       f"set aside as {aside}" if aside else "gone")
-            self._not_served(file, f"kept through a rebuild, does not read: {found.error}", aside, layout=name)
+            self.folder.not_served(file, f"kept through a rebuild, does not read: {found.error}", aside, layout=name)
             return
-        if self._bring_back(name, found):
+        if self.folder.bring_back(name, found):
             log.info("layout %r is back from the snapshot kept through its rebuild (%s)", name, file)
-
-    def _bring_back(self, name: str, snapshot: Found) -> bool:
-        """``LAYOUT_RECOVERED`` from a snapshot that reads, if the policy and the rules
-        take it; else it is left on disk, unlisted.  Whether it came back."""
-        manifest = snapshot.manifest
-        if not self.may_write(manifest.owner, name):
-            self._left_on_disk(name, snapshot.file, f"its owner {manifest.owner!r} may not write it under this policy")
-            return False
-        try:
-            self.ledger.record([_recovered(name, snapshot)])
-        except Rejection as exc:
-            self._left_on_disk(name, snapshot.file, exc.message)
-            return False
-        return True
 
     # -- restoring ---------------------------------------------------------------------
 
@@ -323,113 +302,6 @@ class Snapshots:
         finally:  # ... until the link has sent and closed them
             if self.gpu.fds is not None:
                 self.gpu.fds.returned(len(fds))
-
-    # -- recovering --------------------------------------------------------------------
-
-    async def recover(self) -> int:
-        """At a cold start: every snapshot in the folder as a committed layout on the
-        disk tier (the latest of each layout's) that its owner may write; how many were recovered."""
-        found = await trio.to_thread.run_sync(self.store.scan)
-        await trio.to_thread.run_sync(self.store.sweep)
-        latest: dict[str, Found] = {}  # layout -> its latest snapshot
-        for snapshot in found:
-            if isinstance(snapshot.error, fmt.UnsupportedSnapshot):
-                # Whole, of a format another gms writes (a downgrade): left where it is for
-                # a gms that reads it, never renamed away (its save stamp still counts).
-                log.warning("snapshot %s left as it is, not served: %s", snapshot.file, snapshot.error)
-                self._not_served(snapshot.file, f"left as it is: {snapshot.error}")
-                continue
-            if snapshot.manifest is None:
-                aside = await trio.to_thread.run_sync(self.store.set_aside, snapshot.file)
-                log.error("snapshot %s does not read (%s): set aside as %s, not served", snapshot.file,
-                          snapshot.error, aside)
-                self._not_served(snapshot.file, f"does not read: {snapshot.error}", aside)
-                continue
-            older = latest.get(snapshot.manifest.name)
-            if older is not None:  # a crash came between a newer save and the older one's release
-                if older.manifest.saved_ns > snapshot.manifest.saved_ns:
-                    self.files.release([snapshot.file])
-                    continue
-                self.files.release([older.file])
-            latest[snapshot.manifest.name] = snapshot
-        if gone := await trio.to_thread.run_sync(self.store.trim_set_aside):
-            log.warning("disk tier: %d older set-aside snapshots removed (the newest %d are kept): %s", len(gone),
-                        SET_ASIDE_KEPT, ", ".join(gone))
-        recovered = 0
-        for name, snapshot in sorted(latest.items()):
-            recovered += self._bring_back(name, snapshot)
-        if found:
-            log.info("disk tier: %d of %d snapshots recovered as layouts on disk", recovered, len(found))
-        await self._found_loose()
-        return recovered
-
-    def _left_on_disk(self, name: str, file: str, why: str) -> None:
-        """A snapshot this start does not recover: kept for a start whose policy takes
-        it, until a writer of its layout supersedes it."""
-        self.store.leave(file)
-        log.warning("snapshot of %r left on disk, not recovered: %s (a writer of %r supersedes it; a start whose "
-                    "policy takes it recovers it)", name, why, name)
-        self.unlisted.setdefault(name, []).append(file)
-        self._not_served(file, f"layout {name!r} left on disk, not recovered: {why}", layout=name)
-
-    def _not_served(self, file: str, reason: str, aside: str = "", layout: str = "") -> None:
-        """A snapshot not served, in the history (``gms history``): its file, why, and its
-        layout where known, which then says why to its readers (LayoutState.unserved) if
-        the node has room for one more layout (at the bound, the event names none)."""
-        state = self.ledger.state
-        if layout and layout not in state.layouts and len(state.layouts) >= state.limits.max_layouts:
-            layout = ""
-        self.ledger.record([SnapshotSetAside(0, file, reason, aside, layout=layout)], by_server=True)
-
-    async def sweep(self) -> None:
-        """A resumed node: only what a crash cut short goes (the log says what exists);
-        snapshots the log does not name (a cold start refused them) are found again,
-        for a writer of their layout to supersede."""
-        await trio.to_thread.run_sync(self.store.sweep)
-        named = _held(self.ledger.state)
-        unknown = await trio.to_thread.run_sync(self.store.scan, lambda file: file not in named)
-        for snapshot in unknown:
-            if snapshot.manifest is not None:
-                self.unlisted.setdefault(snapshot.manifest.name, []).append(snapshot.file)
-        await self._found_loose()
-
-    # -- the folder's other files --------------------------------------------------------
-
-    async def _found_loose(self) -> None:
-        """At a start: the files no layout holds count against the budget; past it, they go."""
-        held = _held(self.ledger.state)
-        await trio.to_thread.run_sync(self.store.find_loose, held.__contains__)
-        await self.fit(0)
-
-    async def fit(self, needed: int) -> None:
-        """Room for ``needed`` more bytes of snapshots under the disk budget: the log's
-        snapshots and the loose files (set aside, left on disk) count together, and
-        loose ones go (set-aside first, the oldest first) while the budget is short."""
-        budget, tried = self.ledger.state.disk_budget_bytes, set()
-        while budget is not None and self.ledger.state.disk_bytes + (loose := self.store.loose_bytes) + needed > budget:
-            if (file := self.store.first_to_go(tried)) is None:
-                return  # (the fold's bounds refuse what still does not fit)
-            tried.add(file)  # (one that will not go is tried once)
-            log.warning("disk tier: %s removed (no layout holds it) to keep the folder under its budget of %d bytes "
-                        "(%d in snapshots, %d loose, %d asked)", file, budget, self.ledger.state.disk_bytes, loose,
-                        max(needed, 0))
-            await trio.to_thread.run_sync(self.store.remove, file)
-            for files in self.unlisted.values():
-                if file in files:
-                    files.remove(file)
-
-
-def _held(state) -> set[str]:
-    """The files the log's layouts hold: their snapshots and those kept through a rebuild."""
-    return {file for layout in state.layouts.values() for file in (layout.disk_file, layout.kept_file) if file}
-
-
-def _recovered(name: str, snapshot: Found) -> LayoutRecovered:
-    manifest = snapshot.manifest
-    return LayoutRecovered(0, manifest.owner, manifest.layout_hash, [list(a) for a in manifest.allocations],
-                           [list(m) for m in manifest.metadata], snapshot.size, snapshot.file, manifest.residency,
-                           layout=name)
-
 
 def _awaits_revert(state, name: str) -> bool:
     layout = state.layouts.get(name) if name else None
