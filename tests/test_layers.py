@@ -127,3 +127,19 @@ def test_routes_and_the_handshake_use_only_what_served_names_and_the_session_has
                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
     missing = {m for m in members if not hasattr(Session, m) and m not in assigned}
     assert not missing, f"Served names what the session lacks: {sorted(missing)}"
+
+
+def test_only_the_tiers_own_modules_name_a_particular_tier():
+    """Tiers alike (issue 64): a tier by name only where tiers are the data (the fsm's
+    state, rules, fold, releases, invariants), in the one table that registers each
+    (the assembly), in the image's wire word, and where only the server reads its
+    disk (the handshake).  A new module that asks ``tier is Tier.HOST`` belongs in
+    one of these, or asks a layout (``evicted``, ``resident``, ``recovered``)."""
+    import re
+
+    named = re.compile(r"\b(?:MemoryTier|Tier)\.(?:GPU|HOST|DISK)\b")
+    found = sorted(name for name, path in modules().items() if named.search(path.read_text()))
+    assert found == [
+        "gms.fsm.folding", "gms.fsm.invariants", "gms.fsm.releases", "gms.fsm.rules", "gms.fsm.state",
+        "gms.handover.image", "gms.server.assembly", "gms.server.service.handshake",
+    ], found
