@@ -131,7 +131,7 @@ class ChunkBookMachine(RuleBasedStateMachine):
         book.check()
         for phase in Phase:
             assert book.bytes_in(phase) == sum(self.size[c] for c in self._in(phase)), phase
-        assert sorted(book.made()) == sorted(self.phase)
+        assert sorted(book.made()) == sorted(self.phase) and book.made_count() == len(self.phase)
         assert book.copies() == (len(self.copies), sum(self.size[c] for cs in self.copies.values() for c in cs))
         assert book.in_flight == sum(self.size[c] for c, p in self.phase.items() if p is not Phase.COPY)
         for allocation, chunks in self.copies.items():

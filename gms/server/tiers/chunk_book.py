@@ -61,6 +61,7 @@ class ChunkBook:
     _pool: list[str] = attrs.field(factory=list)  # POOLED, oldest first
     _copies: dict[str, tuple[str, ...]] = attrs.field(factory=dict)  # allocation id -> its chunks, in order
     _bytes: dict[Phase, int] = attrs.field(factory=lambda: dict.fromkeys(Phase, 0))
+    _count: dict[Phase, int] = attrs.field(factory=lambda: dict.fromkeys(Phase, 0))
     _lost: set[str] = attrs.field(factory=set)  # copies a resumed server found lost: nothing to release
 
     # -- what it holds ---------------------------------------------------------------
@@ -90,6 +91,10 @@ class ChunkBook:
     def copies(self) -> tuple[int, int]:
         """(count, bytes) of host copies (the pool apart)."""
         return len(self._copies), self._bytes[Phase.COPY]
+
+    def made_count(self) -> int:
+        """How many chunks hold memory (an fd each), in O(1): the fd budget asks per request."""
+        return len(self._phase) - self._count[Phase.MAKING] - self._count[Phase.NEW]
 
     def made(self) -> list[str]:
         """Every chunk that holds memory (an fd): all but those being made."""
@@ -125,8 +130,10 @@ class ChunkBook:
             self._size[chunk] = size
         else:
             self._bytes[self._phase[chunk]] -= self._size[chunk]
+            self._count[self._phase[chunk]] -= 1
         self._phase[chunk] = phase
         self._bytes[phase] += self._size[chunk]
+        self._count[phase] += 1
 
     def _leave(self, chunk: str, *allowed: Phase) -> int:
         phase = self._phase.get(chunk)
@@ -135,6 +142,7 @@ class ChunkBook:
         del self._phase[chunk]
         size = self._size.pop(chunk)
         self._bytes[phase] -= size
+        self._count[phase] -= 1
         return size
 
     def _expect(self, chunk: str, phase: Phase) -> None:
@@ -232,7 +240,8 @@ class ChunkBook:
         sums = dict.fromkeys(Phase, 0)
         for chunk, phase in self._phase.items():
             sums[phase] += self._size[chunk]
-        if sums != self._bytes or set(self._size) != set(self._phase):
+        counts = {phase: sum(1 for p in self._phase.values() if p is phase) for phase in Phase}
+        if sums != self._bytes or counts != self._count or set(self._size) != set(self._phase):
             raise ChunkError(f"the book's counts {self._bytes} are not its chunks' {sums}")
         if [c for c in self._pool if self._phase.get(c) is not Phase.POOLED] or \
                 len(self._pool) != sum(1 for p in self._phase.values() if p is Phase.POOLED):

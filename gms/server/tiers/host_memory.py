@@ -123,7 +123,7 @@ class HostMemory:
 
     def fd_count(self) -> int:
         """Fds held: one per chunk made (of the copies, the pool and work in flight)."""
-        return len(self.book.made())
+        return self.book.made_count()
 
     def held_fds(self) -> list[tuple[str, int]]:
         """(name, fd) of every host copy's chunks: what the keeper keeps and a
