@@ -18,6 +18,8 @@
 #   gms_gpu: gms's own restart, take-over, disk tier and copier tests on CUDA (alone: they count memory);
 #      before vLLM's install it runs on the image's torch, with gms's wheels on PYTHONPATH;
 #   model_based: the model-based machines on CUDA;
+#   gms_rest: every other gms GPU test but the engines' and Ray's (the client, what maps, torch,
+#      tenants, trust; about 6 minutes on an H100);
 #   disk_tier_cuda: bench/disk_tier.py on CUDA (save and restore against the disk's floors);
 #   vllm_daemons: bench/vllm_daemons.py --eager: vLLM alone, `vllm preload` + ipc_cache, gms;
 #   test_vllm_disk_gpu: an engine imports weights the disk tier kept over a reboot;
@@ -39,6 +41,10 @@ run_step() {
     gms_gpu) step "$1" $PYTEST tests/test_restart_gpu.py tests/test_disk_tier_gpu.py tests/test_copier_process.py \
       tests/test_copier.py tests/test_takeover.py tests/test_restart.py ;;
     model_based) step "$1" $PYTEST tests/model_based ;;
+    gms_rest) step "$1" $PYTEST tests/test_client.py tests/test_client_ride_through.py tests/test_client_deadlines.py \
+      tests/test_residency.py tests/test_layouts.py tests/test_server_locks.py tests/test_torch_gpu.py tests/test_torch.py \
+      tests/test_server_lifecycle.py tests/test_tenants.py tests/test_server_trust.py tests/test_wakeups.py \
+      tests/test_gpu.py tests/test_seed_contract.py tests/test_supervisor.py tests/test_client_polling.py ;;
     disk_tier_cuda) step "$1" python3 bench/disk_tier.py --backend cuda --size "${DISK_SIZE:-4GiB}" --repeats 2 --dir /var/tmp ;;
     vllm_daemons) step "$1" python3 bench/vllm_daemons.py --eager --shape "${SHAPE:-llama-2b}" ${SETUPS:+--setups "$SETUPS"} ;;
     test_vllm_disk_gpu) step "$1" $PYTEST tests/test_vllm_disk_gpu.py ;;
