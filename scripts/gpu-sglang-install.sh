@@ -8,7 +8,7 @@
 #
 # The parts are made here by scripts/gpu_vllm_wheels.py (split) from the set that
 # scripts/gpu-sglang-wheels.txt names (0.5.17: sglang-partK), or --lock
-# scripts/gpu-sglang0523-wheels.txt (0.5.23 on torch 2.14.1: sglang0523-partK, 20 parts);
+# scripts/gpu-sglang0523-wheels.txt (0.5.23 on torch 2.14.1: sglang0523-partK, 22 parts with nvidia-cutlass-dsl);
 # the store is $GMS_VLLM_STORE (default below; a part of the other set starts it over).
 # Exit 0 when installed and a served Llama's modules import, 3 while parts are missing.
 set -uo pipefail
