@@ -107,21 +107,26 @@ async def assemble(config: ServerConfig, node: Node, log: EventLog | None = None
     if config.copier and (node.host_backend is not None or files is not None):
         level = logging.getLevelName(logger.getEffectiveLevel()).lower()
         copier = CopierLink(node.gpu.backend.name, config.device, log_level=level)
-    host = None
-    if node.host_backend is not None:
-        auto = config.host_pool_bytes is None
-        host = HostMemory(
-            Memory(node.host_backend, Lane("host")), link=copier,
-            pool_bytes=config.host_pool_bytes or 0, chunk_bytes=config.host_chunk_bytes, observer=node.keeper,
-            fds=node.fds, room=node.host_room, sizing=PoolSizing(node.state) if auto else None,
-        )
-        if copier is not None:
-            copier.remap_with(host.live_chunks)  # a copier that starts maps the chunks first
+    auto = config.host_pool_bytes is None
+    host = host_table(node, copier, pool_bytes=config.host_pool_bytes or 0, chunk_bytes=config.host_chunk_bytes,
+                      sizing=PoolSizing(node.state) if auto else None)
     device = await node.gpu.device_info()  # on the lane, like every call into a backend
     settings = settings_for(config, device.total_bytes, os.getuid())
     if log is None:
         log = EventLog(retain=config.event_log_retain, max_bytes=config.event_log_bytes)
     return build_core(node, host, copier, files, log, device, settings)
+
+
+def host_table(node: Node, copier: CopierLink | None, **pool) -> HostMemory | None:
+    """The host tier's table, where the node has a host backend (``pool``: its size,
+    its chunks' size, or the sizing by the builds under way)."""
+    if node.host_backend is None:
+        return None
+    host = HostMemory(Memory(node.host_backend, Lane("host")), link=copier, observer=node.keeper, fds=node.fds,
+                      room=node.host_room, **pool)
+    if copier is not None:
+        copier.remap_with(host.live_chunks)  # a copier that starts maps the chunks first
+    return host
 
 
 def build_core(node: Node, host: HostMemory | None, copier: CopierLink | None, files: DiskFiles | None,
@@ -165,8 +170,7 @@ async def open_core(gpu: MemoryBackend, host: MemoryBackend | None = None, *, lo
     gpu_memory = Memory(gpu, Lane("gpu"), stock_bytes)
     node = Node(gpu_memory, host, MemorySignal(), None, None, on_event=lambda event: None,
                 state=lambda: core.state, host_room=lambda: None if core is None else host_room(core.state))
-    table = None if host is None else HostMemory(Memory(host, Lane("host")), room=node.host_room)
     device = await gpu_memory.device_info()
     settings = settings or Settings(server_uid=os.getuid())
-    core = build_core(node, table, None, None, log if log is not None else EventLog(), device, settings)
+    core = build_core(node, host_table(node, None), None, None, log if log is not None else EventLog(), device, settings)
     return core
