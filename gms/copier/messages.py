@@ -94,7 +94,8 @@ class FileCopy:
 @attrs.frozen
 class Ready:
     pid: int
-    engine: str  # what moves the bytes and checks them (its crc32's maker), for the server's log
+    engine: str  # what moves the bytes (memmove, or CUDA streams)
+    checksum: str = ""  # what checks them: the crc32's maker (gms.checksum.IMPLEMENTATION), for the server's log
 
 
 @attrs.frozen

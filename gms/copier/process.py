@@ -104,7 +104,7 @@ class Copier:
         workers.append(disk)
         for worker in [*workers, mapper, unmapper]:
             worker.start()
-        self._send(msg.Ready(os.getpid(), f"{self.engine.name}, crc32 {checksum.IMPLEMENTATION}"))
+        self._send(msg.Ready(os.getpid(), self.engine.name, checksum.IMPLEMENTATION))
         try:
             while not self._stopping.is_set():
                 got = msg.receive(self.sock)

@@ -301,7 +301,7 @@ class CopierLink:
             if isinstance(message, msg.Ready):
                 self.state, self.pid, self.engine = "running", message.pid, message.engine
                 self._settled.set()
-                log.info("copier (pid %d) ready: %s", message.pid, message.engine)
+                log.info("copier (pid %d) ready: %s, crc32 %s", message.pid, message.engine, message.checksum)
             elif isinstance(message, msg.Progress):
                 waiting = self._jobs.get(message.job)
                 if waiting is not None and waiting.progress:
