@@ -24,17 +24,17 @@ import argparse
 import ctypes
 import mmap
 import os
-import pickle
 import socket
 import struct
 import sys
 import time
 import zlib
 
+import msgpack
 from _common import add_out, cpu_name, log, print_table, versions, write_results
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gms.units import parse_bytes  # noqa: E402
+from gms.units import parse_bytes
 
 BLOCK = 1 << 20
 
@@ -60,7 +60,7 @@ def agent(name: str):
 
 
 def send(sock: socket.socket, obj) -> None:
-    body = pickle.dumps(obj)  # between two processes of this script: nothing else is on the socketpair
+    body = msgpack.packb(obj, use_bin_type=True)
     sock.sendall(struct.pack("!Q", len(body)) + body)
 
 
@@ -75,7 +75,7 @@ def recv(sock: socket.socket):
         return bytes(out)
 
     (length,) = struct.unpack("!Q", exactly(8))
-    return pickle.loads(exactly(length))
+    return msgpack.unpackb(exactly(length), raw=False)
 
 
 def holder(sock: socket.socket, size: int) -> None:
@@ -84,7 +84,7 @@ def holder(sock: socket.socket, size: int) -> None:
     me = agent("holder")
     me.register_memory([(addr, size, 0, "")], "DRAM")
     descs = me.get_xfer_descs([(addr, size, 0)], "DRAM")
-    send(sock, (me.get_agent_metadata(), me.get_serialized_descs(descs), zlib.crc32(buf)))
+    send(sock, [me.get_agent_metadata(), me.get_serialized_descs(descs), zlib.crc32(buf)])
     sock.setblocking(False)
     while True:
         me.get_new_notifs()  # (no progress thread: this is what moves a transfer on this side)
@@ -121,8 +121,8 @@ def puller(sock: socket.socket, size: int, repeats: int) -> dict:
 
 def memory_floor(size: int, repeats: int) -> list[float]:
     """One memmove of ``size`` bytes between two faulted-in buffers of this process, ``repeats`` times."""
-    src, src_addr = memfd_buffer(size, fill=True)
-    dst, dst_addr = memfd_buffer(size, fill=False)
+    _src, src_addr = memfd_buffer(size, fill=True)  # (held: the addresses are theirs)
+    _dst, dst_addr = memfd_buffer(size, fill=False)
     out = []
     for _ in range(repeats):
         started = time.perf_counter()
