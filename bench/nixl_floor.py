@@ -14,7 +14,9 @@ state DONE; the puller's pages are faulted in first, so the repeats measure the
 link, not the kernel zeroing pages; the last repeat's bytes are checked (crc32)
 against the holder's.  In the same run, the memory floor: one ``memmove`` of the
 same bytes between two buffers of one process.  ``--tls tcp`` sets
-``UCX_TLS=tcp,self`` (loopback TCP: the nearest a single host gets to two nodes).
+``UCX_TLS=tcp,self`` (loopback TCP); ``--tls netns`` (root) puts the two in two
+network namespaces joined by a veth pair, which UCX treats as two nodes: the
+nearest one host gets to a link between two machines.
 Writes ``nixl_floor_<tls>.json`` under ``--out`` and prints the table.
 """
 
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import mmap
 import os
 import socket
 import struct
+import subprocess
 import sys
 import time
 import zlib
@@ -131,28 +135,104 @@ def memory_floor(size: int, repeats: int) -> list[float]:
     return out
 
 
+NETNS = ("gms-floor-a", "gms-floor-b")
+VETH = ("gms-floor-va", "gms-floor-vb")
+ADDRS = ("10.211.0.1", "10.211.0.2")
+PORT = 47311
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def two_namespaces() -> None:
+    """Two network namespaces joined by a veth pair (UCX counts that as two nodes); root only."""
+    for ns, veth, addr in zip(NETNS, VETH, ADDRS):
+        sh("ip", "netns", "add", ns)
+    sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+    for ns, veth, addr in zip(NETNS, VETH, ADDRS):
+        sh("ip", "link", "set", veth, "netns", ns)
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+        sh("ip", "-n", ns, "link", "set", veth, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+
+def no_namespaces() -> None:
+    for ns in NETNS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)  # (gone already: fine)
+
+
+def across_namespaces(args) -> dict:
+    """The holder in one namespace, the puller in the other (``ip netns exec`` gives each the
+    sysfs of its own namespace, where UCX finds its veth), metadata over TCP between them."""
+    no_namespaces()
+    two_namespaces()
+    try:
+        me = [sys.executable, os.path.abspath(__file__), "--size", str(args.size), "--repeats", str(args.repeats)]
+        env = {**os.environ, "UCX_TLS": "tcp,self"}
+        holder_proc = subprocess.Popen(["ip", "netns", "exec", NETNS[0], *me, "--role", "holder"],
+                                       env={**env, "UCX_NET_DEVICES": VETH[0]})
+        try:
+            out = subprocess.run(["ip", "netns", "exec", NETNS[1], *me, "--role", "puller"],
+                                 env={**env, "UCX_NET_DEVICES": VETH[1]}, capture_output=True, text=True, timeout=600,
+                                 check=False)
+            if out.returncode:
+                raise RuntimeError(f"the puller failed: {out.stderr[-2000:]}")
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            holder_proc.wait(timeout=60)
+    finally:
+        no_namespaces()
+
+
+def role(args) -> int:
+    """One side of a run across namespaces."""
+    if args.role == "holder":
+        with socket.create_server((ADDRS[0], PORT)) as server:
+            conn, _ = server.accept()
+            with conn:
+                holder(conn, args.size)
+        return 0
+    for _ in range(200):  # the holder's namespace may not listen yet
+        try:
+            conn = socket.create_connection((ADDRS[0], PORT), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.05)
+    with conn:
+        print(json.dumps(puller(conn, args.size, args.repeats)))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_out(p)
     p.add_argument("--size", default="256MiB", type=parse_bytes)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--tls", choices=("auto", "tcp"), default="auto", help="UCX's transports (tcp: loopback TCP)")
+    p.add_argument("--tls", choices=("auto", "tcp", "netns"), default="auto",
+                   help="UCX's transports: auto, tcp (loopback TCP), netns (TCP over a veth between two namespaces)")
+    p.add_argument("--role", choices=("holder", "puller"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.role:
+        return role(args)
     if args.tls == "tcp":
         os.environ["UCX_TLS"] = "tcp,self"
-    ours, theirs = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        ours.close()
+    if args.tls == "netns":
+        pulled = across_namespaces(args)
+    else:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            try:
+                holder(theirs, args.size)
+            finally:
+                os._exit(0)
+        theirs.close()
         try:
-            holder(theirs, args.size)
+            pulled = puller(ours, args.size, args.repeats)
         finally:
-            os._exit(0)
-    theirs.close()
-    try:
-        pulled = puller(ours, args.size, args.repeats)
-    finally:
-        os.waitpid(pid, 0)
+            os.waitpid(pid, 0)
     floor = memory_floor(args.size, args.repeats)
     gb = args.size / 1e9
     results = {
