@@ -131,8 +131,8 @@ def test_routes_and_the_handshake_use_only_what_served_names_and_the_session_has
 
 def test_only_the_tiers_own_modules_name_a_particular_tier():
     """Tiers alike (issue 64): a tier by name only where tiers are the data (the fsm's
-    state, rules, fold, releases, invariants), in the one table that registers each
-    (the assembly), in the image's wire word, and where only the server reads its
+    state, rules, fold, releases, invariants, and its accounts by tier), in the one
+    table that registers each store (the assembly), in the image's wire word, and where only the server reads its
     disk (the handshake).  A new module that asks ``tier is Tier.HOST`` belongs in
     one of these, or asks a layout (``evicted``, ``resident``, ``recovered``)."""
     import re
@@ -141,5 +141,5 @@ def test_only_the_tiers_own_modules_name_a_particular_tier():
     found = sorted(name for name, path in modules().items() if named.search(path.read_text()))
     assert found == [
         "gms.fsm.folding", "gms.fsm.invariants", "gms.fsm.releases", "gms.fsm.rules", "gms.fsm.state",
-        "gms.handover.image", "gms.server.assembly", "gms.server.service.handshake",
+        "gms.fsm.tier_accounts", "gms.handover.image", "gms.server.assembly", "gms.server.service.handshake",
     ], found

@@ -16,6 +16,7 @@ from .errors import InvariantViolation
 from .folding import entry_bytes
 from .layout_hash import compute_layout_hash
 from .state import LayoutState, NodeState, Residency, Tier, charged_metadata
+from .tier_accounts import ACCOUNTS
 
 
 def check_invariants(node: NodeState) -> None:
@@ -129,7 +130,8 @@ def _node_problems(node: NodeState):
     used: Counter[str] = Counter()
     metadata_used: Counter[str] = Counter()
     refs: dict[str, Counter[str]] = {name: Counter() for name in node.tenants}
-    gpu = host = metadata = disk = 0
+    metadata = 0
+    totals = dict.fromkeys((account.total for account in ACCOUNTS), 0)
     disk_used: Counter[str] = Counter()
     for name, layout in node.layouts.items():
         if layout.name != name:
@@ -145,9 +147,8 @@ def _node_problems(node: NodeState):
             refs.setdefault(layout.owner, Counter())[name] += 1
         elif layout.metadata_bytes:
             yield f"layout {name!r} holds metadata but has no owner"
-        gpu += layout.gpu_bytes
-        host += layout.host_bytes
-        disk += layout.disk_held
+        for account in ACCOUNTS:
+            totals[account.total] += account.held(layout)
         if layout.owner is not None:
             disk_used[layout.owner] += layout.disk_bytes
         if layout.kept_owner is not None:
@@ -171,16 +172,12 @@ def _node_problems(node: NodeState):
             refs.setdefault(session.tenant, Counter())[session.layout] += 1
     if metadata != node.metadata_bytes:
         yield f"metadata_bytes {node.metadata_bytes} != {metadata} in the layouts"
-    if gpu != node.gpu_bytes:
-        yield f"gpu_bytes {node.gpu_bytes} != {gpu} on the GPU"
-    if host != node.host_bytes:
-        yield f"host_bytes {node.host_bytes} != {host} in host copies"
-    if disk != node.disk_bytes:
-        yield f"disk_bytes {node.disk_bytes} != {disk} in snapshots"
-    if node.budget_bytes is not None and node.gpu_bytes > node.budget_bytes:
-        yield f"{node.gpu_bytes} bytes on the GPU exceed the budget of {node.budget_bytes}"
-    if node.host_budget_bytes is not None and node.host_bytes > node.host_budget_bytes:
-        yield f"{node.host_bytes} bytes in the host tier exceed its budget"
+    for account in ACCOUNTS:  # every tier alike
+        kept, held, budget = getattr(node, account.total), totals[account.total], getattr(node, account.budget)
+        if kept != held:
+            yield f"{account.total} {kept} != {held}, {account.what} in the layouts"
+        if account.strict and budget is not None and kept > budget:
+            yield f"{account.what}, {kept}, exceed the budget of {budget}"
     sessions: Counter[str] = Counter(s.tenant for s in node.sessions.values())
     for name, tenant in node.tenants.items():
         if tenant.used_bytes != used[name]:

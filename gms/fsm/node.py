@@ -49,6 +49,7 @@ from .state import (
     TenantState,
     charged_metadata,
 )
+from .tier_accounts import ACCOUNTS, TierAccount
 
 __all__ = ["DEFAULT_TENANT", "EMPTY_NODE", "NodeState", "SessionInfo", "TenantState", "fold", "fold_all"]
 
@@ -116,41 +117,34 @@ def _settle(
             tenants = _charge(tenants, before.kept_owner, 0, 0, 0, after.name, event, -before.kept_bytes)
         if after.kept_owner is not None:
             tenants = _charge(tenants, after.kept_owner, 0, 0, 0, after.name, event, after.kept_bytes)
-        disk += kept
     if len(layouts) > len(node.layouts) and len(layouts) > node.limits.max_layouts:
         raise InvariantViolation(f"{event.KIND} would hold more than {node.limits.max_layouts} layouts")
-    if after.tier is before.tier:  # (most steps: the GPU's share moves with the held bytes)
-        gpu_bytes = node.gpu_bytes + (0 if after.evicted else held)
-    else:
-        gpu_bytes = node.gpu_bytes - before.gpu_bytes + after.gpu_bytes
-    host_bytes = node.host_bytes - before.host_bytes + after.host_bytes
+    grown = []  # the tiers whose total grew: their budgets are held below
+    for account in ACCOUNTS:  # every tier alike: its total moves by the layout's bytes there
+        moved = account.held(after) - account.held(before)
+        if moved:
+            state[account.total] = total = state[account.total] + moved
+            if moved > 0:
+                grown.append((account, total))
     metadata_bytes = node.metadata_bytes + metadata
-    disk_bytes = node.disk_bytes + disk
-    if held > 0 or metadata > 0 or disk > 0 or gpu_bytes > node.gpu_bytes or host_bytes > node.host_bytes or was != now:
-        _hold_bounds(node, after, now, event, tenants, gpu_bytes, host_bytes, metadata_bytes, disk_bytes)
+    if held > 0 or metadata > 0 or grown or was != now:
+        _hold_bounds(node, after, now, event, tenants, grown, metadata_bytes)
     state["tenants"] = tenants
-    state["gpu_bytes"] = gpu_bytes
-    state["host_bytes"] = host_bytes
     state["metadata_bytes"] = metadata_bytes
-    state["disk_bytes"] = disk_bytes
     return rebuilt(node, state)
 
 
 def _hold_bounds(
-    node: NodeState, after: LayoutState, owner: str | None, event: Event, tenants: Map, gpu: int, host: int,
-    metadata: int, disk: int,
+    node: NodeState, after: LayoutState, owner: str | None, event: Event, tenants: Map,
+    grown: list[tuple[TierAccount, int]], metadata: int,
 ) -> None:
     """Only for steps that grew something: every bound the growth could break
     (each asked only where its total grew and a bound is set: most steps grow
     one or two, and most bounds are off)."""
-    if gpu > node.gpu_bytes and node.budget_bytes is not None:
-        hold(event, node.gpu_bytes, gpu, node.budget_bytes, "the GPU's bytes")
-    if host > node.host_bytes and node.host_budget_bytes is not None:
-        hold(event, node.host_bytes, host, node.host_budget_bytes, "the host tier's bytes")
+    for account, total in grown:
+        hold(event, getattr(node, account.total), total, getattr(node, account.budget), account.what)
     if metadata > node.metadata_bytes:
         hold(event, node.metadata_bytes, metadata, node.limits.max_metadata_bytes, "the node's metadata bytes")
-    if disk > node.disk_bytes:
-        hold(event, node.disk_bytes, disk, node.disk_budget_bytes, "the disk tier's bytes")
     if owner is not None:
         old, new = node.tenants[owner], tenants[owner]
         if new is not old:
