@@ -147,7 +147,7 @@ def sh(*argv: str) -> None:
 
 def two_namespaces() -> None:
     """Two network namespaces joined by a veth pair (UCX counts that as two nodes); root only."""
-    for ns, veth, addr in zip(NETNS, VETH, ADDRS):
+    for ns in NETNS:
         sh("ip", "netns", "add", ns)
     sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
     for ns, veth, addr in zip(NETNS, VETH, ADDRS):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from ..cuda import Mapper, open_mapper
+from ..cuda import open_mapper
 from ..errors import (
     BuildLostError,
     GMSConnectionError,
@@ -318,7 +318,3 @@ class ServerLink:
             _close_all([fd for _, fd in out])
             raise
         return out
-
-    @property
-    def mapper(self) -> Mapper:
-        return self.res.need_mapper()

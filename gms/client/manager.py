@@ -132,7 +132,7 @@ class GMSClientMemoryManager(MetadataCalls):
 
     @property
     def _mapper(self) -> Mapper:
-        return self._link.mapper
+        return self._res.need_mapper()
 
     # -- Tier 1: connection -----------------------------------------------------------
 

@@ -11,11 +11,14 @@ from collections.abc import Iterable
 
 from ...disk.store import DiskStore
 from .lanes import Lane
-from .table import Kept
+from .table import HoldsNoFds
 
 
-class DiskFiles:
+class DiskFiles(HoldsNoFds):
     name = "disk"
+    # No fd is a snapshot: a new server finds the files in the folder (gms.server.service.warm_start),
+    # and one that is gone is found gone by its reader (the restore's check).
+    unadoptable = "a snapshot is a file in the folder, not an fd"
 
     def __init__(self, store: DiskStore) -> None:
         self.store = store
@@ -24,21 +27,6 @@ class DiskFiles:
     def release(self, files: Iterable[str]) -> None:
         for file in files:
             self.lane.post(self.store.remove, file)
-
-    async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
-        """No fd is a snapshot: a new server finds the files in the folder (gms.server.service.warm_start)."""
-        for one in kept:
-            one.close()
-        return [(one.allocation_id, "a snapshot is a file in the folder, not an fd") for one in kept]
-
-    def mark_lost(self, files: Iterable[str]) -> None:
-        """A file that is gone is found gone by its reader (the restore's check)."""
-
-    def held_fds(self) -> list[tuple[str, int]]:
-        return []
-
-    def fd_count(self) -> int:
-        return 0
 
     async def watch(self) -> None:
         await self.lane.watch()

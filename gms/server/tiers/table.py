@@ -61,29 +61,37 @@ class TierStore(Protocol):
     async def close(self) -> None: ...
 
 
-class Absent:
-    """A tier this node has none of: nothing held, nothing released; what another
-    server hands it is lost ("no host tier here") and its fds closed."""
+class HoldsNoFds:
+    """The part of a tier that holds nothing by fd (the disk's files, an absent tier):
+    what another server hands it is lost for ``unadoptable`` and its fds closed."""
 
-    def __init__(self, tier: MemoryTier) -> None:
-        self.name = tier.value
-
-    def release(self, ids: Iterable[str]) -> None:
-        """Nothing is held here (a disk tier's files stay for a server that keeps one)."""
+    unadoptable = "it holds nothing by fd"
 
     async def adopt(self, kept: list[Kept]) -> list[tuple[str, str]]:
         for one in kept:
             one.close()
-        return [(one.allocation_id, f"no {self.name} tier here") for one in kept]
+        return [(one.allocation_id, self.unadoptable) for one in kept]
 
     def mark_lost(self, ids: Iterable[str]) -> None:
-        """Nothing to forget."""
+        """Nothing held by fd: nothing to forget."""
 
     def held_fds(self) -> list[tuple[str, int]]:
         return []
 
     def fd_count(self) -> int:
         return 0
+
+
+class Absent(HoldsNoFds):
+    """A tier this node has none of: nothing held, nothing released; what another
+    server hands it is lost ("no host tier here") and its fds closed."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self.name = tier.value
+        self.unadoptable = f"no {self.name} tier here"
+
+    def release(self, ids: Iterable[str]) -> None:
+        """Nothing is held here (a disk tier's files stay for a server that keeps one)."""
 
     async def watch(self) -> None:
         """No lane: nothing can fail."""
