@@ -25,6 +25,7 @@ The first request's deadline and its size cap live in the session
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -32,7 +33,7 @@ import resource
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import trio
@@ -150,6 +151,21 @@ class FdBudget:
 
     def returned(self, count: int) -> None:
         self.lent -= count
+
+
+@contextlib.contextmanager
+def lending(budget: FdBudget | None, count: int) -> Iterator[None]:
+    """Fds an export dups for a reply, lent from the budget (the session gives them
+    back once sent); given back at once if the export fails."""
+    if budget is None:
+        yield
+        return
+    budget.lend(count)
+    try:
+        yield
+    except BaseException:
+        budget.returned(count)
+        raise
 
 
 @attrs.frozen

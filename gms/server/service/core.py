@@ -118,7 +118,7 @@ class ServiceCore:
         host = self.host
         tasks = [self.copier.run] if self.copier is not None else []
         tasks += [self.snapshots.run] if self.snapshots is not None else []
-        return tasks + ([host.keep_pool] if host is not None and host.keeps_pool else [])
+        return tasks + ([host.pool.keep] if host is not None and host.pool.kept else [])
 
     async def aclose(self) -> None:
         """Release every allocation and host copy (on their lanes), then stop the lanes

@@ -34,6 +34,7 @@ from ...operator.status import layout_rows, tenant_rows
 from ...store import LogEntry
 from ...system.peer import Peer
 from ...wire import messages as m
+from ..tiers.host_memory import HostMemory
 from ..tiers.memory import Memory
 from .ledger import Ledger
 
@@ -104,7 +105,7 @@ class Probes:
         self,
         ledger: Ledger,
         gpu: Memory,
-        host: Memory | None,
+        host: HostMemory | None,
         policy: Policy,
         server_uid: int,
         *,
@@ -145,8 +146,9 @@ class Probes:
         log = self.ledger.log
         queues = self.ledger.queues
         handles, handle_bytes = self.gpu.live()
-        host_handles, host_handle_bytes = self.host.live() if self.host else (0, 0)
-        link = getattr(self.host, "link", None)
+        host = self.host
+        host_handles, host_handle_bytes = host.live() if host is not None else (0, 0)
+        link = host.link if host is not None else None
         copier, copier_pid = link.status() if link is not None else ("off", 0)
         rows = [row for row in layout_rows(state, queues.counts, self._seconds_since) if view.layout(row.name)]
         writers, others = queues.counts()
@@ -194,7 +196,7 @@ class Probes:
             memory_layout_hash=seed.memory_layout_hash,
             copier=copier,
             copier_pid=copier_pid,
-            host_pool_bytes=getattr(self.host, "pool_bytes", 0),
+            host_pool_bytes=host.pool.bytes if host is not None else 0,
             **keeper_status(self.keeper),
         )
 

@@ -142,7 +142,7 @@ class Transfers:
         and how many came from the pool.  Pool chunks are copied into at once; the
         rest is made on the lane meanwhile and copied as it comes.  Raises
         HostCopyMissing if the copier could not."""
-        with self.host.copying():  # the pool neither pins nor gives back while a publish takes from it
+        with self.host.pool.paused():  # the pool neither pins nor gives back while a publish takes from it
             return await self._fill_chunks(missing)
 
     async def _fill_chunks(self, missing: list[Allocation]) -> tuple[dict[str, list[str]], int]:
@@ -154,7 +154,7 @@ class Transfers:
             parts += [(index, offset, C) for offset in range(0, total - total % C, C)]
             if total % C:
                 parts.append((index, total - total % C, total % C))
-        pooled = self.host.take_pool(sum(1 for _, _, size in parts if size == C))
+        pooled = self.host.pool.take(sum(1 for _, _, size in parts if size == C))
         chunk_of: dict[int, str] = {}
         owned: list[str] = list(pooled)
         now = [k for k, (_, _, size) in enumerate(parts) if size == C][: len(pooled)]
@@ -240,7 +240,7 @@ class Transfers:
     async def _copy(self, to_host: bool, allocations: list[Allocation], moves: list[tuple[int, int, str, int]]) -> None:
         """``moves`` (allocation index, offset, chunk, size) in as few copies as the link
         allows (253 allocations, MAX_MOVES moves each), one after another."""
-        with self.host.copying():
+        with self.host.pool.paused():
             await self._copy_all(to_host, allocations, moves)
 
     async def _copy_all(self, to_host: bool, allocations: list[Allocation], moves) -> None:

@@ -53,6 +53,15 @@ def parse_chunk_name(name: str) -> tuple[str, int | None, int | None]:
     return allocation_id, int(offset), int(size)
 
 
+def copy_parts(parts, total: int) -> list[tuple[int, int, int]] | None:
+    """A kept host copy's (offset, size, fd) parts in order (offset None: the
+    whole copy), or None where they do not make up its ``total`` bytes."""
+    ordered = sorted((0, total, fd) if offset is None else (offset, size, fd) for offset, size, fd in parts)
+    ends = [offset + size for offset, size, _ in ordered]
+    offsets = [offset for offset, _, _ in ordered]
+    return ordered if offsets[:1] == [0] and offsets[1:] == ends[:-1] and ends[-1] == total else None
+
+
 @attrs.define
 class ChunkBook:
     chunk_bytes: int

@@ -28,7 +28,7 @@ from ...cuda import (
     align_up,
 )
 from ...fsm.errors import Rejection
-from ..edge.admission import FdBudget, FdsExhausted
+from ..edge.admission import FdBudget, FdsExhausted, lending
 from .lanes import Lane
 from .table import Kept
 
@@ -273,31 +273,20 @@ class Memory:
 
     def export_lent(self, allocation_id: str) -> int:
         """One fd lent to a reply, as :meth:`export_many` lends them."""
-        budget = self.fds
-        if budget is None:
+        with lending(self.fds, 1):
             return self.export(allocation_id)
-        budget.lend(1)
-        try:
-            return self.export(allocation_id)
-        except BaseException:
-            budget.returned(1)
-            raise
 
     def export_many(self, allocation_ids: Iterable[str]) -> list[int]:
         """Fds lent to a reply: the session gives them back to the budget once sent."""
         allocation_ids = list(allocation_ids)
-        budget = self.fds
-        if budget is not None:
-            budget.lend(len(allocation_ids))
         fds: list[int] = []
-        try:
-            fds.extend(map(self.export, allocation_ids))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            if budget is not None:
-                budget.returned(len(allocation_ids))
-            raise
+        with lending(self.fds, len(allocation_ids)):
+            try:
+                fds.extend(map(self.export, allocation_ids))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
         return fds
 
     def release(self, allocation_ids: list[str]) -> None:
