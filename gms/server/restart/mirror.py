@@ -25,13 +25,9 @@ has another (``gms.server.restart.succession``).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
-import select
 import socket
-import time
 from collections.abc import Callable, Iterable
 
 import trio
@@ -43,6 +39,7 @@ from ...handover.words import Leaving, Say
 from ...store import LogEntry
 from ...system.heap import give_back_free_memory
 from .handback import LISTENER, Handback, KeeperGone, receive_handback
+from .keeper_pump import KeeperPump
 from .keeper_stream import (
     BACKLOG_BYTES,
     MIN_TAIL_BYTES,
@@ -58,11 +55,8 @@ from .keeper_stream import (
 # whose repeated lines are rate-limited (gms.server.edge.ratelimit).
 log = logging.getLogger("gms.server.restart")
 
-SEND_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it (net.core.wmem_max)
-BEHIND_WARNING_S = 1.0  # a keeper that read nothing for this long is said to be behind, once
 DRAIN_S = 5.0  # at a server's end, the longest wait for its keeper to take what is queued
 PARTS = "parts"  # the feature a keeper names in its hand-back when it keeps its base in parts
-_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 # What tells of no lasting change (a session, a lock, an allocation of a build, a
 # metadata put) is handed on this much later, with whatever follows it: the answer
 # goes out first, and one system call (one wake-up of the keeper) carries many
@@ -94,7 +88,6 @@ class KeeperLink:
     """The channel to the keeper (its socket replaced when a keeper is found again)."""
 
     def __init__(self, sock: socket.socket | None = None) -> None:
-        self.sock: socket.socket | None = None
         self.stream = stream = KeeperStream()
         # What the ledger and the memory tables ask on every request: the stream's own
         # methods, not a call through this shell each (gms.server.service.durability).
@@ -103,22 +96,19 @@ class KeeperLink:
         self.keeper_pid = self.service_pid = 0  # as the keeper named them at its hand-back
         self.stood_by = False  # this server was a spare: the node came long after it started
         self._on_released: Callable[[], None] = lambda: None
-        self.behind_since: float | None = None  # monotonic: when the out queue last became non-empty
-        self._warned = False
-        self._fd_pressure = False  # too many fds in flight for this user: try again a moment later
-        self._progress: trio.Event | None = None
-        self._work: trio.Event | None = None
+        self.pump = KeeperPump(stream, lost=self._gone)
+        self._send_now, self._wake = self.pump.send_now, self.pump.wake
         if sock is not None:
             self.use(sock)
 
     def use(self, sock: socket.socket) -> None:
         """Talk to the keeper on ``sock`` from now on (nothing is attached yet)."""
-        try:  # room for frames the keeper has not read yet (it reads in batches)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        except OSError:
-            pass
-        self.sock = sock
+        self.pump.use(sock)
         self.stream.opened()
+
+    @property
+    def sock(self) -> socket.socket | None:
+        return self.pump.sock
 
     @property
     def alive(self) -> bool:
@@ -133,7 +123,7 @@ class KeeperLink:
         return self.stream.backlog_bytes()
 
     def behind_s(self) -> float:
-        return 0.0 if self.behind_since is None else time.monotonic() - self.behind_since
+        return self.pump.behind_s()
 
     # -- the start ---------------------------------------------------------------
 
@@ -241,52 +231,9 @@ class KeeperLink:
         stream = self.stream
         target = stream.target(None if layouts is None else tuple(layouts))
         while stream.open and (stream.sent < target or stream.pressed(conn, since)):
-            if self._progress is None:
-                self._progress = trio.Event()
-            await self._progress.wait()
+            await self.pump.progress()
 
-    # -- the socket ------------------------------------------------------------------------
-
-    def _send_now(self) -> None:
-        """Send what the kernel takes now, never waiting."""
-        stream, sock = self.stream, self.sock
-        if stream.out and self.behind_since is None:
-            self.behind_since = time.monotonic()
-        moved = False
-        while (segment := stream.next_segment()) is not None:
-            try:
-                n = sock.sendmsg([segment.data], frames.ancillary_for(segment.fds), _SEND_FLAGS)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.ETOOMANYREFS:
-                    # Too many fds in flight for this user (the keeper has not read
-                    # them yet): it reads within milliseconds.  Nothing was sent.
-                    self._fd_pressure = True
-                    break
-                self._gone(exc)
-                break
-            stream.took(n)
-            moved = True
-        if moved:
-            self._moved()
-        if stream.out and stream.open:
-            self._wake()
-        elif not stream.out:
-            if self._warned:
-                log.warning("the keeper caught up after %.1f s", self.behind_s())
-                self._warned = False
-            self.behind_since = None
-
-    def _moved(self) -> None:
-        if self._progress is not None:
-            self._progress.set()
-            self._progress = None
-
-    def _wake(self) -> None:
-        if self._work is not None:
-            self._work.set()
-            self._work = None
+    # -- the task ------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Send what waits as the keeper reads, and make the next base when one
@@ -319,25 +266,10 @@ class KeeperLink:
                 self.flush()
                 continue
             if not stream.out or not stream.open:
-                self._work = trio.Event()
-                await self._work.wait()
+                await self.pump.idle()
                 continue
-            if self._fd_pressure:
-                self._fd_pressure = False
-                await trio.sleep(0.001)
-            else:
-                with trio.move_on_after(BEHIND_WARNING_S) as waited:
-                    try:
-                        await trio.lowlevel.wait_writable(self.sock)
-                    except trio.ClosedResourceError:  # the keeper went away meanwhile (_gone)
-                        continue
-                if waited.cancelled_caught and not self._warned:
-                    self._warned = True
-                    log.warning(
-                        "the keeper has read nothing for %.1f s (%d bytes wait): answers to requests that "
-                        "changed state wait for it", self.behind_s(), self.backlog_bytes(),
-                    )
-            self._send_now()
+            if await self.pump.writable():
+                self._send_now()
 
     async def _rebase(self) -> None:
         """The stream's next base, made between other work."""
@@ -346,7 +278,7 @@ class KeeperLink:
                 self._send_now()
             await trio.sleep(0)
         self._send_now()
-        self._moved()  # a client held back by a long tail may go on
+        self.pump.moved()  # a client held back by a long tail may go on
         if self.stream.since_trim >= TRIM_AFTER_BYTES:  # (a trim stalls the loop ~0.1 ms per MiB it returns)
             self.stream.since_trim = 0
             give_back_free_memory()  # what the events and parts since the last trim left behind (gms.system.heap)
@@ -355,17 +287,7 @@ class KeeperLink:
         """Blocking (at the end, outside Trio): send everything queued within
         ``timeout``; False if the keeper did not take it all."""
         self.flush()
-        deadline = time.monotonic() + timeout
-        poller = select.poll()
-        if self.sock is not None and self.alive:
-            poller.register(self.sock.fileno(), select.POLLOUT)
-        while self.stream.out and self.alive:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            poller.poll(min(left, 0.05) * 1000)
-            self._send_now()
-        return not self.stream.out
+        return self.pump.drain(timeout)
 
     # -- the keeper's side of the channel ---------------------------------------------
 
@@ -377,36 +299,13 @@ class KeeperLink:
         socket stays blocking (a Trio socket made on a dup of it would set
         ``O_NONBLOCK`` on the shared file, and the hello of a later keeper
         is blocking)."""
-        reader = frames.FrameReader()
         sock = self.sock
         try:
-            while True:
-                frame = reader.next_frame()
-                if frame is not None:
-                    frame.close_fds()
-                    if frame.kind == Say.STOP:
-                        return Say.STOP
-                    if frame.kind == Say.RELEASED:
-                        self._on_released()
-                    continue
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    data, ancillary, flags, _ = sock.recvmsg(
-                        frames.RECV_BYTES, frames.ANCILLARY_BYTES, socket.MSG_DONTWAIT
-                    )
-                except BlockingIOError:
-                    continue
-                fds = frames.received_fds(ancillary)
-                frames.check_flags(flags, fds)
-                if not data and not fds:
-                    raise frames.ChannelClosed("the keeper closed the channel")
-                reader.feed(data, fds)
+            return await read_says(sock, lambda: self._on_released())
         except (OSError, frames.FrameError, trio.ClosedResourceError) as exc:
             if self.sock is sock:  # (ClosedResourceError: _gone closed it already)
                 self._gone(exc)
             return None
-        finally:
-            reader.close()
 
     def close(self) -> None:
         self._gone(None)
@@ -417,14 +316,32 @@ class KeeperLink:
             log.error("the keeper went away (%s): a crash now loses the node until there is another", why)
             self.lost += 1
         self.stream.gone()
-        self.behind_since, self._warned = None, False
-        if self.sock is not None:
-            # Tasks parked on the socket (watch, _send) are told before its fd number is
-            # freed: else the next connection accepted under that number finds Trio still
-            # waiting on it for them (BusyResourceError, and the server stopped).
-            with contextlib.suppress(RuntimeError):  # (outside Trio, at the end: nobody waits)
-                trio.lowlevel.notify_closing(self.sock)
-            self.sock.close()
-            self.sock = None
-        self._moved()
-        self._wake()
+        self.pump.closed()
+
+
+async def read_says(sock: socket.socket, on_released: Callable[[], None]) -> Say | None:
+    """What the keeper says until ``STOP`` (returned): each ``RELEASED`` calls
+    ``on_released``.  Raises OSError, FrameError or ChannelClosed when the channel ends."""
+    reader = frames.FrameReader()
+    try:
+        while True:
+            frame = reader.next_frame()
+            if frame is not None:
+                frame.close_fds()
+                if frame.kind == Say.STOP:
+                    return Say.STOP
+                if frame.kind == Say.RELEASED:
+                    on_released()
+                continue
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                data, ancillary, flags, _ = sock.recvmsg(frames.RECV_BYTES, frames.ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            fds = frames.received_fds(ancillary)
+            frames.check_flags(flags, fds)
+            if not data and not fds:
+                raise frames.ChannelClosed("the keeper closed the channel")
+            reader.feed(data, fds)
+    finally:
+        reader.close()
