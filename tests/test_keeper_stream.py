@@ -84,13 +84,13 @@ def test_what_tells_of_no_lasting_change_waits_for_soon_and_a_lasting_change_goe
     log.extend(committed(log.state, 1, "w"))
     said = [record(stream, log, batch) for conn in (2, 3) for batch in (reader(conn, "w"), closed_reader(conn, "w"))]
     assert said == [True, None, None, None], "left for the shell's hand-on within SOON_S (told once)"
-    assert stream.next_segment() is None and stream.soon
+    assert stream.next_segment() is None and stream.frames.soon
     assert stream.behind() and not stream.behind(["w"]), "nothing lasting waits: no answer is held up"
     assert record(stream, log, writer(4, "v")) is False, "a writer's grant is lasting: handed on at once"
     assert kinds(kernel.take()) == ["SESSION_OPENED", "RO_CONNECT", "RO_DISCONNECT", "SESSION_CLOSED"] * 2 + [
         "SESSION_OPENED", "RW_CONNECT",
     ]
-    assert not stream.behind() and not stream.soon
+    assert not stream.behind() and not stream.frames.soon
 
 
 def test_an_abort_that_discards_the_kept_snapshot_is_lasting_and_one_that_does_not_is_not():
@@ -114,7 +114,7 @@ def test_an_answer_waits_until_the_kernel_took_its_layout_s_last_lasting_change(
     kernel.take()
     record(stream, log, writer(1, "w"))
     target = stream.target(["w"])
-    assert target == stream.enqueued > stream.sent and stream.behind(["w"])
+    assert target == stream.frames.enqueued > stream.frames.sent and stream.behind(["w"])
     assert not stream.behind(["other"]) or stream.target(["other"]) == target, "the node's marks count for all"
     kernel.take(limit=5)  # part of the frame
     assert stream.behind(["w"]) and stream.state is LinkState.BEHIND
@@ -154,7 +154,7 @@ def test_a_channel_that_goes_drops_what_waits_and_closes_its_fds():
         (dup,) = stream.next_segment().fds
         stream.gone()
         assert closed == [dup] and stream.state is LinkState.GONE and stream.next_segment() is None
-        assert not stream.behind(["w"]) and stream.sent == stream.enqueued, "nothing is waited for"
+        assert not stream.behind(["w"]) and stream.frames.sent == stream.frames.enqueued, "nothing is waited for"
         stream.held("gpu", [("b0", memory)])  # gone: nothing queued
         assert stream.next_segment() is None
     finally:

@@ -54,7 +54,7 @@ class KeeperPump:
     def send_now(self) -> None:
         """Send what the kernel takes now, never waiting."""
         stream, sock = self.stream, self.sock
-        if stream.out and self.behind_since is None:
+        if stream.frames.out and self.behind_since is None:
             self.behind_since = time.monotonic()
         moved = False
         while (segment := stream.next_segment()) is not None:
@@ -74,9 +74,9 @@ class KeeperPump:
             moved = True
         if moved:
             self.moved()
-        if stream.out and stream.open:
+        if stream.frames.out and stream.open:
             self.wake()
-        elif not stream.out:
+        elif not stream.frames.out:
             if self._warned:
                 log.warning("the keeper caught up after %.1f s", self.behind_s())
                 self._warned = False
@@ -131,13 +131,13 @@ class KeeperPump:
         poller = select.poll()
         if self.sock is not None and self.stream.open:
             poller.register(self.sock.fileno(), select.POLLOUT)
-        while self.stream.out and self.stream.open:
+        while self.stream.frames.out and self.stream.open:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             poller.poll(min(left, 0.05) * 1000)
             self.send_now()
-        return not self.stream.out
+        return not self.stream.frames.out
 
     def closed(self) -> None:
         """The channel is done: the socket closed, whoever waits told."""

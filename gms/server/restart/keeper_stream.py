@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import os
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from ...fsm import is_lasting
@@ -42,6 +41,7 @@ from ...handover.image import StateImage, encode_entries, encode_image
 from ...handover.journal import KeptBase, PartWriter
 from ...handover.words import Leaving, Say
 from ...store import LogEntry
+from .frame_queue import FrameQueue
 
 MIN_TAIL_BYTES = 4 << 20  # a new base once this many bytes of events were sent since the last one
 BACKLOG_BYTES = 8 << 20  # past this, or past ...
@@ -50,7 +50,6 @@ SMALL_BYTES = 64 << 10  # ... more than this to the keeper's stream waits for th
 _COUNTED_BYTES = 16 << 10  # batches of events counted against their connection (smaller ones never wait)
 TRIM_AFTER_BYTES = 64 << 20  # the heap's free pages given back after this many bytes of frames (gms.system.heap)
 STEP_BYTES = 1 << 20  # a base's encoding lets others run after about this much
-SOON_FRAMES = 64  # past this many queued frames, a flush hands them on at once
 
 
 def memory_key(tier: str, allocation_id: str) -> str:
@@ -82,16 +81,6 @@ class LinkState(str, enum.Enum):
     GONE = "gone"  # no keeper: a crash loses the node
 
 
-class Segment:
-    """Bytes handed on, with the fds (ours: dups) that ride their first byte."""
-
-    __slots__ = ("data", "fds")
-
-    def __init__(self, data: memoryview, fds: list[int]) -> None:
-        self.data = data
-        self.fds = fds
-
-
 class KeeperStream:
     def __init__(self, close_fds: Callable[[Iterable[int]], None] | None = None) -> None:
         self._close = close_fds or _close
@@ -99,7 +88,7 @@ class KeeperStream:
         self.parts = False  # the keeper keeps its base in parts (else whole images)
         self.keeper_keys: set[str] = set()  # what the keeper holds of ours already (its hand-back)
         self.rebase_due = False  # a base is to be made, a little at a time (the shell's task)
-        self.soon = False  # frames wait for the shell's hand-on within SOON_S
+        self.frames = FrameQueue(self._close)
         self._writer = PartWriter()
         self._image: Callable[[], StateImage] | None = None
         self._held_keys: Callable[[], list[str]] = list
@@ -110,13 +99,10 @@ class KeeperStream:
         self._base_cost = 0  # bytes the last base sent
         self.since_trim = 0  # bytes of frames made since the heap's free pages were last given back
         self._tails_since = 0  # events frames queued since the base being made was taken
-        # Frames not handed on yet: (bytes, their fds, the layouts they change lastingly).
-        self._queued: list[tuple[bytes, list[int], frozenset[str]]] = []
-        # Layout ("": the node) -> where in the stream its last lasting change ends.
-        self._marks: dict[str, int] = {}
-        self.out: deque[Segment] = deque()  # frames handed on, not yet taken by the kernel
-        self.enqueued = 0  # bytes handed on since the start
-        self.sent = 0  # of which the kernel took
+        # Where the frames are (queued, handed on, taken): the stream's positions.
+        q = self.frames
+        self.flush, self.next_segment, self.took, self.target = q.flush, q.next_segment, q.took, q.target
+        self.position, self.backlog_bytes = q.position, q.backlog_bytes
 
     # -- the channel's life ------------------------------------------------------------
 
@@ -134,7 +120,7 @@ class KeeperStream:
             return LinkState.GONE
         if self.phase is not Phase.BASED:
             return LinkState.STARTING
-        return LinkState.BEHIND if self.out else LinkState.ATTACHED
+        return LinkState.BEHIND if self.frames.out else LinkState.ATTACHED
 
     def opened(self, parts: bool = False, keeper_keys: Iterable[str] = ()) -> None:
         """A new channel (a keeper's hand-back read): nothing of ours is attached yet."""
@@ -165,13 +151,8 @@ class KeeperStream:
     def gone(self) -> None:
         """The channel is done: drop what waits for it (a later keeper gets a whole base)."""
         self.phase = Phase.GONE
-        while self.out:
-            self._close(self.out.popleft().fds)
-        for _, fds, _ in self._queued:
-            self._close(fds)
-        self._queued, self._marks = [], {}
-        self.soon = self.rebase_due = False
-        self.sent = self.enqueued
+        self.frames.drop()
+        self.rebase_due = False
         self.keeper_keys = set()
         self._writer.forget()
 
@@ -231,55 +212,6 @@ class KeeperStream:
     def stopping(self, why: Leaving) -> None:
         self.send(Say.STOPPING, {"why": why.value})
 
-    def flush(self, soon: bool = False) -> bool | None:
-        """Hand every queued frame on, in order (as few segments as their fds allow:
-        at most 253 fds ride one).  ``soon``: unless a queued frame tells of a lasting
-        change (or many wait), leave them for the shell's hand-on within SOON_S
-        instead.  True: left so (``soon`` is set); False: handed on; None: nothing
-        was queued."""
-        if not self._queued:
-            return None
-        if soon and len(self._queued) < SOON_FRAMES and not any(lasting for _, _, lasting in self._queued):
-            if self.soon:
-                return None  # (the shell knows already)
-            self.soon = True
-            return True
-        self.soon = False
-        queued, self._queued = self._queued, []
-        if self.phase is _GONE:
-            for _, fds, _ in queued:
-                self._close(fds)
-            return False
-        batch: list[bytes] = []
-        fds: list[int] = []
-        lasting: set[str] = set()
-        for frame, frame_fds, layouts in queued:
-            if batch and len(fds) + len(frame_fds) > frames.MAX_FDS:
-                self._hand_on(b"".join(batch), fds, lasting)
-                batch, fds, lasting = [], [], set()
-            batch.append(frame)
-            fds += frame_fds
-            lasting |= layouts
-        if batch:
-            self._hand_on(b"".join(batch), fds, lasting)
-        return False
-
-    # -- what the kernel takes ----------------------------------------------------------------
-
-    def next_segment(self) -> Segment | None:
-        return self.out[0] if self.out and self.phase is not _GONE else None
-
-    def took(self, n: int) -> None:
-        """The kernel took ``n`` bytes of the next segment (its fds with the first)."""
-        segment = self.out[0]
-        self._close(segment.fds)
-        segment.fds = []
-        if n < len(segment.data):
-            segment.data = segment.data[n:]
-        else:
-            self.out.popleft()
-        self.sent += n
-
     # -- what an answer waits for --------------------------------------------------------------
 
     def added(self, conn: int) -> int:
@@ -293,8 +225,8 @@ class KeeperStream:
         :meth:`added` before the request answered; one that added more than
         SMALL_BYTES also waits while the keeper is far behind (:meth:`pressed`)."""
         if layouts is None:
-            return bool(self.out) or bool(self._queued)
-        return self.sent < self.target(layouts) or self.pressed(conn, since)
+            return self.frames.waiting
+        return self.frames.sent < self.target(layouts) or self.pressed(conn, since)
 
     def pressed(self, conn: int | None, since: int) -> bool:
         """A request that added much while the keeper is far behind (BACKLOG_BYTES
@@ -302,29 +234,7 @@ class KeeperStream:
         so what waits here and what the keeper keeps beyond the state stay bounded."""
         if conn is None or self.phase is _GONE or self._added.get(conn, 0) - since <= SMALL_BYTES:
             return False
-        return self.position() - self.sent > BACKLOG_BYTES or self._tail_bytes + self._tail_before > TAIL_BOUND_BYTES
-
-    def position(self) -> int:
-        """Bytes handed to the stream so far, queued ones included."""
-        return self.enqueued + sum(len(frame) for frame, _, _ in self._queued)
-
-    def target(self, layouts: Iterable[str] | None = None) -> int:
-        """Where in the stream the last lasting change of ``layouts`` (and of the
-        node) ends; everything handed on, for None."""
-        if layouts is None:
-            return self.enqueued
-        marks, sent = self._marks, self.sent
-        target = 0
-        for layout in (*layouts, ""):
-            mark = marks.get(layout, 0)
-            if mark > sent:
-                target = max(target, mark)
-            elif mark:
-                del marks[layout]  # taken: forgotten
-        return target
-
-    def backlog_bytes(self) -> int:
-        return self.position() - self.sent
+        return self.backlog_bytes() > BACKLOG_BYTES or self._tail_bytes + self._tail_before > TAIL_BOUND_BYTES
 
     def rebases_when_quiet(self) -> bool:
         """Whether a quiet spell after events brings a new base: a keeper that keeps it in
@@ -401,16 +311,10 @@ class KeeperStream:
 
     # -- inside ------------------------------------------------------------------------------------
 
-    def _hand_on(self, data: bytes, fds: list[int], lasting: set[str]) -> None:
-        self.out.append(Segment(memoryview(data), fds))
-        self.enqueued += len(data)
-        for layout in lasting:
-            self._marks[layout] = self.enqueued
-
     def _queue(self, kind: Say, body: dict | None = None, fds: list[int] | None = None,
                lasting: frozenset = frozenset()) -> None:
         if self.phase is not _GONE:
-            self._queued.append((frames.encode_frame(kind, body, len(fds or ())), fds or [], lasting))
+            self.frames.queue(frames.encode_frame(kind, body, len(fds or ())), fds or [], lasting)
         elif fds:
             self._close(fds)
 

@@ -230,7 +230,7 @@ class KeeperLink:
         self.flush()
         stream = self.stream
         target = stream.target(None if layouts is None else tuple(layouts))
-        while stream.open and (stream.sent < target or stream.pressed(conn, since)):
+        while stream.open and (stream.frames.sent < target or stream.pressed(conn, since)):
             await self.pump.progress()
 
     # -- the task ------------------------------------------------------------------------
@@ -261,11 +261,11 @@ class KeeperLink:
             if stream.rebase_due and stream.open and stream.attached:
                 await self._rebase()
                 continue
-            if stream.soon and stream.open:
+            if stream.frames.soon and stream.open:
                 await trio.sleep(SOON_S)
                 self.flush()
                 continue
-            if not stream.out or not stream.open:
+            if not stream.frames.out or not stream.open:
                 await self.pump.idle()
                 continue
             if await self.pump.writable():
