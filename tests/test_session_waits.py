@@ -67,7 +67,7 @@ def test_every_request_type_has_one_route():
     """Issue 50: one table (gms.server.service.routes) routes every request the wire
     defines, a take-over included; its columns say which wait, which are admin
     verbs (m.ADMIN: checked once) and which only describe (m.PROBES); and
-    UnknownRequest is raised in one place, the session's."""
+    UnknownRequest is raised in one place, the table's own module."""
     import subprocess
 
     from gms.server.service.routes import DESCRIBES, ROUTES
@@ -79,7 +79,7 @@ def test_every_request_type_has_one_route():
     assert DESCRIBES == set(m.PROBES)
     assert {t for t, r in ROUTES.items() if r.waits} >= {m.HandshakeRequest, m.AllocateRequest, m.CommitRequest}
     raised = subprocess.run(["grep", "-rn", "raise UnknownRequest", "gms"], capture_output=True, text=True).stdout
-    assert [line.split(":")[0] for line in raised.splitlines()] == ["gms/server/service/session.py"], raised
+    assert [line.split(":")[0] for line in raised.splitlines()] == ["gms/server/service/routes.py"], raised
 
 def test_a_lock_nothing_will_grant_is_turned_away_and_a_granted_one_never_is():
     waits = Waits()

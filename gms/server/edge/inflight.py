@@ -85,6 +85,19 @@ class FrameSlot:
             self.held = False
             self.semaphore.release()
 
+    async def read(self, protocol, channel) -> None:
+        """Read what comes next into the connection (``gms.wire.connection``) from its
+        channel: past a small frame's worth held, only with a slot, which lets the
+        rest of a big frame go straight into a buffer of its own."""
+        buffered = protocol.buffered
+        await self.before_read(buffered)
+        wanted = self.read_size(buffered, protocol.wanted)
+        space = protocol.body_space() if self.held else None
+        if space is None:
+            protocol.receive_data(await channel.receive(wanted))
+        else:
+            protocol.wrote(await channel.receive_into(space))
+
     def close(self) -> None:
         if self.closed:
             return

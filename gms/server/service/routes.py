@@ -16,10 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import trio
 
+from ...fsm import OverLimit, QuotaExceeded, Rejection
 from ...handover.words import Waiting
+from ...wire import UnknownMessageType
 from ...wire import messages as m
-from ..edge.reply import Reply
+from ...wire.connection import Refused
+from ..edge.reply import Reply, UnknownRequest, error_reply
 from . import handshake
 from .requests import Requests
 from .served import Served
@@ -115,3 +119,23 @@ ROUTES: dict[type, Route] = {
     m.TakeOverRequest: Route(_take_over, only_if=lambda s: s.on_take_over is not None),
 }
 DESCRIBES = frozenset(kind for kind, route in ROUTES.items() if route.describes)
+
+
+async def answer(s: Served, request: object) -> Reply:
+    """The reply to one request the wire handed out: its refusal (the wire's, the
+    table's, the admin check's, the rules'), or its room's answer."""
+    if isinstance(request, Refused):
+        return Reply(request.reply())
+    if isinstance(request, UnknownMessageType):
+        return Reply(m.ErrorResponse(str(request), "UNKNOWN_MESSAGE"))
+    try:
+        route = ROUTES.get(type(request))
+        if route is None or (route.only_if is not None and not route.only_if(s)):
+            raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
+        if route.admin:
+            s.core.require_admin(s.peer, request)
+        return await route.answer(s, request) if route.waits else route.answer(s, request)
+    except Rejection as rejection:
+        if isinstance(rejection, (OverLimit, QuotaExceeded)) and (delay := s.core.refusal_delay(s.peer)):
+            await trio.sleep(delay)  # a uid that keeps asking past its limits (gms.server.edge.tarpit)
+        return error_reply(rejection)

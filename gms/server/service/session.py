@@ -35,27 +35,26 @@ from collections.abc import Callable
 
 import trio
 
-from ...fsm import Grant, GrantedLockType, OverLimit, QuotaExceeded, Rejection
+from ...fsm import Grant, GrantedLockType, Rejection
 from ...fsm.events import ConnectionDropped, RestoreClaimed, RoConnect
 from ...handover.words import Waiting
-from ...wire import ProtocolError, UnknownMessageType
+from ...wire import ProtocolError
 from ...wire import messages as m
 from ...wire.connection import (
     NEED_DATA,
     PEER_CLOSED,
     PRE_SESSION_MAX_FRAME_BYTES,
-    Refused,
     ServerConnection,
 )
 from ..config import ServerConfig
 from ..edge.inflight import answer_bytes
 from ..edge.netio import Channel, PeerGone, SendFailed
-from ..edge.reply import Reply, UnknownRequest, error_reply
+from ..edge.reply import Reply, error_reply
 from ..metrics import Metrics
 from . import handshake
 from .core import ServiceCore
 from .quiesce import STUCK_S, Parked, Quiesce, only_parked
-from .routes import DESCRIBES, ROUTES, TakeOverAsked
+from .routes import DESCRIBES, ROUTES, TakeOverAsked, answer
 from .waits import Waits
 
 log = logging.getLogger("gms.server")
@@ -237,7 +236,7 @@ class Session:
             if protocol.requests == 1:
                 scope.deadline = math.inf  # the first request came in time
             since = self.core.durability.added(self.conn)
-            reply = await self._answer(request)
+            reply = await answer(self, request)
             if type(request) in DESCRIBES:  # it only describes: nothing to wait for
                 await self._send(reply)
             else:
@@ -281,23 +280,7 @@ class Session:
         await self._send(reply, (self._layout_name(),), since)
 
     async def _read(self) -> None:
-        """Read what comes next into the connection; past a small frame's worth
-        held, only with one of the uid's slots, which lets the rest of a big
-        frame go straight into a buffer of its own.  (Before the first whole
-        request, the session's scope has the first request's deadline.)"""
-        protocol = self.protocol
-        buffered = protocol.buffered
-        await self._slot.before_read(buffered)
-        wanted = self._slot.read_size(buffered, protocol.wanted)
-        await self._take(wanted)
-
-    async def _take(self, wanted: int) -> None:
-        protocol = self.protocol
-        space = protocol.body_space() if self._slot.held else None
-        if space is None:
-            protocol.receive_data(await self.channel.receive(wanted))
-        else:
-            protocol.wrote(await self.channel.receive_into(space))
+        await self._slot.read(self.protocol, self.channel)  # (before the first request: its deadline)
 
     async def until_gone(self) -> None:
         """Return once the client hangs up (or pipelines past the read-ahead limit).
@@ -310,23 +293,6 @@ class Session:
         protocol = self.protocol
         while not protocol.eof and not protocol.overflowed:
             await self._read()
-
-    async def _answer(self, request: object) -> Reply:
-        if isinstance(request, Refused):
-            return Reply(request.reply())
-        if isinstance(request, UnknownMessageType):
-            return Reply(m.ErrorResponse(str(request), "UNKNOWN_MESSAGE"))
-        try:
-            route = ROUTES.get(type(request))
-            if route is None or (route.only_if is not None and not route.only_if(self)):
-                raise UnknownRequest(f"{type(request).__name__} is not a request this server takes")
-            if route.admin:
-                self.core.require_admin(self.peer, request)
-            return await route.answer(self, request) if route.waits else route.answer(self, request)
-        except Rejection as rejection:
-            if isinstance(rejection, (OverLimit, QuotaExceeded)) and (delay := self.core.refusal_delay(self.peer)):
-                await trio.sleep(delay)  # a uid that keeps asking past its limits (gms.server.edge.tarpit)
-            return error_reply(rejection)
 
     def expect_grant(self) -> trio.Event:
         """What a handshake that has to wait for its lock waits on (set by :meth:`on_grant`)."""
