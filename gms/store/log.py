@@ -62,6 +62,19 @@ def restart_gap(seq: int, event: Event, last_seq: int) -> bool:
     return type(event) is ServerResumed and event.follows_seq == last_seq and seq == after_loss(last_seq)
 
 
+def refold(state: NodeState, entries: list[LogEntry], expected: int) -> tuple[list[NodeState], NodeState]:
+    """Entries from number ``expected`` on, folded again on ``state``: the state
+    before each, and after all.  A gap (but a restart's) or a refusal raises."""
+    befores = []
+    for entry in entries:
+        if entry.seq != expected and not restart_gap(entry.seq, entry.event, expected - 1):
+            raise ValueError(f"event {entry.seq} cannot follow event {expected - 1}")
+        befores.append(state)
+        state = fold(state, entry.event)
+        expected = entry.seq + 1
+    return befores, state
+
+
 class LogEntry(NamedTuple):
     """One stored event.  A named tuple, as immutable as a frozen attrs class
     and made at half its cost: one is made for every event."""
@@ -170,14 +183,7 @@ class EventLog:
         log._next_seq = snapshot.last_seq + 1
         log._chunks = deque([_Chunk(log._next_seq, snapshot.state)])
         entries = list(entries)
-        befores = []
-        expected = log._next_seq
-        for entry in entries:
-            if entry.seq != expected and not restart_gap(entry.seq, entry.event, expected - 1):
-                raise ValueError(f"event {entry.seq} cannot follow event {expected - 1}")
-            befores.append(log.state)
-            log.state = fold(log.state, entry.event)
-            expected = entry.seq + 1
+        befores, log.state = refold(snapshot.state, entries, log._next_seq)
         log._keep(entries, befores)
         if max_bytes is not None:
             log._pinned = pinned_bytes(log._chunks[0].start_state, log.state)
@@ -290,11 +296,9 @@ class EventLog:
         self._trim_at = self._next_trim()
 
     def _next_trim(self) -> float:
-        """The kept count at which an append must trim again.  A byte bound may be
-        passed by any append (0: always look); the count bound only once the
-        entries past the oldest chunk reach ``retain`` (that chunk is closed
-        once another follows it, so its length is known; while it is the only
-        one, it closes at ``chunk_size``)."""
+        """The kept count at which an append must trim again: any (0) under a byte
+        bound; else once the entries past the oldest chunk reach ``retain`` (its
+        length known once another follows it; alone, it closes at ``chunk_size``)."""
         if self._max_bytes is not None or self._prior is not None:
             return 0
         if self._retain is None:
