@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from .. import checksum
 from . import files
 from . import messages as msg
+from .chunk_maps import ChunkMaps
 from .engine import Engine, Mapped
 
 log = logging.getLogger("gms.copier")
@@ -65,14 +66,7 @@ class Copier:
         self.engine = engine
         self.sock = sock
         self._send_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards the three tables below
-        self._chunks: dict[str, Mapped] = {}
-        self._refs: dict[str, int] = {}  # chunk -> copies using it
-        self._doomed: set[str] = set()  # released by the server while in use
-        self._mapping: dict[str, list[int]] = {}  # sent to be mapped, not mapped yet: their sizes, in order
-        self._released_early: dict[str, int] = {}  # of those, how many were released meanwhile
-        self._copying = 0  # copies under way; the unmapping waits for none
-        self._changed = threading.Condition(self._lock)  # any of the above changed
+        self.maps = ChunkMaps()  # the host chunks (their own lock)
         self._queues = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
         self._maps: queue.SimpleQueue = queue.SimpleQueue()  # (MapChunks, fds), or None: stop
         self._unmaps: queue.SimpleQueue = queue.SimpleQueue()  # Mapped chunks to unmap, or None: stop
@@ -124,9 +118,8 @@ class Copier:
                 worker.join()
             self._unmaps.put(None)
             unmapper.join()
-            for mapped in self._chunks.values():
+            for mapped in self.maps.take_all():
                 self.engine.unmap(mapped)
-            self._chunks.clear()
             if self._files is not None:
                 self._files.close()
         if self._failure is not None:
@@ -134,21 +127,18 @@ class Copier:
 
     def _stop(self) -> None:
         self._stopping.set()
-        with self._changed:
-            self._changed.notify_all()
+        self.maps.wake_all()
 
     def _handle(self, message: object, fds: list[int]) -> None:
         if isinstance(message, msg.MapChunks):
             if len(fds) != len(message.ids) or len(message.sizes) != len(message.ids):
                 msg.close_fds(fds)
                 raise msg.LinkError(f"MapChunks of {len(message.ids)} chunks came with {len(fds)} fds")
-            with self._lock:
-                for chunk, size in zip(message.ids, message.sizes):
-                    self._mapping.setdefault(chunk, []).append(size)
+            self.maps.expect(message.ids, message.sizes)
             self._maps.put((message, fds))
         elif isinstance(message, msg.UnmapChunks):
             msg.close_fds(fds)
-            self._unmap(message.ids)
+            self._unmap_later(self.maps.release(message.ids))
             log.debug("%d chunks released: unmapped between copies", len(message.ids))
         elif isinstance(message, msg.Copy):
             log.debug("copy %d received", message.job)
@@ -191,36 +181,12 @@ class Copier:
             except BaseException:
                 msg.close_fds(fds[n + 1 :])
                 raise
-            with self._changed:
-                pending = self._mapping[chunk]
-                pending.pop(0)
-                if not pending:
-                    del self._mapping[chunk]
-                dropped = self._released_early.get(chunk, 0)
-                if dropped:  # released before it was mapped
-                    self._released_early[chunk] = dropped - 1
-                    if dropped == 1:
-                        del self._released_early[chunk]
-                    old = mapped
-                else:  # the server never reuses an id; if it did, the old mapping goes
-                    old = self._chunks.pop(chunk, None)
-                    self._chunks[chunk] = mapped
-                self._changed.notify_all()
+            old = self.maps.mapped(chunk, mapped)
             if old is not None:
                 self._unmaps.put(old)
 
-    def _unmap(self, chunks) -> None:
-        now = []
-        with self._lock:
-            for chunk in chunks:
-                if self._refs.get(chunk):
-                    self._doomed.add(chunk)
-                    continue
-                if chunk in self._mapping:  # each mapping sent before the release goes once made
-                    self._released_early[chunk] = len(self._mapping[chunk])
-                if chunk in self._chunks:
-                    now.append(self._chunks.pop(chunk))
-        for mapped in now:
+    def _unmap_later(self, mappings: list[Mapped]) -> None:
+        for mapped in mappings:
             self._unmaps.put(mapped)
 
     def _unmap_chunks(self) -> None:
@@ -229,72 +195,23 @@ class Copier:
         unmap slows the device mappings a copy makes beside it (a 2 GiB
         publish's two took 21 to 33 ms instead of 1 to 3 on the H100)."""
         for mapped in _each(self._unmaps):
-            with self._changed:
-                self._changed.wait_for(lambda: not self._copying, timeout=UNMAP_PATIENCE_S)
+            self.maps.wait_quiet(UNMAP_PATIENCE_S)
             self.engine.unmap(mapped)
-
-    def _release(self, chunks) -> None:
-        """A copy that used ``chunks`` ended: unmap those released meanwhile."""
-        now = []
-        with self._lock:
-            for chunk in chunks:
-                self._refs[chunk] -= 1
-                if not self._refs[chunk]:
-                    del self._refs[chunk]
-                    if chunk in self._doomed:
-                        self._doomed.discard(chunk)
-                        now.append(self._chunks.pop(chunk, None))  # None: its mapping failed (we stop)
-        for mapped in now:
-            if mapped is not None:
-                self._unmaps.put(mapped)
 
     # -- copies -------------------------------------------------------------------
 
     def _dispatch(self, job: msg.Copy, fds: list[int]) -> None:
-        error = _malformed(job, len(fds))
-        chunks = set(job.chunk)
-        with self._lock:
-            missing = [c for c in chunks if self._live_size(c) is None]
-            if not error and missing:
-                error = f"{len(missing)} chunks are not mapped here (e.g. {missing[0]!r})"
-            if not error:
-                for chunk in chunks:
-                    self._refs[chunk] = self._refs.get(chunk, 0) + 1
-                sizes = [self._live_size(c) for c in job.chunk]
-                if any(size > have for size, have in zip(job.size, sizes)):
-                    error = "a move is larger than its chunk"
-                    self._refs_back(chunks)
+        error = _malformed(job, len(fds)) or self.maps.claim(job.chunk, job.size)
         if error:
             msg.close_fds(fds)
             self._send(msg.Done(job.job, error))
             return
         self._queues[job.to_host].put((job, fds))
 
-    def _live_size(self, chunk: str) -> int | None:
-        """The size of the chunk a copy sent now would use (mapped, or being mapped
-        and not released since); None if there is none.  With self._lock held."""
-        if chunk in self._doomed:
-            return None
-        pending = self._mapping.get(chunk, ())
-        if len(pending) > self._released_early.get(chunk, 0):
-            return pending[-1]
-        mapped = self._chunks.get(chunk)
-        return None if mapped is None else mapped.size
-
-    def _refs_back(self, chunks) -> None:  # with self._lock held
-        for chunk in chunks:
-            self._refs[chunk] -= 1
-            if not self._refs[chunk]:
-                del self._refs[chunk]
-
     def _work(self, to_host: bool) -> None:
         for job, fds in _each(self._queues[to_host]):
             device: list[Mapped] = []
-            with self._changed:
-                self._copying += 1
-                wanted = set(job.chunk)  # sent to be mapped before this copy: wait for them
-                self._changed.wait_for(
-                    lambda wanted=wanted: wanted.isdisjoint(self._mapping) or self._stopping.is_set())
+            self.maps.start_copy(job.chunk, self._stopping.is_set)  # (its chunks sent before it: mapped)
             try:
                 if self._stopping.is_set():
                     msg.close_fds(fds)
@@ -304,18 +221,14 @@ class Copier:
             finally:
                 for mapped in device:  # after the answer: off the transfer's path
                     self.engine.unmap(mapped)
-                with self._changed:
-                    self._copying -= 1
-                    self._changed.notify_all()
-                self._release(set(job.chunk))
+                self._unmap_later(self.maps.end_copy(job.chunk))
 
     def _copy(self, job: msg.Copy, fds: list[int], device: list[Mapped]) -> str:
         """Run the copy; '' when every byte landed, else why not."""
         by_allocation: list[list[int]] = [[] for _ in fds]
         for k, allocation in enumerate(job.allocation):
             by_allocation[allocation].append(k)
-        with self._lock:
-            chunk_va = {c: self._chunks[c].va for c in set(job.chunk)}
+        chunk_va = self.maps.addresses(job.chunk)
         engine = self.engine
         consumed = 0
         clock = time.perf_counter
