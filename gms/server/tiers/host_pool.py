@@ -21,23 +21,36 @@ import itertools
 import logging
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from ...cuda import OutOfMemory
 from ...fsm import HostBudgetExceeded
-from .chunk_book import Phase
+from .chunk_book import ChunkBook, Phase
+from .memory import Memory
 from .pool_sizing import POLL_S, PoolSizing
-
-if TYPE_CHECKING:
-    from .host_memory import HostMemory
 
 log = logging.getLogger("gms.server.host")
 
 
+class PoolHost(Protocol):
+    """What the pool uses of the host table it serves (``host_memory.HostMemory``)."""
+
+    book: ChunkBook
+    chunks: Memory
+
+    def fits(self, more: int) -> bool: ...
+
+    def spill_short(self, more: int) -> bool: ...
+
+    def drop(self, chunk_ids: list[str]) -> None: ...
+
+    def to_copier(self, chunk_ids: list[str]) -> None: ...
+
+
 class HostPool:
-    def __init__(self, host: HostMemory, *, fixed_bytes: int, sizing: PoolSizing | None) -> None:
+    def __init__(self, host: PoolHost, *, fixed_bytes: int, sizing: PoolSizing | None) -> None:
         """``fixed_bytes``: the pool's size in whole chunks (0: none); ``sizing``:
         sized by the builds under way instead."""
         self.host = host
