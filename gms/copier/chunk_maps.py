@@ -2,7 +2,7 @@
 
 Shared by the copier's threads (the link's reader, the mapping thread, the
 two copy workers, the unmapper), so every step takes its lock; a change wakes
-whoever waits on :attr:`changed`.  A chunk goes
+whoever waits for one (a copy for its chunks, the unmapper for a pause).  A chunk goes
 
     expected (sent to be mapped) --mapped--> live --released--> unmapped
                                                   \\--released while a copy uses it--> doomed --copy ends--> unmapped
@@ -22,8 +22,8 @@ from .engine import Mapped
 
 class ChunkMaps:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # anything below changed
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # anything below changed
         self._chunks: dict[str, Mapped] = {}
         self._refs: dict[str, int] = {}  # chunk -> copies using it
         self._doomed: set[str] = set()  # released by the server while in use
@@ -33,14 +33,14 @@ class ChunkMaps:
 
     def expect(self, ids: Iterable[str], sizes: Iterable[int]) -> None:
         """Chunks sent to be mapped (a copy sent after them waits for them)."""
-        with self.lock:
+        with self._lock:
             for chunk, size in zip(ids, sizes):
                 self._mapping.setdefault(chunk, []).append(size)
 
     def mapped(self, chunk: str, mapping: Mapped) -> Mapped | None:
         """An expected chunk is mapped; returns a mapping to let go (this one, if the
         chunk was released meanwhile; an older one of the same id), or None."""
-        with self.changed:
+        with self._changed:
             pending = self._mapping[chunk]
             pending.pop(0)
             if not pending:
@@ -54,14 +54,14 @@ class ChunkMaps:
             else:
                 old = self._chunks.pop(chunk, None)
                 self._chunks[chunk] = mapping
-            self.changed.notify_all()
+            self._changed.notify_all()
         return old
 
     def release(self, chunks: Iterable[str]) -> list[Mapped]:
         """The server released them: the mappings to let go now (those in use go
         when their copy ends; those being mapped, once mapped)."""
         now = []
-        with self.lock:
+        with self._lock:
             for chunk in chunks:
                 if self._refs.get(chunk):
                     self._doomed.add(chunk)
@@ -74,16 +74,15 @@ class ChunkMaps:
 
     def claim(self, chunks: list[str], sizes: list[int]) -> str:
         """A copy of ``sizes`` bytes into or out of ``chunks`` (one per move) holds
-        them until :meth:`returned`; '' or why it may not."""
-        wanted = set(chunks)
-        with self.lock:
-            missing = [c for c in wanted if self._live_size(c) is None]
+        them until :meth:`end_copy`; '' or why it may not."""
+        with self._lock:
+            live = {c: self._live_size(c) for c in chunks}
+            missing = [c for c, size in live.items() if size is None]
             if missing:
                 return f"{len(missing)} chunks are not mapped here (e.g. {missing[0]!r})"
-            have = [self._live_size(c) for c in chunks]
-            if any(size > live for size, live in zip(sizes, have)):
+            if any(size > live[chunk] for chunk, size in zip(chunks, sizes)):
                 return "a move is larger than its chunk"
-            for chunk in wanted:
+            for chunk in live:
                 self._refs[chunk] = self._refs.get(chunk, 0) + 1
         return ""
 
@@ -101,20 +100,20 @@ class ChunkMaps:
     def start_copy(self, chunks: Iterable[str], stopping: Callable[[], bool]) -> None:
         """A copy begins once the chunks it names that are still being mapped are."""
         wanted = set(chunks)
-        with self.changed:
+        with self._changed:
             self._copying += 1
-            self.changed.wait_for(lambda: wanted.isdisjoint(self._mapping) or stopping())
+            self._changed.wait_for(lambda: wanted.isdisjoint(self._mapping) or stopping())
 
     def addresses(self, chunks: Iterable[str]) -> dict[str, int]:
-        with self.lock:
+        with self._lock:
             return {c: self._chunks[c].va for c in set(chunks)}
 
     def end_copy(self, chunks: Iterable[str]) -> list[Mapped]:
         """A copy that used ``chunks`` ended: the mappings released meanwhile, to let go."""
         now = []
-        with self.changed:
+        with self._changed:
             self._copying -= 1
-            self.changed.notify_all()
+            self._changed.notify_all()
             for chunk in set(chunks):
                 self._refs[chunk] -= 1
                 if not self._refs[chunk]:
@@ -126,15 +125,15 @@ class ChunkMaps:
 
     def wait_quiet(self, timeout: float) -> None:
         """Until no copy runs (or ``timeout``)."""
-        with self.changed:
-            self.changed.wait_for(lambda: not self._copying, timeout=timeout)
+        with self._changed:
+            self._changed.wait_for(lambda: not self._copying, timeout=timeout)
 
     def wake_all(self) -> None:
-        with self.changed:
-            self.changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
 
     def take_all(self) -> list[Mapped]:
         """Every live mapping, the table emptied (the copier's end)."""
-        with self.lock:
+        with self._lock:
             everything, self._chunks = list(self._chunks.values()), {}
         return everything

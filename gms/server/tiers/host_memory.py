@@ -131,13 +131,10 @@ class HostMemory:
         the disk tier, made after this table (the assembly, ``gms.server.assembly``)."""
         self._spill = spill
 
-    def spill_for(self, more: int) -> None:
-        """Before host copies of ``more`` bytes are decided: spill saved layouts
-        for what the recorded copies leave short (the rules count those alone)."""
-        self.spill_short(more)
-
-    def spill_short(self, more: int) -> bool:
-        """Spill for what the room lacks of ``more`` bytes; whether any was freed."""
+    def spill_for(self, more: int) -> bool:
+        """Spill saved layouts for what the room the recorded host copies leave lacks
+        of ``more`` bytes (before host copies are decided: the rules count those
+        alone; and when the pool finds no room); whether any was freed."""
         room = self.room()
         return self._spill is not None and room is not None and more > room and self._spill(more - room)
 

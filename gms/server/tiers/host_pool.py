@@ -42,7 +42,7 @@ class PoolHost(Protocol):
 
     def fits(self, more: int) -> bool: ...
 
-    def spill_short(self, more: int) -> bool: ...
+    def spill_for(self, more: int) -> bool: ...
 
     def drop(self, chunk_ids: list[str]) -> None: ...
 
@@ -97,7 +97,7 @@ class HostPool:
                 host.drop([self.book.pop_pool()])
             if host.fits(more):
                 return
-            if host.spill_short(self.book.in_flight + more):
+            if host.spill_for(self.book.in_flight + more):
                 continue  # host copies recorded gone: the room is the state's
             if not self.book.bytes_in(Phase.MAKING):
                 raise HostBudgetExceeded(
